@@ -1,0 +1,543 @@
+//! The cache core: metadata with a TTL, page reads with single-flight and
+//! read-ahead, LRU eviction. Writes live in `write.rs`.
+
+use std::collections::HashMap;
+use std::ops::Range;
+use std::path::Path;
+use std::sync::{Arc, Mutex, Weak};
+use std::time::{Duration, Instant};
+
+use bytes::Bytes;
+use futures::Stream;
+use lakecache_protocol::{ListResponse, ObjectUri};
+use tokio::sync::{Notify, Semaphore};
+
+use crate::flight::SingleFlight;
+use crate::index::{Index, ObjectRecord, PageEntry};
+use crate::lru::Lru;
+use crate::metrics::Metrics;
+use crate::pages::{PageKey, PageReadError, PageStore};
+use crate::store::{ObjectMeta, ObjectStore, StoreError};
+
+#[derive(Debug, Clone)]
+pub struct CacheConfig {
+    pub page_size: u64,
+    pub capacity: u64,
+    pub high_watermark: f64,
+    pub low_watermark: f64,
+    /// How long HEAD and LIST results are trusted; zero revalidates always.
+    pub metadata_ttl: Duration,
+    pub readahead_pages: u32,
+    pub fetch_concurrency: usize,
+    pub part_size: u64,
+}
+
+#[derive(Debug, Clone, thiserror::Error)]
+pub enum CacheError {
+    #[error(transparent)]
+    Store(#[from] StoreError),
+    #[error("local cache failure: {0}")]
+    Local(String),
+    #[error("request body failed: {0}")]
+    Body(String),
+    #[error("request body exceeds the limit of {0} bytes")]
+    BodyTooLarge(u64),
+}
+
+impl From<crate::index::IndexError> for CacheError {
+    fn from(e: crate::index::IndexError) -> Self {
+        CacheError::Local(e.to_string())
+    }
+}
+
+type ListKey = (String, String, Option<String>, Option<String>, u32);
+
+pub struct Cache {
+    pub(crate) config: CacheConfig,
+    pub(crate) store: Arc<dyn ObjectStore>,
+    pub(crate) pages: PageStore,
+    pub(crate) index: Index,
+    pub(crate) lru: Lru,
+    pub(crate) metrics: Arc<Metrics>,
+    page_flights: SingleFlight<PageKey, Result<Bytes, CacheError>>,
+    head_flights: SingleFlight<String, Result<ObjectMeta, CacheError>>,
+    fetch_permits: Semaphore,
+    readahead_permits: Arc<Semaphore>,
+    /// Where the last read of each object ended, to detect sequential access.
+    last_read_end: Mutex<HashMap<String, u64>>,
+    list_cache: Mutex<HashMap<ListKey, (Instant, ListResponse)>>,
+    pub(crate) evict: Arc<Notify>,
+}
+
+const MAX_TRACKED_STREAMS: usize = 16_384;
+const MAX_CACHED_LISTS: usize = 4_096;
+
+fn now_ms() -> i64 {
+    std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map(|d| d.as_millis() as i64)
+        .unwrap_or(0)
+}
+
+impl Cache {
+    pub fn open(
+        dir: &Path,
+        config: CacheConfig,
+        store: Arc<dyn ObjectStore>,
+        metrics: Arc<Metrics>,
+    ) -> Result<Arc<Self>, CacheError> {
+        let pages = PageStore::open(dir)
+            .map_err(|e| CacheError::Local(format!("cache dir {}: {e}", dir.display())))?;
+        let index = Index::open(&dir.join("index"))?;
+        metrics
+            .cache_capacity_bytes
+            .store(config.capacity, std::sync::atomic::Ordering::Relaxed);
+        let lru = Lru::new(
+            config.capacity,
+            config.high_watermark,
+            config.low_watermark,
+            metrics.cache_used_bytes.clone(),
+        );
+        lru.restore(index.load_pages()?);
+        let readahead = (config.fetch_concurrency / 2).max(1);
+        let cache = Arc::new(Self {
+            fetch_permits: Semaphore::new(config.fetch_concurrency.max(1)),
+            readahead_permits: Arc::new(Semaphore::new(readahead)),
+            config,
+            store,
+            pages,
+            index,
+            lru,
+            metrics,
+            page_flights: SingleFlight::default(),
+            head_flights: SingleFlight::default(),
+            last_read_end: Mutex::default(),
+            list_cache: Mutex::default(),
+            evict: Arc::new(Notify::new()),
+        });
+        tokio::spawn(evictor(Arc::downgrade(&cache), cache.evict.clone()));
+        cache.evict.notify_one();
+        Ok(cache)
+    }
+
+    pub fn page_size(&self) -> u64 {
+        self.config.page_size
+    }
+
+    /// Object metadata, from the index while younger than the TTL.
+    pub async fn stat(self: &Arc<Self>, uri: &ObjectUri) -> Result<ObjectMeta, CacheError> {
+        let key = uri.to_string();
+        if let Some(rec) = self.index.get_object(&key)? {
+            let age = now_ms().saturating_sub(rec.validated_ms);
+            if age >= 0 && (age as u128) < self.config.metadata_ttl.as_millis() {
+                return Ok(ObjectMeta {
+                    size: rec.size,
+                    etag: rec.etag,
+                    last_modified_ms: rec.last_modified_ms,
+                });
+            }
+        }
+        self.revalidate(uri).await
+    }
+
+    /// HEADs the object (one HEAD for concurrent callers) and records the
+    /// answer; a new ETag makes the old version's pages unreachable.
+    pub async fn revalidate(self: &Arc<Self>, uri: &ObjectUri) -> Result<ObjectMeta, CacheError> {
+        let key = uri.to_string();
+        let this = self.clone();
+        self.head_flights
+            .run(key.clone(), || async move {
+                let head = this.store.head(uri).await;
+                let old = this.index.get_object(&key)?;
+                match head {
+                    Ok(meta) => {
+                        if let Some(old) = old.filter(|o| o.etag != meta.etag) {
+                            this.reclaim_version(&key, &old.etag, old.size);
+                        }
+                        this.record_meta(&key, &meta)?;
+                        Ok(meta)
+                    }
+                    Err(StoreError::NotFound) => {
+                        if let Some(old) = old {
+                            this.reclaim_version(&key, &old.etag, old.size);
+                            this.index.delete_object(&key)?;
+                        }
+                        Err(StoreError::NotFound.into())
+                    }
+                    Err(e) => Err(e.into()),
+                }
+            })
+            .await
+    }
+
+    pub(crate) fn record_meta(&self, key: &str, meta: &ObjectMeta) -> Result<(), CacheError> {
+        self.index.put_object(
+            key,
+            &ObjectRecord {
+                size: meta.size,
+                etag: meta.etag.clone(),
+                last_modified_ms: meta.last_modified_ms,
+                validated_ms: now_ms(),
+            },
+        )?;
+        Ok(())
+    }
+
+    /// Drops every page of one object version, in the background.
+    pub(crate) fn reclaim_version(self: &Arc<Self>, uri: &str, etag: &str, size: u64) {
+        let this = self.clone();
+        let (uri, etag) = (uri.to_string(), etag.to_string());
+        let pages = size.div_ceil(self.config.page_size);
+        tokio::task::spawn_blocking(move || {
+            let mut keys = Vec::new();
+            for idx in 0..pages {
+                let key = PageKey::new(&uri, &etag, idx);
+                if this.lru.remove(&key).is_some() {
+                    this.pages.remove(&key);
+                    keys.push(key);
+                }
+            }
+            if let Err(e) = this.index.remove_pages(&keys) {
+                tracing::warn!(%uri, error = %e, "dropping old pages from index failed");
+            }
+            tracing::debug!(%uri, %etag, pages = keys.len(), "reclaimed old version");
+        });
+    }
+
+    /// Streams `range` of the object version `meta`. The first piece is
+    /// fetched before returning, so an error there is still an error
+    /// status; a later failure ends the stream with an error (the
+    /// connection is cut, never short data).
+    pub async fn read(
+        self: &Arc<Self>,
+        uri: &ObjectUri,
+        meta: &ObjectMeta,
+        range: Range<u64>,
+    ) -> Result<impl Stream<Item = Result<Bytes, CacheError>> + Send + 'static, CacheError> {
+        self.maybe_read_ahead(uri, meta, &range);
+        let first = if range.is_empty() {
+            None
+        } else {
+            Some(self.next_piece(uri, meta, range.start, range.end).await?)
+        };
+        let state = (self.clone(), uri.clone(), meta.clone(), range, first);
+        Ok(futures::stream::unfold(
+            state,
+            |(cache, uri, meta, range, first)| async move {
+                if range.is_empty() {
+                    return None;
+                }
+                let piece = match first {
+                    Some(p) => Ok(p),
+                    None => cache.next_piece(&uri, &meta, range.start, range.end).await,
+                };
+                match piece {
+                    Ok(bytes) => {
+                        let next = range.start + bytes.len() as u64..range.end;
+                        cache.metrics.served(bytes.len() as u64);
+                        Some((Ok(bytes), (cache, uri, meta, next, None)))
+                    }
+                    Err(e) => {
+                        tracing::warn!(%uri, error = %e, "read failed mid-stream");
+                        let done = range.end..range.end;
+                        Some((Err(e), (cache, uri, meta, done, None)))
+                    }
+                }
+            },
+        ))
+    }
+
+    /// Bytes from `pos` to the end of its page (or `end`).
+    async fn next_piece(
+        self: &Arc<Self>,
+        uri: &ObjectUri,
+        meta: &ObjectMeta,
+        pos: u64,
+        end: u64,
+    ) -> Result<Bytes, CacheError> {
+        let ps = self.config.page_size;
+        let idx = pos / ps;
+        let page_start = idx * ps;
+        let sub = pos - page_start..end.min(page_start + ps) - page_start;
+        self.page_range(uri, meta, idx, sub).await
+    }
+
+    /// `sub` (page-relative) of page `idx`, from disk or S3.
+    async fn page_range(
+        self: &Arc<Self>,
+        uri: &ObjectUri,
+        meta: &ObjectMeta,
+        idx: u64,
+        sub: Range<u64>,
+    ) -> Result<Bytes, CacheError> {
+        let uri_s = uri.to_string();
+        let key = PageKey::new(&uri_s, &meta.etag, idx);
+        if let Some(entry) = self.index.get_page(&key)? {
+            match self.read_local(key, entry, sub.clone()).await {
+                Ok(bytes) => {
+                    self.metrics.hit(bytes.len() as u64);
+                    return Ok(bytes);
+                }
+                Err(PageReadError::Corrupt { block }) => {
+                    tracing::warn!(uri = %uri_s, page = idx, block, "page failed CRC check; dropping and refetching");
+                    self.metrics.corrupt_page();
+                    self.drop_page(&key);
+                }
+                Err(PageReadError::Missing) => self.drop_page(&key),
+                Err(PageReadError::Io(e)) => {
+                    tracing::warn!(uri = %uri_s, page = idx, error = %e, "page read failed; refetching");
+                    self.drop_page(&key);
+                }
+            }
+        }
+        let page = match self.fetch_page(uri, meta, idx, key).await {
+            Ok(page) => page,
+            Err(e) => {
+                if matches!(e, CacheError::Store(StoreError::PreconditionFailed)) {
+                    // The object changed under us: forget its metadata so
+                    // the next open revalidates instead of failing again.
+                    if let Err(e) = self.index.delete_object(&uri_s) {
+                        tracing::warn!(uri = %uri_s, error = %e, "forgetting stale metadata failed");
+                    }
+                }
+                return Err(e);
+            }
+        };
+        let end = (sub.end as usize).min(page.len());
+        let start = (sub.start as usize).min(end);
+        self.metrics.miss((end - start) as u64);
+        Ok(page.slice(start..end))
+    }
+
+    async fn read_local(
+        self: &Arc<Self>,
+        key: PageKey,
+        entry: PageEntry,
+        sub: Range<u64>,
+    ) -> Result<Bytes, PageReadError> {
+        let this = self.clone();
+        let bytes =
+            tokio::task::spawn_blocking(move || this.pages.read(&key, entry.len, &entry.crcs, sub))
+                .await
+                .map_err(|e| PageReadError::Io(std::io::Error::other(e)))??;
+        if let Some(seq) = self.lru.touch(&key) {
+            if let Err(e) = self.index.touch(&key, seq) {
+                tracing::debug!(error = %e, "recording page access failed");
+            }
+        }
+        Ok(bytes)
+    }
+
+    pub(crate) fn drop_page(&self, key: &PageKey) {
+        self.lru.remove(key);
+        self.pages.remove(key);
+        if let Err(e) = self.index.remove_pages(&[*key]) {
+            tracing::warn!(error = %e, "removing page from index failed");
+        }
+    }
+
+    /// The whole page from S3, once for all concurrent callers, then kept.
+    async fn fetch_page(
+        self: &Arc<Self>,
+        uri: &ObjectUri,
+        meta: &ObjectMeta,
+        idx: u64,
+        key: PageKey,
+    ) -> Result<Bytes, CacheError> {
+        let this = self.clone();
+        self.page_flights
+            .run(key, || async move {
+                let _permit = this
+                    .fetch_permits
+                    .acquire()
+                    .await
+                    .map_err(|e| CacheError::Local(e.to_string()))?;
+                let ps = this.config.page_size;
+                let range = idx * ps..((idx + 1) * ps).min(meta.size);
+                let data = this.store.get_range(uri, range, &meta.etag).await?;
+                this.keep_page(uri.to_string(), meta.etag.clone(), idx, key, data.clone())
+                    .await;
+                Ok(data)
+            })
+            .await
+    }
+
+    /// Writes a fetched page to disk and indexes it; failures only cost a
+    /// future miss, so they are logged, not returned.
+    async fn keep_page(
+        self: &Arc<Self>,
+        uri: String,
+        etag: String,
+        idx: u64,
+        key: PageKey,
+        data: Bytes,
+    ) {
+        let this = self.clone();
+        let len = data.len() as u64;
+        let written = tokio::task::spawn_blocking(move || this.pages.write(&key, &data)).await;
+        match written {
+            Ok(Ok(crcs)) => self.index_page(
+                key,
+                PageEntry {
+                    uri,
+                    etag,
+                    index: idx,
+                    len,
+                    crcs,
+                },
+            ),
+            Ok(Err(e)) => {
+                tracing::warn!(%uri, page = idx, error = %e, "writing page to cache failed")
+            }
+            Err(e) => tracing::warn!(%uri, page = idx, error = %e, "page write task failed"),
+        }
+    }
+
+    pub(crate) fn index_page(&self, key: PageKey, entry: PageEntry) {
+        let seq = self.lru.insert(key, entry.len);
+        if let Err(e) = self.index.put_page(&key, &entry, seq) {
+            tracing::warn!(uri = %entry.uri, error = %e, "indexing page failed");
+            self.lru.remove(&key);
+            self.pages.remove(&key);
+            return;
+        }
+        if self.lru.over_high_watermark() {
+            self.evict.notify_one();
+        }
+    }
+
+    /// Sequential readers get the next pages fetched in the background.
+    fn maybe_read_ahead(self: &Arc<Self>, uri: &ObjectUri, meta: &ObjectMeta, range: &Range<u64>) {
+        let window = u64::from(self.config.readahead_pages);
+        if window == 0 || range.is_empty() {
+            return;
+        }
+        let key = uri.to_string();
+        let sequential = {
+            let mut last = self.last_read_end.lock().unwrap_or_else(|p| p.into_inner());
+            if last.len() >= MAX_TRACKED_STREAMS {
+                last.clear();
+            }
+            let prev = last.insert(key.clone(), range.end);
+            range.start == 0 || prev == Some(range.start)
+        };
+        if !sequential {
+            return;
+        }
+        let ps = self.config.page_size;
+        let last_page = (range.end - 1) / ps;
+        let total_pages = meta.size.div_ceil(ps);
+        for idx in last_page + 1..(last_page + 1 + window).min(total_pages) {
+            let page_key = PageKey::new(&key, &meta.etag, idx);
+            if self.page_flights.in_flight(&page_key)
+                || matches!(self.index.get_page(&page_key), Ok(Some(_)))
+            {
+                continue;
+            }
+            let Ok(permit) = self.readahead_permits.clone().try_acquire_owned() else {
+                return;
+            };
+            let (this, uri, meta) = (self.clone(), uri.clone(), meta.clone());
+            tokio::spawn(async move {
+                let _permit = permit;
+                if let Err(e) = this.fetch_page(&uri, &meta, idx, page_key).await {
+                    tracing::debug!(%uri, page = idx, error = %e, "read-ahead failed");
+                }
+            });
+        }
+    }
+
+    /// LIST with a TTL cache (in memory; listings are cheap to redo).
+    pub async fn list(
+        &self,
+        bucket: &str,
+        prefix: &str,
+        delimiter: Option<&str>,
+        token: Option<&str>,
+        max_keys: u32,
+    ) -> Result<ListResponse, CacheError> {
+        let key: ListKey = (
+            bucket.to_string(),
+            prefix.to_string(),
+            delimiter.map(str::to_string),
+            token.map(str::to_string),
+            max_keys,
+        );
+        let ttl = self.config.metadata_ttl;
+        if !ttl.is_zero() {
+            let cached = self.list_cache.lock().unwrap_or_else(|p| p.into_inner());
+            if let Some((at, resp)) = cached.get(&key) {
+                if at.elapsed() < ttl {
+                    return Ok(resp.clone());
+                }
+            }
+        }
+        let resp = self
+            .store
+            .list(bucket, prefix, delimiter, token, max_keys)
+            .await?;
+        if !ttl.is_zero() {
+            let mut cached = self.list_cache.lock().unwrap_or_else(|p| p.into_inner());
+            if cached.len() >= MAX_CACHED_LISTS {
+                cached.clear();
+            }
+            cached.insert(key, (Instant::now(), resp.clone()));
+        }
+        Ok(resp)
+    }
+
+    /// Forgets cached listings of a bucket after a write or delete there.
+    pub(crate) fn invalidate_lists(&self, bucket: &str) {
+        let mut cached = self.list_cache.lock().unwrap_or_else(|p| p.into_inner());
+        cached.retain(|k, _| k.0 != bucket);
+    }
+
+    pub async fn delete(self: &Arc<Self>, uri: &ObjectUri) -> Result<(), CacheError> {
+        self.store.delete(uri).await?;
+        let key = uri.to_string();
+        if let Some(old) = self.index.get_object(&key)? {
+            self.reclaim_version(&key, &old.etag, old.size);
+            self.index.delete_object(&key)?;
+        }
+        self.invalidate_lists(uri.bucket());
+        Ok(())
+    }
+
+    pub fn used_bytes(&self) -> u64 {
+        self.lru.used()
+    }
+}
+
+/// Evicts least-recently-used pages whenever usage passes the high
+/// watermark; exits when the cache is dropped.
+async fn evictor(cache: Weak<Cache>, wake: Arc<Notify>) {
+    loop {
+        let notified = wake.notified();
+        let Some(this) = cache.upgrade() else { return };
+        let victims = this.lru.take_victims();
+        if !victims.is_empty() {
+            let bytes: u64 = victims.iter().map(|(_, len)| len).sum();
+            let count = victims.len() as u64;
+            let worker = this.clone();
+            let done = tokio::task::spawn_blocking(move || {
+                let keys: Vec<PageKey> = victims.iter().map(|(k, _)| *k).collect();
+                if let Err(e) = worker.index.remove_pages(&keys) {
+                    tracing::warn!(error = %e, "evicting pages from index failed");
+                }
+                for key in &keys {
+                    worker.pages.remove(key);
+                }
+            })
+            .await;
+            if done.is_ok() {
+                this.metrics.evicted(count, bytes);
+                tracing::debug!(pages = count, bytes, "evicted");
+            }
+        }
+        drop(this);
+        tokio::select! {
+            () = notified => {}
+            () = tokio::time::sleep(Duration::from_secs(1)) => {}
+        }
+    }
+}

@@ -1,0 +1,119 @@
+//! The worker's HTTP server (hyper 1, HTTP/1.1 with keep-alive).
+
+mod range;
+mod response;
+mod routes;
+
+use std::convert::Infallible;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use hyper::service::service_fn;
+use hyper_util::rt::{TokioIo, TokioTimer};
+use hyper_util::server::graceful::GracefulShutdown;
+use tokio::net::TcpListener;
+use tracing::Instrument;
+
+pub use routes::AppState;
+
+/// Request limits; anything over them gets a 4xx and the worker goes on.
+#[derive(Debug, Clone, Copy)]
+pub struct HttpLimits {
+    pub max_uri_bytes: usize,
+    /// Bytes of request line plus headers (hyper answers 431 beyond it).
+    pub max_header_bytes: usize,
+    pub max_body_bytes: u64,
+}
+
+impl Default for HttpLimits {
+    fn default() -> Self {
+        Self {
+            max_uri_bytes: 8 * 1024,
+            max_header_bytes: 64 * 1024,
+            max_body_bytes: 5 << 40,
+        }
+    }
+}
+
+async fn handle(
+    state: Arc<AppState>,
+    req: http::Request<hyper::body::Incoming>,
+) -> Result<response::Response, Infallible> {
+    let started = Instant::now();
+    let path: String = req.uri().path().chars().take(256).collect();
+    let span = tracing::info_span!(
+        "request",
+        method = %req.method(),
+        path = %path,
+        op = tracing::field::Empty,
+        status = tracing::field::Empty,
+    );
+    async move {
+        let (op, resp) = routes::route(&state, req).await;
+        let status = resp.status().as_u16();
+        let span = tracing::Span::current();
+        span.record("op", op);
+        span.record("status", status);
+        state.metrics.request(op, status, started.elapsed());
+        if status >= 500 {
+            tracing::warn!(
+                elapsed_ms = started.elapsed().as_millis() as u64,
+                "request failed"
+            );
+        } else {
+            tracing::debug!(
+                elapsed_ms = started.elapsed().as_millis() as u64,
+                "request done"
+            );
+        }
+        Ok(resp)
+    }
+    .instrument(span)
+    .await
+}
+
+/// Serves the API on `listener` until `shutdown` resolves, then drains.
+pub async fn serve(
+    listener: TcpListener,
+    state: Arc<AppState>,
+    shutdown: impl std::future::Future<Output = ()>,
+) {
+    let graceful = GracefulShutdown::new();
+    let mut builder = hyper::server::conn::http1::Builder::new();
+    builder
+        .keep_alive(true)
+        .timer(TokioTimer::new())
+        .header_read_timeout(Duration::from_secs(30))
+        // hyper's own hard cap; the exact limit is checked per request.
+        .max_buf_size((2 * state.limits.max_header_bytes).max(8192));
+    tokio::pin!(shutdown);
+    loop {
+        let (stream, peer) = tokio::select! {
+            accepted = listener.accept() => match accepted {
+                Ok(conn) => conn,
+                Err(e) => {
+                    // EMFILE and friends: back off instead of spinning.
+                    tracing::warn!(error = %e, "accept failed");
+                    tokio::time::sleep(Duration::from_millis(50)).await;
+                    continue;
+                }
+            },
+            () = &mut shutdown => break,
+        };
+        let _ = stream.set_nodelay(true);
+        let state = state.clone();
+        let svc = service_fn(move |req| handle(state.clone(), req));
+        let conn = graceful.watch(builder.serve_connection(TokioIo::new(stream), svc));
+        tokio::spawn(async move {
+            if let Err(e) = conn.await {
+                tracing::debug!(%peer, error = %e, "connection ended with error");
+            }
+        });
+    }
+    if tokio::time::timeout(Duration::from_secs(10), graceful.shutdown())
+        .await
+        .is_err()
+    {
+        tracing::warn!("connections still open after 10 s; closing them");
+    }
+}

@@ -1,0 +1,364 @@
+//! Request routing and the handlers of the `/v1` API.
+
+use std::sync::Arc;
+
+use bytes::Bytes;
+use futures::StreamExt;
+use http::{header, HeaderValue, Method, StatusCode};
+use http_body::Frame;
+use http_body_util::{BodyExt, BodyStream, StreamBody};
+use hyper::body::Incoming;
+use lakecache_protocol::{
+    validate_bucket, ErrorCode, ListResponse, ObjectStat, ObjectUri, MAX_KEY_BYTES,
+};
+
+use super::range::{parse_range, resolve};
+use super::response::{cache_error, error, full, json, BoxError, Response};
+use super::HttpLimits;
+use crate::cache::{Cache, CacheError};
+use crate::metrics::Metrics;
+use crate::store::{ObjectMeta, StoreError};
+
+pub struct AppState {
+    pub cache: Arc<Cache>,
+    pub metrics: Arc<Metrics>,
+    pub limits: HttpLimits,
+}
+
+/// Dispatches a request; returns the operation name (for metrics and
+/// spans) and the response.
+pub async fn route(state: &AppState, req: http::Request<Incoming>) -> (&'static str, Response) {
+    let uri_len = req.uri().path().len() + req.uri().query().map_or(0, str::len);
+    if uri_len > state.limits.max_uri_bytes {
+        let msg = format!(
+            "request URI is {uri_len} bytes; the limit is {}",
+            state.limits.max_uri_bytes
+        );
+        return ("invalid", error(ErrorCode::UriTooLong, msg));
+    }
+    let head_bytes: usize = uri_len
+        + req
+            .headers()
+            .iter()
+            .map(|(k, v)| k.as_str().len() + v.len() + 4)
+            .sum::<usize>();
+    if head_bytes > state.limits.max_header_bytes {
+        let msg = format!(
+            "request headers are {head_bytes} bytes; the limit is {}",
+            state.limits.max_header_bytes
+        );
+        return ("invalid", error(ErrorCode::HeadersTooLarge, msg));
+    }
+    let path = req.uri().path().to_string();
+    let method = req.method().clone();
+    if let Some(rest) = path.strip_prefix("/v1/objects/") {
+        return match method {
+            Method::GET => ("read", read(state, rest, &req, true).await),
+            Method::HEAD => ("head", read(state, rest, &req, false).await),
+            Method::PUT => ("write", write(state, rest, req).await),
+            Method::DELETE => ("delete", delete(state, rest).await),
+            _ => ("invalid", method_not_allowed("GET, HEAD, PUT, DELETE")),
+        };
+    }
+    if let Some(rest) = path.strip_prefix("/v1/stat/") {
+        return match method {
+            Method::GET => ("stat", stat(state, rest).await),
+            _ => ("invalid", method_not_allowed("GET")),
+        };
+    }
+    if let Some(bucket) = path.strip_prefix("/v1/list/") {
+        return match method {
+            Method::GET => (
+                "list",
+                list(state, bucket, req.uri().query().unwrap_or("")).await,
+            ),
+            _ => ("invalid", method_not_allowed("GET")),
+        };
+    }
+    match (method, path.as_str()) {
+        (Method::GET, "/v1/health") => ("health", health(state)),
+        (Method::GET, "/metrics") => {
+            let mut resp = http::Response::new(full(state.metrics.render()));
+            resp.headers_mut().insert(
+                header::CONTENT_TYPE,
+                HeaderValue::from_static("text/plain; version=0.0.4"),
+            );
+            ("metrics", resp)
+        }
+        (_, "/v1/health" | "/metrics") => ("invalid", method_not_allowed("GET")),
+        _ => (
+            "invalid",
+            error(ErrorCode::RouteNotFound, format!("no route for {path}")),
+        ),
+    }
+}
+
+fn method_not_allowed(allow: &'static str) -> Response {
+    let mut resp = error(
+        ErrorCode::MethodNotAllowed,
+        format!("allowed methods: {allow}"),
+    );
+    resp.headers_mut()
+        .insert(header::ALLOW, HeaderValue::from_static(allow));
+    resp
+}
+
+fn parse_uri(rest: &str) -> Result<ObjectUri, Response> {
+    ObjectUri::from_api_path(rest).map_err(|e| error(ErrorCode::InvalidPath, e.to_string()))
+}
+
+fn stat_body(uri: &ObjectUri, meta: &ObjectMeta) -> ObjectStat {
+    ObjectStat {
+        uri: uri.to_string(),
+        size: meta.size,
+        etag: meta.etag.clone(),
+        last_modified_ms: meta.last_modified_ms,
+    }
+}
+
+fn health(state: &AppState) -> Response {
+    json(
+        StatusCode::OK,
+        &serde_json::json!({
+            "status": "ok",
+            "cache_used_bytes": state.cache.used_bytes(),
+            "cache_capacity_bytes": state.cache.config.capacity,
+            "page_size": state.cache.page_size(),
+        }),
+    )
+}
+
+async fn stat(state: &AppState, rest: &str) -> Response {
+    let uri = match parse_uri(rest) {
+        Ok(u) => u,
+        Err(resp) => return resp,
+    };
+    match state.cache.stat(&uri).await {
+        Ok(meta) => json(StatusCode::OK, &stat_body(&uri, &meta)),
+        Err(e) => cache_error(&e),
+    }
+}
+
+fn set_header(resp: &mut Response, name: header::HeaderName, value: String) {
+    if let Ok(v) = HeaderValue::from_str(&value) {
+        resp.headers_mut().insert(name, v);
+    }
+}
+
+async fn read(
+    state: &AppState,
+    rest: &str,
+    req: &http::Request<Incoming>,
+    with_body: bool,
+) -> Response {
+    let uri = match parse_uri(rest) {
+        Ok(u) => u,
+        Err(resp) => return resp,
+    };
+    let spec = match req.headers().get(header::RANGE) {
+        None => None,
+        Some(v) => match v
+            .to_str()
+            .map_err(|_| ())
+            .and_then(|s| parse_range(s).map_err(|_| ()))
+        {
+            Ok(spec) => Some(spec),
+            Err(()) => {
+                let raw = String::from_utf8_lossy(v.as_bytes()).into_owned();
+                return error(ErrorCode::InvalidRange, format!("unsupported Range header {raw:?}; use bytes=FIRST-LAST, bytes=FIRST- or bytes=-SUFFIX"));
+            }
+        },
+    };
+    // A read that finds the object changed under its cached ETag starts
+    // over once against the new version.
+    for attempt in 0..2 {
+        let meta = match state.cache.stat(&uri).await {
+            Ok(m) => m,
+            Err(e) => return cache_error(&e),
+        };
+        let range = match spec {
+            None => 0..meta.size,
+            Some(s) => match resolve(s, meta.size) {
+                Some(r) => r,
+                None => {
+                    let mut resp = error(
+                        ErrorCode::RangeNotSatisfiable,
+                        format!("range not satisfiable for an object of {} bytes", meta.size),
+                    );
+                    set_header(
+                        &mut resp,
+                        header::CONTENT_RANGE,
+                        format!("bytes */{}", meta.size),
+                    );
+                    return resp;
+                }
+            },
+        };
+        let mut resp = if with_body {
+            match state.cache.read(&uri, &meta, range.clone()).await {
+                Ok(stream) => {
+                    let frames =
+                        stream.map(|r| r.map(Frame::data).map_err(|e| -> BoxError { Box::new(e) }));
+                    http::Response::new(BodyExt::boxed_unsync(StreamBody::new(frames)))
+                }
+                Err(CacheError::Store(StoreError::PreconditionFailed)) if attempt == 0 => {
+                    if let Err(e) = state.cache.revalidate(&uri).await {
+                        return cache_error(&e);
+                    }
+                    continue;
+                }
+                Err(e) => return cache_error(&e),
+            }
+        } else {
+            http::Response::new(full(Bytes::new()))
+        };
+        if spec.is_some() {
+            *resp.status_mut() = StatusCode::PARTIAL_CONTENT;
+            set_header(
+                &mut resp,
+                header::CONTENT_RANGE,
+                format!(
+                    "bytes {}-{}/{}",
+                    range.start,
+                    range.end.saturating_sub(1),
+                    meta.size
+                ),
+            );
+        }
+        set_header(
+            &mut resp,
+            header::CONTENT_LENGTH,
+            (range.end - range.start).to_string(),
+        );
+        set_header(&mut resp, header::ETAG, format!("\"{}\"", meta.etag));
+        resp.headers_mut()
+            .insert(header::ACCEPT_RANGES, HeaderValue::from_static("bytes"));
+        resp.headers_mut().insert(
+            header::CONTENT_TYPE,
+            HeaderValue::from_static("application/octet-stream"),
+        );
+        return resp;
+    }
+    error(
+        ErrorCode::PreconditionFailed,
+        "object kept changing during the read; retry",
+    )
+}
+
+async fn write(state: &AppState, rest: &str, req: http::Request<Incoming>) -> Response {
+    let uri = match parse_uri(rest) {
+        Ok(u) => u,
+        Err(resp) => return resp,
+    };
+    let limit = state.limits.max_body_bytes;
+    let declared = req
+        .headers()
+        .get(header::CONTENT_LENGTH)
+        .and_then(|v| v.to_str().ok())
+        .and_then(|v| v.parse::<u64>().ok());
+    if declared.is_some_and(|n| n > limit) {
+        return error(
+            ErrorCode::BodyTooLarge,
+            format!(
+                "body of {} bytes exceeds the limit of {limit}",
+                declared.unwrap_or(0)
+            ),
+        );
+    }
+    let mut received = 0u64;
+    let body = BodyStream::new(req.into_body()).filter_map(move |frame| {
+        let item = match frame {
+            Ok(frame) => match frame.into_data() {
+                Ok(data) => {
+                    received += data.len() as u64;
+                    if received > limit {
+                        Some(Err(CacheError::BodyTooLarge(limit)))
+                    } else {
+                        Some(Ok(data))
+                    }
+                }
+                Err(_) => None,
+            },
+            Err(e) => Some(Err(CacheError::Body(e.to_string()))),
+        };
+        std::future::ready(item)
+    });
+    match state.cache.write(&uri, Box::pin(body)).await {
+        Ok(meta) => json(StatusCode::OK, &stat_body(&uri, &meta)),
+        Err(e) => cache_error(&e),
+    }
+}
+
+async fn delete(state: &AppState, rest: &str) -> Response {
+    let uri = match parse_uri(rest) {
+        Ok(u) => u,
+        Err(resp) => return resp,
+    };
+    match state.cache.delete(&uri).await {
+        Ok(()) => {
+            let mut resp = http::Response::new(full(Bytes::new()));
+            *resp.status_mut() = StatusCode::NO_CONTENT;
+            resp
+        }
+        Err(e) => cache_error(&e),
+    }
+}
+
+async fn list(state: &AppState, bucket: &str, query: &str) -> Response {
+    if let Err(e) = validate_bucket(bucket) {
+        return error(ErrorCode::InvalidPath, e.to_string());
+    }
+    let mut prefix = String::new();
+    let mut delimiter = None;
+    let mut token = None;
+    let mut max_keys = 1000u32;
+    for pair in query.split('&').filter(|p| !p.is_empty()) {
+        let (k, v) = pair.split_once('=').unwrap_or((pair, ""));
+        let spaced = v.replace('+', " ");
+        let Ok(v) = percent_encoding::percent_decode_str(&spaced).decode_utf8() else {
+            return error(
+                ErrorCode::BadRequest,
+                format!("query parameter {k} is not valid UTF-8"),
+            );
+        };
+        let v = v.into_owned();
+        match k {
+            "prefix" => prefix = v,
+            "delimiter" => delimiter = Some(v).filter(|d| !d.is_empty()),
+            "continuation-token" => token = Some(v).filter(|t| !t.is_empty()),
+            "max-keys" => match v.parse::<u32>() {
+                Ok(n) if (1..=1000).contains(&n) => max_keys = n,
+                _ => return error(ErrorCode::BadRequest, "max-keys must be 1..=1000"),
+            },
+            other => {
+                return error(
+                    ErrorCode::BadRequest,
+                    format!("unknown query parameter {other:?}"),
+                )
+            }
+        }
+    }
+    if prefix.len() > MAX_KEY_BYTES || prefix.chars().any(char::is_control) {
+        return error(
+            ErrorCode::InvalidPath,
+            "prefix is too long or contains control characters",
+        );
+    }
+    if prefix.split('/').any(|c| c == "..") {
+        return error(ErrorCode::InvalidPath, "prefix contains a '..' component");
+    }
+    let listed: Result<ListResponse, CacheError> = state
+        .cache
+        .list(
+            bucket,
+            &prefix,
+            delimiter.as_deref(),
+            token.as_deref(),
+            max_keys,
+        )
+        .await;
+    match listed {
+        Ok(resp) => json(StatusCode::OK, &resp),
+        Err(e) => cache_error(&e),
+    }
+}

@@ -1,0 +1,135 @@
+//! The lakecache cache worker: reads S3 on demand, keeps fixed-size pages
+//! on local disk with a RocksDB index, and serves byte ranges over HTTP.
+
+pub mod cache;
+mod flight;
+pub mod http;
+mod index;
+mod lru;
+pub mod metrics;
+pub mod pages;
+pub mod store;
+mod write;
+
+use std::net::SocketAddr;
+use std::path::PathBuf;
+use std::sync::Arc;
+use std::time::Duration;
+
+pub use cache::{Cache, CacheConfig, CacheError};
+pub use http::HttpLimits;
+pub use metrics::Metrics;
+pub use store::{ObjectStore, S3Config, S3Store};
+
+/// Everything a worker needs besides its object store.
+#[derive(Debug, Clone)]
+pub struct WorkerOptions {
+    pub listen: SocketAddr,
+    pub cache_dir: PathBuf,
+    pub cache: CacheConfig,
+    pub limits: HttpLimits,
+}
+
+#[derive(Debug, thiserror::Error)]
+pub enum WorkerError {
+    #[error("cannot open cache in {dir}: {source}")]
+    Cache { dir: PathBuf, source: CacheError },
+    #[error("cannot listen on {addr}: {source}")]
+    Listen {
+        addr: SocketAddr,
+        source: std::io::Error,
+    },
+}
+
+/// The aws-sdk-s3 store with request metrics.
+pub async fn s3_store(config: &S3Config, metrics: Arc<Metrics>) -> Arc<dyn ObjectStore> {
+    let s3 = S3Store::new(config, metrics.clone()).await;
+    Arc::new(store::MeteredStore::new(s3, metrics))
+}
+
+pub struct RunningWorker {
+    addr: SocketAddr,
+    cache: Arc<Cache>,
+    stop: Option<tokio::sync::oneshot::Sender<()>>,
+    task: tokio::task::JoinHandle<()>,
+}
+
+impl RunningWorker {
+    pub fn addr(&self) -> SocketAddr {
+        self.addr
+    }
+
+    pub fn cache(&self) -> &Arc<Cache> {
+        &self.cache
+    }
+
+    /// Stops accepting, drains requests in flight, and waits until the
+    /// cache (and its RocksDB lock) is released so a new worker can open
+    /// the same directory.
+    pub async fn shutdown(mut self) {
+        if let Some(stop) = self.stop.take() {
+            let _ = stop.send(());
+        }
+        let _ = (&mut self.task).await;
+        let weak = Arc::downgrade(&self.cache);
+        drop(self);
+        let deadline = tokio::time::Instant::now() + Duration::from_secs(10);
+        while weak.strong_count() > 0 && tokio::time::Instant::now() < deadline {
+            tokio::time::sleep(Duration::from_millis(10)).await;
+        }
+    }
+}
+
+impl Drop for RunningWorker {
+    fn drop(&mut self) {
+        if self.stop.is_some() {
+            self.task.abort();
+        }
+    }
+}
+
+/// Opens the cache and starts serving the HTTP API.
+pub async fn start_worker(
+    options: WorkerOptions,
+    store: Arc<dyn ObjectStore>,
+    metrics: Arc<Metrics>,
+) -> Result<RunningWorker, WorkerError> {
+    let cache = Cache::open(
+        &options.cache_dir,
+        options.cache.clone(),
+        store,
+        metrics.clone(),
+    )
+    .map_err(|source| WorkerError::Cache {
+        dir: options.cache_dir.clone(),
+        source,
+    })?;
+    let listener = tokio::net::TcpListener::bind(options.listen)
+        .await
+        .map_err(|source| WorkerError::Listen {
+            addr: options.listen,
+            source,
+        })?;
+    let addr = listener
+        .local_addr()
+        .map_err(|source| WorkerError::Listen {
+            addr: options.listen,
+            source,
+        })?;
+    let state = Arc::new(http::AppState {
+        cache: cache.clone(),
+        metrics,
+        limits: options.limits,
+    });
+    let (stop_tx, stop_rx) = tokio::sync::oneshot::channel::<()>();
+    let task = tokio::spawn(http::serve(listener, state, async move {
+        let _ = stop_rx.await;
+    }));
+    tracing::info!(%addr, cache_dir = %options.cache_dir.display(), "worker listening");
+    Ok(RunningWorker {
+        addr,
+        cache,
+        stop: Some(stop_tx),
+        task,
+    })
+}

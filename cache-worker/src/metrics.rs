@@ -1,0 +1,220 @@
+//! OpenTelemetry instruments, exported as Prometheus text on `/metrics`.
+
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::Arc;
+use std::time::Duration;
+
+use opentelemetry::metrics::{Counter, Histogram, Meter, MeterProvider as _};
+use opentelemetry::KeyValue;
+use opentelemetry_sdk::metrics::SdkMeterProvider;
+use prometheus::{Encoder, TextEncoder};
+
+const LATENCY_BUCKETS: &[f64] = &[
+    0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5,
+    5.0, 10.0, 30.0,
+];
+
+pub struct Metrics {
+    registry: prometheus::Registry,
+    _provider: SdkMeterProvider,
+    requests: Counter<u64>,
+    request_seconds: Histogram<f64>,
+    served_bytes: Counter<u64>,
+    hit_bytes: Counter<u64>,
+    miss_bytes: Counter<u64>,
+    s3_requests: Counter<u64>,
+    s3_bytes: Counter<u64>,
+    s3_seconds: Histogram<f64>,
+    s3_retries: Counter<u64>,
+    evicted_pages: Counter<u64>,
+    evicted_bytes: Counter<u64>,
+    corrupt_pages: Counter<u64>,
+    /// Read by the gauges at scrape time.
+    pub cache_used_bytes: Arc<AtomicU64>,
+    pub cache_capacity_bytes: Arc<AtomicU64>,
+}
+
+impl std::fmt::Debug for Metrics {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("Metrics")
+    }
+}
+
+fn counter(
+    meter: &Meter,
+    name: &'static str,
+    unit: &'static str,
+    help: &'static str,
+) -> Counter<u64> {
+    meter
+        .u64_counter(name)
+        .with_unit(unit)
+        .with_description(help)
+        .build()
+}
+
+fn seconds(meter: &Meter, name: &'static str, help: &'static str) -> Histogram<f64> {
+    meter
+        .f64_histogram(name)
+        .with_unit("s")
+        .with_description(help)
+        .with_boundaries(LATENCY_BUCKETS.to_vec())
+        .build()
+}
+
+impl Metrics {
+    pub fn new() -> Result<Self, String> {
+        let registry = prometheus::Registry::new();
+        let exporter = opentelemetry_prometheus::exporter()
+            .with_registry(registry.clone())
+            .without_scope_info()
+            .without_target_info()
+            .build()
+            .map_err(|e| e.to_string())?;
+        let provider = SdkMeterProvider::builder().with_reader(exporter).build();
+        let meter = provider.meter("lakecache");
+        let cache_used_bytes = Arc::new(AtomicU64::new(0));
+        let cache_capacity_bytes = Arc::new(AtomicU64::new(0));
+        let used = cache_used_bytes.clone();
+        meter
+            .u64_observable_gauge("lakecache_cache_used")
+            .with_unit("By")
+            .with_description("Bytes of pages on local disk")
+            .with_callback(move |o| o.observe(used.load(Ordering::Relaxed), &[]))
+            .build();
+        let cap = cache_capacity_bytes.clone();
+        meter
+            .u64_observable_gauge("lakecache_cache_capacity")
+            .with_unit("By")
+            .with_description("Configured cache size")
+            .with_callback(move |o| o.observe(cap.load(Ordering::Relaxed), &[]))
+            .build();
+        Ok(Self {
+            requests: counter(
+                &meter,
+                "lakecache_requests",
+                "",
+                "HTTP API requests by op and status",
+            ),
+            request_seconds: seconds(
+                &meter,
+                "lakecache_request_duration",
+                "HTTP API latency by op",
+            ),
+            served_bytes: counter(
+                &meter,
+                "lakecache_served",
+                "By",
+                "Object bytes sent to clients",
+            ),
+            hit_bytes: counter(
+                &meter,
+                "lakecache_cache_hit",
+                "By",
+                "Bytes served from local pages",
+            ),
+            miss_bytes: counter(
+                &meter,
+                "lakecache_cache_miss",
+                "By",
+                "Bytes that had to come from S3",
+            ),
+            s3_requests: counter(
+                &meter,
+                "lakecache_s3_requests",
+                "",
+                "S3 requests by op and outcome",
+            ),
+            s3_bytes: counter(
+                &meter,
+                "lakecache_s3_transferred",
+                "By",
+                "Bytes moved to or from S3 by op",
+            ),
+            s3_seconds: seconds(
+                &meter,
+                "lakecache_s3_request_duration",
+                "S3 latency by op, retries included",
+            ),
+            s3_retries: counter(
+                &meter,
+                "lakecache_s3_retries",
+                "",
+                "S3 retries (SDK attempts and body resumes) by op",
+            ),
+            evicted_pages: counter(&meter, "lakecache_evicted_pages", "", "Pages evicted"),
+            evicted_bytes: counter(&meter, "lakecache_evicted", "By", "Bytes evicted"),
+            corrupt_pages: counter(
+                &meter,
+                "lakecache_corrupt_pages",
+                "",
+                "Pages that failed their CRC and were refetched",
+            ),
+            cache_used_bytes,
+            cache_capacity_bytes,
+            registry,
+            _provider: provider,
+        })
+    }
+
+    pub fn request(&self, op: &'static str, status: u16, elapsed: Duration) {
+        let op_kv = KeyValue::new("op", op);
+        self.requests.add(
+            1,
+            &[op_kv.clone(), KeyValue::new("status", i64::from(status))],
+        );
+        self.request_seconds.record(elapsed.as_secs_f64(), &[op_kv]);
+    }
+
+    pub fn served(&self, bytes: u64) {
+        self.served_bytes.add(bytes, &[]);
+    }
+
+    pub fn hit(&self, bytes: u64) {
+        self.hit_bytes.add(bytes, &[]);
+    }
+
+    pub fn miss(&self, bytes: u64) {
+        self.miss_bytes.add(bytes, &[]);
+    }
+
+    pub fn s3_request(
+        &self,
+        op: &'static str,
+        outcome: &'static str,
+        elapsed: Duration,
+        bytes: u64,
+    ) {
+        let op_kv = KeyValue::new("op", op);
+        self.s3_requests
+            .add(1, &[op_kv.clone(), KeyValue::new("outcome", outcome)]);
+        self.s3_seconds
+            .record(elapsed.as_secs_f64(), &[op_kv.clone()]);
+        if bytes > 0 {
+            self.s3_bytes.add(bytes, &[op_kv]);
+        }
+    }
+
+    pub fn s3_retry(&self, op: &str) {
+        self.s3_retries
+            .add(1, &[KeyValue::new("op", op.to_string())]);
+    }
+
+    pub fn evicted(&self, pages: u64, bytes: u64) {
+        self.evicted_pages.add(pages, &[]);
+        self.evicted_bytes.add(bytes, &[]);
+    }
+
+    pub fn corrupt_page(&self) {
+        self.corrupt_pages.add(1, &[]);
+    }
+
+    /// Prometheus text exposition of every instrument.
+    pub fn render(&self) -> String {
+        let mut out = Vec::new();
+        if let Err(e) = TextEncoder::new().encode(&self.registry.gather(), &mut out) {
+            tracing::warn!(error = %e, "encoding metrics failed");
+        }
+        String::from_utf8_lossy(&out).into_owned()
+    }
+}

@@ -1,0 +1,101 @@
+//! The object store under the cache: one trait, the aws-sdk-s3
+//! implementation, a metering wrapper and a fault-injecting wrapper.
+
+mod faulty;
+mod metered;
+mod s3;
+
+use std::ops::Range;
+
+use bytes::Bytes;
+use lakecache_protocol::{ListResponse, ObjectUri};
+
+pub use faulty::{FaultyStore, StoreFault};
+pub use metered::MeteredStore;
+pub use s3::{RetryMode, S3Config, S3Store};
+
+/// Metadata of one object version.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ObjectMeta {
+    pub size: u64,
+    /// Unquoted.
+    pub etag: String,
+    pub last_modified_ms: i64,
+}
+
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum StoreError {
+    #[error("object not found")]
+    NotFound,
+    #[error("object changed: its ETag no longer matches")]
+    PreconditionFailed,
+    #[error("object store is throttling requests: {0}")]
+    Throttled(String),
+    #[error("object store unavailable: {0}")]
+    Unavailable(String),
+    #[error("access denied: {0}")]
+    AccessDenied(String),
+    #[error("invalid response from object store: {0}")]
+    InvalidResponse(String),
+    #[error("object store error: {0}")]
+    Other(String),
+}
+
+/// One call per S3 operation the cache needs. Implementations are real
+/// (S3) or wrappers (metering, fault injection).
+#[async_trait::async_trait]
+pub trait ObjectStore: Send + Sync + 'static {
+    async fn head(&self, uri: &ObjectUri) -> Result<ObjectMeta, StoreError>;
+
+    /// Exactly the bytes of `range` of the version tagged `etag`; a body
+    /// that breaks mid-stream is resumed, a changed object is
+    /// [`StoreError::PreconditionFailed`].
+    async fn get_range(
+        &self,
+        uri: &ObjectUri,
+        range: Range<u64>,
+        etag: &str,
+    ) -> Result<Bytes, StoreError>;
+
+    async fn list(
+        &self,
+        bucket: &str,
+        prefix: &str,
+        delimiter: Option<&str>,
+        token: Option<&str>,
+        max_keys: u32,
+    ) -> Result<ListResponse, StoreError>;
+
+    /// Single-request upload; returns the new ETag.
+    async fn put(&self, uri: &ObjectUri, data: Bytes) -> Result<String, StoreError>;
+
+    async fn create_multipart(&self, uri: &ObjectUri) -> Result<String, StoreError>;
+
+    async fn upload_part(
+        &self,
+        uri: &ObjectUri,
+        upload_id: &str,
+        part_number: i32,
+        data: Bytes,
+    ) -> Result<String, StoreError>;
+
+    /// Completes an upload from `(part number, part ETag)`; returns the ETag.
+    async fn complete_multipart(
+        &self,
+        uri: &ObjectUri,
+        upload_id: &str,
+        parts: Vec<(i32, String)>,
+    ) -> Result<String, StoreError>;
+
+    async fn abort_multipart(&self, uri: &ObjectUri, upload_id: &str) -> Result<(), StoreError>;
+
+    async fn delete(&self, uri: &ObjectUri) -> Result<(), StoreError>;
+}
+
+/// S3 ETags arrive quoted; the cache keeps them bare.
+pub fn unquote_etag(etag: &str) -> String {
+    etag.trim()
+        .trim_start_matches("W/")
+        .trim_matches('"')
+        .to_string()
+}

@@ -1,0 +1,439 @@
+//! The aws-sdk-s3 implementation of [`ObjectStore`].
+
+use std::fmt;
+use std::ops::Range;
+use std::sync::Arc;
+use std::time::Duration;
+
+use aws_sdk_s3::config::interceptors::BeforeTransmitInterceptorContextRef;
+use aws_sdk_s3::config::{
+    BehaviorVersion, ConfigBag, Credentials, Intercept, Region, RequestChecksumCalculation,
+    ResponseChecksumValidation, RuntimeComponents,
+};
+use aws_sdk_s3::error::{ProvideErrorMetadata, SdkError};
+use aws_sdk_s3::primitives::ByteStream;
+use aws_sdk_s3::types::{CompletedMultipartUpload, CompletedPart};
+use aws_smithy_runtime_api::client::orchestrator::Metadata;
+use aws_smithy_runtime_api::client::retries::RequestAttempts;
+use bytes::{Bytes, BytesMut};
+use lakecache_protocol::{ListEntry, ListResponse, ObjectUri};
+
+use super::{unquote_etag, ObjectMeta, ObjectStore, StoreError};
+use crate::metrics::Metrics;
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum RetryMode {
+    Standard,
+    Adaptive,
+}
+
+impl std::str::FromStr for RetryMode {
+    type Err = String;
+    fn from_str(s: &str) -> Result<Self, String> {
+        match s {
+            "standard" => Ok(Self::Standard),
+            "adaptive" => Ok(Self::Adaptive),
+            other => Err(format!(
+                "retry mode must be standard or adaptive, got {other:?}"
+            )),
+        }
+    }
+}
+
+/// How to reach S3. Credentials come from the standard AWS chain unless
+/// `static_credentials` is set (the embedded endpoint).
+#[derive(Clone)]
+pub struct S3Config {
+    pub endpoint: Option<String>,
+    pub region: String,
+    pub path_style: bool,
+    pub retry_mode: RetryMode,
+    pub max_attempts: u32,
+    /// Re-requests of the remaining range after a body breaks mid-stream.
+    pub max_resumes: u32,
+    pub connect_timeout: Duration,
+    pub attempt_timeout: Duration,
+    pub static_credentials: Option<(String, String)>,
+}
+
+impl fmt::Debug for S3Config {
+    // Hand-written so secrets never reach a log line.
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("S3Config")
+            .field("endpoint", &self.endpoint)
+            .field("region", &self.region)
+            .field("path_style", &self.path_style)
+            .field("retry_mode", &self.retry_mode)
+            .field("max_attempts", &self.max_attempts)
+            .field("max_resumes", &self.max_resumes)
+            .field(
+                "static_credentials",
+                &self.static_credentials.as_ref().map(|_| "<redacted>"),
+            )
+            .finish()
+    }
+}
+
+impl Default for S3Config {
+    fn default() -> Self {
+        Self {
+            endpoint: None,
+            region: "us-east-1".into(),
+            path_style: false,
+            retry_mode: RetryMode::Standard,
+            max_attempts: 5,
+            max_resumes: 3,
+            connect_timeout: Duration::from_secs(5),
+            attempt_timeout: Duration::from_secs(60),
+            static_credentials: None,
+        }
+    }
+}
+
+/// Counts SDK-internal retries (attempts after the first) by operation.
+#[derive(Debug)]
+struct RetryCounter(Arc<Metrics>);
+
+impl Intercept for RetryCounter {
+    fn name(&self) -> &'static str {
+        "lakecache-retry-counter"
+    }
+
+    fn read_before_attempt(
+        &self,
+        _ctx: &BeforeTransmitInterceptorContextRef<'_>,
+        _rc: &RuntimeComponents,
+        cfg: &mut ConfigBag,
+    ) -> Result<(), aws_sdk_s3::error::BoxError> {
+        let attempts = cfg
+            .load::<RequestAttempts>()
+            .map(|a| a.attempts())
+            .unwrap_or(1);
+        if attempts > 1 {
+            let op = cfg
+                .load::<Metadata>()
+                .map(|m| m.name().to_string())
+                .unwrap_or_default();
+            self.0.s3_retry(&op);
+        }
+        Ok(())
+    }
+}
+
+pub struct S3Store {
+    client: aws_sdk_s3::Client,
+    max_resumes: u32,
+    metrics: Arc<Metrics>,
+}
+
+impl S3Store {
+    pub async fn new(config: &S3Config, metrics: Arc<Metrics>) -> Self {
+        let retry = match config.retry_mode {
+            RetryMode::Standard => aws_sdk_s3::config::retry::RetryConfig::standard(),
+            RetryMode::Adaptive => aws_sdk_s3::config::retry::RetryConfig::adaptive(),
+        }
+        .with_max_attempts(config.max_attempts.max(1));
+        let timeouts = aws_sdk_s3::config::timeout::TimeoutConfig::builder()
+            .connect_timeout(config.connect_timeout)
+            .operation_attempt_timeout(config.attempt_timeout)
+            .build();
+        let mut loader = aws_config::defaults(BehaviorVersion::latest())
+            .region(Region::new(config.region.clone()))
+            .retry_config(retry)
+            .timeout_config(timeouts);
+        if let Some((access, secret)) = &config.static_credentials {
+            loader = loader.credentials_provider(Credentials::new(
+                access.clone(),
+                secret.clone(),
+                None,
+                None,
+                "lakecache-static",
+            ));
+        }
+        let shared = loader.load().await;
+        let mut builder = aws_sdk_s3::config::Builder::from(&shared)
+            .force_path_style(config.path_style)
+            // Many S3-compatible stores reject aws-chunked checksum trailers.
+            .request_checksum_calculation(RequestChecksumCalculation::WhenRequired)
+            .response_checksum_validation(ResponseChecksumValidation::WhenRequired)
+            .interceptor(RetryCounter(metrics.clone()));
+        if let Some(endpoint) = &config.endpoint {
+            builder = builder.endpoint_url(endpoint);
+        }
+        Self {
+            client: aws_sdk_s3::Client::from_conf(builder.build()),
+            max_resumes: config.max_resumes,
+            metrics,
+        }
+    }
+}
+
+fn map_sdk_error<E>(err: SdkError<E>) -> StoreError
+where
+    E: ProvideErrorMetadata + std::error::Error + Send + Sync + 'static,
+{
+    let status = err.raw_response().map(|r| r.status().as_u16());
+    let code = err.code().unwrap_or("").to_string();
+    let detail = format!("{}", aws_sdk_s3::error::DisplayErrorContext(&err));
+    match (&err, status) {
+        (_, Some(404)) => StoreError::NotFound,
+        (_, Some(412)) => StoreError::PreconditionFailed,
+        (_, Some(403)) => StoreError::AccessDenied(code),
+        (_, Some(503)) if code == "SlowDown" || code.is_empty() => StoreError::Throttled(detail),
+        (_, Some(s)) if s >= 500 => StoreError::Unavailable(detail),
+        (SdkError::TimeoutError(_), _) | (SdkError::DispatchFailure(_), _) => {
+            StoreError::Unavailable(detail)
+        }
+        (SdkError::ResponseError(_), _) => StoreError::InvalidResponse(detail),
+        _ => StoreError::Other(detail),
+    }
+}
+
+fn millis(t: Option<&aws_sdk_s3::primitives::DateTime>) -> i64 {
+    t.and_then(|t| t.to_millis().ok()).unwrap_or(0)
+}
+
+fn quoted(etag: &str) -> String {
+    format!("\"{etag}\"")
+}
+
+#[async_trait::async_trait]
+impl ObjectStore for S3Store {
+    async fn head(&self, uri: &ObjectUri) -> Result<ObjectMeta, StoreError> {
+        let out = self
+            .client
+            .head_object()
+            .bucket(uri.bucket())
+            .key(uri.key())
+            .send()
+            .await
+            .map_err(map_sdk_error)?;
+        let etag = out
+            .e_tag()
+            .map(unquote_etag)
+            .ok_or_else(|| StoreError::InvalidResponse("HEAD without ETag".into()))?;
+        let size = out
+            .content_length()
+            .filter(|n| *n >= 0)
+            .ok_or_else(|| StoreError::InvalidResponse("HEAD without Content-Length".into()))?;
+        Ok(ObjectMeta {
+            size: size as u64,
+            etag,
+            last_modified_ms: millis(out.last_modified()),
+        })
+    }
+
+    async fn get_range(
+        &self,
+        uri: &ObjectUri,
+        range: Range<u64>,
+        etag: &str,
+    ) -> Result<Bytes, StoreError> {
+        let want = (range.end - range.start) as usize;
+        let mut buf = BytesMut::with_capacity(want);
+        let mut resumes = 0u32;
+        while buf.len() < want {
+            let start = range.start + buf.len() as u64;
+            let out = self
+                .client
+                .get_object()
+                .bucket(uri.bucket())
+                .key(uri.key())
+                .range(format!("bytes={start}-{}", range.end - 1))
+                .if_match(quoted(etag))
+                .send()
+                .await
+                .map_err(map_sdk_error)?;
+            // Stores that ignore If-Match must not mix versions either.
+            if let Some(got) = out.e_tag() {
+                if unquote_etag(got) != etag {
+                    return Err(StoreError::PreconditionFailed);
+                }
+            }
+            let mut body = out.body;
+            let broken = loop {
+                match body.try_next().await {
+                    Ok(Some(chunk)) => {
+                        if buf.len() + chunk.len() > want {
+                            return Err(StoreError::InvalidResponse(format!(
+                                "asked for {want} bytes, got more"
+                            )));
+                        }
+                        buf.extend_from_slice(&chunk);
+                    }
+                    Ok(None) => break None,
+                    Err(e) => break Some(e.to_string()),
+                }
+            };
+            if buf.len() < want {
+                // The SDK does not retry a body that fails after the
+                // headers: resume with the remaining range.
+                resumes += 1;
+                self.metrics.s3_retry("GetObject.resume");
+                let why = broken.unwrap_or_else(|| "body ended early".into());
+                tracing::warn!(%uri, got = buf.len(), want, resumes, error = %why, "s3 body broke, resuming");
+                if resumes > self.max_resumes {
+                    return Err(StoreError::Unavailable(format!(
+                        "body broke {resumes} times: {why}"
+                    )));
+                }
+            }
+        }
+        Ok(buf.freeze())
+    }
+
+    async fn list(
+        &self,
+        bucket: &str,
+        prefix: &str,
+        delimiter: Option<&str>,
+        token: Option<&str>,
+        max_keys: u32,
+    ) -> Result<ListResponse, StoreError> {
+        let out = self
+            .client
+            .list_objects_v2()
+            .bucket(bucket)
+            .prefix(prefix)
+            .set_delimiter(delimiter.map(str::to_string))
+            .set_continuation_token(token.map(str::to_string))
+            .max_keys(max_keys as i32)
+            .send()
+            .await
+            .map_err(map_sdk_error)?;
+        let objects = out
+            .contents()
+            .iter()
+            .map(|o| ListEntry {
+                key: o.key().unwrap_or_default().to_string(),
+                size: o.size().unwrap_or(0).max(0) as u64,
+                etag: o.e_tag().map(unquote_etag).unwrap_or_default(),
+                last_modified_ms: millis(o.last_modified()),
+            })
+            .collect();
+        let common_prefixes = out
+            .common_prefixes()
+            .iter()
+            .filter_map(|p| p.prefix().map(str::to_string))
+            .collect();
+        let next_token = if out.is_truncated().unwrap_or(false) {
+            out.next_continuation_token().map(str::to_string)
+        } else {
+            None
+        };
+        Ok(ListResponse {
+            objects,
+            common_prefixes,
+            next_token,
+        })
+    }
+
+    async fn put(&self, uri: &ObjectUri, data: Bytes) -> Result<String, StoreError> {
+        let len = data.len() as i64;
+        let out = self
+            .client
+            .put_object()
+            .bucket(uri.bucket())
+            .key(uri.key())
+            .content_length(len)
+            .body(ByteStream::from(data))
+            .send()
+            .await
+            .map_err(map_sdk_error)?;
+        out.e_tag()
+            .map(unquote_etag)
+            .ok_or_else(|| StoreError::InvalidResponse("PUT without ETag".into()))
+    }
+
+    async fn create_multipart(&self, uri: &ObjectUri) -> Result<String, StoreError> {
+        let out = self
+            .client
+            .create_multipart_upload()
+            .bucket(uri.bucket())
+            .key(uri.key())
+            .send()
+            .await
+            .map_err(map_sdk_error)?;
+        out.upload_id()
+            .map(str::to_string)
+            .ok_or_else(|| StoreError::InvalidResponse("no upload id".into()))
+    }
+
+    async fn upload_part(
+        &self,
+        uri: &ObjectUri,
+        upload_id: &str,
+        part_number: i32,
+        data: Bytes,
+    ) -> Result<String, StoreError> {
+        let len = data.len() as i64;
+        let out = self
+            .client
+            .upload_part()
+            .bucket(uri.bucket())
+            .key(uri.key())
+            .upload_id(upload_id)
+            .part_number(part_number)
+            .content_length(len)
+            .body(ByteStream::from(data))
+            .send()
+            .await
+            .map_err(map_sdk_error)?;
+        out.e_tag()
+            .map(str::to_string)
+            .ok_or_else(|| StoreError::InvalidResponse("part without ETag".into()))
+    }
+
+    async fn complete_multipart(
+        &self,
+        uri: &ObjectUri,
+        upload_id: &str,
+        parts: Vec<(i32, String)>,
+    ) -> Result<String, StoreError> {
+        let parts = parts
+            .into_iter()
+            .map(|(n, etag)| CompletedPart::builder().part_number(n).e_tag(etag).build())
+            .collect();
+        let out = self
+            .client
+            .complete_multipart_upload()
+            .bucket(uri.bucket())
+            .key(uri.key())
+            .upload_id(upload_id)
+            .multipart_upload(
+                CompletedMultipartUpload::builder()
+                    .set_parts(Some(parts))
+                    .build(),
+            )
+            .send()
+            .await
+            .map_err(map_sdk_error)?;
+        out.e_tag()
+            .map(unquote_etag)
+            .ok_or_else(|| StoreError::InvalidResponse("complete without ETag".into()))
+    }
+
+    async fn abort_multipart(&self, uri: &ObjectUri, upload_id: &str) -> Result<(), StoreError> {
+        self.client
+            .abort_multipart_upload()
+            .bucket(uri.bucket())
+            .key(uri.key())
+            .upload_id(upload_id)
+            .send()
+            .await
+            .map_err(map_sdk_error)?;
+        Ok(())
+    }
+
+    async fn delete(&self, uri: &ObjectUri) -> Result<(), StoreError> {
+        self.client
+            .delete_object()
+            .bucket(uri.bucket())
+            .key(uri.key())
+            .send()
+            .await
+            .map_err(map_sdk_error)?;
+        Ok(())
+    }
+}

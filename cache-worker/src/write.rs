@@ -1,0 +1,282 @@
+//! The write path: stream a body to S3 (multipart when large) and keep the
+//! written bytes as pages, so the next read is a hit.
+//!
+//! The upload is acknowledged only after S3 acknowledged it. Pages are
+//! staged while the body streams and committed under the new ETag once S3
+//! has answered; an asynchronous write-back mode can later reuse the
+//! staging and replace the final "wait for S3" step with a durable journal.
+
+use std::collections::VecDeque;
+use std::path::PathBuf;
+use std::sync::Arc;
+
+use bytes::{Bytes, BytesMut};
+use futures::{Stream, StreamExt};
+use lakecache_protocol::ObjectUri;
+use tokio::task::JoinHandle;
+
+use crate::cache::{Cache, CacheError};
+use crate::index::PageEntry;
+use crate::pages::PageKey;
+use crate::store::{ObjectMeta, StoreError};
+
+/// Part uploads in flight per write: bounds memory at this many parts.
+const PARTS_IN_FLIGHT: usize = 4;
+
+struct StagedPage {
+    index: u64,
+    path: PathBuf,
+    crcs: Vec<u32>,
+    len: u64,
+}
+
+struct Upload {
+    id: String,
+    next_part: i32,
+    in_flight: VecDeque<JoinHandle<Result<(i32, String), StoreError>>>,
+    done: Vec<(i32, String)>,
+}
+
+impl Cache {
+    /// Uploads `body` as the new content of `uri`; returns the metadata of
+    /// the stored object once S3 has it.
+    pub async fn write<S>(
+        self: &Arc<Self>,
+        uri: &ObjectUri,
+        body: S,
+    ) -> Result<ObjectMeta, CacheError>
+    where
+        S: Stream<Item = Result<Bytes, CacheError>> + Send + Unpin,
+    {
+        let mut staged = Vec::new();
+        let mut upload: Option<Upload> = None;
+        let result = self.write_inner(uri, body, &mut staged, &mut upload).await;
+        match result {
+            Ok((etag, size)) => Ok(self.finish_write(uri, etag, size, staged).await),
+            Err(e) => {
+                for page in staged {
+                    self.pages.discard_staged(&page.path);
+                }
+                if let Some(up) = upload {
+                    for task in up.in_flight {
+                        task.abort();
+                    }
+                    if let Err(abort) = self.store.abort_multipart(uri, &up.id).await {
+                        tracing::warn!(%uri, error = %abort, "aborting multipart upload failed");
+                    }
+                }
+                tracing::warn!(%uri, error = %e, "write failed; nothing was acknowledged");
+                Err(e)
+            }
+        }
+    }
+
+    async fn write_inner<S>(
+        self: &Arc<Self>,
+        uri: &ObjectUri,
+        mut body: S,
+        staged: &mut Vec<StagedPage>,
+        upload: &mut Option<Upload>,
+    ) -> Result<(String, u64), CacheError>
+    where
+        S: Stream<Item = Result<Bytes, CacheError>> + Send + Unpin,
+    {
+        let ps = self.config.page_size as usize;
+        let part_size = self.config.part_size as usize;
+        // Staging more than half the cache would only evict it again.
+        let stage_budget = self.config.capacity / 2;
+        let mut staged_bytes = 0u64;
+        let mut part = BytesMut::new();
+        let mut page = BytesMut::new();
+        let mut total = 0u64;
+        let mut pages_seen = 0u64;
+        let mut staging = true;
+        while let Some(chunk) = body.next().await {
+            let chunk = chunk?;
+            total += chunk.len() as u64;
+            part.extend_from_slice(&chunk);
+            if staging {
+                page.extend_from_slice(&chunk);
+            }
+            while staging && page.len() >= ps {
+                let full = page.split_to(ps).freeze();
+                staging = self
+                    .stage(&full, pages_seen, &mut staged_bytes, stage_budget, staged)
+                    .await;
+                pages_seen += 1;
+                if !staging {
+                    page.clear();
+                }
+            }
+            while part.len() >= part_size {
+                let data = part.split_to(part_size).freeze();
+                self.send_part(uri, upload, data).await?;
+            }
+        }
+        if staging && !page.is_empty() {
+            let rest = page.freeze();
+            self.stage(&rest, pages_seen, &mut staged_bytes, stage_budget, staged)
+                .await;
+        }
+        let etag = match upload {
+            None => self.store.put(uri, part.freeze()).await?,
+            Some(_) => {
+                if !part.is_empty() {
+                    self.send_part(uri, upload, part.freeze()).await?;
+                }
+                let Some(up) = upload.as_mut() else {
+                    return Err(CacheError::Local("upload state lost".into()));
+                };
+                while let Some(task) = up.in_flight.pop_front() {
+                    up.done.push(join_part(task).await?);
+                }
+                let parts = std::mem::take(&mut up.done);
+                self.store.complete_multipart(uri, &up.id, parts).await?
+            }
+        };
+        *upload = None;
+        Ok((etag, total))
+    }
+
+    /// Stages one page; returns whether staging should go on.
+    async fn stage(
+        self: &Arc<Self>,
+        data: &Bytes,
+        index: u64,
+        staged_bytes: &mut u64,
+        budget: u64,
+        staged: &mut Vec<StagedPage>,
+    ) -> bool {
+        if *staged_bytes + data.len() as u64 > budget {
+            return false;
+        }
+        let (this, data) = (self.clone(), data.clone());
+        let len = data.len() as u64;
+        match tokio::task::spawn_blocking(move || this.pages.stage(&data)).await {
+            Ok(Ok((path, crcs))) => {
+                *staged_bytes += len;
+                staged.push(StagedPage {
+                    index,
+                    path,
+                    crcs,
+                    len,
+                });
+                true
+            }
+            Ok(Err(e)) => {
+                tracing::warn!(error = %e, "staging written page failed; it will be read from S3");
+                false
+            }
+            Err(e) => {
+                tracing::warn!(error = %e, "staging task failed");
+                false
+            }
+        }
+    }
+
+    async fn send_part(
+        self: &Arc<Self>,
+        uri: &ObjectUri,
+        upload: &mut Option<Upload>,
+        data: Bytes,
+    ) -> Result<(), CacheError> {
+        if upload.is_none() {
+            let id = self.store.create_multipart(uri).await?;
+            *upload = Some(Upload {
+                id,
+                next_part: 1,
+                in_flight: VecDeque::new(),
+                done: Vec::new(),
+            });
+        }
+        let Some(up) = upload.as_mut() else {
+            return Err(CacheError::Local("upload state lost".into()));
+        };
+        if up.in_flight.len() >= PARTS_IN_FLIGHT {
+            if let Some(task) = up.in_flight.pop_front() {
+                up.done.push(join_part(task).await?);
+            }
+        }
+        let number = up.next_part;
+        up.next_part += 1;
+        let (store, uri, id) = (self.store.clone(), uri.clone(), up.id.clone());
+        up.in_flight.push_back(tokio::spawn(async move {
+            store
+                .upload_part(&uri, &id, number, data)
+                .await
+                .map(|etag| (number, etag))
+        }));
+        Ok(())
+    }
+
+    /// S3 has the object: record its metadata and commit staged pages
+    /// under the new ETag.
+    async fn finish_write(
+        self: &Arc<Self>,
+        uri: &ObjectUri,
+        etag: String,
+        size: u64,
+        staged: Vec<StagedPage>,
+    ) -> ObjectMeta {
+        let key = uri.to_string();
+        // HEAD gives S3's own Last-Modified; if it shows another writer's
+        // version, our pages must not be committed under it.
+        let meta = match self.store.head(uri).await {
+            Ok(meta) => meta,
+            Err(e) => {
+                tracing::debug!(%uri, error = %e, "HEAD after write failed; using upload result");
+                ObjectMeta {
+                    size,
+                    etag: etag.clone(),
+                    last_modified_ms: std::time::SystemTime::now()
+                        .duration_since(std::time::UNIX_EPOCH)
+                        .map(|d| d.as_millis() as i64)
+                        .unwrap_or(0),
+                }
+            }
+        };
+        let ours = meta.etag == etag && meta.size == size;
+        if let Ok(Some(old)) = self.index.get_object(&key) {
+            if old.etag != meta.etag {
+                self.reclaim_version(&key, &old.etag, old.size);
+            }
+        }
+        if let Err(e) = self.record_meta(&key, &meta) {
+            tracing::warn!(%uri, error = %e, "recording metadata after write failed");
+        }
+        for page in staged {
+            let page_key = PageKey::new(&key, &etag, page.index);
+            if !ours {
+                self.pages.discard_staged(&page.path);
+                continue;
+            }
+            match self.pages.commit(&page.path, &page_key) {
+                Ok(()) => self.index_page(
+                    page_key,
+                    PageEntry {
+                        uri: key.clone(),
+                        etag: etag.clone(),
+                        index: page.index,
+                        len: page.len,
+                        crcs: page.crcs,
+                    },
+                ),
+                Err(e) => {
+                    tracing::warn!(%uri, page = page.index, error = %e, "committing written page failed");
+                    self.pages.discard_staged(&page.path);
+                }
+            }
+        }
+        self.invalidate_lists(uri.bucket());
+        meta
+    }
+}
+
+async fn join_part(
+    task: JoinHandle<Result<(i32, String), StoreError>>,
+) -> Result<(i32, String), CacheError> {
+    match task.await {
+        Ok(r) => r.map_err(CacheError::from),
+        Err(e) => Err(CacheError::Local(format!("part upload task failed: {e}"))),
+    }
+}

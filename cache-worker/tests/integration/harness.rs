@@ -1,0 +1,194 @@
+use std::net::SocketAddr;
+use std::path::PathBuf;
+use std::sync::Arc;
+use std::time::Duration;
+
+use bytes::Bytes;
+use lakecache_protocol::{ObjectUri, WorkerClient};
+use lakecache_s3_endpoint::{EndpointConfig, FaultInjector, RunningEndpoint, S3Op};
+use lakecache_worker::store::{ObjectStore, RetryMode};
+use lakecache_worker::{CacheConfig, HttpLimits, Metrics, RunningWorker, S3Config, WorkerOptions};
+use sha2::{Digest, Sha256};
+
+pub const BUCKET: &str = "data";
+pub const MIB: u64 = 1 << 20;
+
+pub struct Harness {
+    _dir: tempfile::TempDir,
+    pub s3: RunningEndpoint,
+    pub s3_config: S3Config,
+    pub options: WorkerOptions,
+    pub worker: Option<RunningWorker>,
+    pub metrics: Arc<Metrics>,
+    pub client: WorkerClient,
+    /// Direct S3 access that bypasses the worker (for setup and checks).
+    pub direct: Arc<dyn ObjectStore>,
+}
+
+pub fn default_options(cache_dir: PathBuf) -> WorkerOptions {
+    WorkerOptions {
+        listen: "127.0.0.1:0".parse().unwrap(),
+        cache_dir,
+        cache: CacheConfig {
+            page_size: MIB,
+            capacity: 256 * MIB,
+            high_watermark: 0.95,
+            low_watermark: 0.85,
+            metadata_ttl: Duration::from_secs(60),
+            readahead_pages: 0,
+            fetch_concurrency: 16,
+            part_size: 5 * MIB,
+        },
+        limits: HttpLimits::default(),
+    }
+}
+
+impl Harness {
+    pub async fn start() -> Self {
+        Self::with(|_| {}).await
+    }
+
+    pub async fn with(tune: impl FnOnce(&mut WorkerOptions)) -> Self {
+        let dir = tempfile::tempdir().unwrap();
+        let s3 = lakecache_s3_endpoint::start(EndpointConfig {
+            root: dir.path().join("s3"),
+            listen: "127.0.0.1:0".parse().unwrap(),
+            access_key: "test-access".into(),
+            secret_key: "test-secret-key".into(),
+            buckets: vec![BUCKET.into()],
+        })
+        .await
+        .unwrap();
+        let s3_config = S3Config {
+            endpoint: Some(s3.url()),
+            path_style: true,
+            retry_mode: RetryMode::Standard,
+            max_attempts: 4,
+            static_credentials: Some(("test-access".into(), "test-secret-key".into())),
+            ..S3Config::default()
+        };
+        let mut options = default_options(dir.path().join("cache"));
+        tune(&mut options);
+        let metrics = Arc::new(Metrics::new().unwrap());
+        let direct =
+            lakecache_worker::s3_store(&s3_config, Arc::new(Metrics::new().unwrap())).await;
+        let worker = Self::spawn_worker(&options, &s3_config, metrics.clone()).await;
+        let client =
+            WorkerClient::new(&worker.addr().to_string(), Duration::from_secs(60)).unwrap();
+        Self {
+            _dir: dir,
+            s3,
+            s3_config,
+            options,
+            worker: Some(worker),
+            metrics,
+            client,
+            direct,
+        }
+    }
+
+    async fn spawn_worker(
+        options: &WorkerOptions,
+        s3: &S3Config,
+        metrics: Arc<Metrics>,
+    ) -> RunningWorker {
+        let store = lakecache_worker::s3_store(s3, metrics.clone()).await;
+        lakecache_worker::start_worker(options.clone(), store, metrics)
+            .await
+            .unwrap()
+    }
+
+    pub fn addr(&self) -> SocketAddr {
+        self.worker.as_ref().unwrap().addr()
+    }
+
+    pub fn faults(&self) -> &Arc<FaultInjector> {
+        self.s3.faults()
+    }
+
+    pub fn gets(&self) -> u64 {
+        self.faults().count(S3Op::GetObject)
+    }
+
+    pub fn heads(&self) -> u64 {
+        self.faults().count(S3Op::HeadObject)
+    }
+
+    /// Stops the worker and starts a fresh process-equivalent over the
+    /// same cache directory (same address is not kept).
+    pub async fn restart_worker(&mut self) {
+        if let Some(w) = self.worker.take() {
+            w.shutdown().await;
+        }
+        self.metrics = Arc::new(Metrics::new().unwrap());
+        let worker = Self::spawn_worker(&self.options, &self.s3_config, self.metrics.clone()).await;
+        self.client =
+            WorkerClient::new(&worker.addr().to_string(), Duration::from_secs(60)).unwrap();
+        self.worker = Some(worker);
+    }
+
+    pub async fn put_direct(&self, key: &str, data: &[u8]) -> String {
+        self.direct
+            .put(&uri(key), Bytes::copy_from_slice(data))
+            .await
+            .unwrap()
+    }
+
+    pub fn page_files(&self) -> Vec<PathBuf> {
+        let mut out = Vec::new();
+        let root = self.options.cache_dir.join("pages");
+        for shard in std::fs::read_dir(root).unwrap() {
+            for f in std::fs::read_dir(shard.unwrap().path()).unwrap() {
+                out.push(f.unwrap().path());
+            }
+        }
+        out
+    }
+}
+
+pub fn uri(key: &str) -> ObjectUri {
+    ObjectUri::new(BUCKET, key).unwrap()
+}
+
+/// Deterministic pseudo-random bytes (xorshift), distinct per seed.
+pub fn data(len: usize, seed: u64) -> Vec<u8> {
+    let mut x = seed.wrapping_mul(0x9E37_79B9_7F4A_7C15) | 1;
+    let mut out = Vec::with_capacity(len + 8);
+    while out.len() < len {
+        x ^= x << 13;
+        x ^= x >> 7;
+        x ^= x << 17;
+        out.extend_from_slice(&x.to_le_bytes());
+    }
+    out.truncate(len);
+    out
+}
+
+pub fn sha(data: &[u8]) -> String {
+    hex::encode(Sha256::digest(data))
+}
+
+/// Sends raw bytes on a new connection; returns the status code and the
+/// rest of the response as text.
+pub async fn raw_request(addr: SocketAddr, request: &[u8]) -> (u16, String) {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let conn = tokio::net::TcpStream::connect(addr).await.unwrap();
+    let (mut rd, mut wr) = conn.into_split();
+    // Write concurrently: the server may answer (and stop reading) before
+    // a large body is fully sent.
+    let request = request.to_vec();
+    let writer = tokio::spawn(async move {
+        let _ = wr.write_all(&request).await;
+        wr
+    });
+    let mut buf = Vec::new();
+    let _ = tokio::time::timeout(Duration::from_secs(10), rd.read_to_end(&mut buf)).await;
+    writer.abort();
+    let text = String::from_utf8_lossy(&buf).into_owned();
+    let status = text
+        .split_whitespace()
+        .nth(1)
+        .and_then(|s| s.parse().ok())
+        .unwrap_or(0);
+    (status, text)
+}

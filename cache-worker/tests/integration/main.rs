@@ -1,0 +1,9 @@
+//! Integration tests: a real worker over HTTP in front of the embedded S3
+//! endpoint (real SigV4 over HTTP through aws-sdk-s3); S3 requests are
+//! counted, and faults injected, at the endpoint.
+
+mod api;
+mod faults;
+mod harness;
+mod reads;
+mod writes;

@@ -1,0 +1,103 @@
+//! `lakecache`: one binary for the cache worker, the embedded S3 endpoint,
+//! the single-node quick start and the client commands.
+
+mod client_cmds;
+mod s3_cmd;
+mod units;
+mod up_cmd;
+mod worker_cmd;
+mod worker_config;
+
+use anyhow::Result;
+use clap::{Parser, Subcommand};
+
+#[derive(Parser)]
+#[command(
+    name = "lakecache",
+    version,
+    about = "A distributed cache between GPU training clusters and S3 data lakes",
+    long_about = "lakecache keeps S3 as the one source of truth and serves it from local \
+                  NVMe pages. Run `lakecache up` to try it on one machine."
+)]
+struct Cli {
+    /// Log filter (tracing EnvFilter syntax), e.g. info or lakecache_worker=debug
+    #[arg(long, global = true, env = "LAKECACHE_LOG", default_value = "info")]
+    log: String,
+    #[command(subcommand)]
+    command: Command,
+}
+
+#[derive(Subcommand)]
+enum Command {
+    /// Run a cache worker in front of S3
+    Worker(worker_cmd::WorkerCmd),
+    /// Run the embedded S3-compatible endpoint (for tests, benches, trying out)
+    S3Server(s3_cmd::S3ServerCmd),
+    /// Start a single-node cluster: embedded S3 endpoint, bucket and worker
+    Up(up_cmd::UpCmd),
+    /// Write an object (or a byte range of it) to stdout through the cache
+    Cat(client_cmds::CatCmd),
+    /// Show an object's size, ETag and modification time through the cache
+    Stat(client_cmds::StatCmd),
+    /// Upload a file (or stdin) as an object through the cache
+    Put(client_cmds::PutCmd),
+    /// List objects and prefixes under s3://bucket/prefix through the cache
+    Ls(client_cmds::LsCmd),
+}
+
+fn init_tracing(filter: &str) {
+    let filter = tracing_subscriber::EnvFilter::try_new(filter).unwrap_or_else(|e| {
+        eprintln!("warning: invalid --log filter {filter:?} ({e}); using info");
+        tracing_subscriber::EnvFilter::new("info")
+    });
+    tracing_subscriber::fmt()
+        .with_env_filter(filter)
+        .with_writer(std::io::stderr)
+        .init();
+}
+
+fn main() {
+    let cli = Cli::parse();
+    init_tracing(&cli.log);
+    let runtime = match tokio::runtime::Builder::new_multi_thread()
+        .enable_all()
+        .build()
+    {
+        Ok(rt) => rt,
+        Err(e) => {
+            eprintln!("error: cannot start the async runtime: {e}");
+            std::process::exit(1);
+        }
+    };
+    let result: Result<()> = runtime.block_on(async move {
+        match cli.command {
+            Command::Worker(cmd) => cmd.run().await,
+            Command::S3Server(cmd) => cmd.run().await,
+            Command::Up(cmd) => cmd.run().await,
+            Command::Cat(cmd) => cmd.run().await,
+            Command::Stat(cmd) => cmd.run().await,
+            Command::Put(cmd) => cmd.run().await,
+            Command::Ls(cmd) => cmd.run().await,
+        }
+    });
+    if let Err(e) = result {
+        eprintln!("error: {e:#}");
+        std::process::exit(1);
+    }
+}
+
+/// Resolves on Ctrl-C or SIGTERM.
+pub async fn shutdown_signal() {
+    let term = async {
+        match tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate()) {
+            Ok(mut s) => {
+                s.recv().await;
+            }
+            Err(_) => std::future::pending::<()>().await,
+        }
+    };
+    tokio::select! {
+        _ = tokio::signal::ctrl_c() => {}
+        () = term => {}
+    }
+}

@@ -1,0 +1,97 @@
+use std::net::SocketAddr;
+use std::path::PathBuf;
+use std::sync::Arc;
+
+use anyhow::{Context, Result};
+use clap::Args;
+use lakecache_s3_endpoint::EndpointConfig;
+use lakecache_worker::Metrics;
+
+use crate::units::ByteSize;
+use crate::worker_config::WorkerSettings;
+
+#[derive(Args)]
+pub struct UpCmd {
+    /// Directory for the embedded S3 data and the cache
+    #[arg(long, env = "LAKECACHE_UP_DIR", default_value = "./lakecache-data")]
+    dir: PathBuf,
+    /// Bucket to create
+    #[arg(long, default_value = "lakecache")]
+    bucket: String,
+    /// Address of the embedded S3 endpoint
+    #[arg(long, default_value = "127.0.0.1:9000")]
+    s3_listen: SocketAddr,
+    /// Address of the worker's HTTP API
+    #[arg(long, default_value = "127.0.0.1:9500")]
+    listen: SocketAddr,
+    /// Disk space for cached pages
+    #[arg(long, default_value = "10GiB")]
+    cache_size: ByteSize,
+}
+
+impl UpCmd {
+    pub async fn run(self) -> Result<()> {
+        std::fs::create_dir_all(&self.dir)
+            .with_context(|| format!("creating {}", self.dir.display()))?;
+        let dir = self.dir.canonicalize().unwrap_or(self.dir.clone());
+        let access_key = format!("LC{}", crate::s3_cmd::random_token(18).to_uppercase());
+        let secret_key = crate::s3_cmd::random_token(40);
+        let endpoint = lakecache_s3_endpoint::start(EndpointConfig {
+            root: dir.join("s3"),
+            listen: self.s3_listen,
+            access_key: access_key.clone(),
+            secret_key: secret_key.clone(),
+            buckets: vec![self.bucket.clone()],
+        })
+        .await
+        .context("starting the embedded S3 endpoint")?;
+
+        let settings = WorkerSettings {
+            listen: Some(self.listen),
+            cache_dir: Some(dir.join("cache")),
+            cache_size: Some(self.cache_size),
+            s3_endpoint: Some(endpoint.url()),
+            s3_path_style: Some(true),
+            ..Default::default()
+        };
+        let (options, mut s3) = settings.resolve()?;
+        s3.static_credentials = Some((access_key.clone(), secret_key.clone()));
+        let metrics = Arc::new(Metrics::new().map_err(anyhow::Error::msg)?);
+        let store = lakecache_worker::s3_store(&s3, metrics.clone()).await;
+        let worker = match lakecache_worker::start_worker(options, store, metrics).await {
+            Ok(w) => w,
+            Err(e) => {
+                endpoint.shutdown().await;
+                return Err(e).context("starting the worker");
+            }
+        };
+        let worker_url = format!("http://{}", worker.addr());
+        println!("lakecache is up (Ctrl-C to stop)");
+        println!(
+            "  S3 endpoint   {}  (path-style, region us-east-1)",
+            endpoint.url()
+        );
+        println!(
+            "  credentials   AWS_ACCESS_KEY_ID={access_key} AWS_SECRET_ACCESS_KEY={secret_key}"
+        );
+        println!("  bucket        s3://{}", self.bucket);
+        println!("  worker        {worker_url}  (metrics: {worker_url}/metrics)");
+        println!("  data          {}", dir.display());
+        println!("try:");
+        println!(
+            "  echo hello | lakecache put s3://{}/hello.txt --worker {}",
+            self.bucket,
+            worker.addr()
+        );
+        println!(
+            "  lakecache cat s3://{}/hello.txt --worker {}",
+            self.bucket,
+            worker.addr()
+        );
+        crate::shutdown_signal().await;
+        println!("shutting down");
+        worker.shutdown().await;
+        endpoint.shutdown().await;
+        Ok(())
+    }
+}

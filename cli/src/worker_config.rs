@@ -1,0 +1,253 @@
+//! `lakecache worker` settings from flags, environment and a TOML file.
+//! Precedence: flag, then environment variable, then file, then default.
+
+use std::net::SocketAddr;
+use std::path::{Path, PathBuf};
+
+use anyhow::{bail, Context, Result};
+use clap::Args;
+use lakecache_worker::store::RetryMode;
+use lakecache_worker::{CacheConfig, HttpLimits, S3Config, WorkerOptions};
+use serde::Deserialize;
+
+use crate::units::{ByteSize, Seconds};
+
+/// Every setting is optional here so that flags, environment and file can
+/// be layered; defaults are applied in [`WorkerSettings::resolve`].
+#[derive(Debug, Clone, Default, Args, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct WorkerSettings {
+    /// Address of the HTTP API [default: 127.0.0.1:9500]
+    #[arg(long, env = "LAKECACHE_LISTEN")]
+    pub listen: Option<SocketAddr>,
+    /// Directory for page files and the RocksDB index (created 0700)
+    /// [default: /var/cache/lakecache]
+    #[arg(long, env = "LAKECACHE_CACHE_DIR")]
+    pub cache_dir: Option<PathBuf>,
+    /// Disk space for cached pages, e.g. 500GiB [default: 10GiB]
+    #[arg(long, env = "LAKECACHE_CACHE_SIZE")]
+    pub cache_size: Option<ByteSize>,
+    /// Page size, 1MiB to 64MiB [default: 4MiB]
+    #[arg(long, env = "LAKECACHE_PAGE_SIZE")]
+    pub page_size: Option<ByteSize>,
+    /// How long HEAD and LIST results are trusted; 0 revalidates every
+    /// time [default: 60s]
+    #[arg(long, env = "LAKECACHE_METADATA_TTL")]
+    pub metadata_ttl: Option<Seconds>,
+    /// Pages fetched ahead of a sequential reader; 0 disables [default: 4]
+    #[arg(long, env = "LAKECACHE_READAHEAD_PAGES")]
+    pub readahead_pages: Option<u32>,
+    /// Concurrent page fetches from S3; bounds memory at this many pages
+    /// [default: 32]
+    #[arg(long, env = "LAKECACHE_FETCH_CONCURRENCY")]
+    pub fetch_concurrency: Option<usize>,
+    /// Eviction starts above this fraction of --cache-size [default: 0.95]
+    #[arg(long, env = "LAKECACHE_HIGH_WATERMARK")]
+    pub high_watermark: Option<f64>,
+    /// Eviction stops at this fraction of --cache-size [default: 0.85]
+    #[arg(long, env = "LAKECACHE_LOW_WATERMARK")]
+    pub low_watermark: Option<f64>,
+    /// Multipart part size for uploads, 5MiB to 5GiB [default: 16MiB]
+    #[arg(long, env = "LAKECACHE_PART_SIZE")]
+    pub part_size: Option<ByteSize>,
+    /// Largest accepted upload body [default: 5TiB]
+    #[arg(long, env = "LAKECACHE_MAX_BODY_SIZE")]
+    pub max_body_size: Option<ByteSize>,
+    /// Longest accepted request URI in bytes [default: 8192]
+    #[arg(long, env = "LAKECACHE_MAX_URI_BYTES")]
+    pub max_uri_bytes: Option<usize>,
+    /// Largest accepted request head (request line + headers) in bytes
+    /// [default: 65536]
+    #[arg(long, env = "LAKECACHE_MAX_HEADER_BYTES")]
+    pub max_header_bytes: Option<usize>,
+    /// S3 endpoint URL for S3-compatible stores (default: AWS, from region)
+    #[arg(long, env = "LAKECACHE_S3_ENDPOINT")]
+    pub s3_endpoint: Option<String>,
+    /// S3 region [default: us-east-1, or AWS_REGION]
+    #[arg(long, env = "LAKECACHE_S3_REGION")]
+    pub s3_region: Option<String>,
+    /// Use path-style addressing (needed by most S3-compatible stores)
+    #[arg(long, env = "LAKECACHE_S3_PATH_STYLE", num_args = 0..=1, default_missing_value = "true")]
+    pub s3_path_style: Option<bool>,
+    /// SDK retry mode: standard or adaptive (client-side rate limiting on
+    /// throttling) [default: standard]
+    #[arg(long, env = "LAKECACHE_S3_RETRY_MODE")]
+    pub s3_retry_mode: Option<RetryMode>,
+    /// Attempts per S3 request, first included [default: 5]
+    #[arg(long, env = "LAKECACHE_S3_MAX_ATTEMPTS")]
+    pub s3_max_attempts: Option<u32>,
+    /// Resumptions of a GET whose body breaks mid-stream [default: 3]
+    #[arg(long, env = "LAKECACHE_S3_MAX_RESUMES")]
+    pub s3_max_resumes: Option<u32>,
+}
+
+macro_rules! layer {
+    ($top:expr, $under:expr, [$($field:ident),* $(,)?]) => {
+        WorkerSettings { $($field: $top.$field.or($under.$field)),* }
+    };
+}
+
+impl WorkerSettings {
+    /// Reads a TOML file of the same settings (snake_case keys).
+    pub fn from_file(path: &Path) -> Result<Self> {
+        let text = std::fs::read_to_string(path)
+            .with_context(|| format!("reading config file {}", path.display()))?;
+        toml::from_str(&text).with_context(|| format!("parsing config file {}", path.display()))
+    }
+
+    /// `self` wins over `under` field by field.
+    pub fn over(self, under: WorkerSettings) -> WorkerSettings {
+        layer!(
+            self,
+            under,
+            [
+                listen,
+                cache_dir,
+                cache_size,
+                page_size,
+                metadata_ttl,
+                readahead_pages,
+                fetch_concurrency,
+                high_watermark,
+                low_watermark,
+                part_size,
+                max_body_size,
+                max_uri_bytes,
+                max_header_bytes,
+                s3_endpoint,
+                s3_region,
+                s3_path_style,
+                s3_retry_mode,
+                s3_max_attempts,
+                s3_max_resumes,
+            ]
+        )
+    }
+
+    /// Applies defaults and checks every value.
+    pub fn resolve(self) -> Result<(WorkerOptions, S3Config)> {
+        const MIB: u64 = 1 << 20;
+        let page_size = self.page_size.map_or(4 * MIB, |s| s.0);
+        if !(MIB..=64 * MIB).contains(&page_size) || page_size % (256 * 1024) != 0 {
+            bail!("--page-size must be between 1MiB and 64MiB in steps of 256KiB, got {page_size} bytes");
+        }
+        let capacity = self.cache_size.map_or(10 << 30, |s| s.0);
+        if capacity < 2 * page_size {
+            bail!(
+                "--cache-size must hold at least two pages ({} bytes), got {capacity}",
+                2 * page_size
+            );
+        }
+        let high = self.high_watermark.unwrap_or(0.95);
+        let low = self.low_watermark.unwrap_or(0.85);
+        if !(0.0 < low && low < high && high <= 1.0) {
+            bail!("watermarks must satisfy 0 < low < high <= 1, got low={low} high={high}");
+        }
+        let part_size = self.part_size.map_or(16 * MIB, |s| s.0);
+        if !(5 * MIB..=5 << 30).contains(&part_size) {
+            bail!("--part-size must be between 5MiB and 5GiB, got {part_size} bytes");
+        }
+        let fetch_concurrency = self.fetch_concurrency.unwrap_or(32);
+        if !(1..=1024).contains(&fetch_concurrency) {
+            bail!("--fetch-concurrency must be 1..=1024, got {fetch_concurrency}");
+        }
+        let max_attempts = self.s3_max_attempts.unwrap_or(5);
+        if !(1..=20).contains(&max_attempts) {
+            bail!("--s3-max-attempts must be 1..=20, got {max_attempts}");
+        }
+        let limits = HttpLimits {
+            max_uri_bytes: self.max_uri_bytes.unwrap_or(8 * 1024),
+            max_header_bytes: self.max_header_bytes.unwrap_or(64 * 1024),
+            max_body_bytes: self.max_body_size.map_or(5 << 40, |s| s.0),
+        };
+        if limits.max_uri_bytes < 256 || limits.max_header_bytes < 8192 {
+            bail!("--max-uri-bytes must be >= 256 and --max-header-bytes >= 8192");
+        }
+        if let Some(ep) = &self.s3_endpoint {
+            if !(ep.starts_with("http://") || ep.starts_with("https://")) {
+                bail!("--s3-endpoint must be an http:// or https:// URL, got {ep:?}");
+            }
+        }
+        let region = self
+            .s3_region
+            .or_else(|| std::env::var("AWS_REGION").ok())
+            .unwrap_or_else(|| "us-east-1".into());
+        let options = WorkerOptions {
+            listen: self.listen.unwrap_or(([127, 0, 0, 1], 9500).into()),
+            cache_dir: self
+                .cache_dir
+                .unwrap_or_else(|| "/var/cache/lakecache".into()),
+            cache: CacheConfig {
+                page_size,
+                capacity,
+                high_watermark: high,
+                low_watermark: low,
+                metadata_ttl: self
+                    .metadata_ttl
+                    .map_or(std::time::Duration::from_secs(60), |s| s.0),
+                readahead_pages: self.readahead_pages.unwrap_or(4),
+                fetch_concurrency,
+                part_size,
+            },
+            limits,
+        };
+        let s3 = S3Config {
+            endpoint: self.s3_endpoint,
+            region,
+            path_style: self.s3_path_style.unwrap_or(false),
+            retry_mode: self.s3_retry_mode.unwrap_or(RetryMode::Standard),
+            max_attempts,
+            max_resumes: self.s3_max_resumes.unwrap_or(3),
+            ..S3Config::default()
+        };
+        Ok((options, s3))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn flag_wins_over_file_and_defaults_fill_in() {
+        let file: WorkerSettings = toml::from_str(
+            "listen = \"127.0.0.1:7000\"\ncache_size = \"1GiB\"\npage_size = \"8MiB\"\nmetadata_ttl = 0\n",
+        )
+        .unwrap();
+        let flags = WorkerSettings {
+            listen: Some("127.0.0.1:8000".parse().unwrap()),
+            ..Default::default()
+        };
+        let (opts, s3) = flags.over(file).resolve().unwrap();
+        assert_eq!(opts.listen.port(), 8000);
+        assert_eq!(opts.cache.capacity, 1 << 30);
+        assert_eq!(opts.cache.page_size, 8 << 20);
+        assert!(opts.cache.metadata_ttl.is_zero());
+        assert_eq!(s3.max_attempts, 5);
+    }
+
+    #[test]
+    fn rejects_bad_values_with_clear_errors() {
+        let bad = |s: &str| {
+            toml::from_str::<WorkerSettings>(s)
+                .map_err(|e| e.to_string())
+                .and_then(|w| w.resolve().map(|_| ()).map_err(|e| e.to_string()))
+        };
+        assert!(bad("page_size = \"128MiB\"")
+            .unwrap_err()
+            .contains("--page-size"));
+        assert!(bad("cache_size = \"1MiB\"")
+            .unwrap_err()
+            .contains("--cache-size"));
+        assert!(bad("high_watermark = 0.5\nlow_watermark = 0.6")
+            .unwrap_err()
+            .contains("watermarks"));
+        assert!(bad("s3_endpoint = \"localhost:9000\"")
+            .unwrap_err()
+            .contains("--s3-endpoint"));
+        assert!(bad("no_such_key = 1")
+            .unwrap_err()
+            .contains("unknown field"));
+        assert!(bad("s3_retry_mode = \"sometimes\"").is_err());
+    }
+}

@@ -1,0 +1,294 @@
+//! A pooled HTTP/1.1 client for one worker.
+
+use std::ops::Range;
+use std::time::Duration;
+
+use bytes::Bytes;
+use http_body_util::{combinators::BoxBody, BodyExt, Empty, Full};
+use hyper::body::Incoming;
+use hyper_util::client::legacy::{connect::HttpConnector, Client};
+use hyper_util::rt::TokioExecutor;
+
+use crate::types::{ErrorBody, ErrorCode, ListResponse, ObjectStat};
+use crate::uri::ObjectUri;
+
+type BoxError = Box<dyn std::error::Error + Send + Sync>;
+pub type RequestBody = BoxBody<Bytes, BoxError>;
+
+#[derive(Debug, thiserror::Error)]
+pub enum ClientError {
+    #[error("worker answered {status} {code:?}: {message}")]
+    Api {
+        status: u16,
+        code: ErrorCode,
+        message: String,
+    },
+    #[error("cannot reach worker {addr}: {message}")]
+    Transport { addr: String, message: String },
+    #[error("worker {addr} did not answer within {0:?}", .timeout)]
+    Timeout { addr: String, timeout: Duration },
+    #[error("short body from worker: expected {expected} bytes, got {got}")]
+    ShortBody { expected: u64, got: u64 },
+    #[error("unexpected response from worker: {0}")]
+    Decode(String),
+    #[error("invalid worker address {0:?}")]
+    InvalidAddress(String),
+}
+
+impl ClientError {
+    /// True when another worker (or S3) might answer where this one failed.
+    pub fn is_retryable(&self) -> bool {
+        match self {
+            ClientError::Api { status, .. } => *status >= 500,
+            ClientError::Transport { .. }
+            | ClientError::Timeout { .. }
+            | ClientError::ShortBody { .. } => true,
+            ClientError::Decode(_) | ClientError::InvalidAddress(_) => false,
+        }
+    }
+}
+
+#[derive(Clone)]
+pub struct WorkerClient {
+    base: String,
+    client: Client<HttpConnector, RequestBody>,
+    timeout: Duration,
+}
+
+impl std::fmt::Debug for WorkerClient {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("WorkerClient")
+            .field("base", &self.base)
+            .finish()
+    }
+}
+
+fn empty() -> RequestBody {
+    Empty::new().map_err(|e| match e {}).boxed()
+}
+
+impl WorkerClient {
+    /// `addr` is `HOST:PORT` or `http://HOST:PORT`.
+    pub fn new(addr: &str, timeout: Duration) -> Result<Self, ClientError> {
+        let base = if addr.starts_with("http://") {
+            addr.trim_end_matches('/').to_string()
+        } else {
+            format!("http://{}", addr.trim_end_matches('/'))
+        };
+        base.parse::<http::Uri>()
+            .ok()
+            .filter(|u| u.authority().is_some() && u.path() == "/" || u.path().is_empty())
+            .ok_or_else(|| ClientError::InvalidAddress(addr.to_string()))?;
+        let mut connector = HttpConnector::new();
+        connector.set_nodelay(true);
+        connector.set_connect_timeout(Some(timeout));
+        let client = Client::builder(TokioExecutor::new())
+            .pool_idle_timeout(Duration::from_secs(60))
+            .build(connector);
+        Ok(Self {
+            base,
+            client,
+            timeout,
+        })
+    }
+
+    pub fn base_url(&self) -> &str {
+        &self.base
+    }
+
+    fn transport(&self, e: impl std::fmt::Display) -> ClientError {
+        ClientError::Transport {
+            addr: self.base.clone(),
+            message: e.to_string(),
+        }
+    }
+
+    /// Sends a request and returns the response head with its streaming
+    /// body; non-2xx answers become [`ClientError::Api`].
+    pub async fn send(
+        &self,
+        req: http::Request<RequestBody>,
+    ) -> Result<http::Response<Incoming>, ClientError> {
+        let fut = self.client.request(req);
+        let resp = tokio::time::timeout(self.timeout, fut)
+            .await
+            .map_err(|_| ClientError::Timeout {
+                addr: self.base.clone(),
+                timeout: self.timeout,
+            })?
+            .map_err(|e| self.transport(format!("{e:?}")))?;
+        if resp.status().is_success() {
+            return Ok(resp);
+        }
+        let status = resp.status().as_u16();
+        let body = self.collect(resp.into_body()).await.unwrap_or_default();
+        let (code, message) = match serde_json::from_slice::<ErrorBody>(&body) {
+            Ok(b) => (b.error.code, b.error.message),
+            Err(_) => (
+                ErrorCode::Unknown,
+                String::from_utf8_lossy(&body).chars().take(200).collect(),
+            ),
+        };
+        Err(ClientError::Api {
+            status,
+            code,
+            message,
+        })
+    }
+
+    async fn collect(&self, body: Incoming) -> Result<Bytes, ClientError> {
+        tokio::time::timeout(self.timeout, body.collect())
+            .await
+            .map_err(|_| ClientError::Timeout {
+                addr: self.base.clone(),
+                timeout: self.timeout,
+            })?
+            .map(|c| c.to_bytes())
+            .map_err(|e| self.transport(e))
+    }
+
+    fn request(&self, method: http::Method, path: &str) -> http::request::Builder {
+        http::Request::builder()
+            .method(method)
+            .uri(format!("{}{}", self.base, path))
+    }
+
+    async fn get_json<T: serde::de::DeserializeOwned>(&self, path: &str) -> Result<T, ClientError> {
+        let req = self
+            .request(http::Method::GET, path)
+            .body(empty())
+            .map_err(|e| ClientError::Decode(e.to_string()))?;
+        let resp = self.send(req).await?;
+        let body = self.collect(resp.into_body()).await?;
+        serde_json::from_slice(&body).map_err(|e| ClientError::Decode(e.to_string()))
+    }
+
+    pub async fn health(&self) -> Result<(), ClientError> {
+        let _: serde_json::Value = self.get_json("/v1/health").await?;
+        Ok(())
+    }
+
+    pub async fn stat(&self, uri: &ObjectUri) -> Result<ObjectStat, ClientError> {
+        self.get_json(&uri.api_path("stat")).await
+    }
+
+    pub async fn list(
+        &self,
+        bucket: &str,
+        prefix: &str,
+        delimiter: Option<&str>,
+        token: Option<&str>,
+        max_keys: Option<u32>,
+    ) -> Result<ListResponse, ClientError> {
+        let mut query = form_urlencoded(&[("prefix", prefix)]);
+        if let Some(d) = delimiter {
+            query.push_str(&format!("&{}", form_urlencoded(&[("delimiter", d)])));
+        }
+        if let Some(t) = token {
+            query.push_str(&format!(
+                "&{}",
+                form_urlencoded(&[("continuation-token", t)])
+            ));
+        }
+        if let Some(m) = max_keys {
+            query.push_str(&format!("&max-keys={m}"));
+        }
+        self.get_json(&format!("/v1/list/{bucket}?{query}")).await
+    }
+
+    /// Starts a read; the caller streams the body. `range` is half-open.
+    pub async fn read_stream(
+        &self,
+        uri: &ObjectUri,
+        range: Option<Range<u64>>,
+    ) -> Result<http::Response<Incoming>, ClientError> {
+        let mut builder = self.request(http::Method::GET, &uri.api_path("objects"));
+        if let Some(r) = &range {
+            if r.is_empty() {
+                return Err(ClientError::Decode("empty range".into()));
+            }
+            builder = builder.header(
+                http::header::RANGE,
+                format!("bytes={}-{}", r.start, r.end - 1),
+            );
+        }
+        let req = builder
+            .body(empty())
+            .map_err(|e| ClientError::Decode(e.to_string()))?;
+        self.send(req).await
+    }
+
+    /// Reads a whole range into memory, checking it arrived complete.
+    pub async fn read(
+        &self,
+        uri: &ObjectUri,
+        range: Option<Range<u64>>,
+    ) -> Result<Bytes, ClientError> {
+        let resp = self.read_stream(uri, range).await?;
+        let expected = resp
+            .headers()
+            .get(http::header::CONTENT_LENGTH)
+            .and_then(|v| v.to_str().ok())
+            .and_then(|v| v.parse::<u64>().ok());
+        let body = self.collect(resp.into_body()).await.map_err(|e| match e {
+            ClientError::Transport { .. } => ClientError::ShortBody {
+                expected: expected.unwrap_or(0),
+                got: 0,
+            },
+            other => other,
+        })?;
+        if let Some(expected) = expected {
+            if body.len() as u64 != expected {
+                return Err(ClientError::ShortBody {
+                    expected,
+                    got: body.len() as u64,
+                });
+            }
+        }
+        Ok(body)
+    }
+
+    /// Uploads `body` as the object's new content; returns once it is in S3.
+    pub async fn put(&self, uri: &ObjectUri, body: RequestBody) -> Result<ObjectStat, ClientError> {
+        let req = self
+            .request(http::Method::PUT, &uri.api_path("objects"))
+            .body(body)
+            .map_err(|e| ClientError::Decode(e.to_string()))?;
+        let resp = self.send(req).await?;
+        let body = self.collect(resp.into_body()).await?;
+        serde_json::from_slice(&body).map_err(|e| ClientError::Decode(e.to_string()))
+    }
+
+    pub async fn put_bytes(&self, uri: &ObjectUri, data: Bytes) -> Result<ObjectStat, ClientError> {
+        self.put(uri, Full::new(data).map_err(|e| match e {}).boxed())
+            .await
+    }
+
+    pub async fn delete(&self, uri: &ObjectUri) -> Result<(), ClientError> {
+        let req = self
+            .request(http::Method::DELETE, &uri.api_path("objects"))
+            .body(empty())
+            .map_err(|e| ClientError::Decode(e.to_string()))?;
+        self.send(req).await.map(|_| ())
+    }
+
+    /// The worker's Prometheus text.
+    pub async fn metrics(&self) -> Result<String, ClientError> {
+        let req = self
+            .request(http::Method::GET, "/metrics")
+            .body(empty())
+            .map_err(|e| ClientError::Decode(e.to_string()))?;
+        let resp = self.send(req).await?;
+        let body = self.collect(resp.into_body()).await?;
+        Ok(String::from_utf8_lossy(&body).into_owned())
+    }
+}
+
+fn form_urlencoded(pairs: &[(&str, &str)]) -> String {
+    use percent_encoding::{utf8_percent_encode, NON_ALPHANUMERIC};
+    pairs
+        .iter()
+        .map(|(k, v)| format!("{k}={}", utf8_percent_encode(v, NON_ALPHANUMERIC)))
+        .collect::<Vec<_>>()
+        .join("&")
+}

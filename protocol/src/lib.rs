@@ -1,0 +1,12 @@
+//! The lakecache worker's HTTP API: wire types, object URIs and a client.
+//!
+//! Every layer above the worker (CLI, cluster client, FUSE) speaks to it
+//! through this crate, so the validation rules live here once.
+
+mod client;
+mod types;
+mod uri;
+
+pub use client::{ClientError, WorkerClient};
+pub use types::{ErrorBody, ErrorCode, ErrorDetail, ListEntry, ListResponse, ObjectStat};
+pub use uri::{validate_bucket, validate_key, InvalidUri, ObjectUri, MAX_KEY_BYTES};

@@ -1,0 +1,97 @@
+use serde::{Deserialize, Serialize};
+
+/// Metadata of one object as the worker sees it.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct ObjectStat {
+    pub uri: String,
+    pub size: u64,
+    /// Unquoted ETag from the object store.
+    pub etag: String,
+    /// Last-Modified in milliseconds since the Unix epoch.
+    pub last_modified_ms: i64,
+}
+
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct ListEntry {
+    pub key: String,
+    pub size: u64,
+    pub etag: String,
+    pub last_modified_ms: i64,
+}
+
+/// One page of a listing (prefix + delimiter, like ListObjectsV2).
+#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct ListResponse {
+    pub objects: Vec<ListEntry>,
+    pub common_prefixes: Vec<String>,
+    /// Present when more entries follow; pass back as `continuation-token`.
+    pub next_token: Option<String>,
+}
+
+/// Stable error codes: scripts match on these, not on messages.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum ErrorCode {
+    BadRequest,
+    InvalidPath,
+    InvalidRange,
+    RangeNotSatisfiable,
+    NotFound,
+    RouteNotFound,
+    MethodNotAllowed,
+    UriTooLong,
+    BodyTooLarge,
+    HeadersTooLarge,
+    PreconditionFailed,
+    AccessDenied,
+    UpstreamThrottled,
+    UpstreamUnavailable,
+    UpstreamError,
+    Internal,
+    /// A code this client version does not know.
+    #[serde(other)]
+    Unknown,
+}
+
+impl ErrorCode {
+    pub fn http_status(self) -> u16 {
+        match self {
+            ErrorCode::BadRequest | ErrorCode::InvalidPath | ErrorCode::InvalidRange => 400,
+            ErrorCode::RangeNotSatisfiable => 416,
+            ErrorCode::NotFound | ErrorCode::RouteNotFound => 404,
+            ErrorCode::MethodNotAllowed => 405,
+            ErrorCode::UriTooLong => 414,
+            ErrorCode::BodyTooLarge => 413,
+            ErrorCode::HeadersTooLarge => 431,
+            ErrorCode::PreconditionFailed => 412,
+            ErrorCode::AccessDenied => 403,
+            ErrorCode::UpstreamThrottled => 503,
+            ErrorCode::UpstreamUnavailable => 502,
+            ErrorCode::UpstreamError => 502,
+            ErrorCode::Internal | ErrorCode::Unknown => 500,
+        }
+    }
+}
+
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct ErrorDetail {
+    pub code: ErrorCode,
+    pub message: String,
+}
+
+/// The JSON body of every error response: `{"error":{"code":..,"message":..}}`.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct ErrorBody {
+    pub error: ErrorDetail,
+}
+
+impl ErrorBody {
+    pub fn new(code: ErrorCode, message: impl Into<String>) -> Self {
+        Self {
+            error: ErrorDetail {
+                code,
+                message: message.into(),
+            },
+        }
+    }
+}

@@ -1,0 +1,125 @@
+//! Request counting and fault injection in front of the S3 service: the
+//! layer tests use to make the endpoint misbehave the way S3 does.
+
+use std::collections::HashMap;
+use std::sync::Mutex;
+
+/// The S3 operation a request names, as far as routing needs to know.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum S3Op {
+    GetObject,
+    HeadObject,
+    PutObject,
+    DeleteObject,
+    ListObjects,
+    CreateMultipartUpload,
+    UploadPart,
+    CompleteMultipartUpload,
+    AbortMultipartUpload,
+    Bucket,
+}
+
+impl S3Op {
+    /// Classifies a path-style request by method, path and query.
+    pub fn classify(method: &http::Method, uri: &http::Uri) -> Self {
+        let path = uri.path().trim_start_matches('/');
+        let has_key = path.split_once('/').is_some_and(|(_, k)| !k.is_empty());
+        let query = uri.query().unwrap_or("");
+        let has = |name: &str| {
+            query
+                .split('&')
+                .any(|p| p == name || p.starts_with(&format!("{name}=")))
+        };
+        if !has_key {
+            return if method == http::Method::GET && has("list-type") {
+                S3Op::ListObjects
+            } else {
+                S3Op::Bucket
+            };
+        }
+        match *method {
+            http::Method::GET => S3Op::GetObject,
+            http::Method::HEAD => S3Op::HeadObject,
+            http::Method::PUT if has("uploadId") => S3Op::UploadPart,
+            http::Method::PUT => S3Op::PutObject,
+            http::Method::POST if has("uploads") => S3Op::CreateMultipartUpload,
+            http::Method::POST => S3Op::CompleteMultipartUpload,
+            http::Method::DELETE if has("uploadId") => S3Op::AbortMultipartUpload,
+            http::Method::DELETE => S3Op::DeleteObject,
+            _ => S3Op::Bucket,
+        }
+    }
+}
+
+/// What to do to a matching request.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Fault {
+    /// Answer 503 SlowDown without touching storage.
+    SlowDown,
+    /// Answer 500 InternalError without touching storage.
+    InternalError,
+    /// Serve the response but cut the body after this many bytes.
+    TruncateBody { after: usize },
+}
+
+#[derive(Debug)]
+struct Rule {
+    op: S3Op,
+    fault: Fault,
+    remaining: u32,
+}
+
+/// Counts requests per operation and hands out injected faults.
+#[derive(Debug, Default)]
+pub struct FaultInjector {
+    counts: Mutex<HashMap<S3Op, u64>>,
+    rules: Mutex<Vec<Rule>>,
+}
+
+impl FaultInjector {
+    /// Makes the next `times` requests of `op` fail with `fault`.
+    pub fn inject(&self, op: S3Op, fault: Fault, times: u32) {
+        let mut rules = self.rules.lock().unwrap_or_else(|p| p.into_inner());
+        rules.push(Rule {
+            op,
+            fault,
+            remaining: times,
+        });
+    }
+
+    pub fn clear(&self) {
+        self.rules.lock().unwrap_or_else(|p| p.into_inner()).clear();
+    }
+
+    /// Requests of `op` seen so far, faulted ones included.
+    pub fn count(&self, op: S3Op) -> u64 {
+        let counts = self.counts.lock().unwrap_or_else(|p| p.into_inner());
+        counts.get(&op).copied().unwrap_or(0)
+    }
+
+    pub fn reset_counts(&self) {
+        self.counts
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .clear();
+    }
+
+    /// Records a request and returns the fault it should suffer, if any.
+    pub(crate) fn on_request(&self, op: S3Op) -> Option<Fault> {
+        *self
+            .counts
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .entry(op)
+            .or_default() += 1;
+        let mut rules = self.rules.lock().unwrap_or_else(|p| p.into_inner());
+        let idx = rules.iter().position(|r| r.op == op && r.remaining > 0)?;
+        let rule = &mut rules[idx];
+        rule.remaining -= 1;
+        let fault = rule.fault;
+        if rule.remaining == 0 {
+            rules.remove(idx);
+        }
+        Some(fault)
+    }
+}

@@ -1,0 +1,161 @@
+//! HTTP serving: TCP_NODELAY on every connection (Nagle plus delayed ACKs
+//! turn a 1 ms ranged GET into 40 ms), faults and counting, graceful stop.
+
+use std::convert::Infallible;
+use std::pin::Pin;
+use std::sync::Arc;
+use std::task::{Context, Poll};
+
+use bytes::Bytes;
+use http_body::{Body as HttpBody, Frame};
+use http_body_util::{combinators::BoxBody, BodyExt, Full};
+use hyper::body::Incoming;
+use hyper::service::service_fn;
+use hyper_util::rt::TokioIo;
+use hyper_util::server::graceful::GracefulShutdown;
+use s3s::service::S3Service;
+use tokio::net::TcpListener;
+
+use crate::faults::{Fault, FaultInjector, S3Op};
+use crate::s3api::error_xml;
+
+type BoxError = Box<dyn std::error::Error + Send + Sync>;
+type ResponseBody = BoxBody<Bytes, BoxError>;
+
+fn error_response(
+    status: http::StatusCode,
+    code: &str,
+    message: &str,
+) -> http::Response<ResponseBody> {
+    let body = Full::new(error_xml(code, message))
+        .map_err(|e| match e {})
+        .boxed();
+    let mut resp = http::Response::new(body);
+    *resp.status_mut() = status;
+    resp.headers_mut().insert(
+        http::header::CONTENT_TYPE,
+        http::HeaderValue::from_static("application/xml"),
+    );
+    resp
+}
+
+/// A body that yields `remaining` bytes and then fails, so hyper drops the
+/// connection mid-message the way a broken network does.
+struct TruncatedBody {
+    inner: s3s::Body,
+    remaining: usize,
+}
+
+impl HttpBody for TruncatedBody {
+    type Data = Bytes;
+    type Error = BoxError;
+
+    fn poll_frame(
+        mut self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+    ) -> Poll<Option<Result<Frame<Bytes>, BoxError>>> {
+        if self.remaining == 0 {
+            return Poll::Ready(Some(Err("injected fault: body truncated".into())));
+        }
+        match Pin::new(&mut self.inner).poll_frame(cx) {
+            Poll::Ready(Some(Ok(frame))) => match frame.into_data() {
+                Ok(mut data) => {
+                    if data.len() > self.remaining {
+                        data.truncate(self.remaining);
+                    }
+                    self.remaining -= data.len();
+                    Poll::Ready(Some(Ok(Frame::data(data))))
+                }
+                Err(frame) => Poll::Ready(Some(Ok(frame))),
+            },
+            Poll::Ready(Some(Err(e))) => Poll::Ready(Some(Err(e))),
+            Poll::Ready(None) => Poll::Ready(None),
+            Poll::Pending => Poll::Pending,
+        }
+    }
+}
+
+async fn handle(
+    service: S3Service,
+    faults: Arc<FaultInjector>,
+    req: http::Request<Incoming>,
+) -> Result<http::Response<ResponseBody>, Infallible> {
+    let op = S3Op::classify(req.method(), req.uri());
+    let fault = faults.on_request(op);
+    match fault {
+        Some(Fault::SlowDown) => {
+            return Ok(error_response(
+                http::StatusCode::SERVICE_UNAVAILABLE,
+                "SlowDown",
+                "Please reduce your request rate. (injected)",
+            ))
+        }
+        Some(Fault::InternalError) => {
+            return Ok(error_response(
+                http::StatusCode::INTERNAL_SERVER_ERROR,
+                "InternalError",
+                "We encountered an internal error. (injected)",
+            ))
+        }
+        _ => {}
+    }
+    let resp = match service.call(req.map(s3s::Body::from)).await {
+        Ok(resp) => resp,
+        Err(err) => {
+            tracing::error!(?err, "s3 service failed");
+            return Ok(error_response(
+                http::StatusCode::INTERNAL_SERVER_ERROR,
+                "InternalError",
+                "internal error",
+            ));
+        }
+    };
+    let (parts, body) = resp.into_parts();
+    let body = match fault {
+        Some(Fault::TruncateBody { after }) => TruncatedBody {
+            inner: body,
+            remaining: after,
+        }
+        .boxed(),
+        _ => body.map_err(|e| -> BoxError { e }).boxed(),
+    };
+    Ok(http::Response::from_parts(parts, body))
+}
+
+/// Serves S3 on `listener` until `shutdown` resolves, then drains
+/// connections in flight.
+pub async fn serve(
+    listener: TcpListener,
+    service: S3Service,
+    faults: Arc<FaultInjector>,
+    shutdown: impl std::future::Future<Output = ()>,
+) {
+    let graceful = GracefulShutdown::new();
+    let mut builder = hyper::server::conn::http1::Builder::new();
+    builder.keep_alive(true);
+    tokio::pin!(shutdown);
+    loop {
+        let (stream, _peer) = tokio::select! {
+            accepted = listener.accept() => match accepted {
+                Ok(conn) => conn,
+                Err(e) => {
+                    tracing::warn!(error = %e, "accept failed");
+                    tokio::time::sleep(std::time::Duration::from_millis(50)).await;
+                    continue;
+                }
+            },
+            () = &mut shutdown => break,
+        };
+        let _ = stream.set_nodelay(true);
+        let (service, faults) = (service.clone(), faults.clone());
+        let svc = service_fn(move |req| handle(service.clone(), faults.clone(), req));
+        let conn = builder.serve_connection(TokioIo::new(stream), svc);
+        let conn = graceful.watch(conn);
+        tokio::spawn(async move {
+            if let Err(e) = conn.await {
+                tracing::debug!(error = %e, "s3 connection ended with error");
+            }
+        });
+    }
+    let _ = tokio::time::timeout(std::time::Duration::from_secs(10), graceful.shutdown()).await;
+}

@@ -1,0 +1,34 @@
+#!/usr/bin/env bash
+# Installs what building and testing lakecache needs on Debian/Ubuntu.
+# Idempotent and quiet when everything is already there.
+set -euo pipefail
+
+need_apt=()
+# bindgen (rocksdb bindings) needs libclang; the C++ build needs g++.
+for pkg in libclang-dev clang g++ pkg-config; do
+  dpkg -s "$pkg" >/dev/null 2>&1 || need_apt+=("$pkg")
+done
+if ((${#need_apt[@]})); then
+  echo "installing: ${need_apt[*]}" >&2
+  SUDO=""
+  [ "$(id -u)" -eq 0 ] || SUDO="sudo"
+  $SUDO apt-get update -qq
+  DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -qq "${need_apt[@]}" >/dev/null
+fi
+
+if ! command -v cargo >/dev/null 2>&1; then
+  for c in "$HOME/.cargo/bin/cargo" /usr/local/cargo/bin/cargo; do
+    [ -x "$c" ] && export PATH="$(dirname "$c"):$PATH" && break
+  done
+fi
+command -v cargo >/dev/null 2>&1 || {
+  echo "error: cargo not found; install Rust 1.95+ (https://rustup.rs)" >&2
+  exit 1
+}
+
+# Reuse a build cache outside the checkout when one can be made.
+if [ -z "${CARGO_TARGET_DIR:-}" ]; then
+  if mkdir -p /var/cache/lakecache/target 2>/dev/null && [ -w /var/cache/lakecache/target ]; then
+    export CARGO_TARGET_DIR=/var/cache/lakecache/target
+  fi
+fi
