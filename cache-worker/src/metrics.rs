@@ -189,7 +189,7 @@ impl Metrics {
         self.s3_requests
             .add(1, &[op_kv.clone(), KeyValue::new("outcome", outcome)]);
         self.s3_seconds
-            .record(elapsed.as_secs_f64(), &[op_kv.clone()]);
+            .record(elapsed.as_secs_f64(), std::slice::from_ref(&op_kv));
         if bytes > 0 {
             self.s3_bytes.add(bytes, &[op_kv]);
         }

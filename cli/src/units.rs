@@ -48,7 +48,7 @@ impl fmt::Display for ByteSize {
             ("KiB", 1 << 10),
         ];
         for (name, size) in UNITS {
-            if self.0 >= size && self.0 % size == 0 {
+            if self.0 >= size && self.0.is_multiple_of(size) {
                 return write!(f, "{}{name}", self.0 / size);
             }
         }

@@ -128,7 +128,7 @@ impl WorkerSettings {
     pub fn resolve(self) -> Result<(WorkerOptions, S3Config)> {
         const MIB: u64 = 1 << 20;
         let page_size = self.page_size.map_or(4 * MIB, |s| s.0);
-        if !(MIB..=64 * MIB).contains(&page_size) || page_size % (256 * 1024) != 0 {
+        if !(MIB..=64 * MIB).contains(&page_size) || !page_size.is_multiple_of(256 * 1024) {
             bail!("--page-size must be between 1MiB and 64MiB in steps of 256KiB, got {page_size} bytes");
         }
         let capacity = self.cache_size.map_or(10 << 30, |s| s.0);

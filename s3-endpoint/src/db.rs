@@ -275,8 +275,7 @@ impl ObjectDb {
             self.cf(CF_OBJECTS),
             IteratorMode::From(&seek, Direction::Forward),
         );
-        loop {
-            let Some(item) = iter.next() else { break };
+        while let Some(item) = iter.next() {
             let (k, v) = item?;
             if !k.starts_with(&base) {
                 break;

@@ -103,8 +103,9 @@ fn method_not_allowed(allow: &'static str) -> Response {
     resp
 }
 
-fn parse_uri(rest: &str) -> Result<ObjectUri, Response> {
-    ObjectUri::from_api_path(rest).map_err(|e| error(ErrorCode::InvalidPath, e.to_string()))
+fn parse_uri(rest: &str) -> Result<ObjectUri, Box<Response>> {
+    ObjectUri::from_api_path(rest)
+        .map_err(|e| Box::new(error(ErrorCode::InvalidPath, e.to_string())))
 }
 
 fn stat_body(uri: &ObjectUri, meta: &ObjectMeta) -> ObjectStat {
@@ -131,7 +132,7 @@ fn health(state: &AppState) -> Response {
 async fn stat(state: &AppState, rest: &str) -> Response {
     let uri = match parse_uri(rest) {
         Ok(u) => u,
-        Err(resp) => return resp,
+        Err(resp) => return *resp,
     };
     match state.cache.stat(&uri).await {
         Ok(meta) => json(StatusCode::OK, &stat_body(&uri, &meta)),
@@ -153,7 +154,7 @@ async fn read(
 ) -> Response {
     let uri = match parse_uri(rest) {
         Ok(u) => u,
-        Err(resp) => return resp,
+        Err(resp) => return *resp,
     };
     let spec = match req.headers().get(header::RANGE) {
         None => None,
@@ -248,7 +249,7 @@ async fn read(
 async fn write(state: &AppState, rest: &str, req: http::Request<Incoming>) -> Response {
     let uri = match parse_uri(rest) {
         Ok(u) => u,
-        Err(resp) => return resp,
+        Err(resp) => return *resp,
     };
     let limit = state.limits.max_body_bytes;
     let declared = req
@@ -292,7 +293,7 @@ async fn write(state: &AppState, rest: &str, req: http::Request<Incoming>) -> Re
 async fn delete(state: &AppState, rest: &str) -> Response {
     let uri = match parse_uri(rest) {
         Ok(u) => u,
-        Err(resp) => return resp,
+        Err(resp) => return *resp,
     };
     match state.cache.delete(&uri).await {
         Ok(()) => {
