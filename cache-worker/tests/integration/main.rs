@@ -3,6 +3,7 @@
 //! counted, and faults injected, at the endpoint.
 
 mod api;
+mod endpoint;
 mod faults;
 mod harness;
 mod reads;

@@ -1,0 +1,127 @@
+//! The embedded S3 endpoint behaves like S3 where clients notice.
+
+use bytes::Bytes;
+use lakecache_worker::store::{ObjectStore, StoreError};
+
+use crate::harness::*;
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn directory_markers_and_prefix_only_directories() {
+    let h = Harness::start().await;
+    // A marker object beside a real key under it, and a key named like
+    // the marker's parent: all three can coexist in S3.
+    h.put_direct("dir/", b"").await;
+    h.put_direct("dir/file", b"x").await;
+    h.put_direct("dir", b"plain").await;
+    h.put_direct("only/prefix/obj", b"y").await;
+
+    let page = h
+        .direct
+        .list(BUCKET, "", Some("/"), None, 1000)
+        .await
+        .unwrap();
+    assert_eq!(page.common_prefixes, vec!["dir/", "only/"]);
+    assert_eq!(
+        page.objects
+            .iter()
+            .map(|o| o.key.as_str())
+            .collect::<Vec<_>>(),
+        vec!["dir"]
+    );
+    let inside = h
+        .direct
+        .list(BUCKET, "dir/", Some("/"), None, 1000)
+        .await
+        .unwrap();
+    let keys: Vec<_> = inside.objects.iter().map(|o| o.key.as_str()).collect();
+    assert_eq!(keys, vec!["dir/", "dir/file"]);
+    assert!(
+        inside.objects.iter().all(|o| !o.etag.is_empty()),
+        "listings carry ETags"
+    );
+
+    // HEAD on a prefix-only "directory" is a plain 404, not a server error.
+    assert_eq!(
+        h.direct.head(&uri("only/prefix/")).await,
+        Err(StoreError::NotFound)
+    );
+    assert_eq!(h.direct.head(&uri("only")).await, Err(StoreError::NotFound));
+    assert_eq!(h.direct.head(&uri("dir/")).await.unwrap().size, 0);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn etags_follow_s3_rules_and_if_match_is_enforced() {
+    let h = Harness::start().await;
+    let etag = h.put_direct("e.bin", b"hello").await;
+    assert_eq!(
+        etag, "5d41402abc4b2a76b9719d911017c592",
+        "single PUT ETag is the MD5"
+    );
+    assert_eq!(
+        h.direct
+            .get_range(&uri("e.bin"), 0..5, "not-the-etag")
+            .await,
+        Err(StoreError::PreconditionFailed)
+    );
+    // Parts under 5 MiB (except the last) are rejected like S3 does.
+    let u = uri("mp.bin");
+    let id = h.direct.create_multipart(&u).await.unwrap();
+    let p1 = h
+        .direct
+        .upload_part(&u, &id, 1, Bytes::from(vec![1u8; 1000]))
+        .await
+        .unwrap();
+    let p2 = h
+        .direct
+        .upload_part(&u, &id, 2, Bytes::from(vec![2u8; 1000]))
+        .await
+        .unwrap();
+    let err = h
+        .direct
+        .complete_multipart(&u, &id, vec![(1, p1), (2, p2)])
+        .await
+        .unwrap_err();
+    assert!(
+        matches!(err, StoreError::Other(ref m) if m.contains("EntityTooSmall")),
+        "{err:?}"
+    );
+    h.direct.abort_multipart(&u, &id).await.unwrap();
+    assert_eq!(h.direct.head(&u).await, Err(StoreError::NotFound));
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn listing_pages_through_many_keys_and_common_prefixes() {
+    let h = Harness::start().await;
+    let mut expected = Vec::new();
+    for i in 0..25 {
+        let key = format!("many/{i:03}");
+        h.put_direct(&key, b"z").await;
+        expected.push(key);
+    }
+    for d in 0..5 {
+        h.put_direct(&format!("many/sub{d}/a"), b"z").await;
+        h.put_direct(&format!("many/sub{d}/b"), b"z").await;
+    }
+    let mut keys = Vec::new();
+    let mut prefixes = Vec::new();
+    let mut token = None;
+    loop {
+        let page = h
+            .direct
+            .list(BUCKET, "many/", Some("/"), token.as_deref(), 7)
+            .await
+            .unwrap();
+        assert!(page.objects.len() + page.common_prefixes.len() <= 7);
+        keys.extend(page.objects.into_iter().map(|o| o.key));
+        prefixes.extend(page.common_prefixes);
+        match page.next_token {
+            Some(t) => token = Some(t),
+            None => break,
+        }
+    }
+    assert_eq!(keys, expected);
+    assert_eq!(
+        prefixes,
+        (0..5).map(|d| format!("many/sub{d}/")).collect::<Vec<_>>()
+    );
+}

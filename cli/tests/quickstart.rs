@@ -1,0 +1,197 @@
+//! End to end through the real binary: `lakecache up`, then the client
+//! commands against it, then a clean SIGTERM shutdown and a restart.
+
+use std::io::{BufRead, BufReader, Write};
+use std::process::{Child, Command, Output, Stdio};
+use std::time::{Duration, Instant};
+
+const BIN: &str = env!("CARGO_BIN_EXE_lakecache");
+
+struct Up {
+    child: Child,
+    worker: String,
+}
+
+fn start_up(dir: &std::path::Path) -> Up {
+    let mut child = Command::new(BIN)
+        .args([
+            "up",
+            "--s3-listen",
+            "127.0.0.1:0",
+            "--listen",
+            "127.0.0.1:0",
+            "--cache-size",
+            "1GiB",
+            "--dir",
+        ])
+        .arg(dir)
+        .stdout(Stdio::piped())
+        .stderr(Stdio::null())
+        .spawn()
+        .expect("spawn lakecache up");
+    let mut lines = BufReader::new(child.stdout.take().unwrap()).lines();
+    let mut worker = None;
+    for line in lines.by_ref() {
+        let line = line.unwrap();
+        if let Some(rest) = line.trim().strip_prefix("worker") {
+            let url = rest.split_whitespace().next().unwrap();
+            worker = Some(url.trim_start_matches("http://").to_string());
+        }
+        if line.starts_with("try:") {
+            break;
+        }
+    }
+    // Keep draining stdout so the child never blocks on a full pipe.
+    std::thread::spawn(move || for _ in lines {});
+    Up {
+        child,
+        worker: worker.expect("up printed the worker address"),
+    }
+}
+
+fn run(args: &[&str], stdin: Option<&[u8]>) -> Output {
+    let mut child = Command::new(BIN)
+        .args(args)
+        .stdin(Stdio::piped())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    let mut input = child.stdin.take().unwrap();
+    if let Some(data) = stdin {
+        input.write_all(data).unwrap();
+    }
+    drop(input);
+    child.wait_with_output().unwrap()
+}
+
+fn stop(mut up: Up) {
+    let pid = up.child.id().to_string();
+    assert!(Command::new("kill")
+        .args(["-TERM", &pid])
+        .status()
+        .unwrap()
+        .success());
+    let deadline = Instant::now() + Duration::from_secs(20);
+    loop {
+        if let Some(status) = up.child.try_wait().unwrap() {
+            assert!(status.success(), "up exited with {status}");
+            return;
+        }
+        assert!(Instant::now() < deadline, "up did not stop on SIGTERM");
+        std::thread::sleep(Duration::from_millis(50));
+    }
+}
+
+#[test]
+fn up_serves_put_cat_stat_ls_and_shuts_down_cleanly() {
+    let dir = tempfile::tempdir().unwrap();
+    let up = start_up(dir.path());
+    let w = up.worker.clone();
+    let body: Vec<u8> = (0..5_000_000u32).map(|i| (i * 7 % 256) as u8).collect();
+
+    let put = run(
+        &["put", "s3://lakecache/data/blob.bin", "--worker", &w],
+        Some(&body),
+    );
+    assert!(
+        put.status.success(),
+        "put: {}",
+        String::from_utf8_lossy(&put.stderr)
+    );
+
+    let cat = run(
+        &["cat", "s3://lakecache/data/blob.bin", "--worker", &w],
+        None,
+    );
+    assert!(
+        cat.status.success(),
+        "cat: {}",
+        String::from_utf8_lossy(&cat.stderr)
+    );
+    assert!(cat.stdout == body, "cat returned different bytes");
+
+    let part = run(
+        &[
+            "cat",
+            "s3://lakecache/data/blob.bin",
+            "--range",
+            "10-19",
+            "--worker",
+            &w,
+        ],
+        None,
+    );
+    assert_eq!(part.stdout, &body[10..20]);
+
+    let stat = run(
+        &[
+            "stat",
+            "s3://lakecache/data/blob.bin",
+            "--json",
+            "--worker",
+            &w,
+        ],
+        None,
+    );
+    let json: serde_json::Value = serde_json::from_slice(&stat.stdout).unwrap();
+    assert_eq!(json["size"], 5_000_000);
+
+    let ls = run(&["ls", "s3://lakecache/", "--worker", &w], None);
+    let listing = String::from_utf8_lossy(&ls.stdout);
+    assert!(listing.contains("PRE  data/"), "{listing}");
+
+    // Errors are clear and exit non-zero.
+    let missing = run(&["cat", "s3://lakecache/nope", "--worker", &w], None);
+    assert_eq!(missing.status.code(), Some(1));
+    let err = String::from_utf8_lossy(&missing.stderr);
+    assert!(
+        err.contains("404") && err.contains("s3://lakecache/nope"),
+        "{err}"
+    );
+    let bad = run(&["cat", "lakecache/nope", "--worker", &w], None);
+    assert_eq!(bad.status.code(), Some(1));
+    assert!(String::from_utf8_lossy(&bad.stderr).contains("s3://bucket/key"));
+
+    stop(up);
+
+    // Objects and cache survive a restart over the same directory.
+    let up = start_up(dir.path());
+    let cat = run(
+        &[
+            "cat",
+            "s3://lakecache/data/blob.bin",
+            "--worker",
+            &up.worker,
+        ],
+        None,
+    );
+    assert!(cat.status.success() && cat.stdout == body);
+    stop(up);
+}
+
+#[test]
+fn invalid_worker_settings_fail_fast_with_the_flag_named() {
+    let out = run(
+        &[
+            "worker",
+            "--page-size",
+            "128MiB",
+            "--cache-dir",
+            "/tmp/unused-lakecache",
+        ],
+        None,
+    );
+    assert_eq!(out.status.code(), Some(1));
+    assert!(String::from_utf8_lossy(&out.stderr).contains("--page-size"));
+    let out = run(&["worker", "--cache-size", "lots"], None);
+    assert_eq!(out.status.code(), Some(2), "clap usage error");
+    assert!(String::from_utf8_lossy(&out.stderr).contains("invalid size"));
+
+    let dir = tempfile::tempdir().unwrap();
+    let cfg = dir.path().join("worker.toml");
+    std::fs::write(&cfg, "cache_size = \"1GiB\"\nunknown_key = 3\n").unwrap();
+    let out = run(&["worker", "--config", cfg.to_str().unwrap()], None);
+    assert_eq!(out.status.code(), Some(1));
+    assert!(String::from_utf8_lossy(&out.stderr).contains("unknown_key"));
+}
