@@ -4,8 +4,9 @@
 set -euo pipefail
 
 need_apt=()
-# bindgen (rocksdb bindings) needs libclang; the C++ build needs g++.
-for pkg in libclang-dev clang g++ pkg-config; do
+# bindgen (rocksdb bindings) needs libclang; the C++ build needs g++;
+# etcd-client needs protoc; the cluster tests run a real etcd.
+for pkg in libclang-dev clang g++ pkg-config protobuf-compiler etcd-server; do
   dpkg -s "$pkg" >/dev/null 2>&1 || need_apt+=("$pkg")
 done
 if ((${#need_apt[@]})); then

@@ -4,6 +4,7 @@
 use std::collections::HashMap;
 use std::ops::Range;
 use std::path::Path;
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, Weak};
 use std::time::{Duration, Instant};
 
@@ -67,9 +68,15 @@ pub struct Cache {
     last_read_end: Mutex<HashMap<String, u64>>,
     list_cache: Mutex<HashMap<ListKey, (Instant, ListResponse)>>,
     pub(crate) evict: Arc<Notify>,
+    /// Totals for `/v1/health` (the same counts feed the metrics).
+    hit_bytes: AtomicU64,
+    miss_bytes: AtomicU64,
 }
 
 const MAX_TRACKED_STREAMS: usize = 16_384;
+/// Largest piece a response stream holds at once, so memory per client
+/// stays small whatever the page and request sizes.
+const MAX_PIECE: u64 = 1 << 20;
 const MAX_CACHED_LISTS: usize = 4_096;
 
 fn now_ms() -> i64 {
@@ -114,6 +121,8 @@ impl Cache {
             last_read_end: Mutex::default(),
             list_cache: Mutex::default(),
             evict: Arc::new(Notify::new()),
+            hit_bytes: AtomicU64::new(0),
+            miss_bytes: AtomicU64::new(0),
         });
         tokio::spawn(evictor(Arc::downgrade(&cache), cache.evict.clone()));
         cache.evict.notify_one();
@@ -247,7 +256,8 @@ impl Cache {
         ))
     }
 
-    /// Bytes from `pos` to the end of its page (or `end`).
+    /// Bytes from `pos` towards `end`: at most [`MAX_PIECE`], never across
+    /// a page boundary.
     async fn next_piece(
         self: &Arc<Self>,
         uri: &ObjectUri,
@@ -258,7 +268,10 @@ impl Cache {
         let ps = self.config.page_size;
         let idx = pos / ps;
         let page_start = idx * ps;
-        let sub = pos - page_start..end.min(page_start + ps) - page_start;
+        let piece_end = end
+            .min(page_start + ps)
+            .min((pos / MAX_PIECE + 1) * MAX_PIECE);
+        let sub = pos - page_start..piece_end - page_start;
         self.page_range(uri, meta, idx, sub).await
     }
 
@@ -276,6 +289,8 @@ impl Cache {
             match self.read_local(key, entry, sub.clone()).await {
                 Ok(bytes) => {
                     self.metrics.hit(bytes.len() as u64);
+                    self.hit_bytes
+                        .fetch_add(bytes.len() as u64, Ordering::Relaxed);
                     return Ok(bytes);
                 }
                 Err(PageReadError::Corrupt { block }) => {
@@ -306,6 +321,8 @@ impl Cache {
         let end = (sub.end as usize).min(page.len());
         let start = (sub.start as usize).min(end);
         self.metrics.miss((end - start) as u64);
+        self.miss_bytes
+            .fetch_add((end - start) as u64, Ordering::Relaxed);
         Ok(page.slice(start..end))
     }
 
@@ -505,6 +522,14 @@ impl Cache {
 
     pub fn used_bytes(&self) -> u64 {
         self.lru.used()
+    }
+
+    /// Bytes served from local pages and bytes that needed S3, since start.
+    pub fn hit_miss_bytes(&self) -> (u64, u64) {
+        (
+            self.hit_bytes.load(Ordering::Relaxed),
+            self.miss_bytes.load(Ordering::Relaxed),
+        )
     }
 }
 

@@ -67,7 +67,10 @@ impl PageStore {
     /// Creates `<dir>/pages` and `<dir>/tmp` (0700); stale temp files from
     /// a crash are removed.
     pub fn open(dir: &Path) -> io::Result<Self> {
+        use std::os::unix::fs::PermissionsExt;
         mkdir_private(dir)?;
+        // An existing directory may have been created with looser modes.
+        fs::set_permissions(dir, fs::Permissions::from_mode(0o700))?;
         let pages = dir.join("pages");
         let tmp = dir.join("tmp");
         mkdir_private(&pages)?;
@@ -187,6 +190,9 @@ mod tests {
     fn reads_verify_blocks() {
         let dir = tempfile::tempdir().unwrap();
         let store = PageStore::open(dir.path()).unwrap();
+        use std::os::unix::fs::PermissionsExt;
+        let mode = fs::metadata(dir.path()).unwrap().permissions().mode();
+        assert_eq!(mode & 0o777, 0o700, "cache dir must be private");
         let key = PageKey::new("s3://b/k", "e", 0);
         let data: Vec<u8> = (0..(CHECK_BLOCK * 2 + 100))
             .map(|i| (i % 251) as u8)

@@ -1,30 +1,19 @@
-//! Client commands: cat, stat, put, ls through a worker.
+//! Client commands: cat, stat, put, ls through the cluster (or one worker).
 
 use std::path::PathBuf;
-use std::time::Duration;
 
 use anyhow::{bail, Context, Result};
 use bytes::Bytes;
 use clap::Args;
-use lakecache_protocol::{ObjectUri, WorkerClient};
+use futures::StreamExt;
+use lakecache_protocol::ObjectUri;
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 
-#[derive(Args)]
-pub struct WorkerArgs {
-    /// Worker address (HOST:PORT)
-    #[arg(long, env = "LAKECACHE_WORKER", default_value = "127.0.0.1:9500")]
-    worker: String,
-    /// Request timeout in seconds
-    #[arg(long, default_value_t = 300)]
-    timeout: u64,
-}
+use crate::cluster_args::ClusterArgs;
 
-impl WorkerArgs {
-    fn client(&self) -> Result<WorkerClient> {
-        WorkerClient::new(&self.worker, Duration::from_secs(self.timeout))
-            .with_context(|| format!("worker address {:?}", self.worker))
-    }
-}
+/// Bytes per read request of `cat`; a few are kept in flight.
+const CAT_CHUNK: u64 = 8 << 20;
+const CAT_IN_FLIGHT: usize = 4;
 
 fn parse_uri(s: &str) -> Result<ObjectUri> {
     s.parse::<ObjectUri>()
@@ -39,7 +28,7 @@ pub struct CatCmd {
     #[arg(long)]
     range: Option<String>,
     #[command(flatten)]
-    worker: WorkerArgs,
+    cluster: ClusterArgs,
 }
 
 fn parse_range(s: &str, size: u64) -> Result<std::ops::Range<u64>> {
@@ -64,30 +53,30 @@ fn parse_range(s: &str, size: u64) -> Result<std::ops::Range<u64>> {
 impl CatCmd {
     pub async fn run(self) -> Result<()> {
         let uri = parse_uri(&self.uri)?;
-        let client = self.worker.client()?;
+        let client = self.cluster.connect().await?;
         let stat = client.stat(&uri).await.with_context(|| format!("{uri}"))?;
         let range = match &self.range {
             Some(r) => parse_range(r, stat.size)?,
             None => 0..stat.size,
         };
-        if range.is_empty() {
-            return Ok(());
-        }
-        let resp = client
-            .read_stream(&uri, Some(range.clone()))
-            .await
-            .with_context(|| format!("{uri}"))?;
-        let mut body = resp.into_body();
+        let chunks: Vec<std::ops::Range<u64>> = (range.start..range.end)
+            .step_by(CAT_CHUNK as usize)
+            .map(|s| s..(s + CAT_CHUNK).min(range.end))
+            .collect();
+        let etag = stat.etag.clone();
+        let mut reads = futures::stream::iter(chunks)
+            .map(|r| {
+                let (client, uri, etag) = (client.clone(), uri.clone(), etag.clone());
+                async move { client.read(&uri, r, Some(&etag)).await }
+            })
+            .buffered(CAT_IN_FLIGHT);
         let mut out = tokio::io::stdout();
         let mut written = 0u64;
-        use http_body_util::BodyExt;
-        while let Some(frame) = body.frame().await {
-            let frame =
-                frame.with_context(|| format!("{uri}: read broke after {written} bytes"))?;
-            if let Ok(data) = frame.into_data() {
-                written += data.len() as u64;
-                out.write_all(&data).await.context("writing to stdout")?;
-            }
+        while let Some(piece) = reads.next().await {
+            let piece =
+                piece.with_context(|| format!("{uri}: read failed after {written} bytes"))?;
+            written += piece.len() as u64;
+            out.write_all(&piece).await.context("writing to stdout")?;
         }
         out.flush().await.context("writing to stdout")?;
         let want = range.end - range.start;
@@ -106,18 +95,14 @@ pub struct StatCmd {
     #[arg(long)]
     json: bool,
     #[command(flatten)]
-    worker: WorkerArgs,
+    cluster: ClusterArgs,
 }
 
 impl StatCmd {
     pub async fn run(self) -> Result<()> {
         let uri = parse_uri(&self.uri)?;
-        let stat = self
-            .worker
-            .client()?
-            .stat(&uri)
-            .await
-            .with_context(|| format!("{uri}"))?;
+        let client = self.cluster.connect().await?;
+        let stat = client.stat(&uri).await.with_context(|| format!("{uri}"))?;
         if self.json {
             println!("{}", serde_json::to_string_pretty(&stat)?);
         } else {
@@ -137,13 +122,20 @@ pub struct PutCmd {
     /// File to upload; stdin when omitted or "-"
     file: Option<PathBuf>,
     #[command(flatten)]
-    worker: WorkerArgs,
+    cluster: ClusterArgs,
 }
 
 impl PutCmd {
     pub async fn run(self) -> Result<()> {
         let uri = parse_uri(&self.uri)?;
-        let client = self.worker.client()?;
+        // The upload streams for as long as the input lasts; the timeout
+        // guards only the final answer after it.
+        let client = self
+            .cluster
+            .connect()
+            .await?
+            .writer_for(&uri)?
+            .with_timeout(std::time::Duration::from_secs(24 * 3600));
         let (tx, rx) = tokio::sync::mpsc::channel::<Result<Bytes, std::io::Error>>(4);
         let source = self.file.filter(|p| p.as_os_str() != "-");
         let reader = tokio::spawn(async move {
@@ -176,7 +168,7 @@ impl PutCmd {
         });
         use http_body_util::BodyExt;
         let stream = frames_from(rx);
-        let body = http_body_util::StreamBody::new(stream).boxed();
+        let body = BodyExt::boxed(http_body_util::StreamBody::new(stream));
         let stat = client
             .put(&uri, body)
             .await
@@ -212,7 +204,7 @@ pub struct LsCmd {
     #[arg(long, short)]
     recursive: bool,
     #[command(flatten)]
-    worker: WorkerArgs,
+    cluster: ClusterArgs,
 }
 
 impl LsCmd {
@@ -223,7 +215,7 @@ impl LsCmd {
             .with_context(|| format!("{:?} must start with s3://", self.uri))?;
         let (bucket, prefix) = rest.split_once('/').unwrap_or((rest, ""));
         lakecache_protocol::validate_bucket(bucket)?;
-        let client = self.worker.client()?;
+        let client = self.cluster.connect().await?;
         let delimiter = if self.recursive { None } else { Some("/") };
         let mut token: Option<String> = None;
         loop {

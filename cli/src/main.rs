@@ -2,7 +2,10 @@
 //! the single-node quick start and the client commands.
 
 mod client_cmds;
+mod cluster_args;
+mod ring_cmd;
 mod s3_cmd;
+mod status_cmd;
 mod units;
 mod up_cmd;
 mod worker_cmd;
@@ -43,6 +46,10 @@ enum Command {
     Put(client_cmds::PutCmd),
     /// List objects and prefixes under s3://bucket/prefix through the cache
     Ls(client_cmds::LsCmd),
+    /// Show cluster members, liveness, cache usage and hit ratio
+    Status(status_cmd::StatusCmd),
+    /// Print the owner of each of N keys (placement check across machines)
+    Ring(ring_cmd::RingCmd),
 }
 
 fn init_tracing(filter: &str) {
@@ -78,6 +85,8 @@ fn main() {
             Command::Stat(cmd) => cmd.run().await,
             Command::Put(cmd) => cmd.run().await,
             Command::Ls(cmd) => cmd.run().await,
+            Command::Status(cmd) => cmd.run().await,
+            Command::Ring(cmd) => cmd.run().await,
         }
     });
     if let Err(e) = result {

@@ -56,6 +56,24 @@ impl fmt::Display for ByteSize {
     }
 }
 
+impl ByteSize {
+    /// Rounded for tables: `1.5GiB`, `512MiB`, `900B`.
+    pub fn human(self) -> String {
+        const UNITS: [(&str, u64); 4] = [
+            ("TiB", 1 << 40),
+            ("GiB", 1 << 30),
+            ("MiB", 1 << 20),
+            ("KiB", 1 << 10),
+        ];
+        for (name, size) in UNITS {
+            if self.0 >= size {
+                return format!("{:.1}{name}", self.0 as f64 / size as f64);
+            }
+        }
+        format!("{}B", self.0)
+    }
+}
+
 impl<'de> Deserialize<'de> for ByteSize {
     fn deserialize<D: Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
         struct V;

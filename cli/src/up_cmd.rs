@@ -24,9 +24,13 @@ pub struct UpCmd {
     /// Address of the worker's HTTP API
     #[arg(long, default_value = "127.0.0.1:9500")]
     listen: SocketAddr,
-    /// Disk space for cached pages
+    /// Disk space for cached pages, per worker
     #[arg(long, default_value = "10GiB")]
     cache_size: ByteSize,
+    /// Workers to start (ports follow --listen: 9500, 9501, ...), sharing
+    /// the cache through a static registry
+    #[arg(long, default_value_t = 1, value_parser = clap::value_parser!(u16).range(1..=64))]
+    workers: u16,
 }
 
 impl UpCmd {
@@ -46,26 +50,42 @@ impl UpCmd {
         .await
         .context("starting the embedded S3 endpoint")?;
 
-        let settings = WorkerSettings {
-            listen: Some(self.listen),
-            cache_dir: Some(dir.join("cache")),
-            cache_size: Some(self.cache_size),
-            s3_endpoint: Some(endpoint.url()),
-            s3_path_style: Some(true),
-            ..Default::default()
-        };
-        let (options, mut s3) = settings.resolve()?;
-        s3.static_credentials = Some((access_key.clone(), secret_key.clone()));
-        let metrics = Arc::new(Metrics::new().map_err(anyhow::Error::msg)?);
-        let store = lakecache_worker::s3_store(&s3, metrics.clone()).await;
-        let worker = match lakecache_worker::start_worker(options, store, metrics).await {
-            Ok(w) => w,
-            Err(e) => {
-                endpoint.shutdown().await;
-                return Err(e).context("starting the worker");
+        let mut workers = Vec::new();
+        for i in 0..self.workers {
+            let mut listen = self.listen;
+            if listen.port() != 0 {
+                listen.set_port(listen.port().saturating_add(i));
             }
-        };
-        let worker_url = format!("http://{}", worker.addr());
+            let cache_dir = if i == 0 {
+                dir.join("cache")
+            } else {
+                dir.join(format!("cache-{i}"))
+            };
+            let settings = WorkerSettings {
+                listen: Some(listen),
+                cache_dir: Some(cache_dir),
+                cache_size: Some(self.cache_size),
+                s3_endpoint: Some(endpoint.url()),
+                s3_path_style: Some(true),
+                ..Default::default()
+            };
+            let (options, mut s3) = settings.resolve()?;
+            s3.static_credentials = Some((access_key.clone(), secret_key.clone()));
+            let metrics = Arc::new(Metrics::new().map_err(anyhow::Error::msg)?);
+            let store = lakecache_worker::s3_store(&s3, metrics.clone()).await;
+            match lakecache_worker::start_worker(options, store, metrics).await {
+                Ok(w) => workers.push(w),
+                Err(e) => {
+                    for w in workers {
+                        w.shutdown().await;
+                    }
+                    endpoint.shutdown().await;
+                    return Err(e).with_context(|| format!("starting worker {i}"));
+                }
+            }
+        }
+        let addrs: Vec<String> = workers.iter().map(|w| w.addr().to_string()).collect();
+        let first = addrs[0].clone();
         println!("lakecache is up (Ctrl-C to stop)");
         println!(
             "  S3 endpoint   {}  (path-style, region us-east-1)",
@@ -75,22 +95,27 @@ impl UpCmd {
             "  credentials   AWS_ACCESS_KEY_ID={access_key} AWS_SECRET_ACCESS_KEY={secret_key}"
         );
         println!("  bucket        s3://{}", self.bucket);
-        println!("  worker        {worker_url}  (metrics: {worker_url}/metrics)");
+        for addr in &addrs {
+            println!("  worker        http://{addr}  (metrics: http://{addr}/metrics)");
+        }
+        println!("  registry      static:{}", addrs.join(","));
         println!("  data          {}", dir.display());
         println!("try:");
         println!(
-            "  echo hello | lakecache put s3://{}/hello.txt --worker {}",
+            "  echo hello | lakecache put s3://{}/hello.txt --registry static:{}",
             self.bucket,
-            worker.addr()
+            addrs.join(",")
         );
         println!(
-            "  lakecache cat s3://{}/hello.txt --worker {}",
-            self.bucket,
-            worker.addr()
+            "  lakecache cat s3://{}/hello.txt --worker {first}",
+            self.bucket
         );
+        println!("  lakecache status --registry static:{}", addrs.join(","));
         crate::shutdown_signal().await;
         println!("shutting down");
-        worker.shutdown().await;
+        for w in workers {
+            w.shutdown().await;
+        }
         endpoint.shutdown().await;
         Ok(())
     }

@@ -1,8 +1,10 @@
 use std::path::PathBuf;
 use std::sync::Arc;
+use std::time::Duration;
 
 use anyhow::{Context, Result};
 use clap::Args;
+use lakecache_registry::{EtcdRegistration, Member, RegistryUrl};
 use lakecache_worker::Metrics;
 
 use crate::worker_config::WorkerSettings;
@@ -23,7 +25,10 @@ impl WorkerCmd {
             Some(path) => WorkerSettings::from_file(path)?,
             None => WorkerSettings::default(),
         };
-        let (options, s3) = self.settings.over(file).resolve()?;
+        let settings = self.settings.over(file);
+        let registration = settings.registration()?;
+        let (options, s3) = settings.resolve()?;
+        let capacity = options.cache.capacity;
         tracing::info!(?s3, "starting worker");
         let metrics = Arc::new(
             Metrics::new()
@@ -35,9 +40,66 @@ impl WorkerCmd {
             .await
             .context("starting worker")?;
         eprintln!("lakecache worker listening on http://{}", worker.addr());
+        let joined = match registration {
+            Some(reg) => match join_cluster(&reg, worker.addr(), capacity).await {
+                Ok(joined) => joined,
+                Err(e) => {
+                    worker.shutdown().await;
+                    return Err(e);
+                }
+            },
+            None => None,
+        };
         crate::shutdown_signal().await;
         tracing::info!("shutting down");
+        if let Some(registration) = joined {
+            // Leave the ring first so clients stop routing here.
+            registration.stop().await;
+        }
         worker.shutdown().await;
         Ok(())
     }
+}
+
+/// Registers in etcd (static and file registries need no registration).
+async fn join_cluster(
+    reg: &crate::worker_config::Registration,
+    bound: std::net::SocketAddr,
+    capacity: u64,
+) -> Result<Option<EtcdRegistration>> {
+    let RegistryUrl::Etcd { endpoints, prefix } = &reg.registry else {
+        return Ok(None);
+    };
+    let advertise = match &reg.advertise {
+        Some(a) => a.clone(),
+        None if bound.ip().is_unspecified() => {
+            anyhow::bail!(
+                "--listen {bound} is a wildcard address: set --advertise HOST:PORT for clients"
+            )
+        }
+        None => bound.to_string(),
+    };
+    let member = Member {
+        id: reg.worker_id.clone().unwrap_or_else(|| advertise.clone()),
+        address: advertise,
+        capacity,
+    };
+    let urls: Vec<String> = endpoints.iter().map(|e| format!("http://{e}")).collect();
+    let registration = EtcdRegistration::start(
+        urls,
+        prefix.clone(),
+        member.clone(),
+        reg.lease_ttl,
+        Duration::from_secs(5),
+    )
+    .await
+    .with_context(|| format!("registering worker {} in etcd", member.id))?;
+    eprintln!(
+        "registered as {} ({}) in etcd://{}{}",
+        member.id,
+        member.address,
+        endpoints.join(","),
+        prefix
+    );
+    Ok(Some(registration))
 }

@@ -79,6 +79,29 @@ pub struct WorkerSettings {
     /// Resumptions of a GET whose body breaks mid-stream [default: 3]
     #[arg(long, env = "LAKECACHE_S3_MAX_RESUMES")]
     pub s3_max_resumes: Option<u32>,
+    /// Cluster registry to join: etcd://HOST:PORT[/prefix] registers this
+    /// worker under a lease; static:/file: lists need no registration
+    #[arg(long, env = "LAKECACHE_REGISTRY")]
+    pub registry: Option<String>,
+    /// HOST:PORT clients use to reach this worker [default: --listen]
+    #[arg(long, env = "LAKECACHE_ADVERTISE")]
+    pub advertise: Option<String>,
+    /// Stable id of this worker in the ring [default: the advertised address]
+    #[arg(long, env = "LAKECACHE_WORKER_ID")]
+    pub worker_id: Option<String>,
+    /// etcd lease TTL; a worker that stops heart-beating leaves every
+    /// client's view within it [default: 10s]
+    #[arg(long, env = "LAKECACHE_LEASE_TTL")]
+    pub lease_ttl: Option<Seconds>,
+}
+
+/// Where and how a worker announces itself.
+#[derive(Debug, Clone)]
+pub struct Registration {
+    pub registry: lakecache_registry::RegistryUrl,
+    pub advertise: Option<String>,
+    pub worker_id: Option<String>,
+    pub lease_ttl: std::time::Duration,
 }
 
 macro_rules! layer {
@@ -120,12 +143,39 @@ impl WorkerSettings {
                 s3_retry_mode,
                 s3_max_attempts,
                 s3_max_resumes,
+                registry,
+                advertise,
+                worker_id,
+                lease_ttl,
             ]
         )
     }
 
+    /// The registry settings, validated; `None` without `--registry`.
+    pub fn registration(&self) -> Result<Option<Registration>> {
+        let Some(raw) = &self.registry else {
+            return Ok(None);
+        };
+        let registry = raw
+            .parse()
+            .map_err(|e: String| anyhow::anyhow!("--registry: {e}"))?;
+        let lease_ttl = self
+            .lease_ttl
+            .map_or(std::time::Duration::from_secs(10), |s| s.0);
+        if lease_ttl < std::time::Duration::from_secs(1) {
+            bail!("--lease-ttl must be at least 1s");
+        }
+        Ok(Some(Registration {
+            registry,
+            advertise: self.advertise.clone(),
+            worker_id: self.worker_id.clone(),
+            lease_ttl,
+        }))
+    }
+
     /// Applies defaults and checks every value.
     pub fn resolve(self) -> Result<(WorkerOptions, S3Config)> {
+        self.registration()?;
         const MIB: u64 = 1 << 20;
         let page_size = self.page_size.map_or(4 * MIB, |s| s.0);
         if !(MIB..=64 * MIB).contains(&page_size) || !page_size.is_multiple_of(256 * 1024) {

@@ -9,7 +9,7 @@ use hyper::body::Incoming;
 use hyper_util::client::legacy::{connect::HttpConnector, Client};
 use hyper_util::rt::TokioExecutor;
 
-use crate::types::{ErrorBody, ErrorCode, ListResponse, ObjectStat};
+use crate::types::{ErrorBody, ErrorCode, Health, ListResponse, ObjectStat};
 use crate::uri::ObjectUri;
 
 type BoxError = Box<dyn std::error::Error + Send + Sync>;
@@ -92,6 +92,15 @@ impl WorkerClient {
         })
     }
 
+    /// The same pooled client with another request timeout (uploads of
+    /// large bodies need longer than reads).
+    pub fn with_timeout(&self, timeout: Duration) -> Self {
+        Self {
+            timeout,
+            ..self.clone()
+        }
+    }
+
     pub fn base_url(&self) -> &str {
         &self.base
     }
@@ -163,9 +172,8 @@ impl WorkerClient {
         serde_json::from_slice(&body).map_err(|e| ClientError::Decode(e.to_string()))
     }
 
-    pub async fn health(&self) -> Result<(), ClientError> {
-        let _: serde_json::Value = self.get_json("/v1/health").await?;
-        Ok(())
+    pub async fn health(&self) -> Result<Health, ClientError> {
+        self.get_json("/v1/health").await
     }
 
     pub async fn stat(&self, uri: &ObjectUri) -> Result<ObjectStat, ClientError> {
@@ -202,7 +210,21 @@ impl WorkerClient {
         uri: &ObjectUri,
         range: Option<Range<u64>>,
     ) -> Result<http::Response<Incoming>, ClientError> {
+        self.read_stream_if(uri, range, None).await
+    }
+
+    /// Like [`Self::read_stream`]; with `etag`, the worker answers 412
+    /// unless the object still has that ETag.
+    pub async fn read_stream_if(
+        &self,
+        uri: &ObjectUri,
+        range: Option<Range<u64>>,
+        etag: Option<&str>,
+    ) -> Result<http::Response<Incoming>, ClientError> {
         let mut builder = self.request(http::Method::GET, &uri.api_path("objects"));
+        if let Some(tag) = etag {
+            builder = builder.header(http::header::IF_MATCH, format!("\"{tag}\""));
+        }
         if let Some(r) = &range {
             if r.is_empty() {
                 return Err(ClientError::Decode("empty range".into()));
@@ -224,7 +246,25 @@ impl WorkerClient {
         uri: &ObjectUri,
         range: Option<Range<u64>>,
     ) -> Result<Bytes, ClientError> {
-        let resp = self.read_stream(uri, range).await?;
+        self.read_checked(uri, range, None)
+            .await
+            .map(|(bytes, _)| bytes)
+    }
+
+    /// Reads a range (of version `etag`, if given) and returns the bytes
+    /// with the ETag the worker served them under.
+    pub async fn read_checked(
+        &self,
+        uri: &ObjectUri,
+        range: Option<Range<u64>>,
+        etag: Option<&str>,
+    ) -> Result<(Bytes, Option<String>), ClientError> {
+        let resp = self.read_stream_if(uri, range, etag).await?;
+        let served_etag = resp
+            .headers()
+            .get(http::header::ETAG)
+            .and_then(|v| v.to_str().ok())
+            .map(|v| v.trim_matches('"').to_string());
         let expected = resp
             .headers()
             .get(http::header::CONTENT_LENGTH)
@@ -245,7 +285,7 @@ impl WorkerClient {
                 });
             }
         }
-        Ok(body)
+        Ok((body, served_etag))
     }
 
     /// Uploads `body` as the object's new content; returns once it is in S3.

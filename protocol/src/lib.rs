@@ -8,5 +8,5 @@ mod types;
 mod uri;
 
 pub use client::{ClientError, WorkerClient};
-pub use types::{ErrorBody, ErrorCode, ErrorDetail, ListEntry, ListResponse, ObjectStat};
+pub use types::{ErrorBody, ErrorCode, ErrorDetail, Health, ListEntry, ListResponse, ObjectStat};
 pub use uri::{validate_bucket, validate_key, InvalidUri, ObjectUri, MAX_KEY_BYTES};

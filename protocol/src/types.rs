@@ -95,3 +95,16 @@ impl ErrorBody {
         }
     }
 }
+
+/// `GET /v1/health`: liveness and cache usage of one worker.
+#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Health {
+    pub status: String,
+    pub cache_used_bytes: u64,
+    pub cache_capacity_bytes: u64,
+    pub page_size: u64,
+    /// Bytes served from local pages since the worker started.
+    pub hit_bytes: u64,
+    /// Bytes that had to come from S3 since the worker started.
+    pub miss_bytes: u64,
+}

@@ -9,7 +9,7 @@ use http_body::Frame;
 use http_body_util::{BodyExt, BodyStream, StreamBody};
 use hyper::body::Incoming;
 use lakecache_protocol::{
-    validate_bucket, ErrorCode, ListResponse, ObjectStat, ObjectUri, MAX_KEY_BYTES,
+    validate_bucket, ErrorCode, Health, ListResponse, ObjectStat, ObjectUri, MAX_KEY_BYTES,
 };
 
 use super::range::{parse_range, resolve};
@@ -118,14 +118,17 @@ fn stat_body(uri: &ObjectUri, meta: &ObjectMeta) -> ObjectStat {
 }
 
 fn health(state: &AppState) -> Response {
+    let (hit_bytes, miss_bytes) = state.cache.hit_miss_bytes();
     json(
         StatusCode::OK,
-        &serde_json::json!({
-            "status": "ok",
-            "cache_used_bytes": state.cache.used_bytes(),
-            "cache_capacity_bytes": state.cache.config.capacity,
-            "page_size": state.cache.page_size(),
-        }),
+        &Health {
+            status: "ok".into(),
+            cache_used_bytes: state.cache.used_bytes(),
+            cache_capacity_bytes: state.cache.config.capacity,
+            page_size: state.cache.page_size(),
+            hit_bytes,
+            miss_bytes,
+        },
     )
 }
 
@@ -170,13 +173,38 @@ async fn read(
             }
         },
     };
+    let if_match = req
+        .headers()
+        .get(header::IF_MATCH)
+        .and_then(|v| v.to_str().ok())
+        .map(|v| {
+            v.trim()
+                .trim_start_matches("W/")
+                .trim_matches('"')
+                .to_string()
+        });
     // A read that finds the object changed under its cached ETag starts
     // over once against the new version.
     for attempt in 0..2 {
-        let meta = match state.cache.stat(&uri).await {
+        let mut meta = match state.cache.stat(&uri).await {
             Ok(m) => m,
             Err(e) => return cache_error(&e),
         };
+        if let Some(want) = if_match.as_deref().filter(|w| *w != "*") {
+            if want != meta.etag {
+                // Our metadata may be stale: ask S3 before refusing.
+                meta = match state.cache.revalidate(&uri).await {
+                    Ok(m) => m,
+                    Err(e) => return cache_error(&e),
+                };
+                if want != meta.etag {
+                    return error(
+                        ErrorCode::PreconditionFailed,
+                        format!("object has ETag {}, not {want}", meta.etag),
+                    );
+                }
+            }
+        }
         let range = match spec {
             None => 0..meta.size,
             Some(s) => match resolve(s, meta.size) {

@@ -1,7 +1,7 @@
 //! The embedded S3 endpoint behaves like S3 where clients notice.
 
 use bytes::Bytes;
-use lakecache_worker::store::{ObjectStore, StoreError};
+use lakecache_worker::store::StoreError;
 
 use crate::harness::*;
 

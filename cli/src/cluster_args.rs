@@ -1,0 +1,97 @@
+//! How client commands find workers: `--registry` or a single `--worker`.
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use anyhow::{Context, Result};
+use clap::Args;
+use lakecache_registry::{ClusterClient, ClusterOptions, RegistryUrl, RingOptions};
+use lakecache_worker::store::ObjectStore;
+use lakecache_worker::{Metrics, S3Config};
+
+use crate::units::ByteSize;
+
+#[derive(Args, Clone)]
+pub struct ClusterArgs {
+    /// Cluster membership: etcd://HOST:PORT[/prefix], static:ADDR,ADDR or
+    /// file:/path (one ADDR per line, reloaded on change)
+    #[arg(long, env = "LAKECACHE_REGISTRY")]
+    pub registry: Option<RegistryUrl>,
+    /// A single worker (HOST:PORT), used when --registry is not given
+    #[arg(long, env = "LAKECACHE_WORKER", default_value = "127.0.0.1:9500")]
+    pub worker: String,
+    /// Request timeout towards a worker, in seconds
+    #[arg(long, default_value_t = 60)]
+    pub timeout: u64,
+    /// Placement segment size; must match the cluster's [default: 64MiB]
+    #[arg(long, env = "LAKECACHE_SEGMENT_SIZE")]
+    pub segment_size: Option<ByteSize>,
+    /// Virtual nodes per worker; must match the cluster [default: 512]
+    #[arg(long, env = "LAKECACHE_VNODES")]
+    pub vnodes: Option<u32>,
+    /// Do not read straight from S3 when no worker can answer
+    #[arg(long)]
+    pub no_s3_fallback: bool,
+    /// S3 endpoint for the fallback (default: AWS)
+    #[arg(long, env = "LAKECACHE_S3_ENDPOINT")]
+    pub s3_endpoint: Option<String>,
+    /// S3 region for the fallback
+    #[arg(long, env = "LAKECACHE_S3_REGION", default_value = "us-east-1")]
+    pub s3_region: String,
+    /// Path-style S3 addressing for the fallback
+    #[arg(long, env = "LAKECACHE_S3_PATH_STYLE", num_args = 0..=1, default_missing_value = "true", default_value = "false")]
+    pub s3_path_style: bool,
+}
+
+impl ClusterArgs {
+    pub fn registry(&self) -> Result<RegistryUrl> {
+        match &self.registry {
+            Some(r) => Ok(r.clone()),
+            None => format!("static:{}", self.worker)
+                .parse()
+                .map_err(anyhow::Error::msg)
+                .with_context(|| format!("--worker {:?}", self.worker)),
+        }
+    }
+
+    pub fn options(&self) -> ClusterOptions {
+        ClusterOptions {
+            ring: RingOptions {
+                segment_size: self
+                    .segment_size
+                    .map_or(lakecache_registry::DEFAULT_SEGMENT_SIZE, |s| s.0),
+                vnodes: self.vnodes.unwrap_or(lakecache_registry::DEFAULT_VNODES),
+                ..RingOptions::default()
+            },
+            timeout: Duration::from_secs(self.timeout),
+            s3_fallback: !self.no_s3_fallback,
+            ..ClusterOptions::default()
+        }
+    }
+
+    pub async fn connect(&self) -> Result<Arc<ClusterClient>> {
+        let registry = self.registry()?;
+        let membership = registry
+            .open(Duration::from_secs(5))
+            .await
+            .context("opening the cluster registry")?;
+        let s3: Option<Arc<dyn ObjectStore>> = if self.no_s3_fallback {
+            None
+        } else {
+            let config = S3Config {
+                endpoint: self.s3_endpoint.clone(),
+                region: self.s3_region.clone(),
+                path_style: self.s3_path_style,
+                ..S3Config::default()
+            };
+            let metrics = Arc::new(Metrics::new().map_err(anyhow::Error::msg)?);
+            Some(lakecache_worker::s3_store(&config, metrics).await)
+        };
+        let client = ClusterClient::new(membership, self.options(), s3);
+        anyhow::ensure!(
+            !client.members().is_empty(),
+            "no workers registered in {registry:?}"
+        );
+        Ok(client)
+    }
+}

@@ -1,0 +1,108 @@
+//! `lakecache status`: members, liveness and cache usage of the cluster.
+
+use std::time::Duration;
+
+use anyhow::{Context, Result};
+use clap::Args;
+use lakecache_protocol::WorkerClient;
+use serde::Serialize;
+
+use crate::cluster_args::ClusterArgs;
+use crate::units::ByteSize;
+
+#[derive(Args)]
+pub struct StatusCmd {
+    /// Print JSON instead of a table
+    #[arg(long)]
+    json: bool,
+    #[command(flatten)]
+    cluster: ClusterArgs,
+}
+
+#[derive(Serialize)]
+struct Row {
+    id: String,
+    address: String,
+    live: bool,
+    cache_used_bytes: Option<u64>,
+    cache_capacity_bytes: Option<u64>,
+    hit_ratio: Option<f64>,
+    error: Option<String>,
+}
+
+impl StatusCmd {
+    pub async fn run(self) -> Result<()> {
+        let registry = self.cluster.registry()?;
+        let membership = registry
+            .open(Duration::from_secs(5))
+            .await
+            .context("opening the cluster registry")?;
+        let members = membership.subscribe().borrow().clone();
+        let probes = members.iter().map(|m| async move {
+            let health = match WorkerClient::new(&m.address, Duration::from_secs(2)) {
+                Ok(c) => c.health().await.map_err(|e| e.to_string()),
+                Err(e) => Err(e.to_string()),
+            };
+            match health {
+                Ok(h) => {
+                    let total = h.hit_bytes + h.miss_bytes;
+                    Row {
+                        id: m.id.clone(),
+                        address: m.address.clone(),
+                        live: true,
+                        cache_used_bytes: Some(h.cache_used_bytes),
+                        cache_capacity_bytes: Some(h.cache_capacity_bytes),
+                        hit_ratio: (total > 0).then(|| h.hit_bytes as f64 / total as f64),
+                        error: None,
+                    }
+                }
+                Err(e) => Row {
+                    id: m.id.clone(),
+                    address: m.address.clone(),
+                    live: false,
+                    cache_used_bytes: None,
+                    cache_capacity_bytes: None,
+                    hit_ratio: None,
+                    error: Some(e),
+                },
+            }
+        });
+        let rows = futures::future::join_all(probes).await;
+        if self.json {
+            println!(
+                "{}",
+                serde_json::to_string_pretty(&serde_json::json!({
+                    "registry": membership.describe(),
+                    "members": rows,
+                }))?
+            );
+            return Ok(());
+        }
+        println!(
+            "registry: {}   members: {}",
+            membership.describe(),
+            rows.len()
+        );
+        println!(
+            "{:<24} {:<22} {:<5} {:>10} {:>10} {:>6}",
+            "ID", "ADDRESS", "LIVE", "USED", "CAPACITY", "HIT%"
+        );
+        let size = |v: Option<u64>| v.map_or("-".to_string(), |b| ByteSize(b).human());
+        for r in &rows {
+            println!(
+                "{:<24} {:<22} {:<5} {:>10} {:>10} {:>6}",
+                r.id,
+                r.address,
+                if r.live { "yes" } else { "NO" },
+                size(r.cache_used_bytes),
+                size(r.cache_capacity_bytes),
+                r.hit_ratio
+                    .map_or("-".to_string(), |h| format!("{:.1}", h * 100.0)),
+            );
+        }
+        for r in rows.iter().filter(|r| !r.live) {
+            eprintln!("{}: {}", r.id, r.error.as_deref().unwrap_or("unreachable"));
+        }
+        Ok(())
+    }
+}

@@ -1,0 +1,485 @@
+//! Cluster tests with real processes: Debian's etcd, the embedded S3
+//! endpoint (`lakecache s3-server`) and `lakecache worker`s registered in
+//! etcd; clients are the `lakecache` CLI and the registry library.
+
+use std::io::Read;
+use std::net::TcpListener;
+use std::path::Path;
+use std::process::{Child, Command, Stdio};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use lakecache_protocol::ObjectUri;
+use lakecache_registry::{ClusterClient, ClusterOptions, EtcdMembership, Membership};
+use sha2::{Digest, Sha256};
+
+const BIN: &str = env!("CARGO_BIN_EXE_lakecache");
+const ACCESS: &str = "cluster-test";
+const SECRET: &str = "cluster-test-secret";
+const PREFIX: &str = "/lctest";
+const TTL_SECS: u64 = 2;
+
+fn free_port() -> u16 {
+    TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap()
+        .port()
+}
+
+fn wait_for_port(port: u16, what: &str) {
+    let deadline = Instant::now() + Duration::from_secs(30);
+    while std::net::TcpStream::connect(("127.0.0.1", port)).is_err() {
+        assert!(Instant::now() < deadline, "{what} did not open port {port}");
+        std::thread::sleep(Duration::from_millis(50));
+    }
+}
+
+/// Kills the process when dropped, so a failing test leaves nothing behind.
+struct Proc(Child);
+
+impl Proc {
+    fn kill9(&mut self) {
+        let _ = self.0.kill();
+        let _ = self.0.wait();
+    }
+
+    fn term(&mut self) {
+        let pid = self.0.id().to_string();
+        let _ = Command::new("kill").args(["-TERM", &pid]).status();
+        let _ = self.0.wait();
+    }
+}
+
+impl Drop for Proc {
+    fn drop(&mut self) {
+        self.kill9();
+    }
+}
+
+struct Cluster {
+    dir: tempfile::TempDir,
+    etcd: Proc,
+    etcd_port: u16,
+    s3_port: u16,
+    _s3: Proc,
+    workers: Vec<(String, u16, Proc)>,
+}
+
+fn start_etcd(dir: &Path) -> (Proc, u16) {
+    let (client, peer) = (free_port(), free_port());
+    let child = Command::new("etcd")
+        .args(["--name", "lctest", "--data-dir"])
+        .arg(dir.join("etcd"))
+        .arg(format!("--listen-client-urls=http://127.0.0.1:{client}"))
+        .arg(format!("--advertise-client-urls=http://127.0.0.1:{client}"))
+        .arg(format!("--listen-peer-urls=http://127.0.0.1:{peer}"))
+        .arg(format!(
+            "--initial-advertise-peer-urls=http://127.0.0.1:{peer}"
+        ))
+        .arg(format!("--initial-cluster=lctest=http://127.0.0.1:{peer}"))
+        .stdout(Stdio::null())
+        .stderr(Stdio::null())
+        .spawn()
+        .expect("etcd from Debian's etcd-server must be installed (scripts/deps.sh)");
+    wait_for_port(client, "etcd");
+    (Proc(child), client)
+}
+
+impl Cluster {
+    fn start(workers: usize) -> Cluster {
+        let dir = tempfile::tempdir().unwrap();
+        let (etcd, etcd_port) = start_etcd(dir.path());
+        let s3_port = free_port();
+        let s3 = Command::new(BIN)
+            .args(["s3-server", "--root"])
+            .arg(dir.path().join("s3"))
+            .args([
+                "--listen",
+                &format!("127.0.0.1:{s3_port}"),
+                "--access-key",
+                ACCESS,
+                "--secret-key",
+                SECRET,
+                "--bucket",
+                "data",
+            ])
+            .stdout(Stdio::null())
+            .stderr(Stdio::null())
+            .spawn()
+            .unwrap();
+        wait_for_port(s3_port, "s3-server");
+        let mut cluster = Cluster {
+            dir,
+            etcd,
+            etcd_port,
+            s3_port,
+            _s3: Proc(s3),
+            workers: Vec::new(),
+        };
+        for i in 0..workers {
+            cluster.add_worker(&format!("w{i}"), None);
+        }
+        cluster
+    }
+
+    fn registry(&self) -> String {
+        format!("etcd://127.0.0.1:{}{PREFIX}", self.etcd_port)
+    }
+
+    fn add_worker(&mut self, id: &str, port: Option<u16>) -> u16 {
+        let port = port.unwrap_or_else(free_port);
+        let child = Command::new(BIN)
+            .args([
+                "worker",
+                "--listen",
+                &format!("127.0.0.1:{port}"),
+                "--cache-dir",
+            ])
+            .arg(self.dir.path().join(format!("cache-{id}")))
+            .args([
+                "--cache-size",
+                "4GiB",
+                "--s3-endpoint",
+                &format!("http://127.0.0.1:{}", self.s3_port),
+                "--s3-path-style",
+            ])
+            .args([
+                "--registry",
+                &self.registry(),
+                "--worker-id",
+                id,
+                "--lease-ttl",
+                &format!("{TTL_SECS}s"),
+            ])
+            .envs(s3_env(self.s3_port))
+            .stdout(Stdio::null())
+            .stderr(Stdio::null())
+            .spawn()
+            .unwrap();
+        wait_for_port(port, "worker");
+        self.workers.push((id.to_string(), port, Proc(child)));
+        port
+    }
+
+    fn worker_mut(&mut self, id: &str) -> &mut Proc {
+        &mut self.workers.iter_mut().find(|(w, _, _)| w == id).unwrap().2
+    }
+
+    /// Member ids that `lakecache status` reports as live.
+    fn live_members(&self) -> Vec<String> {
+        let out = cli(
+            &["status", "--json", "--registry", &self.registry()],
+            self.s3_port,
+        );
+        assert!(
+            out.status.success(),
+            "status failed: {}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+        let json: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+        let mut ids: Vec<String> = json["members"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .filter(|m| m["live"] == true)
+            .map(|m| m["id"].as_str().unwrap().to_string())
+            .collect();
+        ids.sort();
+        ids
+    }
+
+    fn wait_members(&self, want: &[&str], within: Duration) -> Duration {
+        let started = Instant::now();
+        loop {
+            let got = self.live_members();
+            if got == want {
+                return started.elapsed();
+            }
+            assert!(
+                started.elapsed() < within,
+                "members {got:?}, wanted {want:?} within {within:?}"
+            );
+            std::thread::sleep(Duration::from_millis(200));
+        }
+    }
+}
+
+fn s3_env(s3_port: u16) -> Vec<(&'static str, String)> {
+    vec![
+        ("AWS_ACCESS_KEY_ID", ACCESS.to_string()),
+        ("AWS_SECRET_ACCESS_KEY", SECRET.to_string()),
+        ("AWS_REGION", "us-east-1".to_string()),
+        (
+            "LAKECACHE_S3_ENDPOINT",
+            format!("http://127.0.0.1:{s3_port}"),
+        ),
+        ("LAKECACHE_S3_PATH_STYLE", "true".to_string()),
+    ]
+}
+
+fn cli(args: &[&str], s3_port: u16) -> std::process::Output {
+    Command::new(BIN)
+        .args(args)
+        .envs(s3_env(s3_port))
+        .output()
+        .unwrap()
+}
+
+#[test]
+fn members_join_and_leave_within_the_lease_ttl() {
+    let mut c = Cluster::start(3);
+    c.wait_members(&["w0", "w1", "w2"], Duration::from_secs(15));
+    c.add_worker("w3", None);
+    c.wait_members(&["w0", "w1", "w2", "w3"], Duration::from_secs(5));
+    // A crashed worker stops heart-beating and leaves within the TTL.
+    c.worker_mut("w3").kill9();
+    let took = c.wait_members(&["w0", "w1", "w2"], Duration::from_secs(TTL_SECS * 3 + 3));
+    eprintln!("killed worker left the view after {took:?} (TTL {TTL_SECS}s)");
+    // A stopped worker revokes its lease and leaves at once.
+    c.worker_mut("w2").term();
+    c.wait_members(&["w0", "w1"], Duration::from_secs(3));
+}
+
+/// Deterministic test data, streamed without holding 1 GiB in memory.
+fn block(i: u64) -> Vec<u8> {
+    let mut x = i.wrapping_mul(0x9E37_79B9_7F4A_7C15) | 1;
+    let mut out = Vec::with_capacity(1 << 20);
+    while out.len() < 1 << 20 {
+        x ^= x << 13;
+        x ^= x >> 7;
+        x ^= x << 17;
+        out.extend_from_slice(&x.to_le_bytes());
+    }
+    out
+}
+
+#[test]
+fn a_worker_killed_mid_stream_costs_no_failed_read() {
+    const MIB: u64 = 1 << 20;
+    const SIZE_MIB: u64 = 1024;
+    let mut c = Cluster::start(3);
+    c.wait_members(&["w0", "w1", "w2"], Duration::from_secs(15));
+
+    // Upload 1 GiB through the cluster (streamed by `lakecache put`).
+    let mut put = Command::new(BIN)
+        .args(["put", "s3://data/big.bin", "--registry", &c.registry()])
+        .envs(s3_env(c.s3_port))
+        .stdin(Stdio::piped())
+        .stdout(Stdio::null())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    let mut expected = Sha256::new();
+    {
+        use std::io::Write;
+        let mut stdin = put.stdin.take().unwrap();
+        for i in 0..SIZE_MIB {
+            let b = block(i);
+            expected.update(&b);
+            stdin.write_all(&b).unwrap();
+        }
+    }
+    let out = put.wait_with_output().unwrap();
+    assert!(
+        out.status.success(),
+        "put failed: {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let expected = hex(&expected.finalize());
+
+    // Which worker owns which 64 MiB segment: kill one that owns later ones.
+    let membership_owner = {
+        let rt = tokio::runtime::Runtime::new().unwrap();
+        rt.block_on(async {
+            let m = EtcdMembership::connect(
+                vec![format!("http://127.0.0.1:{}", c.etcd_port)],
+                PREFIX.into(),
+                Duration::from_secs(5),
+            )
+            .await
+            .unwrap();
+            let client = ClusterClient::new(Arc::new(m), ClusterOptions::default(), None);
+            let uri: ObjectUri = "s3://data/big.bin".parse().unwrap();
+            let owners: Vec<String> = (0..SIZE_MIB / 64)
+                .map(|s| client.owner_of(&uri, s * 64 * MIB).unwrap().id)
+                .collect();
+            owners
+        })
+    };
+    let victim = membership_owner[10].clone();
+    let spread: std::collections::BTreeSet<_> = membership_owner.iter().collect();
+    assert_eq!(
+        spread.len(),
+        3,
+        "1 GiB must spread over all three workers: {membership_owner:?}"
+    );
+
+    let mut cat = Command::new(BIN)
+        .args([
+            "cat",
+            "s3://data/big.bin",
+            "--registry",
+            &c.registry(),
+            "--timeout",
+            "10",
+        ])
+        .envs(s3_env(c.s3_port))
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    let mut stdout = cat.stdout.take().unwrap();
+    let mut got = Sha256::new();
+    let mut total = 0u64;
+    let mut buf = vec![0u8; 1 << 20];
+    let mut killed = false;
+    loop {
+        let n = stdout.read(&mut buf).unwrap();
+        if n == 0 {
+            break;
+        }
+        got.update(&buf[..n]);
+        total += n as u64;
+        if !killed && total >= 300 * MIB {
+            c.worker_mut(&victim).kill9();
+            killed = true;
+        }
+    }
+    let status = cat.wait().unwrap();
+    let mut err = String::new();
+    cat.stderr.take().unwrap().read_to_string(&mut err).unwrap();
+    assert!(killed, "the stream ended before the kill");
+    assert!(status.success(), "cat failed after killing {victim}: {err}");
+    assert_eq!(total, SIZE_MIB * MIB);
+    assert_eq!(hex(&got.finalize()), expected, "bytes differ");
+
+    // The killed worker comes back and rejoins.
+    let port = c.workers.iter().find(|(w, _, _)| *w == victim).unwrap().1;
+    c.wait_members(
+        &["w0", "w1", "w2"]
+            .into_iter()
+            .filter(|w| *w != victim)
+            .collect::<Vec<_>>(),
+        Duration::from_secs(TTL_SECS * 3 + 3),
+    );
+    c.workers.retain(|(w, _, _)| *w != victim);
+    c.add_worker(&victim, Some(port));
+    c.wait_members(&["w0", "w1", "w2"], Duration::from_secs(10));
+}
+
+fn hex(bytes: &[u8]) -> String {
+    bytes.iter().map(|b| format!("{b:02x}")).collect()
+}
+
+#[test]
+fn two_processes_compute_identical_owners() {
+    let args = [
+        "ring",
+        "--members",
+        "w-a,w-b,w-c,w-d,w-e,w-f,w-g,w-h",
+        "--keys",
+        "100000",
+    ];
+    let first = Command::new(BIN).args(args).output().unwrap();
+    let second = Command::new(BIN).args(args).output().unwrap();
+    assert!(first.status.success() && second.status.success());
+    assert_eq!(
+        first.stdout.iter().filter(|b| **b == b'\n').count(),
+        100_000
+    );
+    assert!(
+        first.stdout == second.stdout,
+        "two processes disagree on placement"
+    );
+    // And the library in this (third) process agrees.
+    let members: Vec<lakecache_registry::Member> = "w-a,w-b,w-c,w-d,w-e,w-f,w-g,w-h"
+        .split(',')
+        .map(|id| lakecache_registry::Member {
+            id: id.into(),
+            address: id.into(),
+            capacity: 0,
+        })
+        .collect();
+    let ring = lakecache_registry::Ring::new(&members, Default::default());
+    let mine: String = (0..100_000)
+        .map(|k| {
+            format!(
+                "{}\n",
+                ring.owner(&format!("s3://lake/key-{k}"), 0).unwrap().id
+            )
+        })
+        .collect();
+    assert!(mine.as_bytes() == first.stdout.as_slice());
+}
+
+#[test]
+fn etcd_unreachable_at_start_is_a_clear_error() {
+    let dead = format!("etcd://127.0.0.1:{}", free_port());
+    let dir = tempfile::tempdir().unwrap();
+    let started = Instant::now();
+    let out = Command::new(BIN)
+        .args([
+            "worker",
+            "--listen",
+            "127.0.0.1:0",
+            "--registry",
+            &dead,
+            "--cache-dir",
+        ])
+        .arg(dir.path())
+        .output()
+        .unwrap();
+    assert_eq!(out.status.code(), Some(1));
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(err.contains("cannot reach etcd"), "{err}");
+    assert!(started.elapsed() < Duration::from_secs(20));
+    let out = Command::new(BIN)
+        .args(["cat", "s3://data/x", "--registry", &dead])
+        .output()
+        .unwrap();
+    assert_eq!(out.status.code(), Some(1));
+    assert!(String::from_utf8_lossy(&out.stderr).contains("cannot reach etcd"));
+}
+
+#[test]
+fn clients_keep_the_last_ring_when_etcd_is_lost() {
+    let mut c = Cluster::start(3);
+    c.wait_members(&["w0", "w1", "w2"], Duration::from_secs(15));
+    let body: Vec<u8> = (0..3 * 64).flat_map(block).collect::<Vec<u8>>();
+    let rt = tokio::runtime::Runtime::new().unwrap();
+    rt.block_on(async {
+        let m = EtcdMembership::connect(
+            vec![format!("http://127.0.0.1:{}", c.etcd_port)],
+            PREFIX.into(),
+            Duration::from_secs(5),
+        )
+        .await
+        .unwrap();
+        let membership: Arc<dyn Membership> = Arc::new(m);
+        let client = ClusterClient::new(
+            membership.clone(),
+            ClusterOptions {
+                s3_fallback: false,
+                ..Default::default()
+            },
+            None,
+        );
+        let uri: ObjectUri = "s3://data/kept.bin".parse().unwrap();
+        client
+            .put(&uri, bytes::Bytes::from(body.clone()))
+            .await
+            .unwrap();
+        c.etcd.kill9();
+        tokio::time::sleep(Duration::from_secs(TTL_SECS + 2)).await;
+        assert_eq!(
+            membership.subscribe().borrow().len(),
+            3,
+            "last known members kept"
+        );
+        for _ in 0..3 {
+            let got = client.read(&uri, 0..body.len() as u64, None).await.unwrap();
+            assert!(got == body[..], "reads keep working without etcd");
+        }
+    });
+}

@@ -1,0 +1,381 @@
+//! The cluster client: routes every range read to the owner of its
+//! segment, fails over to the next replicas and finally to S3.
+
+use std::collections::HashMap;
+use std::ops::Range;
+use std::sync::{Arc, Mutex, RwLock};
+use std::time::{Duration, Instant};
+
+use bytes::{Bytes, BytesMut};
+use lakecache_protocol::{ClientError, ListResponse, ObjectStat, ObjectUri, WorkerClient};
+use lakecache_worker::store::{ObjectStore, StoreError};
+
+use crate::membership::{Member, Membership, View};
+use crate::ring::{Ring, RingOptions};
+
+#[derive(Debug, Clone)]
+pub struct ClusterOptions {
+    pub ring: RingOptions,
+    /// Per-request timeout towards a worker.
+    pub timeout: Duration,
+    /// Distinct workers tried per segment before S3.
+    pub attempts: usize,
+    /// How long a failed worker is skipped when it owns a segment.
+    pub suspect_for: Duration,
+    /// Read straight from S3 when no worker could answer.
+    pub s3_fallback: bool,
+}
+
+impl Default for ClusterOptions {
+    fn default() -> Self {
+        Self {
+            ring: RingOptions::default(),
+            timeout: Duration::from_secs(30),
+            attempts: 3,
+            suspect_for: Duration::from_secs(5),
+            s3_fallback: true,
+        }
+    }
+}
+
+#[derive(Debug, thiserror::Error)]
+pub enum ClusterError {
+    #[error("no workers in the cluster ({0})")]
+    NoWorkers(String),
+    /// A definite answer from a worker (not found, bad range, ...).
+    #[error(transparent)]
+    Worker(ClientError),
+    #[error("every worker failed and S3 fallback is off; last error: {0}")]
+    Unavailable(String),
+    #[error("S3 fallback failed: {0}")]
+    S3(StoreError),
+    #[error("the object changed during the read (expected ETag {expected}, got {got})")]
+    Changed { expected: String, got: String },
+}
+
+struct State {
+    ring: Ring,
+    clients: HashMap<String, WorkerClient>,
+}
+
+pub struct ClusterClient {
+    membership: Arc<dyn Membership>,
+    state: RwLock<Arc<State>>,
+    options: ClusterOptions,
+    suspects: Mutex<HashMap<String, Instant>>,
+    s3: Option<Arc<dyn ObjectStore>>,
+    follower: Mutex<Option<tokio::task::JoinHandle<()>>>,
+}
+
+impl Drop for ClusterClient {
+    fn drop(&mut self) {
+        if let Some(task) = self
+            .follower
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .take()
+        {
+            task.abort();
+        }
+    }
+}
+
+fn build_state(view: &View, options: &ClusterOptions, previous: Option<&State>) -> State {
+    let ring = Ring::new(view, options.ring.clone());
+    let mut clients = HashMap::new();
+    for m in ring.members() {
+        let reuse = previous
+            .and_then(|p| p.clients.get(&m.id))
+            .filter(|c| c.base_url().ends_with(&m.address));
+        let client = match reuse {
+            Some(c) => c.clone(),
+            None => match WorkerClient::new(&m.address, options.timeout) {
+                Ok(c) => c,
+                Err(e) => {
+                    tracing::warn!(member = %m.id, error = %e, "skipping member with a bad address");
+                    continue;
+                }
+            },
+        };
+        clients.insert(m.id.clone(), client);
+    }
+    State { ring, clients }
+}
+
+impl ClusterClient {
+    /// Builds the ring from the current view and follows later changes.
+    pub fn new(
+        membership: Arc<dyn Membership>,
+        options: ClusterOptions,
+        s3: Option<Arc<dyn ObjectStore>>,
+    ) -> Arc<Self> {
+        let mut rx = membership.subscribe();
+        let initial = build_state(&rx.borrow_and_update(), &options, None);
+        let client = Arc::new(Self {
+            membership,
+            state: RwLock::new(Arc::new(initial)),
+            options,
+            suspects: Mutex::default(),
+            s3,
+            follower: Mutex::new(None),
+        });
+        let weak = Arc::downgrade(&client);
+        let task = tokio::spawn(async move {
+            while rx.changed().await.is_ok() {
+                let Some(this) = weak.upgrade() else { return };
+                let view = rx.borrow_and_update().clone();
+                let previous = this.current();
+                let next = build_state(&view, &this.options, Some(&previous));
+                tracing::info!(members = next.ring.members().len(), "ring rebuilt");
+                *this.state.write().unwrap_or_else(|p| p.into_inner()) = Arc::new(next);
+            }
+        });
+        *client.follower.lock().unwrap_or_else(|p| p.into_inner()) = Some(task);
+        client
+    }
+
+    fn current(&self) -> Arc<State> {
+        self.state.read().unwrap_or_else(|p| p.into_inner()).clone()
+    }
+
+    pub fn members(&self) -> Vec<Member> {
+        self.current().ring.members().to_vec()
+    }
+
+    pub fn segment_size(&self) -> u64 {
+        self.options.ring.segment_size
+    }
+
+    /// The worker that owns byte `offset` of `uri` in the current ring.
+    pub fn owner_of(&self, uri: &ObjectUri, offset: u64) -> Option<Member> {
+        let state = self.current();
+        let segment = state.ring.segment_of(offset);
+        state.ring.owner(&uri.to_string(), segment).cloned()
+    }
+
+    fn is_suspect(&self, id: &str) -> bool {
+        let mut suspects = self.suspects.lock().unwrap_or_else(|p| p.into_inner());
+        match suspects.get(id) {
+            Some(since) if since.elapsed() < self.options.suspect_for => true,
+            Some(_) => {
+                suspects.remove(id);
+                false
+            }
+            None => false,
+        }
+    }
+
+    fn mark_suspect(&self, id: &str, error: &ClientError) {
+        tracing::warn!(worker = %id, %error, "worker failed; trying the next replica");
+        self.suspects
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .insert(id.to_string(), Instant::now());
+    }
+
+    /// Runs `op` on the segment's owner, then on the next replicas; healthy
+    /// workers before suspects. Returns the last retryable error if all fail.
+    async fn on_replicas<T, F, Fut>(
+        &self,
+        key: &str,
+        segment: u64,
+        op: F,
+    ) -> Result<T, ClusterError>
+    where
+        F: Fn(WorkerClient) -> Fut,
+        Fut: std::future::Future<Output = Result<T, ClientError>>,
+    {
+        let state = self.current();
+        let Some(owner) = state.ring.owner(key, segment) else {
+            return Err(ClusterError::NoWorkers(self.membership.describe()));
+        };
+        let mut order: Vec<Member> = vec![owner.clone()];
+        let mut last = String::from("no worker tried");
+        let mut expanded = false;
+        let mut i = 0;
+        while i < order.len() {
+            let member = order[i].clone();
+            i += 1;
+            let suspect = self.is_suspect(&member.id);
+            if suspect && !expanded {
+                // Push the owner behind the healthy replicas.
+                order.extend(self.more_replicas(&state, key, segment, &order));
+                expanded = true;
+                order.push(member);
+                continue;
+            }
+            let Some(client) = state.clients.get(&member.id) else {
+                continue;
+            };
+            match op(client.clone()).await {
+                Ok(v) => return Ok(v),
+                Err(e) if e.is_retryable() => {
+                    self.mark_suspect(&member.id, &e);
+                    last = e.to_string();
+                    if !expanded {
+                        order.extend(self.more_replicas(&state, key, segment, &order));
+                        expanded = true;
+                    }
+                }
+                Err(e) => return Err(ClusterError::Worker(e)),
+            }
+        }
+        Err(ClusterError::Unavailable(last))
+    }
+
+    fn more_replicas(
+        &self,
+        state: &State,
+        key: &str,
+        segment: u64,
+        have: &[Member],
+    ) -> Vec<Member> {
+        state
+            .ring
+            .replicas(key, segment, self.options.attempts.max(1))
+            .into_iter()
+            .filter(|m| !have.iter().any(|h| h.id == m.id))
+            .cloned()
+            .collect()
+    }
+
+    fn fallback(&self) -> Option<&Arc<dyn ObjectStore>> {
+        self.s3.as_ref().filter(|_| self.options.s3_fallback)
+    }
+
+    pub async fn stat(&self, uri: &ObjectUri) -> Result<ObjectStat, ClusterError> {
+        let key = uri.to_string();
+        match self
+            .on_replicas(&key, 0, |c| async move { c.stat(uri).await })
+            .await
+        {
+            Err(ClusterError::Unavailable(last)) => match self.fallback() {
+                Some(s3) => {
+                    tracing::warn!(%uri, %last, "no worker answered stat; asking S3");
+                    let meta = s3.head(uri).await.map_err(ClusterError::S3)?;
+                    Ok(ObjectStat {
+                        uri: key,
+                        size: meta.size,
+                        etag: meta.etag,
+                        last_modified_ms: meta.last_modified_ms,
+                    })
+                }
+                None => Err(ClusterError::Unavailable(last)),
+            },
+            other => other,
+        }
+    }
+
+    /// Reads `range` of `uri`; segments are fetched in parallel from their
+    /// owners. With `etag`, every piece must come from that version.
+    pub async fn read(
+        &self,
+        uri: &ObjectUri,
+        range: Range<u64>,
+        etag: Option<&str>,
+    ) -> Result<Bytes, ClusterError> {
+        if range.is_empty() {
+            return Ok(Bytes::new());
+        }
+        let seg_size = self.segment_size();
+        let mut pieces = Vec::new();
+        let mut pos = range.start;
+        while pos < range.end {
+            let seg = pos / seg_size;
+            let end = range.end.min((seg + 1) * seg_size);
+            pieces.push((seg, pos..end));
+            pos = end;
+        }
+        let reads = pieces
+            .into_iter()
+            .map(|(seg, r)| self.read_segment(uri, seg, r, etag));
+        let parts = futures::future::try_join_all(reads).await?;
+        let expected = etag.map(str::to_string).or_else(|| parts[0].1.clone());
+        let mut out = BytesMut::with_capacity((range.end - range.start) as usize);
+        for (bytes, got) in parts {
+            if let (Some(want), Some(got)) = (&expected, &got) {
+                if want != got {
+                    return Err(ClusterError::Changed {
+                        expected: want.clone(),
+                        got: got.clone(),
+                    });
+                }
+            }
+            out.extend_from_slice(&bytes);
+        }
+        Ok(out.freeze())
+    }
+
+    async fn read_segment(
+        &self,
+        uri: &ObjectUri,
+        segment: u64,
+        range: Range<u64>,
+        etag: Option<&str>,
+    ) -> Result<(Bytes, Option<String>), ClusterError> {
+        let key = uri.to_string();
+        let attempt = self
+            .on_replicas(&key, segment, |c| {
+                let range = range.clone();
+                async move { c.read_checked(uri, Some(range), etag).await }
+            })
+            .await;
+        match attempt {
+            Err(ClusterError::Unavailable(last)) => {
+                let Some(s3) = self.fallback() else {
+                    return Err(ClusterError::Unavailable(last));
+                };
+                tracing::warn!(%uri, segment, %last, "no worker could serve the segment; reading from S3");
+                let version = match etag {
+                    Some(e) => e.to_string(),
+                    None => s3.head(uri).await.map_err(ClusterError::S3)?.etag,
+                };
+                let bytes = s3
+                    .get_range(uri, range, &version)
+                    .await
+                    .map_err(ClusterError::S3)?;
+                Ok((bytes, Some(version)))
+            }
+            other => other,
+        }
+    }
+
+    pub async fn list(
+        &self,
+        bucket: &str,
+        prefix: &str,
+        delimiter: Option<&str>,
+        token: Option<&str>,
+        max_keys: Option<u32>,
+    ) -> Result<ListResponse, ClusterError> {
+        let key = format!("s3://{bucket}/{prefix}");
+        self.on_replicas(&key, 0, |c| async move {
+            c.list(bucket, prefix, delimiter, token, max_keys).await
+        })
+        .await
+    }
+
+    /// A client for the owner of the object's first segment, for
+    /// streaming uploads (a stream cannot be replayed on a replica).
+    pub fn writer_for(&self, uri: &ObjectUri) -> Result<WorkerClient, ClusterError> {
+        let state = self.current();
+        let key = uri.to_string();
+        let mut candidates = state.ring.replicas(&key, 0, self.options.attempts.max(1));
+        // Prefer a worker not marked suspect.
+        candidates.sort_by_key(|m| self.is_suspect(&m.id));
+        candidates
+            .first()
+            .and_then(|m| state.clients.get(&m.id).cloned())
+            .ok_or_else(|| ClusterError::NoWorkers(self.membership.describe()))
+    }
+
+    /// Writes through the owner of the object's first segment.
+    pub async fn put(&self, uri: &ObjectUri, data: Bytes) -> Result<ObjectStat, ClusterError> {
+        let key = uri.to_string();
+        self.on_replicas(&key, 0, |c| {
+            let data = data.clone();
+            async move { c.put_bytes(uri, data).await }
+        })
+        .await
+    }
+}

@@ -1,0 +1,20 @@
+//! Who is in the cluster and who owns what.
+//!
+//! - [`membership`]: the [`Membership`] trait with a static list, a
+//!   reloaded members file and etcd (leases + watch) behind it.
+//! - [`ring`]: a consistent-hash ring (the `hashring` crate) over
+//!   virtual nodes, hashed with XXH3-64 over explicit bytes so every
+//!   client and worker on any build computes the same owner.
+//! - [`client`]: the cluster client: routes each segment of a read to its
+//!   owner, fails over to replicas and finally to S3.
+
+pub mod client;
+pub mod membership;
+pub mod registry_url;
+pub mod ring;
+pub mod stable_hash;
+
+pub use client::{ClusterClient, ClusterError, ClusterOptions};
+pub use membership::{EtcdMembership, EtcdRegistration, Member, Membership, StaticMembership};
+pub use registry_url::RegistryUrl;
+pub use ring::{Ring, RingOptions, DEFAULT_SEGMENT_SIZE, DEFAULT_VNODES};
