@@ -9,4 +9,19 @@ cargo fmt --all -- --check
 echo "== cargo clippy" >&2
 cargo clippy --workspace --all-targets --locked -- -D warnings
 echo "== cargo test" >&2
-cargo test --workspace --locked --no-fail-fast
+log=$(mktemp)
+set +e
+cargo test --workspace --locked --no-fail-fast 2>&1 | tee "$log"
+status=${PIPESTATUS[0]}
+set -e
+# One closing line over every test binary (cargo prints one per binary).
+read -r passed failed < <(awk '/^test result:/ {
+    for (i = 2; i <= NF; i++) { if ($i ~ /^passed;?$/) p += $(i-1); if ($i ~ /^failed;?$/) f += $(i-1) }
+  } END { print p + 0, f + 0 }' "$log")
+rm -f "$log"
+if [ "$passed" -eq 0 ]; then
+  echo "error: no test ran" >&2
+  exit 1
+fi
+echo "summary: $passed passed, $failed failed"
+exit "$status"
