@@ -166,8 +166,9 @@ impl Cluster {
         &mut self.workers.iter_mut().find(|(w, _, _)| w == id).unwrap().2
     }
 
-    /// Member ids that `lakecache status` reports as live.
-    fn live_members(&self) -> Vec<String> {
+    /// Member ids registered in etcd, as `lakecache status` lists them
+    /// (live or not: liveness is probed separately).
+    fn members(&self) -> Vec<String> {
         let out = cli(
             &["status", "--json", "--registry", &self.registry()],
             self.s3_port,
@@ -182,7 +183,6 @@ impl Cluster {
             .as_array()
             .unwrap()
             .iter()
-            .filter(|m| m["live"] == true)
             .map(|m| m["id"].as_str().unwrap().to_string())
             .collect();
         ids.sort();
@@ -192,7 +192,7 @@ impl Cluster {
     fn wait_members(&self, want: &[&str], within: Duration) -> Duration {
         let started = Instant::now();
         loop {
-            let got = self.live_members();
+            let got = self.members();
             if got == want {
                 return started.elapsed();
             }
