@@ -123,6 +123,14 @@ impl Cluster {
         cluster
     }
 
+    /// The registry library's view of this cluster's etcd.
+    async fn etcd_membership(&self) -> EtcdMembership {
+        let endpoint = format!("http://127.0.0.1:{}", self.etcd_port);
+        EtcdMembership::connect(vec![endpoint], PREFIX.into(), Duration::from_secs(5))
+            .await
+            .unwrap()
+    }
+
     fn registry(&self) -> String {
         format!("etcd://127.0.0.1:{}{PREFIX}", self.etcd_port)
     }
@@ -292,13 +300,7 @@ fn a_worker_killed_mid_stream_costs_no_failed_read() {
     let membership_owner = {
         let rt = tokio::runtime::Runtime::new().unwrap();
         rt.block_on(async {
-            let m = EtcdMembership::connect(
-                vec![format!("http://127.0.0.1:{}", c.etcd_port)],
-                PREFIX.into(),
-                Duration::from_secs(5),
-            )
-            .await
-            .unwrap();
+            let m = c.etcd_membership().await;
             let client = ClusterClient::new(Arc::new(m), ClusterOptions::default(), None);
             let uri: ObjectUri = "s3://data/big.bin".parse().unwrap();
             let owners: Vec<String> = (0..SIZE_MIB / 64)
@@ -449,13 +451,7 @@ fn clients_keep_the_last_ring_when_etcd_is_lost() {
     let body: Vec<u8> = (0..3 * 64).flat_map(block).collect::<Vec<u8>>();
     let rt = tokio::runtime::Runtime::new().unwrap();
     rt.block_on(async {
-        let m = EtcdMembership::connect(
-            vec![format!("http://127.0.0.1:{}", c.etcd_port)],
-            PREFIX.into(),
-            Duration::from_secs(5),
-        )
-        .await
-        .unwrap();
+        let m = c.etcd_membership().await;
         let membership: Arc<dyn Membership> = Arc::new(m);
         let client = ClusterClient::new(
             membership.clone(),
