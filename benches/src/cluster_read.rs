@@ -3,16 +3,18 @@
 //! and the readers share the machine's cores: on a 2-core box the CPU, not
 //! the worker count, bounds the aggregate.
 
+mod common;
+
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use anyhow::Result;
 use bytes::Bytes;
 use clap::Parser;
+use common::MIB;
 use lakecache_protocol::{ObjectUri, WorkerClient};
 use lakecache_registry::{ClusterClient, ClusterOptions, RingOptions, StaticMembership};
-use lakecache_s3_endpoint::EndpointConfig;
-use lakecache_worker::{CacheConfig, HttpLimits, Metrics, S3Config, WorkerOptions};
+use lakecache_worker::Metrics;
 
 #[derive(Parser)]
 struct Args {
@@ -32,31 +34,12 @@ struct Args {
     readers: usize,
 }
 
-const MIB: u64 = 1 << 20;
-
 #[tokio::main]
 async fn main() -> Result<()> {
     let args = Args::parse();
     let _ = std::fs::remove_dir_all(&args.dir);
-    let s3 = lakecache_s3_endpoint::start(EndpointConfig {
-        root: args.dir.join("s3"),
-        listen: "127.0.0.1:0".parse()?,
-        access_key: "bench".into(),
-        secret_key: "bench-secret".into(),
-        buckets: vec!["bench".into()],
-    })
-    .await?;
-    let s3_config = S3Config {
-        endpoint: Some(s3.url()),
-        path_style: true,
-        static_credentials: Some(("bench".into(), "bench-secret".into())),
-        ..S3Config::default()
-    };
-    let direct = lakecache_worker::s3_store(
-        &s3_config,
-        Arc::new(Metrics::new().map_err(anyhow::Error::msg)?),
-    )
-    .await;
+    let s3 = common::start_s3(args.dir.join("s3"), "bench").await?;
+    let (s3_config, direct) = (s3.config.clone(), s3.direct.clone());
     let size = args.object_mib * MIB;
     let uris: Vec<ObjectUri> = (0..args.objects)
         .map(|i| ObjectUri::new("bench", format!("ds/shard-{i:03}.bin")).unwrap())
@@ -69,21 +52,8 @@ async fn main() -> Result<()> {
     for n in 1..=3usize {
         let mut workers = Vec::new();
         for w in 0..n {
-            let options = WorkerOptions {
-                listen: "127.0.0.1:0".parse()?,
-                cache_dir: args.dir.join(format!("cache-{n}-{w}")),
-                cache: CacheConfig {
-                    page_size: 4 * MIB,
-                    capacity: 16 << 30,
-                    high_watermark: 0.95,
-                    low_watermark: 0.85,
-                    metadata_ttl: Duration::from_secs(600),
-                    readahead_pages: 4,
-                    fetch_concurrency: 32,
-                    part_size: 16 * MIB,
-                },
-                limits: HttpLimits::default(),
-            };
+            let options =
+                common::worker_options(args.dir.join(format!("cache-{n}-{w}")), 16 << 30)?;
             let metrics = Arc::new(Metrics::new().map_err(anyhow::Error::msg)?);
             let store = lakecache_worker::s3_store(&s3_config, metrics.clone()).await;
             workers.push(lakecache_worker::start_worker(options, store, metrics).await?);
@@ -124,7 +94,7 @@ async fn main() -> Result<()> {
             w.shutdown().await;
         }
     }
-    s3.shutdown().await;
+    s3.endpoint.shutdown().await;
     let _ = std::fs::remove_dir_all(&args.dir);
     Ok(())
 }

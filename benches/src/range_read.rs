@@ -4,6 +4,8 @@
 //! GETs straight to the S3 endpoint. Prints a Markdown table with the
 //! ratios a/b and c/d.
 
+mod common;
+
 use std::os::unix::fs::FileExt;
 use std::path::PathBuf;
 use std::sync::Arc;
@@ -12,11 +14,11 @@ use std::time::{Duration, Instant};
 use anyhow::{Context, Result};
 use bytes::Bytes;
 use clap::Parser;
+use common::{BenchS3, MIB};
 use http_body_util::BodyExt;
 use lakecache_protocol::{ObjectUri, WorkerClient};
-use lakecache_s3_endpoint::EndpointConfig;
 use lakecache_worker::store::ObjectStore;
-use lakecache_worker::{CacheConfig, HttpLimits, Metrics, RunningWorker, S3Config, WorkerOptions};
+use lakecache_worker::{Metrics, RunningWorker};
 
 #[derive(Parser)]
 struct Args {
@@ -34,35 +36,14 @@ struct Args {
     out: Option<PathBuf>,
 }
 
-const MIB: u64 = 1 << 20;
 const PAGE: u64 = 4 * MIB;
 const BUCKET: &str = "bench";
 
-struct Setup {
-    s3: lakecache_s3_endpoint::RunningEndpoint,
-    s3_config: S3Config,
-    direct: Arc<dyn ObjectStore>,
-}
-
-async fn start_worker(setup: &Setup, cache_dir: PathBuf) -> Result<RunningWorker> {
+async fn start_worker(s3: &BenchS3, cache_dir: PathBuf) -> Result<RunningWorker> {
     let _ = std::fs::remove_dir_all(&cache_dir);
-    let options = WorkerOptions {
-        listen: "127.0.0.1:0".parse()?,
-        cache_dir,
-        cache: CacheConfig {
-            page_size: PAGE,
-            capacity: 64 << 30,
-            high_watermark: 0.95,
-            low_watermark: 0.85,
-            metadata_ttl: Duration::from_secs(600),
-            readahead_pages: 4,
-            fetch_concurrency: 32,
-            part_size: 16 * MIB,
-        },
-        limits: HttpLimits::default(),
-    };
+    let options = common::worker_options(cache_dir, 64 << 30)?;
     let metrics = Arc::new(Metrics::new().map_err(anyhow::Error::msg)?);
-    let store = lakecache_worker::s3_store(&setup.s3_config, metrics.clone()).await;
+    let store = lakecache_worker::s3_store(&s3.config, metrics.clone()).await;
     Ok(lakecache_worker::start_worker(options, store, metrics).await?)
 }
 
@@ -182,30 +163,7 @@ async fn main() -> Result<()> {
     let size = args.object_mib * MIB;
     let _ = std::fs::remove_dir_all(&args.dir);
     std::fs::create_dir_all(&args.dir)?;
-    let s3 = lakecache_s3_endpoint::start(EndpointConfig {
-        root: args.dir.join("s3"),
-        listen: "127.0.0.1:0".parse()?,
-        access_key: "bench".into(),
-        secret_key: "bench-secret".into(),
-        buckets: vec![BUCKET.into()],
-    })
-    .await?;
-    let s3_config = S3Config {
-        endpoint: Some(s3.url()),
-        path_style: true,
-        static_credentials: Some(("bench".into(), "bench-secret".into())),
-        ..S3Config::default()
-    };
-    let direct = lakecache_worker::s3_store(
-        &s3_config,
-        Arc::new(Metrics::new().map_err(anyhow::Error::msg)?),
-    )
-    .await;
-    let setup = Setup {
-        s3,
-        s3_config,
-        direct,
-    };
+    let setup = common::start_s3(args.dir.join("s3"), BUCKET).await?;
     let max_streams = 4;
     let mut etags = Vec::new();
     for i in 0..max_streams {
@@ -249,7 +207,7 @@ async fn main() -> Result<()> {
             rows.push((streams, req, warm, disk, cold, s3_direct));
         }
     }
-    setup.s3.shutdown().await;
+    setup.endpoint.shutdown().await;
     let _ = std::fs::remove_dir_all(&args.dir);
 
     let mut table = String::from(

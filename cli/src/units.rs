@@ -39,14 +39,16 @@ impl FromStr for ByteSize {
     }
 }
 
+/// Binary units, largest first.
+const UNITS: [(&str, u64); 4] = [
+    ("TiB", 1 << 40),
+    ("GiB", 1 << 30),
+    ("MiB", 1 << 20),
+    ("KiB", 1 << 10),
+];
+
 impl fmt::Display for ByteSize {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        const UNITS: [(&str, u64); 4] = [
-            ("TiB", 1 << 40),
-            ("GiB", 1 << 30),
-            ("MiB", 1 << 20),
-            ("KiB", 1 << 10),
-        ];
         for (name, size) in UNITS {
             if self.0 >= size && self.0.is_multiple_of(size) {
                 return write!(f, "{}{name}", self.0 / size);
@@ -59,12 +61,6 @@ impl fmt::Display for ByteSize {
 impl ByteSize {
     /// Rounded for tables: `1.5GiB`, `512MiB`, `900B`.
     pub fn human(self) -> String {
-        const UNITS: [(&str, u64); 4] = [
-            ("TiB", 1 << 40),
-            ("GiB", 1 << 30),
-            ("MiB", 1 << 20),
-            ("KiB", 1 << 10),
-        ];
         for (name, size) in UNITS {
             if self.0 >= size {
                 return format!("{:.1}{name}", self.0 as f64 / size as f64);

@@ -1,0 +1,63 @@
+//! Setup shared by the benchmarks: an embedded S3 endpoint with its
+//! client config, and worker options.
+
+use std::path::PathBuf;
+use std::sync::Arc;
+use std::time::Duration;
+
+use anyhow::Result;
+use lakecache_s3_endpoint::{EndpointConfig, RunningEndpoint};
+use lakecache_worker::store::ObjectStore;
+use lakecache_worker::{CacheConfig, HttpLimits, Metrics, S3Config, WorkerOptions};
+
+pub const MIB: u64 = 1 << 20;
+
+pub struct BenchS3 {
+    pub endpoint: RunningEndpoint,
+    pub config: S3Config,
+    /// aws-sdk-s3 straight to the endpoint, bypassing any worker.
+    pub direct: Arc<dyn ObjectStore>,
+}
+
+pub async fn start_s3(root: PathBuf, bucket: &str) -> Result<BenchS3> {
+    let endpoint = lakecache_s3_endpoint::start(EndpointConfig {
+        root,
+        listen: "127.0.0.1:0".parse()?,
+        access_key: "bench".into(),
+        secret_key: "bench-secret".into(),
+        buckets: vec![bucket.into()],
+    })
+    .await?;
+    let config = S3Config {
+        endpoint: Some(endpoint.url()),
+        path_style: true,
+        static_credentials: Some(("bench".into(), "bench-secret".into())),
+        ..S3Config::default()
+    };
+    let metrics = Arc::new(Metrics::new().map_err(anyhow::Error::msg)?);
+    let direct = lakecache_worker::s3_store(&config, metrics).await;
+    Ok(BenchS3 {
+        endpoint,
+        config,
+        direct,
+    })
+}
+
+/// 4 MiB pages, read-ahead 4, long metadata TTL.
+pub fn worker_options(cache_dir: PathBuf, capacity: u64) -> Result<WorkerOptions> {
+    Ok(WorkerOptions {
+        listen: "127.0.0.1:0".parse()?,
+        cache_dir,
+        cache: CacheConfig {
+            page_size: 4 * MIB,
+            capacity,
+            high_watermark: 0.95,
+            low_watermark: 0.85,
+            metadata_ttl: Duration::from_secs(600),
+            readahead_pages: 4,
+            fetch_concurrency: 32,
+            part_size: 16 * MIB,
+        },
+        limits: HttpLimits::default(),
+    })
+}
