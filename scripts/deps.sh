@@ -5,8 +5,9 @@ set -euo pipefail
 
 need_apt=()
 # bindgen (rocksdb bindings) needs libclang; the C++ build needs g++;
-# etcd-client needs protoc; the cluster tests run a real etcd.
-for pkg in libclang-dev clang g++ pkg-config protobuf-compiler etcd-server; do
+# etcd-client needs protoc; the cluster tests run a real etcd; the mount
+# needs fusermount3 (fuse3) and its tests and benchmarks run fio.
+for pkg in libclang-dev clang g++ pkg-config protobuf-compiler etcd-server fuse3 fio; do
   dpkg -s "$pkg" >/dev/null 2>&1 || need_apt+=("$pkg")
 done
 if ((${#need_apt[@]})); then
@@ -33,3 +34,20 @@ if [ -z "${CARGO_TARGET_DIR:-}" ]; then
     export CARGO_TARGET_DIR=/var/cache/lakecache/target
   fi
 fi
+
+# The trainer's Python environment (torch, DeepSpeed, transformers),
+# reused across runs like the cargo target directory.
+setup_venv() {
+  if [ -z "${LAKECACHE_VENV:-}" ]; then
+    if mkdir -p /var/cache/lakecache 2>/dev/null && [ -w /var/cache/lakecache ]; then
+      LAKECACHE_VENV=/var/cache/lakecache/venv
+    else
+      LAKECACHE_VENV="$PWD/.venv"
+    fi
+  fi
+  export LAKECACHE_VENV
+  if [ ! -x "$LAKECACHE_VENV/bin/python" ]; then
+    python3 -m venv "$LAKECACHE_VENV"
+  fi
+  "$LAKECACHE_VENV/bin/pip" install -q -e "trainer[test]"
+}

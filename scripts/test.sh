@@ -18,6 +18,27 @@ set -e
 read -r passed failed < <(awk '/^test result:/ {
     for (i = 2; i <= NF; i++) { if ($i ~ /^passed;?$/) p += $(i-1); if ($i ~ /^failed;?$/) f += $(i-1) }
   } END { print p + 0, f + 0 }' "$log")
+
+echo "== trainer (python): venv, ruff, pytest against the debug lakecache binary" >&2
+set +e
+(
+  set -e
+  setup_venv
+  cd trainer
+  "$LAKECACHE_VENV/bin/ruff" check .
+  "$LAKECACHE_VENV/bin/ruff" format --check .
+  LAKECACHE_BIN="${CARGO_TARGET_DIR:-$PWD/../target}/debug/lakecache" \
+    PATH="$LAKECACHE_VENV/bin:$PATH" "$LAKECACHE_VENV/bin/pytest" -q -rA
+) 2>&1 | tee "$log"
+py_status=${PIPESTATUS[0]}
+set -e
+read -r py_passed py_failed < <(awk '/^PASSED / {p++} /^(FAILED|ERROR) / {f++} END { print p + 0, f + 0 }' "$log")
+if [ "$py_status" -ne 0 ] && [ "$py_failed" -eq 0 ]; then
+  py_failed=1  # venv, lint or collection failed before any test
+fi
+passed=$((passed + py_passed))
+failed=$((failed + py_failed))
+[ "$py_status" -eq 0 ] || status=1
 rm -f "$log"
 if [ "$passed" -eq 0 ]; then
   echo "error: no test ran" >&2

@@ -43,6 +43,8 @@ pub enum CacheError {
     Body(String),
     #[error("request body exceeds the limit of {0} bytes")]
     BodyTooLarge(u64),
+    #[error("object of {0} bytes is larger than a server-side copy allows")]
+    CopyTooLarge(u64),
 }
 
 impl From<crate::index::IndexError> for CacheError {

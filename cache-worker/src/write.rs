@@ -18,7 +18,7 @@ use tokio::task::JoinHandle;
 use crate::cache::{Cache, CacheError};
 use crate::index::PageEntry;
 use crate::pages::PageKey;
-use crate::store::{ObjectMeta, StoreError};
+use crate::store::{ObjectMeta, StoreError, MAX_COPY_BYTES};
 
 /// Part uploads in flight per write: bounds memory at this many parts.
 const PARTS_IN_FLIGHT: usize = 4;
@@ -269,6 +269,35 @@ impl Cache {
         }
         self.invalidate_lists(uri.bucket());
         meta
+    }
+}
+
+impl Cache {
+    /// Server-side copy of `from` (the version tagged `etag`, or the
+    /// current one) to `to`; the copy's metadata is recorded at once.
+    pub async fn copy(
+        self: &Arc<Self>,
+        from: &ObjectUri,
+        etag: Option<&str>,
+        to: &ObjectUri,
+    ) -> Result<ObjectMeta, CacheError> {
+        let source = self.revalidate(from).await?;
+        if etag.is_some_and(|e| e != source.etag) {
+            return Err(StoreError::PreconditionFailed.into());
+        }
+        if source.size > MAX_COPY_BYTES {
+            return Err(CacheError::CopyTooLarge(source.size));
+        }
+        let meta = self.store.copy(from, &source.etag, to).await?;
+        let key = to.to_string();
+        if let Ok(Some(old)) = self.index.get_object(&key) {
+            if old.etag != meta.etag {
+                self.reclaim_version(&key, &old.etag, old.size);
+            }
+        }
+        self.record_meta(&key, &meta)?;
+        self.invalidate_lists(to.bucket());
+        Ok(meta)
     }
 }
 

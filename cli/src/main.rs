@@ -3,6 +3,7 @@
 
 mod client_cmds;
 mod cluster_args;
+mod mount_cmd;
 mod ring_cmd;
 mod s3_cmd;
 mod status_cmd;
@@ -50,6 +51,8 @@ enum Command {
     Status(status_cmd::StatusCmd),
     /// Print the owner of each of N keys (placement check across machines)
     Ring(ring_cmd::RingCmd),
+    /// Mount s3://bucket[/prefix] at a path through the cache (FUSE)
+    Mount(mount_cmd::MountCmd),
 }
 
 fn init_tracing(filter: &str) {
@@ -66,6 +69,16 @@ fn init_tracing(filter: &str) {
 fn main() {
     let cli = Cli::parse();
     init_tracing(&cli.log);
+    // Detach before any runtime threads exist.
+    if let Command::Mount(cmd) = &cli.command {
+        if cmd.wants_daemon() {
+            if let Err(e) = cmd.daemonize() {
+                eprintln!("error: {e:#}");
+                std::process::exit(1);
+            }
+            return;
+        }
+    }
     let runtime = match tokio::runtime::Builder::new_multi_thread()
         .enable_all()
         .build()
@@ -87,6 +100,7 @@ fn main() {
             Command::Ls(cmd) => cmd.run().await,
             Command::Status(cmd) => cmd.run().await,
             Command::Ring(cmd) => cmd.run().await,
+            Command::Mount(cmd) => cmd.run().await,
         }
     });
     if let Err(e) = result {

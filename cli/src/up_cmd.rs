@@ -7,6 +7,7 @@ use clap::Args;
 use lakecache_s3_endpoint::EndpointConfig;
 use lakecache_worker::Metrics;
 
+use crate::mount_cmd::FuseArgs;
 use crate::units::ByteSize;
 use crate::worker_config::WorkerSettings;
 
@@ -31,6 +32,14 @@ pub struct UpCmd {
     /// the cache through a static registry
     #[arg(long, default_value_t = 1, value_parser = clap::value_parser!(u16).range(1..=64))]
     workers: u16,
+    /// Where to mount the bucket (FUSE)
+    #[arg(long, default_value = "/mnt/data")]
+    mount: PathBuf,
+    /// Do not mount; serve S3 and the worker API only
+    #[arg(long, conflicts_with = "mount")]
+    no_mount: bool,
+    #[command(flatten)]
+    fuse: FuseArgs,
 }
 
 impl UpCmd {
@@ -100,6 +109,27 @@ impl UpCmd {
         }
         println!("  registry      static:{}", addrs.join(","));
         println!("  data          {}", dir.display());
+        let mounted = if self.no_mount {
+            None
+        } else {
+            match self.mount_bucket(&addrs).await {
+                Ok(m) => Some(m),
+                Err(e) => {
+                    for w in workers {
+                        w.shutdown().await;
+                    }
+                    endpoint.shutdown().await;
+                    return Err(e.context("mounting (use --no-mount to run without FUSE)"));
+                }
+            }
+        };
+        if let Some(m) = &mounted {
+            println!(
+                "  mount         {}  (s3://{})",
+                m.mountpoint().display(),
+                self.bucket
+            );
+        }
         println!("try:");
         println!(
             "  echo hello | lakecache put s3://{}/hello.txt --registry static:{}",
@@ -111,12 +141,49 @@ impl UpCmd {
             self.bucket
         );
         println!("  lakecache status --registry static:{}", addrs.join(","));
-        crate::shutdown_signal().await;
+        let mut mounted = mounted;
+        match &mut mounted {
+            Some(m) => {
+                println!(
+                    "  ls {}   # the bucket through the cache",
+                    m.mountpoint().display()
+                );
+                tokio::select! {
+                    () = crate::shutdown_signal() => {}
+                    () = m.ended() => tracing::warn!("the mount was unmounted from outside"),
+                }
+            }
+            None => crate::shutdown_signal().await,
+        }
         println!("shutting down");
+        if let Some(m) = mounted {
+            if let Err(e) = m.unmount().await {
+                eprintln!("warning: unmounting failed: {e}");
+            }
+        }
         for w in workers {
             w.shutdown().await;
         }
         endpoint.shutdown().await;
         Ok(())
+    }
+}
+
+impl UpCmd {
+    async fn mount_bucket(&self, workers: &[String]) -> Result<lakecache_fuse::Mounted> {
+        let membership = Arc::new(lakecache_registry::StaticMembership::new(workers));
+        let cluster = lakecache_registry::ClusterClient::new(
+            membership,
+            lakecache_registry::ClusterOptions::default(),
+            None,
+        );
+        let config = self.fuse.fs_config(&self.bucket, "")?;
+        let fs = Arc::new(lakecache_fuse::Fs::new(cluster, config));
+        lakecache_fuse::mount(
+            fs,
+            tokio::runtime::Handle::current(),
+            &self.fuse.mount_options(&self.mount),
+        )
+        .map_err(anyhow::Error::from)
     }
 }

@@ -3,9 +3,8 @@
 //! etcd; clients are the `lakecache` CLI and the registry library.
 
 use std::io::Read;
-use std::net::TcpListener;
 use std::path::Path;
-use std::process::{Child, Command, Stdio};
+use std::process::{Command, Stdio};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
@@ -13,49 +12,13 @@ use lakecache_protocol::ObjectUri;
 use lakecache_registry::{ClusterClient, ClusterOptions, EtcdMembership, Membership};
 use sha2::{Digest, Sha256};
 
-const BIN: &str = env!("CARGO_BIN_EXE_lakecache");
+mod common;
+use common::{free_port, start_s3, wait_for_port, Proc, BIN};
+
 const ACCESS: &str = "cluster-test";
 const SECRET: &str = "cluster-test-secret";
 const PREFIX: &str = "/lctest";
 const TTL_SECS: u64 = 2;
-
-fn free_port() -> u16 {
-    TcpListener::bind("127.0.0.1:0")
-        .unwrap()
-        .local_addr()
-        .unwrap()
-        .port()
-}
-
-fn wait_for_port(port: u16, what: &str) {
-    let deadline = Instant::now() + Duration::from_secs(30);
-    while std::net::TcpStream::connect(("127.0.0.1", port)).is_err() {
-        assert!(Instant::now() < deadline, "{what} did not open port {port}");
-        std::thread::sleep(Duration::from_millis(50));
-    }
-}
-
-/// Kills the process when dropped, so a failing test leaves nothing behind.
-struct Proc(Child);
-
-impl Proc {
-    fn kill9(&mut self) {
-        let _ = self.0.kill();
-        let _ = self.0.wait();
-    }
-
-    fn term(&mut self) {
-        let pid = self.0.id().to_string();
-        let _ = Command::new("kill").args(["-TERM", &pid]).status();
-        let _ = self.0.wait();
-    }
-}
-
-impl Drop for Proc {
-    fn drop(&mut self) {
-        self.kill9();
-    }
-}
 
 struct Cluster {
     dir: tempfile::TempDir,
@@ -90,31 +53,13 @@ impl Cluster {
     fn start(workers: usize) -> Cluster {
         let dir = tempfile::tempdir().unwrap();
         let (etcd, etcd_port) = start_etcd(dir.path());
-        let s3_port = free_port();
-        let s3 = Command::new(BIN)
-            .args(["s3-server", "--root"])
-            .arg(dir.path().join("s3"))
-            .args([
-                "--listen",
-                &format!("127.0.0.1:{s3_port}"),
-                "--access-key",
-                ACCESS,
-                "--secret-key",
-                SECRET,
-                "--bucket",
-                "data",
-            ])
-            .stdout(Stdio::null())
-            .stderr(Stdio::null())
-            .spawn()
-            .unwrap();
-        wait_for_port(s3_port, "s3-server");
+        let (s3, s3_port) = start_s3(&dir.path().join("s3"), ACCESS, SECRET, "data");
         let mut cluster = Cluster {
             dir,
             etcd,
             etcd_port,
             s3_port,
-            _s3: Proc(s3),
+            _s3: s3,
             workers: Vec::new(),
         };
         for i in 0..workers {
@@ -214,16 +159,7 @@ impl Cluster {
 }
 
 fn s3_env(s3_port: u16) -> Vec<(&'static str, String)> {
-    vec![
-        ("AWS_ACCESS_KEY_ID", ACCESS.to_string()),
-        ("AWS_SECRET_ACCESS_KEY", SECRET.to_string()),
-        ("AWS_REGION", "us-east-1".to_string()),
-        (
-            "LAKECACHE_S3_ENDPOINT",
-            format!("http://127.0.0.1:{s3_port}"),
-        ),
-        ("LAKECACHE_S3_PATH_STYLE", "true".to_string()),
-    ]
+    common::s3_env(ACCESS, SECRET, s3_port)
 }
 
 fn cli(args: &[&str], s3_port: u16) -> std::process::Output {
@@ -245,7 +181,7 @@ fn members_join_and_leave_within_the_lease_ttl() {
     let took = c.wait_members(&["w0", "w1", "w2"], Duration::from_secs(TTL_SECS * 3 + 3));
     eprintln!("killed worker left the view after {took:?} (TTL {TTL_SECS}s)");
     // A stopped worker revokes its lease and leaves at once.
-    c.worker_mut("w2").term();
+    let _ = c.worker_mut("w2").term();
     c.wait_members(&["w0", "w1"], Duration::from_secs(3));
 }
 

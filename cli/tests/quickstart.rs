@@ -10,6 +10,7 @@ const BIN: &str = env!("CARGO_BIN_EXE_lakecache");
 struct Up {
     child: Child,
     worker: String,
+    mountpoint: String,
 }
 
 fn start_up(dir: &std::path::Path) -> Up {
@@ -25,6 +26,8 @@ fn start_up(dir: &std::path::Path) -> Up {
             "--dir",
         ])
         .arg(dir)
+        .arg("--mount")
+        .arg(dir.join("mnt"))
         .stdout(Stdio::piped())
         .stderr(Stdio::null())
         .spawn()
@@ -46,6 +49,7 @@ fn start_up(dir: &std::path::Path) -> Up {
     Up {
         child,
         worker: worker.expect("up printed the worker address"),
+        mountpoint: dir.join("mnt").canonicalize().unwrap().display().to_string(),
     }
 }
 
@@ -76,6 +80,8 @@ fn stop(mut up: Up) {
     loop {
         if let Some(status) = up.child.try_wait().unwrap() {
             assert!(status.success(), "up exited with {status}");
+            let mounts = std::fs::read_to_string("/proc/self/mountinfo").unwrap();
+            assert!(!mounts.contains(&up.mountpoint), "up left its mount behind");
             return;
         }
         assert!(Instant::now() < deadline, "up did not stop on SIGTERM");
@@ -140,6 +146,14 @@ fn up_serves_put_cat_stat_ls_and_shuts_down_cleanly() {
     let ls = run(&["ls", "s3://lakecache/", "--worker", &w], None);
     let listing = String::from_utf8_lossy(&ls.stdout);
     assert!(listing.contains("PRE  data/"), "{listing}");
+
+    // The bucket is mounted: the object is a file, and a file written
+    // there is an object.
+    let mnt = dir.path().join("mnt");
+    assert!(std::fs::read(mnt.join("data/blob.bin")).unwrap() == body);
+    std::fs::write(mnt.join("data/note.txt"), b"from the mount\n").unwrap();
+    let note = run(&["cat", "s3://lakecache/data/note.txt", "--worker", &w], None);
+    assert_eq!(note.stdout, b"from the mount\n");
 
     // Errors are clear and exit non-zero.
     let missing = run(&["cat", "s3://lakecache/nope", "--worker", &w], None);

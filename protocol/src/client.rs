@@ -48,6 +48,10 @@ impl ClientError {
     }
 }
 
+/// On a PUT, names the object to copy from (`/v1/objects/{bucket}/{key}`)
+/// instead of a body.
+pub const COPY_SOURCE_HEADER: &str = "x-lakecache-copy-source";
+
 #[derive(Clone)]
 pub struct WorkerClient {
     base: String,
@@ -302,6 +306,28 @@ impl WorkerClient {
     pub async fn put_bytes(&self, uri: &ObjectUri, data: Bytes) -> Result<ObjectStat, ClientError> {
         self.put(uri, Full::new(data).map_err(|e| match e {}).boxed())
             .await
+    }
+
+    /// Server-side copy of `from` (only if its ETag is `etag`, when given)
+    /// to `to`; returns once the copy is in S3.
+    pub async fn copy(
+        &self,
+        from: &ObjectUri,
+        etag: Option<&str>,
+        to: &ObjectUri,
+    ) -> Result<ObjectStat, ClientError> {
+        let mut req = self
+            .request(http::Method::PUT, &to.api_path("objects"))
+            .header(COPY_SOURCE_HEADER, from.api_path("objects"));
+        if let Some(etag) = etag {
+            req = req.header(http::header::IF_MATCH, format!("\"{etag}\""));
+        }
+        let req = req
+            .body(empty())
+            .map_err(|e| ClientError::Decode(e.to_string()))?;
+        let resp = self.send(req).await?;
+        let body = self.collect(resp.into_body()).await?;
+        serde_json::from_slice(&body).map_err(|e| ClientError::Decode(e.to_string()))
     }
 
     pub async fn delete(&self, uri: &ObjectUri) -> Result<(), ClientError> {

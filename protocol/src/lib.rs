@@ -7,6 +7,6 @@ mod client;
 mod types;
 mod uri;
 
-pub use client::{ClientError, WorkerClient};
+pub use client::{ClientError, RequestBody, WorkerClient, COPY_SOURCE_HEADER};
 pub use types::{ErrorBody, ErrorCode, ErrorDetail, Health, ListEntry, ListResponse, ObjectStat};
 pub use uri::{validate_bucket, validate_key, InvalidUri, ObjectUri, MAX_KEY_BYTES};

@@ -43,6 +43,8 @@ pub enum ErrorCode {
     BodyTooLarge,
     HeadersTooLarge,
     PreconditionFailed,
+    /// A server-side copy of an object larger than S3's CopyObject limit.
+    CopyTooLarge,
     AccessDenied,
     UpstreamThrottled,
     UpstreamUnavailable,
@@ -56,7 +58,10 @@ pub enum ErrorCode {
 impl ErrorCode {
     pub fn http_status(self) -> u16 {
         match self {
-            ErrorCode::BadRequest | ErrorCode::InvalidPath | ErrorCode::InvalidRange => 400,
+            ErrorCode::BadRequest
+            | ErrorCode::InvalidPath
+            | ErrorCode::InvalidRange
+            | ErrorCode::CopyTooLarge => 400,
             ErrorCode::RangeNotSatisfiable => 416,
             ErrorCode::NotFound | ErrorCode::RouteNotFound => 404,
             ErrorCode::MethodNotAllowed => 405,

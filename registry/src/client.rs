@@ -384,4 +384,24 @@ impl ClusterClient {
         })
         .await
     }
+
+    /// Deletes through the owner of the object's first segment (which
+    /// forgets its cached pages).
+    pub async fn delete(&self, uri: &ObjectUri) -> Result<(), ClusterError> {
+        self.on_replicas(&uri.to_string(), 0, |c| async move { c.delete(uri).await })
+            .await
+    }
+
+    /// Server-side copy, run by the owner of the destination.
+    pub async fn copy(
+        &self,
+        from: &ObjectUri,
+        etag: Option<&str>,
+        to: &ObjectUri,
+    ) -> Result<ObjectStat, ClusterError> {
+        self.on_replicas(&to.to_string(), 0, |c| async move {
+            c.copy(from, etag, to).await
+        })
+        .await
+    }
 }

@@ -240,6 +240,46 @@ impl S3 for EmbeddedS3 {
         }))
     }
 
+    /// Copies by hard-linking the source blob: blobs are never modified
+    /// in place, so both keys can share it.
+    async fn copy_object(
+        &self,
+        req: S3Request<CopyObjectInput>,
+    ) -> S3Result<S3Response<CopyObjectOutput>> {
+        let input = req.input;
+        let CopySource::Bucket {
+            bucket: src_bucket,
+            key: src_key,
+            ..
+        } = &input.copy_source
+        else {
+            return Err(s3_error!(NotImplemented, "access-point copy sources"));
+        };
+        self.require_bucket(&input.bucket).await?;
+        let source = self.record(src_bucket, src_key).await?;
+        check_if_match(input.copy_source_if_match.as_ref(), &source)?;
+        let tmp = self.db.tmp_path();
+        let blob = self.db.blob_path(&source.blob);
+        let linked = tmp.clone();
+        tokio::task::spawn_blocking(move || std::fs::hard_link(&blob, &linked))
+            .await
+            .map_err(|e| s3_error!(InternalError, "copy task failed: {e}"))?
+            .map_err(io_internal)?;
+        let (bucket, key) = (input.bucket, input.key);
+        let (size, etag, ct) = (source.size, source.etag.clone(), source.content_type);
+        let record = self
+            .blocking(move |db| db.commit(&bucket, &key, &tmp, size, etag, ct))
+            .await?;
+        Ok(S3Response::new(CopyObjectOutput {
+            copy_object_result: Some(CopyObjectResult {
+                e_tag: Some(strong(&record.etag)),
+                last_modified: Some(Timestamp::from(record.last_modified())),
+                ..Default::default()
+            }),
+            ..Default::default()
+        }))
+    }
+
     async fn delete_object(
         &self,
         req: S3Request<DeleteObjectInput>,

@@ -61,6 +61,7 @@ pub fn cache_error(e: &CacheError) -> Response {
         CacheError::Local(_) => ErrorCode::Internal,
         CacheError::Body(_) => ErrorCode::BadRequest,
         CacheError::BodyTooLarge(_) => ErrorCode::BodyTooLarge,
+        CacheError::CopyTooLarge(_) => ErrorCode::CopyTooLarge,
     };
     error(code, e.to_string())
 }

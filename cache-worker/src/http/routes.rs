@@ -9,7 +9,8 @@ use http_body::Frame;
 use http_body_util::{BodyExt, BodyStream, StreamBody};
 use hyper::body::Incoming;
 use lakecache_protocol::{
-    validate_bucket, ErrorCode, Health, ListResponse, ObjectStat, ObjectUri, MAX_KEY_BYTES,
+    validate_bucket, ErrorCode, Health, ListResponse, ObjectStat, ObjectUri, COPY_SOURCE_HEADER,
+    MAX_KEY_BYTES,
 };
 
 use super::range::{parse_range, resolve};
@@ -173,16 +174,7 @@ async fn read(
             }
         },
     };
-    let if_match = req
-        .headers()
-        .get(header::IF_MATCH)
-        .and_then(|v| v.to_str().ok())
-        .map(|v| {
-            v.trim()
-                .trim_start_matches("W/")
-                .trim_matches('"')
-                .to_string()
-        });
+    let if_match = if_match(&req);
     // A read that finds the object changed under its cached ETag starts
     // over once against the new version.
     for attempt in 0..2 {
@@ -274,11 +266,26 @@ async fn read(
     )
 }
 
+fn if_match(req: &http::Request<Incoming>) -> Option<String> {
+    req.headers()
+        .get(header::IF_MATCH)
+        .and_then(|v| v.to_str().ok())
+        .map(|v| {
+            v.trim()
+                .trim_start_matches("W/")
+                .trim_matches('"')
+                .to_string()
+        })
+}
+
 async fn write(state: &AppState, rest: &str, req: http::Request<Incoming>) -> Response {
     let uri = match parse_uri(rest) {
         Ok(u) => u,
         Err(resp) => return *resp,
     };
+    if let Some(source) = req.headers().get(COPY_SOURCE_HEADER) {
+        return copy(state, source, if_match(&req), &uri).await;
+    }
     let limit = state.limits.max_body_bytes;
     let declared = req
         .headers()
@@ -314,6 +321,33 @@ async fn write(state: &AppState, rest: &str, req: http::Request<Incoming>) -> Re
     });
     match state.cache.write(&uri, Box::pin(body)).await {
         Ok(meta) => json(StatusCode::OK, &stat_body(&uri, &meta)),
+        Err(e) => cache_error(&e),
+    }
+}
+
+async fn copy(
+    state: &AppState,
+    source: &HeaderValue,
+    etag: Option<String>,
+    to: &ObjectUri,
+) -> Response {
+    let from = source
+        .to_str()
+        .ok()
+        .and_then(|s| s.strip_prefix("/v1/objects/"))
+        .ok_or_else(|| "expected /v1/objects/{bucket}/{key}".to_string())
+        .and_then(|rest| ObjectUri::from_api_path(rest).map_err(|e| e.to_string()));
+    let from = match from {
+        Ok(u) => u,
+        Err(e) => {
+            return error(
+                ErrorCode::InvalidPath,
+                format!("bad {COPY_SOURCE_HEADER} header: {e}"),
+            )
+        }
+    };
+    match state.cache.copy(&from, etag.as_deref(), to).await {
+        Ok(meta) => json(StatusCode::OK, &stat_body(to, &meta)),
         Err(e) => cache_error(&e),
     }
 }

@@ -137,4 +137,13 @@ impl<S: ObjectStore> ObjectStore for FaultyStore<S> {
     async fn delete(&self, uri: &ObjectUri) -> Result<(), StoreError> {
         self.inner.delete(uri).await
     }
+
+    async fn copy(
+        &self,
+        from: &ObjectUri,
+        etag: &str,
+        to: &ObjectUri,
+    ) -> Result<ObjectMeta, StoreError> {
+        self.inner.copy(from, etag, to).await
+    }
 }

@@ -132,4 +132,16 @@ impl<S: ObjectStore> ObjectStore for MeteredStore<S> {
         self.record("delete_object", t, 0, &r);
         r
     }
+
+    async fn copy(
+        &self,
+        from: &ObjectUri,
+        etag: &str,
+        to: &ObjectUri,
+    ) -> Result<ObjectMeta, StoreError> {
+        let t = Instant::now();
+        let r = self.inner.copy(from, etag, to).await;
+        self.record("copy_object", t, 0, &r);
+        r
+    }
 }

@@ -90,7 +90,19 @@ pub trait ObjectStore: Send + Sync + 'static {
     async fn abort_multipart(&self, uri: &ObjectUri, upload_id: &str) -> Result<(), StoreError>;
 
     async fn delete(&self, uri: &ObjectUri) -> Result<(), StoreError>;
+
+    /// Server-side copy of the version tagged `etag` (CopyObject, so at
+    /// most [`MAX_COPY_BYTES`]); returns the new object's metadata.
+    async fn copy(
+        &self,
+        from: &ObjectUri,
+        etag: &str,
+        to: &ObjectUri,
+    ) -> Result<ObjectMeta, StoreError>;
 }
+
+/// S3's limit for a single-request CopyObject.
+pub const MAX_COPY_BYTES: u64 = 5 << 30;
 
 /// S3 ETags arrive quoted; the cache keeps them bare.
 pub fn unquote_etag(etag: &str) -> String {

@@ -436,4 +436,37 @@ impl ObjectStore for S3Store {
             .map_err(map_sdk_error)?;
         Ok(())
     }
+
+    async fn copy(
+        &self,
+        from: &ObjectUri,
+        etag: &str,
+        to: &ObjectUri,
+    ) -> Result<ObjectMeta, StoreError> {
+        let source = format!(
+            "{}/{}",
+            from.bucket(),
+            percent_encoding::utf8_percent_encode(from.key(), COPY_SOURCE_ESCAPE)
+        );
+        self.client
+            .copy_object()
+            .bucket(to.bucket())
+            .key(to.key())
+            .copy_source(source)
+            .copy_source_if_match(quoted(etag))
+            .send()
+            .await
+            .map_err(map_sdk_error)?;
+        // CopyObject's ETag is in an XML body some stores leave out; ask.
+        self.head(to).await
+    }
 }
+
+/// Everything but unreserved characters and `/` is escaped in
+/// `x-amz-copy-source`.
+const COPY_SOURCE_ESCAPE: &percent_encoding::AsciiSet = &percent_encoding::NON_ALPHANUMERIC
+    .remove(b'/')
+    .remove(b'-')
+    .remove(b'_')
+    .remove(b'.')
+    .remove(b'~');

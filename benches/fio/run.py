@@ -1,0 +1,201 @@
+#!/usr/bin/env python3
+"""fio through a lakecache mount (cold and warm cache) and on local disk,
+in one session on one machine; writes benches/results/fio.md.
+
+Usage (as root, release binary built):
+    python3 benches/fio/run.py --bin target/release/lakecache --work /var/tmp/lc-fio
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+ACCESS, SECRET, BUCKET = "fio-bench", "fio-bench-secret", "bench"
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def wait_port(port: int) -> None:
+    deadline = time.time() + 30
+    while time.time() < deadline:
+        with socket.socket() as s:
+            if s.connect_ex(("127.0.0.1", port)) == 0:
+                return
+        time.sleep(0.05)
+    raise SystemExit(f"port {port} never opened")
+
+
+def mounted(path: Path) -> bool:
+    want = str(path)
+    with open("/proc/self/mountinfo") as f:
+        return any(line.split(" ")[4] == want for line in f)
+
+
+def drop_caches() -> None:
+    subprocess.run(["sync"], check=True)
+    Path("/proc/sys/vm/drop_caches").write_text("3\n")
+
+
+class Cluster:
+    """s3-server, one worker and a mount, as processes."""
+
+    def __init__(self, binary: str, work: Path) -> None:
+        self.bin, self.work = binary, work
+        self.env = {
+            **os.environ,
+            "AWS_ACCESS_KEY_ID": ACCESS,
+            "AWS_SECRET_ACCESS_KEY": SECRET,
+            "AWS_REGION": "us-east-1",
+        }
+        self.s3_port = free_port()
+        self.s3 = subprocess.Popen(
+            [binary, "s3-server", "--root", str(work / "s3"), "--listen",
+             f"127.0.0.1:{self.s3_port}", "--access-key", ACCESS, "--secret-key", SECRET,
+             "--bucket", BUCKET],
+            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+        )
+        wait_port(self.s3_port)
+        self.worker = self.mount = None
+        self.mnt = work / "mnt"
+        self.worker_port = free_port()
+
+    def start_worker(self, fresh: bool) -> None:
+        cache = self.work / "cache"
+        if fresh and cache.exists():
+            shutil.rmtree(cache)
+        self.worker = subprocess.Popen(
+            [self.bin, "worker", "--listen", f"127.0.0.1:{self.worker_port}", "--cache-dir",
+             str(cache), "--cache-size", "12GiB", "--s3-endpoint",
+             f"http://127.0.0.1:{self.s3_port}", "--s3-path-style"],
+            env=self.env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+        )
+        wait_port(self.worker_port)
+        self.mount = subprocess.Popen(
+            [self.bin, "mount", f"s3://{BUCKET}", str(self.mnt), "--worker",
+             f"127.0.0.1:{self.worker_port}", "--no-s3-fallback"],
+            env=self.env, stdout=subprocess.DEVNULL, stderr=open(self.work / "mount.log", "a"),
+        )
+        deadline = time.time() + 30
+        while not mounted(self.mnt):
+            if time.time() > deadline:
+                raise SystemExit("mount did not come up; see mount.log")
+            time.sleep(0.05)
+
+    def stop_worker(self) -> None:
+        for p in (self.mount, self.worker):
+            if p and p.poll() is None:
+                p.send_signal(signal.SIGTERM)
+                p.wait(timeout=60)
+
+    def close(self) -> None:
+        self.stop_worker()
+        self.s3.send_signal(signal.SIGTERM)
+        self.s3.wait(timeout=60)
+
+
+def fio(job: str, directory: Path, **env: str) -> dict:
+    e = {**os.environ, "LAKECACHE_FIO_DIR": str(directory)}
+    e.update({f"LAKECACHE_FIO_{k.upper()}": v for k, v in env.items()})
+    out = subprocess.run(
+        ["fio", "--output-format=json", str(HERE / job)], env=e, capture_output=True,
+        text=True, check=False,
+    )
+    if out.returncode != 0:
+        raise SystemExit(f"fio {job} in {directory} failed:\n{out.stdout}\n{out.stderr}")
+    doc = json.loads(out.stdout[out.stdout.index("{"):])
+    job0 = doc["jobs"][0]
+    kind = "write" if job.startswith("seq-write") else "read"
+    side = job0[kind]
+    return {"mib_s": side["bw_bytes"] / 2**20, "iops": side["iops"]}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--bin", required=True)
+    ap.add_argument("--work", default="/var/tmp/lakecache-fio")
+    ap.add_argument("--size", default="512M", help="per seq-read file")
+    ap.add_argument("--write-size", default="1G")
+    ap.add_argument("--runtime", default="20")
+    ap.add_argument("--out", default=str(HERE.parent / "results" / "fio.md"))
+    a = ap.parse_args()
+    work = Path(a.work)
+    if work.exists():
+        shutil.rmtree(work)
+    (work / "local").mkdir(parents=True)
+    c = Cluster(a.bin, work)
+    rows: list[tuple[str, str, dict, dict, dict]] = []
+    try:
+        c.start_worker(fresh=True)
+        # Lay the datasets out on both sides (fio writes them).
+        for d in (work / "local", c.mnt):
+            fio("seq-read.fio", d, size=a.size, jobs="4")
+            fio("small-files.fio", d)
+        tests = [
+            ("seq read 256 KiB, 1 job", "seq-read.fio", {"size": a.size, "jobs": "1"}, "mib_s"),
+            ("seq read 256 KiB, 4 jobs", "seq-read.fio", {"size": a.size, "jobs": "4"}, "mib_s"),
+            ("rand read 4 KiB, 1 job", "rand-read.fio",
+             {"size": a.size, "jobs": "1", "runtime": a.runtime}, "iops"),
+            ("rand read 4 KiB, 4 jobs", "rand-read.fio",
+             {"size": a.size, "jobs": "4", "runtime": a.runtime}, "iops"),
+            ("10,000 x 100 KiB files, read once", "small-files.fio", {}, "mib_s"),
+        ]
+        for name, job, env, unit in tests:
+            drop_caches()
+            local = fio(job, work / "local", **env)
+            c.stop_worker()
+            c.start_worker(fresh=True)  # empty worker cache
+            drop_caches()
+            cold = fio(job, c.mnt, **env)
+            warm = fio(job, c.mnt, **env)  # worker cache warm, kernel cache dropped by fio
+            rows.append((name, unit, local, cold, warm))
+            print(name, unit, local[unit], cold[unit], warm[unit], flush=True)
+        local_w = fio("seq-write.fio", work / "local", size=a.write_size)
+        mount_w = fio("seq-write.fio", c.mnt, size=a.write_size)
+        rows.append(("seq write 1 MiB + fsync (checkpoint)", "mib_s", local_w, mount_w, mount_w))
+        print("seq write", local_w, mount_w, flush=True)
+    finally:
+        c.close()
+
+    lines = [
+        "# fio: lakecache mount vs local disk",
+        "",
+        f"Command: `python3 benches/fio/run.py --bin {a.bin} --size {a.size} "
+        f"--write-size {a.write_size} --runtime {a.runtime}` (as root).",
+        f"Machine: {os.cpu_count()} cores, `uname -r` {os.uname().release}. One s3-server, one "
+        "worker and one mount on this machine; job files in benches/fio/. "
+        "Local = the same fio job on a local directory of the same disk. Before every "
+        "local and cold run the page cache is dropped; cold = a fresh (empty) worker cache; "
+        "warm = the run after it (fio's default invalidate=1 drops the kernel's cached pages "
+        "of the files, so warm means the worker's cache, not the page cache).",
+        "",
+        "| test | unit | local disk | mount cold | mount warm | cold/local | warm/local |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    for name, unit, local, cold, warm in rows:
+        u = "MiB/s" if unit == "mib_s" else "IOPS"
+        lines.append(
+            f"| {name} | {u} | {local[unit]:.0f} | {cold[unit]:.0f} | {warm[unit]:.0f} | "
+            f"{cold[unit] / local[unit]:.2f} | {warm[unit] / local[unit]:.2f} |"
+        )
+    lines.append("")
+    lines.append("The write row has one mount column: writes go to S3 through the worker.")
+    Path(a.out).write_text("\n".join(lines) + "\n")
+    print(f"wrote {a.out}")
+
+
+if __name__ == "__main__":
+    sys.exit(main())

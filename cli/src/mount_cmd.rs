@@ -1,0 +1,238 @@
+//! `lakecache mount s3://bucket[/prefix] PATH`: the FUSE client.
+
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use anyhow::{bail, Context, Result};
+use clap::Args;
+use lakecache_fuse::{Fs, FsConfig, MountOptions};
+use lakecache_protocol::{validate_bucket, validate_key};
+use lakecache_registry::ClusterClient;
+
+use crate::cluster_args::ClusterArgs;
+use crate::units::ByteSize;
+
+/// Set in the detached child of `--daemon`.
+const DAEMON_CHILD_ENV: &str = "LAKECACHE_MOUNT_DAEMON_CHILD";
+
+#[derive(Args, Clone)]
+pub struct FuseArgs {
+    /// Let other users access the mount (non-root mounts need
+    /// `user_allow_other` in /etc/fuse.conf)
+    #[arg(long)]
+    pub allow_other: bool,
+    /// Mount read-only
+    #[arg(long)]
+    pub read_only: bool,
+    /// Seconds the kernel and the client trust file attributes
+    #[arg(long, default_value_t = 60)]
+    pub attr_ttl: u64,
+    /// Seconds the kernel and the client trust names (and their absence)
+    #[arg(long, default_value_t = 60)]
+    pub entry_ttl: u64,
+    /// Largest read-ahead window per open file
+    #[arg(long, default_value = "64MiB")]
+    pub readahead_max: ByteSize,
+    /// Size of one read-ahead request
+    #[arg(long, default_value = "8MiB")]
+    pub readahead_chunk: ByteSize,
+    /// Owner shown for files [default: the mounting user]
+    #[arg(long)]
+    pub uid: Option<u32>,
+    /// Group shown for files [default: the mounting user's group]
+    #[arg(long)]
+    pub gid: Option<u32>,
+    /// Permission bits of files, octal
+    #[arg(long, default_value = "644", value_parser = parse_mode)]
+    pub file_mode: u16,
+    /// Permission bits of directories, octal
+    #[arg(long, default_value = "755", value_parser = parse_mode)]
+    pub dir_mode: u16,
+    /// Threads reading kernel requests
+    #[arg(long, default_value_t = 4, value_parser = clap::value_parser!(u16).range(1..=64))]
+    pub fuse_threads: u16,
+}
+
+fn parse_mode(s: &str) -> Result<u16, String> {
+    u16::from_str_radix(s, 8)
+        .ok()
+        .filter(|m| *m <= 0o7777)
+        .ok_or_else(|| format!("{s:?} is not an octal mode like 644"))
+}
+
+impl FuseArgs {
+    pub fn fs_config(&self, bucket: &str, prefix: &str) -> Result<FsConfig> {
+        let mut config = FsConfig::new(bucket, prefix);
+        config.attr_ttl = Duration::from_secs(self.attr_ttl);
+        config.entry_ttl = Duration::from_secs(self.entry_ttl);
+        config.readahead_max = self.readahead_max.0;
+        config.readahead_chunk = self.readahead_chunk.0;
+        if config.readahead_chunk == 0 || config.readahead_max < config.readahead_chunk {
+            bail!("--readahead-chunk must be non-zero and at most --readahead-max");
+        }
+        if let Some(uid) = self.uid {
+            config.uid = uid;
+        }
+        if let Some(gid) = self.gid {
+            config.gid = gid;
+        }
+        config.file_mode = self.file_mode;
+        config.dir_mode = self.dir_mode;
+        Ok(config)
+    }
+
+    pub fn mount_options(&self, mountpoint: &Path) -> MountOptions {
+        MountOptions {
+            mountpoint: mountpoint.to_path_buf(),
+            allow_other: self.allow_other,
+            read_only: self.read_only,
+            threads: self.fuse_threads as usize,
+        }
+    }
+}
+
+#[derive(Args, Clone)]
+pub struct MountCmd {
+    /// What to mount: s3://bucket or s3://bucket/prefix
+    source: String,
+    /// Where to mount it (created if missing)
+    mountpoint: PathBuf,
+    #[command(flatten)]
+    cluster: ClusterArgs,
+    #[command(flatten)]
+    fuse: FuseArgs,
+    /// Detach: return once the mount is ready, keep serving in the background
+    #[arg(long)]
+    daemon: bool,
+    /// Log file of the detached process [default: /tmp/lakecache-mount-PID.log]
+    #[arg(long)]
+    log_file: Option<PathBuf>,
+}
+
+/// Splits `s3://bucket[/prefix]`; the prefix comes back with a trailing `/`.
+pub fn parse_source(source: &str) -> Result<(String, String)> {
+    let rest = source
+        .strip_prefix("s3://")
+        .with_context(|| format!("{source:?}: expected s3://bucket or s3://bucket/prefix"))?;
+    let (bucket, prefix) = rest.split_once('/').unwrap_or((rest, ""));
+    validate_bucket(bucket).with_context(|| format!("bucket in {source:?}"))?;
+    let prefix = prefix.trim_end_matches('/');
+    if prefix.is_empty() {
+        return Ok((bucket.to_string(), String::new()));
+    }
+    let prefix = format!("{prefix}/");
+    validate_key(&prefix).with_context(|| format!("prefix in {source:?}"))?;
+    Ok((bucket.to_string(), prefix))
+}
+
+impl MountCmd {
+    pub fn wants_daemon(&self) -> bool {
+        self.daemon && std::env::var_os(DAEMON_CHILD_ENV).is_none()
+    }
+
+    pub async fn run(self) -> Result<()> {
+        let (bucket, prefix) = parse_source(&self.source)?;
+        let config = self.fuse.fs_config(&bucket, &prefix)?;
+        let cluster = self.cluster.connect().await?;
+        check_bucket(&cluster, &bucket, &prefix).await?;
+        let fs = Arc::new(Fs::new(cluster, config));
+        serve(fs, &self.fuse.mount_options(&self.mountpoint)).await
+    }
+
+    /// Starts this command again, detached, and returns once the mount
+    /// is up (or the child failed).
+    pub fn daemonize(&self) -> Result<()> {
+        use std::os::unix::process::CommandExt;
+        let exe = std::env::current_exe().context("finding the lakecache binary")?;
+        let log = self.log_file.clone().unwrap_or_else(|| {
+            PathBuf::from(format!("/tmp/lakecache-mount-{}.log", std::process::id()))
+        });
+        let out = std::fs::File::create(&log)
+            .with_context(|| format!("creating the log file {}", log.display()))?;
+        let err = out.try_clone().context("duplicating the log file")?;
+        let args: Vec<std::ffi::OsString> = std::env::args_os()
+            .skip(1)
+            .filter(|a| a != "--daemon")
+            .collect();
+        let mut command = std::process::Command::new(exe);
+        command
+            .args(args)
+            .env(DAEMON_CHILD_ENV, "1")
+            .stdin(std::process::Stdio::null())
+            .stdout(out)
+            .stderr(err);
+        // SAFETY: setsid is async-signal-safe; it detaches the child from
+        // the terminal's session so a closing shell does not kill it.
+        unsafe {
+            command.pre_exec(|| {
+                libc::setsid();
+                Ok(())
+            });
+        }
+        let mut child = command.spawn().context("starting the mount process")?;
+        let mountpoint = self
+            .mountpoint
+            .canonicalize()
+            .unwrap_or_else(|_| self.mountpoint.clone());
+        let deadline = Instant::now() + Duration::from_secs(60);
+        while Instant::now() < deadline {
+            if let Some(status) = child.try_wait().context("waiting for the mount process")? {
+                let tail = std::fs::read_to_string(&log).unwrap_or_default();
+                bail!(
+                    "the mount process exited ({status}); its log ({}):\n{}",
+                    log.display(),
+                    tail.trim_end()
+                );
+            }
+            let path = mountpoint
+                .canonicalize()
+                .unwrap_or_else(|_| mountpoint.clone());
+            if lakecache_fuse::mount::is_mounted(&path) {
+                println!(
+                    "mounted {} at {} (pid {}, log {})",
+                    self.source,
+                    path.display(),
+                    child.id(),
+                    log.display()
+                );
+                return Ok(());
+            }
+            std::thread::sleep(Duration::from_millis(100));
+        }
+        let _ = child.kill();
+        bail!(
+            "the mount did not appear within 60 s; see {}",
+            log.display()
+        )
+    }
+}
+
+/// Fails early, with the reason, when the bucket cannot be listed.
+pub async fn check_bucket(cluster: &ClusterClient, bucket: &str, prefix: &str) -> Result<()> {
+    cluster
+        .list(bucket, prefix, Some("/"), None, Some(1))
+        .await
+        .with_context(|| format!("listing s3://{bucket}/{prefix} through the cache"))?;
+    Ok(())
+}
+
+/// Mounts and serves until SIGINT/SIGTERM or an external unmount.
+pub async fn serve(fs: Arc<Fs>, options: &MountOptions) -> Result<()> {
+    let mut mounted = lakecache_fuse::mount(fs, tokio::runtime::Handle::current(), options)
+        .context("mounting (needs /dev/fuse and fusermount3 from the fuse3 package)")?;
+    println!(
+        "mounted at {} (Ctrl-C or SIGTERM unmounts)",
+        mounted.mountpoint().display()
+    );
+    tokio::select! {
+        () = crate::shutdown_signal() => {
+            tracing::info!("signal received; unmounting");
+        }
+        () = mounted.ended() => {
+            tracing::info!("unmounted from outside");
+        }
+    }
+    mounted.unmount().await.context("unmounting")?;
+    Ok(())
+}

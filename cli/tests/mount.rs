@@ -1,0 +1,573 @@
+//! FUSE tests through the real kernel: `lakecache s3-server`, `lakecache
+//! worker`s and `lakecache mount` as processes; files are read and written
+//! with ordinary syscalls, fio and Python; S3 is checked directly.
+
+use std::fs::{self, File, OpenOptions};
+use std::io::{Read, Write};
+use std::os::unix::ffi::OsStrExt;
+use std::os::unix::fs::{FileExt, PermissionsExt};
+use std::path::{Path, PathBuf};
+use std::process::{Command, Stdio};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use bytes::Bytes;
+use lakecache_protocol::ObjectUri;
+use lakecache_worker::store::{ObjectStore, StoreError};
+use lakecache_worker::{Metrics, S3Config};
+use sha2::{Digest, Sha256};
+
+mod common;
+use common::{free_port, start_s3, wait_for_port, Proc, BIN};
+
+const ACCESS: &str = "mount-test";
+const SECRET: &str = "mount-test-secret";
+const BUCKET: &str = "data";
+const SEGMENT: &str = "16MiB";
+
+struct Env {
+    dir: tempfile::TempDir,
+    rt: tokio::runtime::Runtime,
+    s3: Arc<dyn ObjectStore>,
+    s3_port: u16,
+    _s3_proc: Proc,
+    workers: Vec<(u16, Proc)>,
+    mount: Option<Proc>,
+}
+
+impl Env {
+    fn start(workers: usize) -> Env {
+        let dir = tempfile::tempdir().unwrap();
+        let (s3_proc, s3_port) = start_s3(&dir.path().join("s3"), ACCESS, SECRET, BUCKET);
+        let rt = tokio::runtime::Runtime::new().unwrap();
+        let s3 = rt.block_on(async {
+            let config = S3Config {
+                endpoint: Some(format!("http://127.0.0.1:{s3_port}")),
+                path_style: true,
+                static_credentials: Some((ACCESS.into(), SECRET.into())),
+                ..S3Config::default()
+            };
+            lakecache_worker::s3_store(&config, Arc::new(Metrics::new().unwrap())).await
+        });
+        let mut env = Env {
+            dir,
+            rt,
+            s3,
+            s3_port,
+            _s3_proc: s3_proc,
+            workers: Vec::new(),
+            mount: None,
+        };
+        for i in 0..workers {
+            let port = free_port();
+            let child = Command::new(BIN)
+                .args(["worker", "--listen", &format!("127.0.0.1:{port}")])
+                .arg("--cache-dir")
+                .arg(env.dir.path().join(format!("cache-{i}")))
+                .args(["--cache-size", "4GiB", "--s3-path-style", "--s3-endpoint"])
+                .arg(format!("http://127.0.0.1:{s3_port}"))
+                .envs(common::s3_env(ACCESS, SECRET, s3_port))
+                .stdout(Stdio::null())
+                .stderr(Stdio::null())
+                .spawn()
+                .unwrap();
+            wait_for_port(port, "worker");
+            env.workers.push((port, Proc(child)));
+        }
+        env
+    }
+
+    fn registry(&self) -> String {
+        let addrs: Vec<String> = self
+            .workers
+            .iter()
+            .map(|(p, _)| format!("127.0.0.1:{p}"))
+            .collect();
+        format!("static:{}", addrs.join(","))
+    }
+
+    fn mountpoint(&self) -> PathBuf {
+        self.dir.path().join("mnt")
+    }
+
+    fn mount_command(&self) -> Command {
+        let mut cmd = Command::new(BIN);
+        cmd.args(["mount", &format!("s3://{BUCKET}")])
+            .arg(self.mountpoint())
+            .args([
+                "--registry",
+                &self.registry(),
+                "--segment-size",
+                SEGMENT,
+                "--s3-path-style",
+            ])
+            .envs(common::s3_env(ACCESS, SECRET, self.s3_port));
+        cmd
+    }
+
+    fn mount(&mut self) {
+        let log = File::create(self.dir.path().join("mount.log")).unwrap();
+        let child = self
+            .mount_command()
+            .stdout(Stdio::null())
+            .stderr(log)
+            .spawn()
+            .unwrap();
+        self.mount = Some(Proc(child));
+        wait_mounted(&self.mountpoint(), true);
+    }
+
+    fn put(&self, key: &str, data: Bytes) {
+        let uri = ObjectUri::new(BUCKET, key).unwrap();
+        self.rt.block_on(self.s3.put(&uri, data)).unwrap();
+    }
+
+    /// The object's bytes straight from S3, or None when it is absent.
+    fn s3_get(&self, key: &str) -> Option<Vec<u8>> {
+        let uri = ObjectUri::new(BUCKET, key).unwrap();
+        self.rt.block_on(async {
+            let meta = match self.s3.head(&uri).await {
+                Ok(m) => m,
+                Err(StoreError::NotFound) => return None,
+                Err(e) => panic!("head {key}: {e}"),
+            };
+            Some(
+                self.s3
+                    .get_range(&uri, 0..meta.size, &meta.etag)
+                    .await
+                    .unwrap()
+                    .to_vec(),
+            )
+        })
+    }
+
+    fn log(&self) -> String {
+        fs::read_to_string(self.dir.path().join("mount.log")).unwrap_or_default()
+    }
+}
+
+impl Drop for Env {
+    fn drop(&mut self) {
+        if let Some(mut m) = self.mount.take() {
+            m.term();
+        }
+        if lakecache_fuse::mount::is_mounted(&self.mountpoint()) {
+            let _ = lakecache_fuse::mount::force_unmount(&self.mountpoint());
+        }
+    }
+}
+
+fn wait_mounted(path: &Path, want: bool) {
+    let deadline = Instant::now() + Duration::from_secs(20);
+    loop {
+        let path = path.canonicalize().unwrap_or(path.to_path_buf());
+        let live = lakecache_fuse::mount::is_mounted(&path)
+            && !lakecache_fuse::mount::is_dead_mount(&path);
+        if live == want {
+            return;
+        }
+        assert!(
+            Instant::now() < deadline,
+            "{} did not become {}",
+            path.display(),
+            if want { "mounted" } else { "unmounted" }
+        );
+        std::thread::sleep(Duration::from_millis(50));
+    }
+}
+
+/// Deterministic pseudo-random bytes.
+fn pattern(len: usize, seed: u64) -> Vec<u8> {
+    let mut x = seed.wrapping_mul(0x9E37_79B9_7F4A_7C15) | 1;
+    let mut out = Vec::with_capacity(len + 8);
+    while out.len() < len {
+        x ^= x << 13;
+        x ^= x >> 7;
+        x ^= x << 17;
+        out.extend_from_slice(&x.to_le_bytes());
+    }
+    out.truncate(len);
+    out
+}
+
+fn sha_file(path: &Path) -> std::io::Result<(u64, Vec<u8>)> {
+    let mut f = File::open(path)?;
+    let mut h = Sha256::new();
+    let mut buf = vec![0u8; 1 << 20];
+    let mut total = 0u64;
+    loop {
+        let n = f.read(&mut buf)?;
+        if n == 0 {
+            break;
+        }
+        total += n as u64;
+        h.update(&buf[..n]);
+    }
+    Ok((total, h.finalize().to_vec()))
+}
+
+fn errno_of<T>(r: std::io::Result<T>) -> i32 {
+    match r {
+        Ok(_) => 0,
+        Err(e) => e.raw_os_error().unwrap_or(-1),
+    }
+}
+
+fn worker_stat_requests(port: u16) -> u64 {
+    let body = reqwest_like_get(port, "/metrics");
+    body.lines()
+        .find(|l| l.starts_with("lakecache_request_duration_seconds_count{") && l.contains("op=\"stat\""))
+        .and_then(|l| l.rsplit(' ').next())
+        .and_then(|v| v.parse::<f64>().ok())
+        .unwrap_or(0.0) as u64
+}
+
+/// A bare HTTP/1.0 GET (the metrics endpoint is plain text).
+fn reqwest_like_get(port: u16, path: &str) -> String {
+    let mut s = std::net::TcpStream::connect(("127.0.0.1", port)).unwrap();
+    write!(s, "GET {path} HTTP/1.0\r\nHost: x\r\n\r\n").unwrap();
+    let mut out = String::new();
+    s.read_to_string(&mut out).unwrap();
+    out
+}
+
+#[test]
+fn reads_objects_from_s3_and_lists_prefixes_like_a_filesystem() {
+    let mut env = Env::start(1);
+    let sizes: [usize; 6] = [0, 1, 4095, (1 << 20) + 1, (17 << 20) + 5, 1 << 30];
+    for (i, size) in sizes.iter().enumerate() {
+        env.put(&format!("sizes/obj-{size}"), Bytes::from(pattern(*size, i as u64)));
+    }
+    for key in ["tree/a/b/c.txt", "tree/a/d.txt", "tree/x", "tree/x/y"] {
+        env.put(key, Bytes::from(key.as_bytes().to_vec()));
+    }
+    env.put("tree/e/", Bytes::new());
+    env.rt.block_on(async {
+        use futures::StreamExt;
+        let s3 = env.s3.clone();
+        futures::stream::iter(0..10_000)
+            .map(|i| {
+                let s3 = s3.clone();
+                async move {
+                    let uri = ObjectUri::new(BUCKET, format!("many/f{i:05}")).unwrap();
+                    s3.put(&uri, Bytes::from(vec![b'x'; 100])).await.unwrap();
+                }
+            })
+            .buffer_unordered(64)
+            .collect::<Vec<_>>()
+            .await;
+    });
+    env.mount();
+    let mnt = env.mountpoint();
+
+    for (i, size) in sizes.iter().enumerate() {
+        let path = mnt.join(format!("sizes/obj-{size}"));
+        assert_eq!(fs::metadata(&path).unwrap().len(), *size as u64);
+        let (n, digest) = sha_file(&path).unwrap();
+        assert_eq!(n, *size as u64);
+        assert_eq!(digest, Sha256::digest(pattern(*size, i as u64)).to_vec(), "{size}");
+    }
+
+    // Directories come from prefixes: `e` from a marker, `x` shadows the
+    // object of the same name, as `find` shows.
+    let out = Command::new("find").arg(".").current_dir(mnt.join("tree")).output().unwrap();
+    let mut found: Vec<String> = String::from_utf8(out.stdout).unwrap().lines().map(String::from).collect();
+    found.sort();
+    assert_eq!(found, [".", "./a", "./a/b", "./a/b/c.txt", "./a/d.txt", "./e", "./x", "./x/y"]);
+    assert!(fs::metadata(mnt.join("tree/a/b")).unwrap().is_dir());
+    assert_eq!(fs::metadata(mnt.join("tree/a/b/c.txt")).unwrap().len(), 14);
+    assert_eq!(fs::read(mnt.join("tree/x/y")).unwrap(), b"tree/x/y");
+    assert_eq!(errno_of(fs::metadata(mnt.join("tree/nope"))), libc::ENOENT);
+    assert_eq!(errno_of(fs::read_dir(mnt.join("tree/a/d.txt"))), libc::ENOTDIR);
+
+    // `ls -l` of 10,000 entries: names and sizes from the listing, not
+    // one HEAD per file.
+    let port = env.workers[0].0;
+    let stats_before = worker_stat_requests(port);
+    let mut count = 0;
+    for entry in fs::read_dir(mnt.join("many")).unwrap() {
+        let entry = entry.unwrap();
+        assert_eq!(entry.metadata().unwrap().len(), 100);
+        count += 1;
+    }
+    let out = Command::new("ls").arg("-l").arg(mnt.join("many")).output().unwrap();
+    assert!(out.status.success());
+    assert_eq!(String::from_utf8_lossy(&out.stdout).lines().count(), 10_001); // + "total"
+    assert_eq!(count, 10_000);
+    let stats = worker_stat_requests(port) - stats_before;
+    assert!(stats < 100, "{stats} stat requests for listing 10,000 entries");
+}
+
+#[test]
+fn writes_renames_and_deletes_land_in_s3_and_unsupported_ops_fail_cleanly() {
+    let mut env = Env::start(1);
+    env.put("existing.bin", Bytes::from(pattern(3 << 20, 7)));
+    env.mount();
+    let mnt = env.mountpoint();
+    let healthy = |env: &Env| {
+        let (n, _) = sha_file(&env.mountpoint().join("existing.bin")).unwrap();
+        assert_eq!(n, 3 << 20, "mount unhealthy; log:\n{}", env.log());
+    };
+
+    // Write, close, read back; the bytes are in S3 when close returns.
+    let data = pattern(9 << 20, 1);
+    fs::write(mnt.join("ckpt.bin"), &data).unwrap();
+    assert_eq!(env.s3_get("ckpt.bin").as_deref(), Some(&data[..]));
+    assert_eq!(fs::read(mnt.join("ckpt.bin")).unwrap(), data);
+    // Overwrite with O_TRUNC.
+    fs::write(mnt.join("ckpt.bin"), b"short").unwrap();
+    assert_eq!(fs::read(mnt.join("ckpt.bin")).unwrap(), b"short");
+    assert_eq!(env.s3_get("ckpt.bin").unwrap(), b"short");
+
+    // Write a temp file, rename it over the final name.
+    fs::write(mnt.join("model.tmp"), &data).unwrap();
+    fs::rename(mnt.join("model.tmp"), mnt.join("ckpt.bin")).unwrap();
+    assert!(env.s3_get("model.tmp").is_none());
+    assert_eq!(env.s3_get("ckpt.bin").as_deref(), Some(&data[..]));
+    assert_eq!(fs::read(mnt.join("ckpt.bin")).unwrap(), data);
+
+    // mkdir, nested write, rmdir refusing then succeeding, unlink.
+    fs::create_dir(mnt.join("run1")).unwrap();
+    assert_eq!(env.s3_get("run1/"), Some(Vec::new()));
+    fs::write(mnt.join("run1/latest"), b"step10").unwrap();
+    assert_eq!(errno_of(fs::remove_dir(mnt.join("run1"))), libc::ENOTEMPTY);
+    assert_eq!(errno_of(fs::rename(mnt.join("run1"), mnt.join("run2"))), libc::EXDEV);
+    fs::remove_file(mnt.join("run1/latest")).unwrap();
+    assert!(env.s3_get("run1/latest").is_none());
+    fs::create_dir(mnt.join("empty")).unwrap();
+    fs::rename(mnt.join("empty"), mnt.join("moved")).unwrap();
+    assert!(fs::metadata(mnt.join("moved")).unwrap().is_dir());
+    assert_eq!(env.s3_get("moved/"), Some(Vec::new()));
+    fs::remove_dir(mnt.join("moved")).unwrap();
+    fs::remove_dir(mnt.join("run1")).unwrap();
+    assert!(env.s3_get("run1/").is_none());
+    assert_eq!(errno_of(fs::metadata(mnt.join("run1"))), libc::ENOENT);
+
+    // Python: plain writes, torch.save-like streaming writes and a
+    // safetensors-like header + buffers followed by os.replace.
+    let script = r#"
+import json, os, struct, sys
+d = sys.argv[1]
+with open(os.path.join(d, "plain.txt"), "w") as f:
+    f.write("hello from python\n")
+with open(os.path.join(d, "stream.pt"), "wb") as f:
+    for i in range(2000):
+        f.write(bytes([i % 251]) * 4093)
+tensors = {"w": bytes(range(256)) * 8192, "b": b"\x01" * 12345}
+header, offset = {}, 0
+for name, buf in tensors.items():
+    header[name] = {"dtype": "U8", "shape": [len(buf)], "data_offsets": [offset, offset + len(buf)]}
+    offset += len(buf)
+h = json.dumps(header).encode()
+tmp = os.path.join(d, "model.safetensors.tmp")
+with open(tmp, "wb") as f:
+    f.write(struct.pack("<Q", len(h)))
+    f.write(h)
+    for buf in tensors.values():
+        f.write(buf)
+    f.flush()
+    os.fsync(f.fileno())
+os.replace(tmp, os.path.join(d, "model.safetensors"))
+"#;
+    let out = Command::new("python3").args(["-c", script]).arg(&mnt).output().unwrap();
+    assert!(out.status.success(), "python: {}", String::from_utf8_lossy(&out.stderr));
+    assert_eq!(env.s3_get("plain.txt").unwrap(), b"hello from python\n");
+    let stream: Vec<u8> = (0..2000u32).flat_map(|i| vec![(i % 251) as u8; 4093]).collect();
+    assert_eq!(env.s3_get("stream.pt").unwrap(), stream);
+    let st = env.s3_get("model.safetensors").unwrap();
+    let hlen = u64::from_le_bytes(st[..8].try_into().unwrap()) as usize;
+    assert_eq!(st.len(), 8 + hlen + 256 * 8192 + 12345);
+    assert!(env.s3_get("model.safetensors.tmp").is_none());
+
+    // Unsupported operations: a specific errno each, and the mount stays up.
+    let existing = mnt.join("existing.bin");
+    let cases: Vec<(&str, i32, i32)> = vec![
+        (
+            "open existing O_WRONLY without O_TRUNC",
+            errno_of(OpenOptions::new().write(true).open(&existing)),
+            libc::EPERM,
+        ),
+        (
+            "write through O_RDWR without O_TRUNC",
+            errno_of(
+                OpenOptions::new()
+                    .read(true)
+                    .write(true)
+                    .open(&existing)
+                    .and_then(|f| f.write_at(b"x", 0)),
+            ),
+            libc::EPERM,
+        ),
+        ("out-of-order write", {
+            let f = File::create(mnt.join("random.bin")).unwrap();
+            f.write_at(b"abc", 0).unwrap();
+            let e = errno_of(f.write_at(b"zzz", 1 << 20));
+            drop(f);
+            e
+        }, libc::EINVAL),
+        ("read while being written", {
+            let _w = File::create(mnt.join("busy.bin")).unwrap();
+            errno_of(File::open(mnt.join("busy.bin")))
+        }, libc::EBUSY),
+        ("symlink", errno_of(std::os::unix::fs::symlink("x", mnt.join("link"))), libc::EPERM),
+        ("hard link", errno_of(fs::hard_link(&existing, mnt.join("hard"))), libc::EPERM),
+        ("chmod", errno_of(fs::set_permissions(&existing, fs::Permissions::from_mode(0o600))), libc::EPERM),
+        ("truncate to non-zero", {
+            let c = std::ffi::CString::new(existing.as_os_str().as_encoded_bytes()).unwrap();
+            // SAFETY: valid path string.
+            let rc = unsafe { libc::truncate(c.as_ptr(), 5) };
+            if rc == 0 { 0 } else { std::io::Error::last_os_error().raw_os_error().unwrap() }
+        }, libc::EOPNOTSUPP),
+        ("setxattr", {
+            let c = std::ffi::CString::new(existing.as_os_str().as_encoded_bytes()).unwrap();
+            // SAFETY: valid strings and buffer.
+            let rc = unsafe { libc::setxattr(c.as_ptr(), c"user.k".as_ptr(), b"v".as_ptr().cast(), 1, 0) };
+            if rc == 0 { 0 } else { std::io::Error::last_os_error().raw_os_error().unwrap() }
+        }, libc::EOPNOTSUPP),
+        ("mkfifo", {
+            let c = std::ffi::CString::new(mnt.join("fifo").as_os_str().as_encoded_bytes()).unwrap();
+            // SAFETY: valid path string.
+            let rc = unsafe { libc::mkfifo(c.as_ptr(), 0o644) };
+            if rc == 0 { 0 } else { std::io::Error::last_os_error().raw_os_error().unwrap() }
+        }, libc::EPERM),
+        ("fallocate", {
+            let f = File::create(mnt.join("falloc.bin")).unwrap();
+            // SAFETY: valid descriptor.
+            let rc = unsafe { libc::fallocate(std::os::fd::AsRawFd::as_raw_fd(&f), 0, 0, 4096) };
+            if rc == 0 { 0 } else { std::io::Error::last_os_error().raw_os_error().unwrap() }
+        }, libc::EOPNOTSUPP),
+        ("rmdir of a file", errno_of(fs::remove_dir(&existing)), libc::ENOTDIR),
+        ("unlink of a directory", {
+            fs::create_dir(mnt.join("adir")).unwrap();
+            errno_of(fs::remove_file(mnt.join("adir")))
+        }, libc::EISDIR),
+        ("mkdir over an existing name", errno_of(fs::create_dir(mnt.join("adir"))), libc::EEXIST),
+        ("non-UTF-8 name", errno_of(File::create(mnt.join(std::ffi::OsStr::from_bytes(b"bad\xff")))), libc::EINVAL),
+    ];
+    let mut failures = Vec::new();
+    for (what, got, want) in &cases {
+        if got != want {
+            failures.push(format!("{what}: errno {got}, want {want}"));
+        }
+        healthy(&env);
+    }
+    assert!(failures.is_empty(), "{failures:#?}\nlog:\n{}", env.log());
+    // Refused writes left the object intact.
+    assert_eq!(env.s3_get("existing.bin").unwrap(), pattern(3 << 20, 7));
+
+    // fio writes a file and verifies it (crc32c) through the mount.
+    let job = Path::new(env!("CARGO_MANIFEST_DIR")).join("../benches/fio/verify-write.fio");
+    let out = Command::new("fio")
+        .arg(&job)
+        .env("LAKECACHE_FIO_DIR", &mnt)
+        .env("LAKECACHE_FIO_SIZE", "64M")
+        .output()
+        .expect("fio (scripts/deps.sh installs it)");
+    let text = String::from_utf8_lossy(&out.stdout);
+    assert!(out.status.success() && text.contains("err= 0"), "fio failed:\n{text}\n{}", String::from_utf8_lossy(&out.stderr));
+    assert_eq!(env.s3_get("fio-verify.0.0").map(|b| b.len()), Some(64 << 20));
+}
+
+#[test]
+fn a_worker_killed_during_a_read_through_the_mount_costs_no_io_error() {
+    let mut env = Env::start(3);
+    let size = 384usize << 20;
+    let data = pattern(size, 99);
+    let want = Sha256::digest(&data).to_vec();
+    env.put("big.bin", Bytes::from(data));
+    env.mount();
+    // The owner of a segment well ahead of where the kill happens.
+    let victim = env.rt.block_on(async {
+        let addrs: Vec<String> = env.workers.iter().map(|(p, _)| format!("127.0.0.1:{p}")).collect();
+        let membership = Arc::new(lakecache_registry::StaticMembership::new(&addrs));
+        let mut options = lakecache_registry::ClusterOptions::default();
+        options.ring.segment_size = 16 << 20;
+        let cluster = lakecache_registry::ClusterClient::new(membership, options, None);
+        let uri = ObjectUri::new(BUCKET, "big.bin").unwrap();
+        cluster.owner_of(&uri, 20 << 24).unwrap().address
+    });
+    let victim = env.workers.iter().position(|(p, _)| victim.ends_with(&format!(":{p}"))).unwrap();
+
+    let mut f = File::open(env.mountpoint().join("big.bin")).unwrap();
+    let mut h = Sha256::new();
+    let mut buf = vec![0u8; 1 << 20];
+    let mut total = 0usize;
+    let mut killed = false;
+    loop {
+        let n = f.read(&mut buf).expect("read through the mount");
+        if n == 0 {
+            break;
+        }
+        h.update(&buf[..n]);
+        total += n;
+        if !killed && total >= 96 << 20 {
+            env.workers[victim].1.kill9();
+            killed = true;
+        }
+    }
+    assert!(killed);
+    assert_eq!(total, size);
+    assert_eq!(h.finalize().to_vec(), want);
+}
+
+fn mount_pids(mountpoint: &Path) -> Vec<String> {
+    let out = Command::new("pgrep").args(["-f", &format!("fusermount3.*{}", mountpoint.display())]).output().unwrap();
+    String::from_utf8_lossy(&out.stdout).lines().map(String::from).collect()
+}
+
+#[test]
+fn sigterm_unmounts_and_a_killed_client_leaves_no_dead_mount() {
+    let mut env = Env::start(1);
+    env.put("hello.txt", Bytes::from_static(b"hi\n"));
+    let mnt = env.mountpoint();
+
+    env.mount();
+    assert_eq!(fs::read(mnt.join("hello.txt")).unwrap(), b"hi\n");
+    let status = env.mount.take().unwrap().term().unwrap();
+    assert!(status.success(), "mount exited with {status}");
+    wait_mounted(&mnt, false);
+
+    // SIGKILL: fusermount3's auto_unmount releases the mount.
+    env.mount();
+    env.mount.take().unwrap().kill9();
+    wait_mounted(&mnt, false);
+    assert!(!lakecache_fuse::mount::is_dead_mount(&mnt));
+
+    // Killing the helper too leaves a dead mount; the next mount clears it.
+    env.mount();
+    let helpers = mount_pids(&mnt.canonicalize().unwrap());
+    for pid in &helpers {
+        let _ = Command::new("kill").args(["-KILL", pid]).status();
+    }
+    // Let the helper die before its client does, or it still unmounts.
+    std::thread::sleep(Duration::from_millis(300));
+    env.mount.take().unwrap().kill9();
+    if !helpers.is_empty() {
+        assert!(
+            lakecache_fuse::mount::is_dead_mount(&mnt),
+            "expected a dead mount after killing {helpers:?}: {:?}",
+            fs::metadata(&mnt)
+        );
+    }
+    env.mount();
+    assert_eq!(fs::read(mnt.join("hello.txt")).unwrap(), b"hi\n");
+    env.mount.take().unwrap().term();
+    wait_mounted(&mnt, false);
+
+    // --daemon returns once mounted; the detached process serves on.
+    let out = env.mount_command().arg("--daemon").arg("--log-file").arg(env.dir.path().join("daemon.log")).output().unwrap();
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    let pid = stdout.split("pid ").nth(1).and_then(|s| s.split(|c: char| !c.is_ascii_digit()).next()).expect("pid printed").to_string();
+    assert_eq!(fs::read(mnt.join("hello.txt")).unwrap(), b"hi\n");
+    assert!(Command::new("kill").args(["-TERM", &pid]).status().unwrap().success());
+    wait_mounted(&mnt, false);
+
+    // Bad input at the CLI: clear errors, nothing mounted.
+    let out = Command::new(BIN).args(["mount", "http://x", "/tmp/nowhere"]).output().unwrap();
+    assert!(!out.status.success());
+    assert!(String::from_utf8_lossy(&out.stderr).contains("expected s3://bucket"));
+    let out = env.mount_command().arg("--readahead-chunk").arg("0").output().unwrap();
+    assert!(!out.status.success());
+    assert!(String::from_utf8_lossy(&out.stderr).contains("--readahead-chunk"));
+}

@@ -1,0 +1,657 @@
+//! The kernel side: a thin `fuser::Filesystem` that runs each request on
+//! the tokio runtime against [`Fs`] and maps typed errors to errno.
+
+use std::ffi::OsStr;
+use std::future::Future;
+use std::path::Path;
+use std::sync::Arc;
+use std::time::{Duration, SystemTime, UNIX_EPOCH};
+
+use fuser::{
+    AccessFlags, BsdFileFlags, Errno, FileAttr, FileHandle, FileType, Filesystem, FopenFlags,
+    Generation, INodeNo, InitFlags, KernelConfig, LockOwner, OpenFlags, RenameFlags,
+    ReplyAttr, ReplyCreate, ReplyData, ReplyDirectory, ReplyDirectoryPlus, ReplyEmpty,
+    ReplyEntry, ReplyOpen, ReplyStatfs, ReplyWrite, ReplyXattr, Request, TimeOrNow, WriteFlags,
+};
+
+use crate::error::FsError;
+use crate::fs::{Fs, SetAttr};
+use crate::inode::{Inode, Kind};
+
+/// Largest single read or write the kernel sends.
+pub const MAX_IO_BYTES: u32 = 1 << 20;
+/// Reported as `st_blksize`: stdio and Python buffer this much per write.
+const BLOCK_SIZE: u32 = 1 << 20;
+
+pub struct KernelAdapter {
+    fs: Arc<Fs>,
+    runtime: tokio::runtime::Handle,
+}
+
+fn errno(e: &FsError) -> Errno {
+    Errno::from_i32(e.errno())
+}
+
+fn name_str(name: &OsStr) -> Result<&str, FsError> {
+    name.to_str()
+        .ok_or_else(|| FsError::InvalidName("names must be UTF-8 (S3 keys are)".into()))
+}
+
+fn log_refusal(op: &'static str, e: &FsError) {
+    match e {
+        FsError::NotFound | FsError::Exists | FsError::NotEmpty => {
+            tracing::debug!(op, error = %e, "fuse op failed")
+        }
+        FsError::UploadFailed(_) | FsError::Cluster(_) | FsError::Stale => {
+            tracing::error!(op, error = %e, "fuse op failed")
+        }
+        _ => tracing::warn!(op, error = %e, "fuse op refused"),
+    }
+}
+
+impl KernelAdapter {
+    pub fn new(fs: Arc<Fs>, runtime: tokio::runtime::Handle) -> Self {
+        Self { fs, runtime }
+    }
+
+    fn attr(&self, node: &Inode) -> FileAttr {
+        let config = self.fs.config();
+        let mtime = UNIX_EPOCH + Duration::from_millis(node.meta.mtime_ms.max(0) as u64);
+        let (kind, perm, nlink) = match node.kind {
+            Kind::File => (FileType::RegularFile, config.file_mode, 1),
+            Kind::Dir => (FileType::Directory, config.dir_mode, 2),
+        };
+        FileAttr {
+            ino: INodeNo(node.ino),
+            size: node.meta.size,
+            blocks: node.meta.size.div_ceil(512),
+            atime: mtime,
+            mtime,
+            ctime: mtime,
+            crtime: mtime,
+            kind,
+            perm,
+            nlink,
+            uid: config.uid,
+            gid: config.gid,
+            rdev: 0,
+            blksize: BLOCK_SIZE,
+            flags: 0,
+        }
+    }
+
+    /// Runs `op` on the runtime with a span; `reply` gets its result.
+    fn spawn<T, Fut>(
+        &self,
+        op: &'static str,
+        ino: u64,
+        fut: impl FnOnce(Arc<Fs>) -> Fut + Send + 'static,
+        reply: impl FnOnce(Result<T, FsError>) + Send + 'static,
+    ) where
+        Fut: Future<Output = Result<T, FsError>> + Send + 'static,
+        T: Send + 'static,
+    {
+        let fs = self.fs.clone();
+        let span = tracing::debug_span!("fuse", op, ino);
+        self.runtime.spawn(tracing::Instrument::instrument(
+            async move {
+                let result = fut(fs).await;
+                if let Err(e) = &result {
+                    log_refusal(op, e);
+                }
+                reply(result);
+            },
+            span,
+        ));
+    }
+
+    fn refuse(&self, op: &'static str, e: FsError) -> Errno {
+        log_refusal(op, &e);
+        errno(&e)
+    }
+}
+
+impl Filesystem for KernelAdapter {
+    fn init(&mut self, _req: &Request, config: &mut KernelConfig) -> std::io::Result<()> {
+        let wanted = InitFlags::FUSE_ATOMIC_O_TRUNC
+            | InitFlags::FUSE_DO_READDIRPLUS
+            | InitFlags::FUSE_PARALLEL_DIROPS
+            | InitFlags::FUSE_AUTO_INVAL_DATA;
+        for flag in wanted.iter() {
+            if config.add_capabilities(flag).is_err() {
+                tracing::info!(?flag, "kernel lacks a FUSE capability");
+            }
+        }
+        let _ = config.set_max_write(MAX_IO_BYTES);
+        let _ = config.set_max_readahead(MAX_IO_BYTES);
+        let _ = config.set_max_background(64);
+        let _ = config.set_congestion_threshold(48);
+        Ok(())
+    }
+
+    fn lookup(&self, _req: &Request, parent: INodeNo, name: &OsStr, reply: ReplyEntry) {
+        let name = match name_str(name) {
+            Ok(n) => n.to_string(),
+            Err(e) => return reply.error(self.refuse("lookup", e)),
+        };
+        let ttl = self.fs.config().entry_ttl;
+        let this = self.clone_for_reply();
+        self.spawn(
+            "lookup",
+            parent.0,
+            move |fs| async move { fs.lookup(parent.0, &name).await },
+            move |r| match r {
+                Ok(node) => reply.entry(&ttl, &this.attr(&node), Generation(0)),
+                Err(e) => reply.error(errno(&e)),
+            },
+        );
+    }
+
+    fn forget(&self, _req: &Request, ino: INodeNo, nlookup: u64) {
+        self.fs.forget(ino.0, nlookup);
+    }
+
+    fn getattr(&self, _req: &Request, ino: INodeNo, _fh: Option<FileHandle>, reply: ReplyAttr) {
+        let ttl = self.fs.config().attr_ttl;
+        let this = self.clone_for_reply();
+        self.spawn(
+            "getattr",
+            ino.0,
+            move |fs| async move { fs.getattr(ino.0).await },
+            move |r| match r {
+                Ok(node) => reply.attr(&ttl, &this.attr(&node)),
+                Err(e) => reply.error(errno(&e)),
+            },
+        );
+    }
+
+    fn setattr(
+        &self,
+        _req: &Request,
+        ino: INodeNo,
+        mode: Option<u32>,
+        uid: Option<u32>,
+        gid: Option<u32>,
+        size: Option<u64>,
+        _atime: Option<TimeOrNow>,
+        _mtime: Option<TimeOrNow>,
+        _ctime: Option<SystemTime>,
+        _fh: Option<FileHandle>,
+        _crtime: Option<SystemTime>,
+        _chgtime: Option<SystemTime>,
+        _bkuptime: Option<SystemTime>,
+        _flags: Option<BsdFileFlags>,
+        reply: ReplyAttr,
+    ) {
+        let ttl = self.fs.config().attr_ttl;
+        let this = self.clone_for_reply();
+        let change = SetAttr {
+            mode,
+            uid,
+            gid,
+            size,
+        };
+        self.spawn(
+            "setattr",
+            ino.0,
+            move |fs| async move { fs.setattr(ino.0, change).await },
+            move |r| match r {
+                Ok(node) => reply.attr(&ttl, &this.attr(&node)),
+                Err(e) => reply.error(errno(&e)),
+            },
+        );
+    }
+
+    fn mknod(
+        &self,
+        _req: &Request,
+        _parent: INodeNo,
+        _name: &OsStr,
+        _mode: u32,
+        _umask: u32,
+        _rdev: u32,
+        reply: ReplyEntry,
+    ) {
+        reply.error(self.refuse(
+            "mknod",
+            FsError::NotPermitted("device, FIFO and socket nodes cannot be stored in S3"),
+        ));
+    }
+
+    fn mkdir(
+        &self,
+        _req: &Request,
+        parent: INodeNo,
+        name: &OsStr,
+        _mode: u32,
+        _umask: u32,
+        reply: ReplyEntry,
+    ) {
+        let name = match name_str(name) {
+            Ok(n) => n.to_string(),
+            Err(e) => return reply.error(self.refuse("mkdir", e)),
+        };
+        let ttl = self.fs.config().entry_ttl;
+        let this = self.clone_for_reply();
+        self.spawn(
+            "mkdir",
+            parent.0,
+            move |fs| async move { fs.mkdir(parent.0, &name).await },
+            move |r| match r {
+                Ok(node) => reply.entry(&ttl, &this.attr(&node), Generation(0)),
+                Err(e) => reply.error(errno(&e)),
+            },
+        );
+    }
+
+    fn unlink(&self, _req: &Request, parent: INodeNo, name: &OsStr, reply: ReplyEmpty) {
+        let name = match name_str(name) {
+            Ok(n) => n.to_string(),
+            Err(e) => return reply.error(self.refuse("unlink", e)),
+        };
+        self.spawn(
+            "unlink",
+            parent.0,
+            move |fs| async move { fs.unlink(parent.0, &name).await },
+            move |r| empty_reply(reply, r),
+        );
+    }
+
+    fn rmdir(&self, _req: &Request, parent: INodeNo, name: &OsStr, reply: ReplyEmpty) {
+        let name = match name_str(name) {
+            Ok(n) => n.to_string(),
+            Err(e) => return reply.error(self.refuse("rmdir", e)),
+        };
+        self.spawn(
+            "rmdir",
+            parent.0,
+            move |fs| async move { fs.rmdir(parent.0, &name).await },
+            move |r| empty_reply(reply, r),
+        );
+    }
+
+    fn symlink(
+        &self,
+        _req: &Request,
+        _parent: INodeNo,
+        _link_name: &OsStr,
+        _target: &Path,
+        reply: ReplyEntry,
+    ) {
+        reply.error(self.refuse(
+            "symlink",
+            FsError::NotPermitted("symbolic links cannot be stored in S3"),
+        ));
+    }
+
+    fn rename(
+        &self,
+        _req: &Request,
+        parent: INodeNo,
+        name: &OsStr,
+        newparent: INodeNo,
+        newname: &OsStr,
+        flags: RenameFlags,
+        reply: ReplyEmpty,
+    ) {
+        let names = name_str(name).and_then(|a| Ok((a.to_string(), name_str(newname)?.to_string())));
+        let (name, newname) = match names {
+            Ok(n) => n,
+            Err(e) => return reply.error(self.refuse("rename", e)),
+        };
+        if flags.intersects(RenameFlags::RENAME_EXCHANGE | RenameFlags::RENAME_WHITEOUT) {
+            return reply.error(self.refuse(
+                "rename",
+                FsError::Unsupported("RENAME_EXCHANGE and RENAME_WHITEOUT"),
+            ));
+        }
+        let no_replace = flags.contains(RenameFlags::RENAME_NOREPLACE);
+        self.spawn(
+            "rename",
+            parent.0,
+            move |fs| async move {
+                fs.rename(parent.0, &name, newparent.0, &newname, no_replace)
+                    .await
+            },
+            move |r| empty_reply(reply, r),
+        );
+    }
+
+    fn link(
+        &self,
+        _req: &Request,
+        _ino: INodeNo,
+        _newparent: INodeNo,
+        _newname: &OsStr,
+        reply: ReplyEntry,
+    ) {
+        reply.error(self.refuse(
+            "link",
+            FsError::NotPermitted("hard links cannot be stored in S3"),
+        ));
+    }
+
+    fn open(&self, req: &Request, ino: INodeNo, flags: OpenFlags, reply: ReplyOpen) {
+        let pid = req.pid();
+        self.spawn(
+            "open",
+            ino.0,
+            move |fs| async move { fs.open(ino.0, flags.0, pid).await },
+            move |r| match r {
+                Ok((fh, keep_cache)) => {
+                    let flags = if keep_cache {
+                        FopenFlags::FOPEN_KEEP_CACHE
+                    } else {
+                        FopenFlags::empty()
+                    };
+                    reply.opened(FileHandle(fh), flags)
+                }
+                Err(e) => reply.error(errno(&e)),
+            },
+        );
+    }
+
+    fn read(
+        &self,
+        _req: &Request,
+        ino: INodeNo,
+        fh: FileHandle,
+        offset: u64,
+        size: u32,
+        _flags: OpenFlags,
+        _lock_owner: Option<LockOwner>,
+        reply: ReplyData,
+    ) {
+        self.spawn(
+            "read",
+            ino.0,
+            move |fs| async move { fs.read(fh.0, offset, size).await },
+            move |r| match r {
+                Ok(bytes) => reply.data(&bytes),
+                Err(e) => reply.error(errno(&e)),
+            },
+        );
+    }
+
+    fn write(
+        &self,
+        _req: &Request,
+        ino: INodeNo,
+        fh: FileHandle,
+        offset: u64,
+        data: &[u8],
+        _write_flags: WriteFlags,
+        _flags: OpenFlags,
+        _lock_owner: Option<LockOwner>,
+        reply: ReplyWrite,
+    ) {
+        let data = data.to_vec();
+        self.spawn(
+            "write",
+            ino.0,
+            move |fs| async move { fs.write(fh.0, offset, &data).await },
+            move |r| match r {
+                Ok(n) => reply.written(n),
+                Err(e) => reply.error(errno(&e)),
+            },
+        );
+    }
+
+    fn flush(
+        &self,
+        req: &Request,
+        ino: INodeNo,
+        fh: FileHandle,
+        _lock_owner: LockOwner,
+        reply: ReplyEmpty,
+    ) {
+        let pid = req.pid();
+        self.spawn(
+            "flush",
+            ino.0,
+            move |fs| async move { fs.flush(fh.0, pid).await },
+            move |r| empty_reply(reply, r),
+        );
+    }
+
+    fn release(
+        &self,
+        _req: &Request,
+        ino: INodeNo,
+        fh: FileHandle,
+        _flags: OpenFlags,
+        _lock_owner: Option<LockOwner>,
+        _flush: bool,
+        reply: ReplyEmpty,
+    ) {
+        self.spawn(
+            "release",
+            ino.0,
+            move |fs| async move { fs.release(fh.0).await },
+            move |r| empty_reply(reply, r),
+        );
+    }
+
+    fn fsync(
+        &self,
+        _req: &Request,
+        ino: INodeNo,
+        fh: FileHandle,
+        _datasync: bool,
+        reply: ReplyEmpty,
+    ) {
+        self.spawn(
+            "fsync",
+            ino.0,
+            move |fs| async move { fs.fsync(fh.0).await },
+            move |r| empty_reply(reply, r),
+        );
+    }
+
+    fn opendir(&self, _req: &Request, ino: INodeNo, _flags: OpenFlags, reply: ReplyOpen) {
+        self.spawn(
+            "opendir",
+            ino.0,
+            move |fs| async move { fs.opendir(ino.0).await },
+            move |r| match r {
+                Ok(fh) => reply.opened(FileHandle(fh), FopenFlags::empty()),
+                Err(e) => reply.error(errno(&e)),
+            },
+        );
+    }
+
+    fn readdir(
+        &self,
+        _req: &Request,
+        _ino: INodeNo,
+        fh: FileHandle,
+        offset: u64,
+        mut reply: ReplyDirectory,
+    ) {
+        let entries = match self.fs.readdir(fh.0, offset) {
+            Ok(e) => e,
+            Err(e) => return reply.error(self.refuse("readdir", e)),
+        };
+        for (i, entry) in entries.iter().enumerate() {
+            let kind = match entry.node.kind {
+                Kind::File => FileType::RegularFile,
+                Kind::Dir => FileType::Directory,
+            };
+            let next = offset + i as u64 + 1;
+            if reply.add(INodeNo(entry.node.ino), next, kind, &entry.name) {
+                break;
+            }
+        }
+        reply.ok();
+    }
+
+    fn readdirplus(
+        &self,
+        _req: &Request,
+        _ino: INodeNo,
+        fh: FileHandle,
+        offset: u64,
+        mut reply: ReplyDirectoryPlus,
+    ) {
+        let entries = match self.fs.readdir(fh.0, offset) {
+            Ok(e) => e,
+            Err(e) => return reply.error(self.refuse("readdirplus", e)),
+        };
+        let ttl = self.fs.config().entry_ttl;
+        for (i, entry) in entries.iter().enumerate() {
+            let next = offset + i as u64 + 1;
+            let attr = self.attr(&entry.node);
+            if reply.add(
+                INodeNo(entry.node.ino),
+                next,
+                &entry.name,
+                &ttl,
+                &attr,
+                Generation(0),
+            ) {
+                break;
+            }
+            // The kernel counts a lookup for every entry but `.` and `..`.
+            if entry.name != "." && entry.name != ".." {
+                self.fs.add_lookup(entry.node.ino);
+            }
+        }
+        reply.ok();
+    }
+
+    fn releasedir(
+        &self,
+        _req: &Request,
+        _ino: INodeNo,
+        fh: FileHandle,
+        _flags: OpenFlags,
+        reply: ReplyEmpty,
+    ) {
+        self.fs.releasedir(fh.0);
+        reply.ok();
+    }
+
+    fn fsyncdir(
+        &self,
+        _req: &Request,
+        _ino: INodeNo,
+        _fh: FileHandle,
+        _datasync: bool,
+        reply: ReplyEmpty,
+    ) {
+        // Directory changes are in S3 when their call returns.
+        reply.ok();
+    }
+
+    fn statfs(&self, _req: &Request, _ino: INodeNo, reply: ReplyStatfs) {
+        // S3 has no capacity; report plenty so tools do not refuse to write.
+        const BLOCKS: u64 = 1 << 40;
+        reply.statfs(BLOCKS, BLOCKS, BLOCKS, 1 << 32, 1 << 32, 4096, 255, 4096);
+    }
+
+    fn setxattr(
+        &self,
+        _req: &Request,
+        _ino: INodeNo,
+        _name: &OsStr,
+        _value: &[u8],
+        _flags: i32,
+        _position: u32,
+        reply: ReplyEmpty,
+    ) {
+        reply.error(self.refuse(
+            "setxattr",
+            FsError::Unsupported("extended attributes"),
+        ));
+    }
+
+    fn getxattr(&self, _req: &Request, _ino: INodeNo, _name: &OsStr, _size: u32, reply: ReplyXattr) {
+        reply.error(Errno::from_i32(libc::ENODATA));
+    }
+
+    fn listxattr(&self, _req: &Request, _ino: INodeNo, size: u32, reply: ReplyXattr) {
+        if size == 0 {
+            reply.size(0);
+        } else {
+            reply.data(&[]);
+        }
+    }
+
+    fn removexattr(&self, _req: &Request, _ino: INodeNo, _name: &OsStr, reply: ReplyEmpty) {
+        reply.error(self.refuse(
+            "removexattr",
+            FsError::Unsupported("extended attributes"),
+        ));
+    }
+
+    fn access(&self, _req: &Request, _ino: INodeNo, _mask: AccessFlags, reply: ReplyEmpty) {
+        // default_permissions: the kernel checks modes itself.
+        reply.ok();
+    }
+
+    fn create(
+        &self,
+        req: &Request,
+        parent: INodeNo,
+        name: &OsStr,
+        _mode: u32,
+        _umask: u32,
+        _flags: i32,
+        reply: ReplyCreate,
+    ) {
+        let name = match name_str(name) {
+            Ok(n) => n.to_string(),
+            Err(e) => return reply.error(self.refuse("create", e)),
+        };
+        let pid = req.pid();
+        let ttl = self.fs.config().entry_ttl;
+        let this = self.clone_for_reply();
+        self.spawn(
+            "create",
+            parent.0,
+            move |fs| async move { fs.create(parent.0, &name, pid).await },
+            move |r| match r {
+                Ok((node, fh)) => reply.created(
+                    &ttl,
+                    &this.attr(&node),
+                    Generation(0),
+                    FileHandle(fh),
+                    FopenFlags::empty(),
+                ),
+                Err(e) => reply.error(errno(&e)),
+            },
+        );
+    }
+
+    fn fallocate(
+        &self,
+        _req: &Request,
+        _ino: INodeNo,
+        _fh: FileHandle,
+        _offset: u64,
+        _length: u64,
+        _mode: i32,
+        reply: ReplyEmpty,
+    ) {
+        reply.error(self.refuse(
+            "fallocate",
+            FsError::Unsupported("preallocation (objects are written sequentially)"),
+        ));
+    }
+}
+
+impl KernelAdapter {
+    fn clone_for_reply(&self) -> Self {
+        Self {
+            fs: self.fs.clone(),
+            runtime: self.runtime.clone(),
+        }
+    }
+}
+
+fn empty_reply(reply: ReplyEmpty, r: Result<(), FsError>) {
+    match r {
+        Ok(()) => reply.ok(),
+        Err(e) => reply.error(errno(&e)),
+    }
+}

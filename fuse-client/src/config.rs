@@ -1,0 +1,50 @@
+//! What a mount serves and how it caches.
+
+use std::time::Duration;
+
+#[derive(Debug, Clone)]
+pub struct FsConfig {
+    pub bucket: String,
+    /// Key prefix shown as the mount's root: empty or ending in `/`.
+    pub prefix: String,
+    pub uid: u32,
+    pub gid: u32,
+    pub file_mode: u16,
+    pub dir_mode: u16,
+    /// How long the kernel and the client trust attributes and names.
+    pub attr_ttl: Duration,
+    pub entry_ttl: Duration,
+    /// First read-ahead window of a sequential reader; doubles per read.
+    pub readahead_initial: u64,
+    /// Largest read-ahead window (bytes in flight per open file).
+    pub readahead_max: u64,
+    /// Size of one read-ahead request to a worker.
+    pub readahead_chunk: u64,
+    /// Upper bound on one upload: a writer that stalls longer fails.
+    pub upload_timeout: Duration,
+}
+
+impl FsConfig {
+    pub fn new(bucket: impl Into<String>, prefix: impl Into<String>) -> Self {
+        let mut prefix = prefix.into();
+        if !prefix.is_empty() && !prefix.ends_with('/') {
+            prefix.push('/');
+        }
+        // SAFETY: getuid/getgid cannot fail and touch no memory.
+        let (uid, gid) = unsafe { (libc::getuid(), libc::getgid()) };
+        Self {
+            bucket: bucket.into(),
+            prefix,
+            uid,
+            gid,
+            file_mode: 0o644,
+            dir_mode: 0o755,
+            attr_ttl: Duration::from_secs(60),
+            entry_ttl: Duration::from_secs(60),
+            readahead_initial: 1 << 20,
+            readahead_max: 64 << 20,
+            readahead_chunk: 8 << 20,
+            upload_timeout: Duration::from_secs(6 * 3600),
+        }
+    }
+}

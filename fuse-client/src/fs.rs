@@ -1,0 +1,725 @@
+//! The filesystem core: POSIX operations over S3 keys, driven by the
+//! kernel adapter or directly by tests. Directories are key prefixes.
+
+use std::collections::{BTreeMap, HashMap};
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Mutex};
+
+use bytes::Bytes;
+use lakecache_protocol::{validate_key, ObjectStat, ObjectUri, MAX_KEY_BYTES};
+use lakecache_registry::ClusterClient;
+use tokio::sync::Mutex as AsyncMutex;
+
+use crate::config::FsConfig;
+use crate::error::FsError;
+use crate::inode::{Inode, InodeTable, Kind, Meta, ROOT_INO};
+use crate::read::{FileReader, ReadaheadPolicy};
+use crate::write::FileWriter;
+
+const MAX_NAME_BYTES: usize = 255;
+
+/// One directory entry as `readdir` returns it.
+#[derive(Debug, Clone)]
+pub struct DirEntry {
+    pub name: String,
+    pub node: Inode,
+}
+
+enum Handle {
+    Read(Arc<AsyncMutex<FileReader>>),
+    Write {
+        writer: Arc<AsyncMutex<FileWriter>>,
+        ino: u64,
+        /// Thread group that opened the file: only its flush commits.
+        owner_tgid: Option<u32>,
+        /// Metadata before an overwrite, restored if the upload fails.
+        previous: Option<Meta>,
+    },
+    Dir(Arc<Vec<DirEntry>>),
+}
+
+impl Clone for Handle {
+    fn clone(&self) -> Self {
+        match self {
+            Handle::Read(r) => Handle::Read(r.clone()),
+            Handle::Write {
+                writer,
+                ino,
+                owner_tgid,
+                previous,
+            } => Handle::Write {
+                writer: writer.clone(),
+                ino: *ino,
+                owner_tgid: *owner_tgid,
+                previous: previous.clone(),
+            },
+            Handle::Dir(d) => Handle::Dir(d.clone()),
+        }
+    }
+}
+
+/// What `setattr` was asked to change.
+#[derive(Debug, Default, Clone)]
+pub struct SetAttr {
+    pub mode: Option<u32>,
+    pub uid: Option<u32>,
+    pub gid: Option<u32>,
+    pub size: Option<u64>,
+}
+
+pub struct Fs {
+    cluster: Arc<ClusterClient>,
+    config: FsConfig,
+    inodes: InodeTable,
+    handles: Mutex<HashMap<u64, Handle>>,
+    next_fh: AtomicU64,
+}
+
+fn meta_of(stat: &ObjectStat) -> Meta {
+    Meta {
+        size: stat.size,
+        etag: Some(stat.etag.clone()),
+        mtime_ms: stat.last_modified_ms,
+    }
+}
+
+/// Thread group of a task (FUSE requests carry thread ids).
+fn tgid_of(pid: u32) -> Option<u32> {
+    let status = std::fs::read_to_string(format!("/proc/{pid}/status")).ok()?;
+    status
+        .lines()
+        .find_map(|l| l.strip_prefix("Tgid:"))
+        .and_then(|v| v.trim().parse().ok())
+}
+
+impl Fs {
+    pub fn new(cluster: Arc<ClusterClient>, config: FsConfig) -> Self {
+        let inodes = InodeTable::new(&config.prefix);
+        Self {
+            cluster,
+            config,
+            inodes,
+            handles: Mutex::new(HashMap::new()),
+            next_fh: AtomicU64::new(1),
+        }
+    }
+
+    pub fn config(&self) -> &FsConfig {
+        &self.config
+    }
+
+    fn uri(&self, key: &str) -> Result<ObjectUri, FsError> {
+        ObjectUri::new(&self.config.bucket, key).map_err(|e| FsError::InvalidName(e.to_string()))
+    }
+
+    fn handle(&self, fh: u64) -> Result<Handle, FsError> {
+        let handles = self.handles.lock().unwrap_or_else(|p| p.into_inner());
+        handles.get(&fh).cloned().ok_or(FsError::BadHandle)
+    }
+
+    fn add_handle(&self, handle: Handle) -> u64 {
+        let fh = self.next_fh.fetch_add(1, Ordering::Relaxed);
+        let mut handles = self.handles.lock().unwrap_or_else(|p| p.into_inner());
+        handles.insert(fh, handle);
+        fh
+    }
+
+    fn take_handle(&self, fh: u64) -> Option<Handle> {
+        let mut handles = self.handles.lock().unwrap_or_else(|p| p.into_inner());
+        handles.remove(&fh)
+    }
+
+    fn node(&self, ino: u64) -> Result<Inode, FsError> {
+        self.inodes.get(ino).ok_or(FsError::NotFound)
+    }
+
+    fn dir(&self, ino: u64) -> Result<Inode, FsError> {
+        let node = self.node(ino)?;
+        match node.kind {
+            Kind::Dir => Ok(node),
+            Kind::File => Err(FsError::NotDir),
+        }
+    }
+
+    fn child_key(&self, parent: &Inode, name: &str, kind: Kind) -> Result<String, FsError> {
+        if name.is_empty() || name == "." || name == ".." || name.contains(['/', '\0']) {
+            return Err(FsError::InvalidName(format!("{name:?}")));
+        }
+        if name.len() > MAX_NAME_BYTES {
+            return Err(FsError::NameTooLong);
+        }
+        let mut key = format!("{}{name}", parent.key);
+        if kind == Kind::Dir {
+            key.push('/');
+        }
+        if key.len() > MAX_KEY_BYTES {
+            return Err(FsError::NameTooLong);
+        }
+        validate_key(&key).map_err(|e| FsError::InvalidName(e.to_string()))?;
+        Ok(key)
+    }
+
+    /// Resolves `parent/name` from the table while fresh, else from S3.
+    /// Does not count a kernel lookup.
+    pub async fn resolve(&self, parent: u64, name: &str) -> Result<Inode, FsError> {
+        let p = self.dir(parent)?;
+        let file_key = self.child_key(&p, name, Kind::File)?;
+        if let Some(node) = self.inodes.child(parent, name) {
+            if node.is_fresh(self.config.entry_ttl) {
+                return Ok(node);
+            }
+        }
+        let dir_key = format!("{file_key}/");
+        let file_uri = self.uri(&file_key)?;
+        let (stat, listing) = tokio::join!(
+            self.cluster.stat(&file_uri),
+            self.cluster
+                .list(&self.config.bucket, &dir_key, Some("/"), None, Some(1))
+        );
+        let listing = listing.map_err(FsError::from)?;
+        // A prefix shadows an object of the same name, as in `ls` of S3.
+        if !listing.objects.is_empty() || !listing.common_prefixes.is_empty() {
+            return Ok(self
+                .inodes
+                .upsert(parent, name, Kind::Dir, dir_key, Meta::default()));
+        }
+        match stat.map_err(FsError::from) {
+            Ok(stat) => Ok(self
+                .inodes
+                .upsert(parent, name, Kind::File, file_key, meta_of(&stat))),
+            Err(FsError::NotFound) => {
+                self.inodes.unlink(parent, name);
+                Err(FsError::NotFound)
+            }
+            Err(e) => Err(e),
+        }
+    }
+
+    /// The kernel's LOOKUP: resolves and counts a reference.
+    pub async fn lookup(&self, parent: u64, name: &str) -> Result<Inode, FsError> {
+        let node = self.resolve(parent, name).await?;
+        self.inodes.add_lookup(node.ino);
+        Ok(node)
+    }
+
+    pub fn forget(&self, ino: u64, n: u64) {
+        self.inodes.forget(ino, n);
+    }
+
+    pub fn add_lookup(&self, ino: u64) {
+        self.inodes.add_lookup(ino);
+    }
+
+    pub async fn getattr(&self, ino: u64) -> Result<Inode, FsError> {
+        let node = self.node(ino)?;
+        if node.is_fresh(self.config.attr_ttl) {
+            return Ok(node);
+        }
+        match self.cluster.stat(&self.uri(&node.key)?).await {
+            Ok(stat) => {
+                let meta = meta_of(&stat);
+                self.inodes.update(ino, |n| {
+                    if n.writer.is_none() {
+                        n.meta = meta;
+                        n.validated = std::time::Instant::now();
+                    }
+                    n.clone()
+                })
+            }
+            .ok_or(FsError::NotFound),
+            Err(e) => {
+                let e = FsError::from(e);
+                if matches!(e, FsError::NotFound) {
+                    self.inodes.unlink(node.parent, &node.name);
+                }
+                Err(e)
+            }
+        }
+    }
+
+    pub async fn setattr(&self, ino: u64, change: SetAttr) -> Result<Inode, FsError> {
+        let node = self.getattr(ino).await?;
+        let perm = match node.kind {
+            Kind::File => self.config.file_mode,
+            Kind::Dir => self.config.dir_mode,
+        };
+        if change.mode.is_some_and(|m| (m & 0o7777) as u16 != perm) {
+            return Err(FsError::NotPermitted("S3 objects have no permissions to change"));
+        }
+        if change.uid.is_some_and(|u| u != self.config.uid)
+            || change.gid.is_some_and(|g| g != self.config.gid)
+        {
+            return Err(FsError::NotPermitted("S3 objects have no owner to change"));
+        }
+        let Some(size) = change.size else {
+            // Time changes are accepted and not kept: S3 sets mtime.
+            return Ok(node);
+        };
+        if node.kind == Kind::Dir {
+            return Err(FsError::IsDir);
+        }
+        if node.writer.is_some() {
+            let written = self.written_by(&node);
+            if size == written {
+                return Ok(node);
+            }
+            return Err(FsError::Unsupported(
+                "truncating a file being written to a size other than what was written",
+            ));
+        }
+        if size == node.meta.size {
+            return Ok(node);
+        }
+        if size != 0 {
+            return Err(FsError::Unsupported(
+                "truncating an object to a non-zero size",
+            ));
+        }
+        let stat = self.cluster.put(&self.uri(&node.key)?, Bytes::new()).await?;
+        let meta = meta_of(&stat);
+        self.inodes
+            .update(ino, |n| {
+                n.meta = meta;
+                n.validated = std::time::Instant::now();
+                n.clone()
+            })
+            .ok_or(FsError::NotFound)
+    }
+
+    fn written_by(&self, node: &Inode) -> u64 {
+        node.meta.size
+    }
+
+    pub async fn opendir(&self, ino: u64) -> Result<u64, FsError> {
+        let dir = self.dir(ino)?;
+        let mut names: BTreeMap<String, (Kind, String, Meta)> = BTreeMap::new();
+        let mut token: Option<String> = None;
+        loop {
+            let page = self
+                .cluster
+                .list(
+                    &self.config.bucket,
+                    &dir.key,
+                    Some("/"),
+                    token.as_deref(),
+                    None,
+                )
+                .await?;
+            for obj in &page.objects {
+                let Some(name) = obj.key.strip_prefix(&dir.key) else {
+                    continue;
+                };
+                if name.is_empty() || name == "." || name == ".." {
+                    continue; // the directory's own marker
+                }
+                let meta = Meta {
+                    size: obj.size,
+                    etag: Some(obj.etag.clone()),
+                    mtime_ms: obj.last_modified_ms,
+                };
+                names
+                    .entry(name.to_string())
+                    .or_insert((Kind::File, obj.key.clone(), meta));
+            }
+            for prefix in &page.common_prefixes {
+                let Some(name) = prefix
+                    .strip_prefix(&dir.key)
+                    .and_then(|n| n.strip_suffix('/'))
+                else {
+                    continue;
+                };
+                if name.is_empty() || name == "." || name == ".." || name.contains('/') {
+                    continue;
+                }
+                names.insert(
+                    name.to_string(),
+                    (Kind::Dir, prefix.clone(), Meta::default()),
+                );
+            }
+            match page.next_token {
+                Some(t) => token = Some(t),
+                None => break,
+            }
+        }
+        let mut entries = Vec::with_capacity(names.len() + 2);
+        entries.push(DirEntry {
+            name: ".".into(),
+            node: dir.clone(),
+        });
+        let parent = self.inodes.get(dir.parent).unwrap_or_else(|| dir.clone());
+        entries.push(DirEntry {
+            name: "..".into(),
+            node: parent,
+        });
+        for local in self.inodes.local_children(ino) {
+            names.remove(&local.name);
+            entries.push(DirEntry {
+                name: local.name.clone(),
+                node: local,
+            });
+        }
+        for (name, (kind, key, meta)) in names {
+            let node = self.inodes.upsert(ino, &name, kind, key, meta);
+            entries.push(DirEntry { name, node });
+        }
+        Ok(self.add_handle(Handle::Dir(Arc::new(entries))))
+    }
+
+    /// Entries from index `offset` of the snapshot taken at opendir.
+    pub fn readdir(&self, fh: u64, offset: u64) -> Result<Vec<DirEntry>, FsError> {
+        match self.handle(fh)? {
+            Handle::Dir(entries) => Ok(entries
+                .iter()
+                .skip(offset as usize)
+                .cloned()
+                .collect()),
+            _ => Err(FsError::BadHandle),
+        }
+    }
+
+    pub fn releasedir(&self, fh: u64) {
+        self.take_handle(fh);
+    }
+
+    /// Opens a file; returns the handle and whether the kernel may keep
+    /// the pages it cached on an earlier open.
+    pub async fn open(&self, ino: u64, flags: i32, pid: u32) -> Result<(u64, bool), FsError> {
+        let node = self.node(ino)?;
+        if node.kind == Kind::Dir {
+            return Err(FsError::IsDir);
+        }
+        let access = flags & libc::O_ACCMODE;
+        let replaces = flags & libc::O_TRUNC != 0 || node.meta.size == 0;
+        // O_RDWR on an existing object without O_TRUNC reads it (fio's
+        // verify pass does this); writing through that handle is refused.
+        if access == libc::O_WRONLY || (access == libc::O_RDWR && replaces) {
+            return self.open_for_write(node, flags, pid);
+        }
+        if node.writer.is_some() {
+            return Err(FsError::Busy("the file is being written"));
+        }
+        let node = self.getattr(ino).await?;
+        let etag = node.meta.etag.clone().ok_or(FsError::NotFound)?;
+        let keep_cache = node.page_cache_etag.as_deref() == Some(etag.as_str());
+        self.inodes
+            .update(ino, |n| n.page_cache_etag = Some(etag.clone()));
+        let reader = FileReader::new(
+            self.cluster.clone(),
+            self.uri(&node.key)?,
+            etag,
+            node.meta.size,
+            ReadaheadPolicy {
+                initial: self.config.readahead_initial,
+                max: self.config.readahead_max,
+                chunk: self.config.readahead_chunk,
+            },
+        );
+        let fh = self.add_handle(Handle::Read(Arc::new(AsyncMutex::new(reader))));
+        Ok((fh, keep_cache))
+    }
+
+    fn open_for_write(&self, node: Inode, flags: i32, pid: u32) -> Result<(u64, bool), FsError> {
+        if node.writer.is_some() {
+            return Err(FsError::Busy("the file is already open for writing"));
+        }
+        if flags & libc::O_TRUNC == 0 && node.meta.size > 0 {
+            return Err(FsError::NotPermitted(
+                "existing objects can only be replaced whole: open with O_TRUNC",
+            ));
+        }
+        let writer = FileWriter::new(
+            self.cluster.clone(),
+            self.uri(&node.key)?,
+            self.config.upload_timeout,
+        );
+        let fh = self.add_handle(Handle::Write {
+            writer: Arc::new(AsyncMutex::new(writer)),
+            ino: node.ino,
+            owner_tgid: tgid_of(pid),
+            previous: Some(node.meta.clone()),
+        });
+        self.inodes.update(node.ino, |n| {
+            n.writer = Some(fh);
+            n.meta = Meta {
+                size: 0,
+                etag: None,
+                mtime_ms: now_ms(),
+            };
+            n.page_cache_etag = None;
+        });
+        Ok((fh, false))
+    }
+
+    /// Creates a file that exists locally until its upload completes.
+    pub async fn create(&self, parent: u64, name: &str, pid: u32) -> Result<(Inode, u64), FsError> {
+        let p = self.dir(parent)?;
+        let key = self.child_key(&p, name, Kind::File)?;
+        if let Some(existing) = self.inodes.child(parent, name) {
+            if existing.writer.is_some() {
+                return Err(FsError::Busy("the file is already open for writing"));
+            }
+        }
+        let node = self.inodes.upsert(
+            parent,
+            name,
+            Kind::File,
+            key,
+            Meta {
+                size: 0,
+                etag: None,
+                mtime_ms: now_ms(),
+            },
+        );
+        let (fh, _) = self.open_for_write(node.clone(), libc::O_WRONLY | libc::O_TRUNC, pid)?;
+        // A create that did not replace anything has nothing to restore.
+        let mut handles = self.handles.lock().unwrap_or_else(|p| p.into_inner());
+        if let Some(Handle::Write { previous, .. }) = handles.get_mut(&fh) {
+            *previous = None;
+        }
+        drop(handles);
+        self.inodes.add_lookup(node.ino);
+        let node = self.node(node.ino)?;
+        Ok((node, fh))
+    }
+
+    pub async fn read(&self, fh: u64, offset: u64, len: u32) -> Result<Bytes, FsError> {
+        match self.handle(fh)? {
+            Handle::Read(reader) => reader.lock().await.read(offset, len as u64).await,
+            Handle::Write { .. } => Err(FsError::NotPermitted(
+                "a file open for writing cannot be read until it is closed",
+            )),
+            Handle::Dir(_) => Err(FsError::IsDir),
+        }
+    }
+
+    pub async fn write(&self, fh: u64, offset: u64, data: &[u8]) -> Result<u32, FsError> {
+        let (writer, ino) = match self.handle(fh)? {
+            Handle::Write { writer, ino, .. } => (writer, ino),
+            Handle::Read(_) => {
+                return Err(FsError::NotPermitted(
+                    "existing objects can only be replaced whole: open with O_TRUNC",
+                ))
+            }
+            Handle::Dir(_) => return Err(FsError::BadHandle),
+        };
+        let mut w = writer.lock().await;
+        let n = w.write(offset, data).await.inspect_err(|e| {
+            tracing::warn!(uri = %w.uri, offset, error = %e, "write refused");
+        })?;
+        let size = w.written();
+        self.inodes.update(ino, |node| node.meta.size = size);
+        Ok(n)
+    }
+
+    /// Completes the upload if `pid` belongs to the process that opened
+    /// the file (a forked child closing its copy commits nothing).
+    pub async fn flush(&self, fh: u64, pid: u32) -> Result<(), FsError> {
+        match self.handle(fh)? {
+            Handle::Write {
+                owner_tgid, writer, ..
+            } => {
+                if owner_tgid.is_some() && tgid_of(pid) != owner_tgid {
+                    return Ok(());
+                }
+                // Shells open, dup2 and close the original descriptor before
+                // writing (`echo x > f`): a flush before any data is not the
+                // end of the file. Release uploads an empty file.
+                if writer.lock().await.written() == 0 {
+                    return Ok(());
+                }
+                self.commit(fh).await
+            }
+            _ => Ok(()),
+        }
+    }
+
+    pub async fn fsync(&self, fh: u64) -> Result<(), FsError> {
+        match self.handle(fh)? {
+            Handle::Write { .. } => self.commit(fh).await,
+            _ => Ok(()),
+        }
+    }
+
+    pub async fn release(&self, fh: u64) -> Result<(), FsError> {
+        let result = match self.handle(fh) {
+            Ok(Handle::Write { .. }) => self.commit(fh).await,
+            _ => Ok(()),
+        };
+        if let Some(Handle::Write { ino, .. }) = self.take_handle(fh) {
+            self.inodes.update(ino, |n| {
+                if n.writer == Some(fh) {
+                    n.writer = None;
+                }
+            });
+        }
+        result
+    }
+
+    /// Finishes the handle's upload; the inode shows S3's answer after.
+    async fn commit(&self, fh: u64) -> Result<(), FsError> {
+        let Handle::Write {
+            writer,
+            ino,
+            previous,
+            ..
+        } = self.handle(fh)?
+        else {
+            return Err(FsError::BadHandle);
+        };
+        let mut w = writer.lock().await;
+        let first = !w.is_finished();
+        let result = w.finish().await;
+        if !first {
+            return result.map(|_| ());
+        }
+        match &result {
+            Ok(stat) => {
+                let meta = meta_of(stat);
+                self.inodes.update(ino, |n| {
+                    n.meta = meta;
+                    n.validated = std::time::Instant::now();
+                    n.writer = None;
+                });
+                tracing::debug!(uri = %w.uri, size = stat.size, "upload committed");
+            }
+            Err(e) => {
+                tracing::error!(uri = %w.uri, error = %e, "upload failed; the data written to this file is not in S3");
+                let node = self.inodes.update(ino, |n| {
+                    n.writer = None;
+                    if let Some(prev) = &previous {
+                        n.meta = prev.clone();
+                    }
+                    n.clone()
+                });
+                if let (Some(node), None) = (node, previous) {
+                    self.inodes.unlink(node.parent, &node.name);
+                }
+            }
+        }
+        result.map(|_| ())
+    }
+
+    pub async fn mkdir(&self, parent: u64, name: &str) -> Result<Inode, FsError> {
+        let p = self.dir(parent)?;
+        let key = self.child_key(&p, name, Kind::Dir)?;
+        match self.resolve(parent, name).await {
+            Ok(_) => return Err(FsError::Exists),
+            Err(FsError::NotFound) => {}
+            Err(e) => return Err(e),
+        }
+        self.cluster.put(&self.uri(&key)?, Bytes::new()).await?;
+        let node = self
+            .inodes
+            .upsert(parent, name, Kind::Dir, key, Meta::default());
+        self.inodes.add_lookup(node.ino);
+        Ok(node)
+    }
+
+    pub async fn unlink(&self, parent: u64, name: &str) -> Result<(), FsError> {
+        let node = self.resolve(parent, name).await?;
+        if node.kind == Kind::Dir {
+            return Err(FsError::IsDir);
+        }
+        if node.writer.is_some() {
+            return Err(FsError::Busy("the file is being written"));
+        }
+        self.cluster.delete(&self.uri(&node.key)?).await?;
+        self.inodes.unlink(parent, name);
+        Ok(())
+    }
+
+    /// True when nothing but the directory's own marker is under it.
+    async fn is_empty_dir(&self, dir: &Inode) -> Result<bool, FsError> {
+        if !self.inodes.local_children(dir.ino).is_empty() {
+            return Ok(false);
+        }
+        let page = self
+            .cluster
+            .list(&self.config.bucket, &dir.key, None, None, Some(2))
+            .await?;
+        Ok(page.objects.iter().all(|o| o.key == dir.key))
+    }
+
+    pub async fn rmdir(&self, parent: u64, name: &str) -> Result<(), FsError> {
+        let node = self.resolve(parent, name).await?;
+        if node.kind != Kind::Dir {
+            return Err(FsError::NotDir);
+        }
+        if !self.is_empty_dir(&node).await? {
+            return Err(FsError::NotEmpty);
+        }
+        self.cluster.delete(&self.uri(&node.key)?).await?;
+        self.inodes.unlink(parent, name);
+        Ok(())
+    }
+
+    pub async fn rename(
+        &self,
+        parent: u64,
+        name: &str,
+        new_parent: u64,
+        new_name: &str,
+        no_replace: bool,
+    ) -> Result<(), FsError> {
+        let src = self.resolve(parent, name).await?;
+        let np = self.dir(new_parent)?;
+        let dst = match self.resolve(new_parent, new_name).await {
+            Ok(n) => Some(n),
+            Err(FsError::NotFound) => None,
+            Err(e) => return Err(e),
+        };
+        if dst.as_ref().is_some_and(|d| d.ino == src.ino) {
+            return Ok(());
+        }
+        if no_replace && dst.is_some() {
+            return Err(FsError::Exists);
+        }
+        match src.kind {
+            Kind::File => {
+                if src.writer.is_some() {
+                    return Err(FsError::Busy("the file is being written"));
+                }
+                if dst.as_ref().is_some_and(|d| d.kind == Kind::Dir) {
+                    return Err(FsError::IsDir);
+                }
+                let new_key = self.child_key(&np, new_name, Kind::File)?;
+                let (from, to) = (self.uri(&src.key)?, self.uri(&new_key)?);
+                let stat = self.cluster.copy(&from, None, &to).await?;
+                self.cluster.delete(&from).await?;
+                self.inodes
+                    .rename(src.ino, new_parent, new_name, new_key, meta_of(&stat));
+            }
+            Kind::Dir => {
+                if let Some(d) = &dst {
+                    if d.kind == Kind::File {
+                        return Err(FsError::NotDir);
+                    }
+                    if !self.is_empty_dir(d).await? {
+                        return Err(FsError::NotEmpty);
+                    }
+                }
+                if !self.is_empty_dir(&src).await? {
+                    return Err(FsError::CrossDevice(
+                        "only empty directories are renamed in place",
+                    ));
+                }
+                let new_key = self.child_key(&np, new_name, Kind::Dir)?;
+                self.cluster.put(&self.uri(&new_key)?, Bytes::new()).await?;
+                self.cluster.delete(&self.uri(&src.key)?).await?;
+                self.inodes
+                    .rename(src.ino, new_parent, new_name, new_key, Meta::default());
+            }
+        }
+        Ok(())
+    }
+}
+
+pub fn now_ms() -> i64 {
+    std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map(|d| d.as_millis() as i64)
+        .unwrap_or(0)
+}
+
+/// The root inode, for callers that start a walk.
+pub const ROOT: u64 = ROOT_INO;

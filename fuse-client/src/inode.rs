@@ -1,0 +1,240 @@
+//! The inode table: kernel inode numbers for S3 keys, the metadata last
+//! seen for each, and the kernel's lookup counts.
+
+use std::collections::HashMap;
+use std::sync::Mutex;
+use std::time::{Duration, Instant};
+
+pub const ROOT_INO: u64 = 1;
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Kind {
+    File,
+    Dir,
+}
+
+/// Object metadata as listed or HEADed.
+#[derive(Debug, Clone, PartialEq, Eq, Default)]
+pub struct Meta {
+    pub size: u64,
+    pub etag: Option<String>,
+    pub mtime_ms: i64,
+}
+
+#[derive(Debug, Clone)]
+pub struct Inode {
+    pub ino: u64,
+    pub parent: u64,
+    pub name: String,
+    pub kind: Kind,
+    /// Full S3 key; directories end in `/`, the root is the mount prefix.
+    pub key: String,
+    pub meta: Meta,
+    pub validated: Instant,
+    pub nlookup: u64,
+    /// The handle writing this file, while an upload is open.
+    pub writer: Option<u64>,
+    /// The ETag whose bytes the kernel page cache may hold.
+    pub page_cache_etag: Option<String>,
+}
+
+impl Inode {
+    pub fn is_fresh(&self, ttl: Duration) -> bool {
+        self.kind == Kind::Dir || self.writer.is_some() || self.validated.elapsed() < ttl
+    }
+}
+
+struct Table {
+    nodes: HashMap<u64, Inode>,
+    names: HashMap<(u64, String), u64>,
+    next_ino: u64,
+}
+
+pub struct InodeTable {
+    table: Mutex<Table>,
+}
+
+impl InodeTable {
+    pub fn new(root_key: &str) -> Self {
+        let root = Inode {
+            ino: ROOT_INO,
+            parent: ROOT_INO,
+            name: String::new(),
+            kind: Kind::Dir,
+            key: root_key.to_string(),
+            meta: Meta::default(),
+            validated: Instant::now(),
+            nlookup: 1,
+            writer: None,
+            page_cache_etag: None,
+        };
+        Self {
+            table: Mutex::new(Table {
+                nodes: HashMap::from([(ROOT_INO, root)]),
+                names: HashMap::new(),
+                next_ino: ROOT_INO + 1,
+            }),
+        }
+    }
+
+    fn lock(&self) -> std::sync::MutexGuard<'_, Table> {
+        self.table.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    pub fn get(&self, ino: u64) -> Option<Inode> {
+        self.lock().nodes.get(&ino).cloned()
+    }
+
+    pub fn child(&self, parent: u64, name: &str) -> Option<Inode> {
+        let t = self.lock();
+        let ino = t.names.get(&(parent, name.to_string()))?;
+        t.nodes.get(ino).cloned()
+    }
+
+    /// Records what S3 says about `parent/name`: updates the existing inode
+    /// (unless a local upload owns it) or makes a new one.
+    pub fn upsert(&self, parent: u64, name: &str, kind: Kind, key: String, meta: Meta) -> Inode {
+        let mut t = self.lock();
+        let name_key = (parent, name.to_string());
+        if let Some(&ino) = t.names.get(&name_key) {
+            if let Some(node) = t.nodes.get_mut(&ino) {
+                if node.kind == kind {
+                    if node.writer.is_none() {
+                        node.meta = meta;
+                        node.key = key;
+                        node.validated = Instant::now();
+                    }
+                    return node.clone();
+                }
+            }
+            t.names.remove(&name_key);
+        }
+        let ino = t.next_ino;
+        t.next_ino += 1;
+        let node = Inode {
+            ino,
+            parent,
+            name: name.to_string(),
+            kind,
+            key,
+            meta,
+            validated: Instant::now(),
+            nlookup: 0,
+            writer: None,
+            page_cache_etag: None,
+        };
+        t.names.insert(name_key, ino);
+        t.nodes.insert(ino, node.clone());
+        node
+    }
+
+    pub fn update<R>(&self, ino: u64, f: impl FnOnce(&mut Inode) -> R) -> Option<R> {
+        self.lock().nodes.get_mut(&ino).map(f)
+    }
+
+    pub fn add_lookup(&self, ino: u64) {
+        if let Some(n) = self.lock().nodes.get_mut(&ino) {
+            n.nlookup += 1;
+        }
+    }
+
+    /// The kernel dropped `n` references; unreferenced inodes are freed.
+    pub fn forget(&self, ino: u64, n: u64) {
+        if ino == ROOT_INO {
+            return;
+        }
+        let mut t = self.lock();
+        let Some(node) = t.nodes.get_mut(&ino) else {
+            return;
+        };
+        node.nlookup = node.nlookup.saturating_sub(n);
+        if node.nlookup > 0 || node.writer.is_some() {
+            return;
+        }
+        let name_key = (node.parent, node.name.clone());
+        t.nodes.remove(&ino);
+        if t.names.get(&name_key) == Some(&ino) {
+            t.names.remove(&name_key);
+        }
+    }
+
+    /// Forgets the name `parent/name` (the inode lives on until forgotten).
+    pub fn unlink(&self, parent: u64, name: &str) {
+        self.lock().names.remove(&(parent, name.to_string()));
+    }
+
+    /// Moves an inode to a new name, replacing whatever had that name.
+    pub fn rename(&self, ino: u64, new_parent: u64, new_name: &str, new_key: String, meta: Meta) {
+        let mut t = self.lock();
+        let Some(node) = t.nodes.get_mut(&ino) else {
+            return;
+        };
+        let old = (node.parent, node.name.clone());
+        node.parent = new_parent;
+        node.name = new_name.to_string();
+        node.key = new_key;
+        node.meta = meta;
+        node.validated = Instant::now();
+        if t.names.get(&old) == Some(&ino) {
+            t.names.remove(&old);
+        }
+        t.names.insert((new_parent, new_name.to_string()), ino);
+    }
+
+    /// Children with an upload in progress: they exist only here so far.
+    pub fn local_children(&self, parent: u64) -> Vec<Inode> {
+        let t = self.lock();
+        t.nodes
+            .values()
+            .filter(|n| n.parent == parent && n.writer.is_some() && n.ino != ROOT_INO)
+            .filter(|n| t.names.get(&(parent, n.name.clone())) == Some(&n.ino))
+            .cloned()
+            .collect()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn upsert_keeps_inode_numbers_and_forget_frees() {
+        let t = InodeTable::new("");
+        let a = t.upsert(ROOT_INO, "a", Kind::File, "a".into(), Meta::default());
+        let again = t.upsert(
+            ROOT_INO,
+            "a",
+            Kind::File,
+            "a".into(),
+            Meta {
+                size: 5,
+                ..Meta::default()
+            },
+        );
+        assert_eq!(a.ino, again.ino);
+        assert_eq!(again.meta.size, 5);
+        // A file replaced by a directory of the same name is a new inode.
+        let dir = t.upsert(ROOT_INO, "a", Kind::Dir, "a/".into(), Meta::default());
+        assert_ne!(dir.ino, a.ino);
+        t.add_lookup(dir.ino);
+        t.add_lookup(dir.ino);
+        t.forget(dir.ino, 1);
+        assert!(t.get(dir.ino).is_some());
+        t.forget(dir.ino, 1);
+        assert!(t.get(dir.ino).is_none());
+        assert!(t.child(ROOT_INO, "a").is_none());
+    }
+
+    #[test]
+    fn rename_moves_the_name() {
+        let t = InodeTable::new("p/");
+        let f = t.upsert(ROOT_INO, "tmp", Kind::File, "p/tmp".into(), Meta::default());
+        let old = t.upsert(ROOT_INO, "final", Kind::File, "p/final".into(), Meta::default());
+        t.rename(f.ino, ROOT_INO, "final", "p/final".into(), Meta::default());
+        assert!(t.child(ROOT_INO, "tmp").is_none());
+        let now = t.child(ROOT_INO, "final").expect("renamed");
+        assert_eq!(now.ino, f.ino);
+        assert_ne!(now.ino, old.ino);
+        assert_eq!(now.key, "p/final");
+    }
+}

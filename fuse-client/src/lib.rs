@@ -1,0 +1,20 @@
+//! lakecache's FUSE client: an S3 prefix as a POSIX directory tree, read
+//! through the cache cluster and written back through its workers.
+//!
+//! [`fs::Fs`] holds the filesystem logic and is driven directly by tests;
+//! [`adapter::KernelAdapter`] maps kernel requests onto it.
+
+pub mod adapter;
+pub mod config;
+pub mod error;
+pub mod fs;
+pub mod inode;
+pub mod mount;
+pub mod read;
+pub mod write;
+
+pub use config::FsConfig;
+pub use error::FsError;
+pub use fs::{DirEntry, Fs, SetAttr};
+pub use inode::{Inode, Kind, ROOT_INO};
+pub use mount::{mount, MountError, MountOptions, Mounted};

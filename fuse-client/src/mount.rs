@@ -1,0 +1,242 @@
+//! Mounting: stale-mount cleanup, kernel options, a multi-threaded
+//! session, and a clean unmount that never leaves a dead mount behind.
+
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+use std::time::Duration;
+
+use fuser::{Config, MountOption, Session, SessionACL};
+
+use crate::adapter::KernelAdapter;
+use crate::fs::Fs;
+
+#[derive(Debug, Clone)]
+pub struct MountOptions {
+    pub mountpoint: PathBuf,
+    /// Let other users in (needs `user_allow_other` in /etc/fuse.conf
+    /// unless mounting as root).
+    pub allow_other: bool,
+    pub read_only: bool,
+    /// Threads reading requests from /dev/fuse.
+    pub threads: usize,
+}
+
+#[derive(Debug, thiserror::Error)]
+pub enum MountError {
+    #[error("{path}: {message}")]
+    Mountpoint { path: PathBuf, message: String },
+    #[error("mounting {path} failed: {source}")]
+    Mount {
+        path: PathBuf,
+        source: std::io::Error,
+    },
+}
+
+pub struct Mounted {
+    mountpoint: PathBuf,
+    unmounter: fuser::SessionUnmounter,
+    session: Option<std::thread::JoinHandle<std::io::Result<()>>>,
+    ended: tokio::sync::oneshot::Receiver<()>,
+}
+
+/// True when `path` is a mount whose server is gone ("Transport endpoint
+/// is not connected").
+pub fn is_dead_mount(path: &Path) -> bool {
+    // statfs always reaches the server; stat may be answered from cached
+    // attributes of a connection that is already gone.
+    let Ok(c_path) = std::ffi::CString::new(path.as_os_str().as_encoded_bytes()) else {
+        return false;
+    };
+    let mut buf = std::mem::MaybeUninit::<libc::statfs>::uninit();
+    // SAFETY: c_path is NUL-terminated and buf is large enough for statfs.
+    let rc = unsafe { libc::statfs(c_path.as_ptr(), buf.as_mut_ptr()) };
+    rc != 0 && std::io::Error::last_os_error().raw_os_error() == Some(libc::ENOTCONN)
+}
+
+/// Whether `path` is a mount point, from /proc/self/mountinfo.
+pub fn is_mounted(path: &Path) -> bool {
+    let Ok(info) = std::fs::read_to_string("/proc/self/mountinfo") else {
+        return false;
+    };
+    let want = path.to_string_lossy();
+    info.lines()
+        .filter_map(|l| l.split(' ').nth(4))
+        .any(|mp| unescape_mountinfo(mp) == want)
+}
+
+fn unescape_mountinfo(s: &str) -> String {
+    s.replace("\\040", " ")
+        .replace("\\011", "\t")
+        .replace("\\012", "\n")
+        .replace("\\134", "\\")
+}
+
+/// Detaches whatever is mounted at `path` (lazy, so a busy mount goes too).
+pub fn force_unmount(path: &Path) -> std::io::Result<()> {
+    let status = std::process::Command::new("fusermount3")
+        .arg("-u")
+        .arg("-z")
+        .arg(path)
+        .status();
+    if matches!(status, Ok(s) if s.success()) {
+        return Ok(());
+    }
+    let c_path = std::ffi::CString::new(path.as_os_str().as_encoded_bytes())
+        .map_err(|_| std::io::Error::from(std::io::ErrorKind::InvalidInput))?;
+    // SAFETY: c_path is a valid NUL-terminated string for the call.
+    let rc = unsafe { libc::umount2(c_path.as_ptr(), libc::MNT_DETACH) };
+    if rc == 0 {
+        Ok(())
+    } else {
+        Err(std::io::Error::last_os_error())
+    }
+}
+
+fn user_allow_other() -> bool {
+    std::fs::read_to_string("/etc/fuse.conf")
+        .map(|c| c.lines().any(|l| l.trim() == "user_allow_other"))
+        .unwrap_or(false)
+}
+
+fn prepare_mountpoint(path: &Path) -> Result<PathBuf, MountError> {
+    let err = |message: String| MountError::Mountpoint {
+        path: path.to_path_buf(),
+        message,
+    };
+    if is_dead_mount(path) {
+        tracing::warn!(path = %path.display(), "removing a dead mount left by a crashed client");
+        force_unmount(path).map_err(|e| err(format!("cannot remove the dead mount: {e}")))?;
+    }
+    std::fs::create_dir_all(path).map_err(|e| err(format!("cannot create: {e}")))?;
+    let path = path
+        .canonicalize()
+        .map_err(|e| err(format!("cannot resolve: {e}")))?;
+    let meta = std::fs::metadata(&path).map_err(|e| err(e.to_string()))?;
+    if !meta.is_dir() {
+        return Err(err("not a directory".into()));
+    }
+    if is_mounted(&path) {
+        return Err(err(
+            "something is already mounted here; unmount it first".into(),
+        ));
+    }
+    Ok(path)
+}
+
+/// Mounts `fs` and serves it from background threads until [`Mounted::unmount`]
+/// or an external `umount`.
+pub fn mount(
+    fs: Arc<Fs>,
+    runtime: tokio::runtime::Handle,
+    options: &MountOptions,
+) -> Result<Mounted, MountError> {
+    let path = prepare_mountpoint(&options.mountpoint)?;
+    let fs_config = fs.config().clone();
+    let mut mount_options = vec![
+        MountOption::FSName(format!("lakecache:{}/{}", fs_config.bucket, fs_config.prefix)),
+        MountOption::Subtype("lakecache".into()),
+        MountOption::NoDev,
+        MountOption::NoSuid,
+        MountOption::NoAtime,
+        MountOption::DefaultPermissions,
+        if options.read_only {
+            MountOption::RO
+        } else {
+            MountOption::RW
+        },
+    ];
+    // SAFETY: geteuid cannot fail.
+    let root = unsafe { libc::geteuid() } == 0;
+    let acl = if options.allow_other {
+        SessionACL::All
+    } else if root || user_allow_other() {
+        SessionACL::RootAndOwner
+    } else {
+        SessionACL::Owner
+    };
+    // auto_unmount (fusermount3 stays behind and unmounts when this
+    // process dies) needs an ACL other than owner-only.
+    if acl != SessionACL::Owner {
+        mount_options.push(MountOption::AutoUnmount);
+    } else {
+        tracing::warn!("auto_unmount unavailable (not root, no user_allow_other): a crashed client leaves a dead mount that the next mount cleans up");
+    }
+    let mut config = Config::default();
+    config.mount_options = mount_options;
+    config.acl = acl;
+    config.n_threads = Some(options.threads.max(1));
+    config.clone_fd = true;
+
+    let adapter = KernelAdapter::new(fs, runtime);
+    let mut session = Session::new(adapter, &path, &config).map_err(|e| MountError::Mount {
+        path: path.clone(),
+        source: e,
+    })?;
+    let unmounter = session.unmount_callable();
+    let (done_tx, ended) = tokio::sync::oneshot::channel();
+    let thread = std::thread::Builder::new()
+        .name("fuse-session".into())
+        .spawn(move || {
+            let r = session.run();
+            let _ = done_tx.send(());
+            r
+        })
+        .map_err(|e| MountError::Mount {
+            path: path.clone(),
+            source: e,
+        })?;
+    tracing::info!(path = %path.display(), bucket = %fs_config.bucket, prefix = %fs_config.prefix, "mounted");
+    Ok(Mounted {
+        mountpoint: path,
+        unmounter,
+        session: Some(thread),
+        ended,
+    })
+}
+
+impl Mounted {
+    pub fn mountpoint(&self) -> &Path {
+        &self.mountpoint
+    }
+
+    /// Resolves when the session ends on its own (external `umount`).
+    pub async fn ended(&mut self) {
+        let _ = (&mut self.ended).await;
+    }
+
+    /// Unmounts and waits for the session threads. A busy mount is
+    /// detached lazily rather than left behind.
+    pub async fn unmount(mut self) -> std::io::Result<()> {
+        if is_mounted(&self.mountpoint) {
+            // fusermount3 itself: fuser's unmounter only closes the
+            // auto_unmount socket, which can leave the mount in place.
+            let unmounted = std::process::Command::new("fusermount3")
+                .arg("-u")
+                .arg(&self.mountpoint)
+                .stderr(std::process::Stdio::null())
+                .status()
+                .is_ok_and(|s| s.success());
+            if !unmounted {
+                if let Err(e) = self.unmounter.unmount() {
+                    tracing::debug!(error = %e, "fuser unmount failed");
+                }
+            }
+            if is_mounted(&self.mountpoint) {
+                tracing::warn!(path = %self.mountpoint.display(), "mount busy; detaching lazily");
+                force_unmount(&self.mountpoint)?;
+            }
+        }
+        let _ = tokio::time::timeout(Duration::from_secs(30), &mut self.ended).await;
+        if let Some(thread) = self.session.take() {
+            if thread.is_finished() {
+                match thread.join() {
+                    Ok(Err(e)) => tracing::debug!(error = %e, "fuse session ended with an error"),
+                    Err(_) => tracing::error!("fuse session thread panicked"),
+                    Ok(Ok(())) => {}
+                }
+            }
+        }
+        tracing::info!(path = %self.mountpoint.display(), "unmounted");
+        Ok(())
+    }
+}

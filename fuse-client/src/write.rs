@@ -1,0 +1,150 @@
+//! One file being written: kernel writes stream, in order, into a single
+//! upload through the owning worker; the upload ends on flush/fsync.
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use bytes::Bytes;
+use futures::StreamExt;
+use http_body::Frame;
+use http_body_util::{BodyExt, StreamBody};
+use lakecache_protocol::{ObjectStat, ObjectUri, RequestBody};
+use lakecache_registry::ClusterClient;
+use tokio::sync::mpsc;
+use tokio::task::JoinHandle;
+
+use crate::error::FsError;
+
+/// Writes buffered towards the worker before `write` waits.
+const QUEUED_WRITES: usize = 16;
+
+struct Upload {
+    sender: mpsc::Sender<Bytes>,
+    task: JoinHandle<Result<ObjectStat, FsError>>,
+}
+
+pub struct FileWriter {
+    cluster: Arc<ClusterClient>,
+    pub uri: ObjectUri,
+    timeout: Duration,
+    written: u64,
+    upload: Option<Upload>,
+    /// Set once the upload ended; repeated flushes report the same.
+    outcome: Option<Result<ObjectStat, String>>,
+}
+
+impl FileWriter {
+    pub fn new(cluster: Arc<ClusterClient>, uri: ObjectUri, timeout: Duration) -> Self {
+        Self {
+            cluster,
+            uri,
+            timeout,
+            written: 0,
+            upload: None,
+            outcome: None,
+        }
+    }
+
+    pub fn written(&self) -> u64 {
+        self.written
+    }
+
+    pub fn is_finished(&self) -> bool {
+        self.outcome.is_some()
+    }
+
+    fn start(&self) -> Result<Upload, FsError> {
+        let worker = self
+            .cluster
+            .writer_for(&self.uri)?
+            .with_timeout(self.timeout);
+        let (sender, receiver) = mpsc::channel::<Bytes>(QUEUED_WRITES);
+        let frames = tokio_stream_from(receiver).map(|b| Ok(Frame::data(b)));
+        let body: RequestBody = BodyExt::boxed(StreamBody::new(frames));
+        let uri = self.uri.clone();
+        let task = tokio::spawn(async move {
+            worker
+                .put(&uri, body)
+                .await
+                .map_err(|e| FsError::UploadFailed(e.to_string()))
+        });
+        Ok(Upload { sender, task })
+    }
+
+    pub async fn write(&mut self, offset: u64, data: &[u8]) -> Result<u32, FsError> {
+        if self.outcome.is_some() {
+            return Err(FsError::NotPermitted(
+                "the file was already committed by flush or fsync; reopen it with O_TRUNC",
+            ));
+        }
+        if offset != self.written {
+            return Err(FsError::OutOfOrderWrite {
+                offset,
+                expected: self.written,
+            });
+        }
+        if data.is_empty() {
+            return Ok(0);
+        }
+        if self.upload.is_none() {
+            self.upload = Some(self.start()?);
+        }
+        let upload = self.upload.as_ref().ok_or(FsError::BadHandle)?;
+        if upload
+            .sender
+            .send(Bytes::copy_from_slice(data))
+            .await
+            .is_err()
+        {
+            // The upload ended early; its error is what the caller needs.
+            let err = self.finish().await.err();
+            return Err(err.unwrap_or_else(|| {
+                FsError::UploadFailed("the upload ended before the data".into())
+            }));
+        }
+        self.written += data.len() as u64;
+        Ok(data.len() as u32)
+    }
+
+    /// Ends the upload and waits until the object is in S3.
+    pub async fn finish(&mut self) -> Result<ObjectStat, FsError> {
+        if let Some(outcome) = &self.outcome {
+            return outcome.clone().map_err(FsError::UploadFailed);
+        }
+        let result = match self.upload.take() {
+            Some(Upload { sender, task }) => {
+                drop(sender);
+                match task.await {
+                    Ok(r) => r,
+                    Err(e) => Err(FsError::UploadFailed(format!("upload task failed: {e}"))),
+                }
+            }
+            // Nothing written: the object is empty.
+            None => self
+                .cluster
+                .put(&self.uri, Bytes::new())
+                .await
+                .map_err(|e| FsError::UploadFailed(e.to_string())),
+        };
+        let result = result.and_then(|stat| {
+            if stat.size == self.written {
+                Ok(stat)
+            } else {
+                Err(FsError::UploadFailed(format!(
+                    "S3 holds {} bytes but {} were written",
+                    stat.size, self.written
+                )))
+            }
+        });
+        self.outcome = Some(match &result {
+            Ok(stat) => Ok(stat.clone()),
+            Err(FsError::UploadFailed(m)) => Err(m.clone()),
+            Err(e) => Err(e.to_string()),
+        });
+        result
+    }
+}
+
+fn tokio_stream_from(mut rx: mpsc::Receiver<Bytes>) -> impl futures::Stream<Item = Bytes> {
+    futures::stream::poll_fn(move |cx| rx.poll_recv(cx))
+}

@@ -1,0 +1,1 @@
+"""lakecache trainer: DeepSpeed ZeRO-Offload over token shards on a lakecache mount."""

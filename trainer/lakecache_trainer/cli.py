@@ -1,0 +1,102 @@
+"""`lakecache-train {prepare,run,export}`."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+from .shards import ShardError
+
+
+def _size(text: str) -> int:
+    units = {"k": 1 << 10, "m": 1 << 20, "g": 1 << 30}
+    t = text.strip().lower().rstrip("ib").rstrip("b")
+    if t and t[-1] in units:
+        return int(float(t[:-1]) * units[t[-1]])
+    return int(t)
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="lakecache-train")
+    sub = p.add_subparsers(dest="cmd", required=True)
+
+    pr = sub.add_parser("prepare", help="tokenize text files into llm.c token shards")
+    pr.add_argument("inputs", nargs="*", help="text files or directories")
+    pr.add_argument("--out", required=True, help="e.g. /mnt/data/datasets/NAME")
+    pr.add_argument("--shard-tokens", type=int, default=64 << 20)
+    pr.add_argument("--synthetic", type=_size, default=0, help="generate this much text")
+    pr.add_argument("--seed", type=int, default=0)
+
+    r = sub.add_parser("run", help="train (single process or under torchrun/deepspeed)")
+    r.add_argument("--data", required=True, help="directory of .bin shards")
+    r.add_argument("--checkpoint-dir", required=True)
+    r.add_argument("--model", default="tiny")
+    r.add_argument("--seq-len", type=int, default=256)
+    r.add_argument("--micro-batch", type=int, default=4)
+    r.add_argument("--grad-accum", type=int, default=1)
+    r.add_argument("--steps", type=int, default=100)
+    r.add_argument("--save-every", type=int, default=50, help="0: never save")
+    r.add_argument("--lr", type=float, default=3e-4)
+    r.add_argument("--warmup", type=int, default=10)
+    r.add_argument("--seed", type=int, default=1234)
+    r.add_argument("--zero-stage", type=int, choices=[1, 2, 3], default=2)
+    r.add_argument("--no-offload-optimizer", action="store_true")
+    r.add_argument("--offload-param", action="store_true", help="ZeRO-3 parameter offload")
+    r.add_argument("--metrics", help="per-step JSONL (rank 0)")
+    r.add_argument("--no-resume", action="store_true")
+    r.add_argument("--peak-tflops", type=float)
+    r.add_argument("--crash-after-step", type=int, help=argparse.SUPPRESS)
+    r.add_argument("--local_rank", type=int, default=None, help=argparse.SUPPRESS)
+
+    e = sub.add_parser("export", help="consolidated safetensors from a checkpoint")
+    e.add_argument("--checkpoint-dir", required=True)
+    e.add_argument("--tag")
+    e.add_argument("--out", required=True)
+
+    a = p.parse_args(argv)
+    try:
+        if a.cmd == "prepare":
+            from .prepare import prepare
+
+            shards = prepare(a.out, a.inputs, a.shard_tokens, a.synthetic, a.seed)
+            print(f"wrote {len(shards)} shards to {a.out}")
+        elif a.cmd == "run":
+            from .train import RunConfig, run
+
+            summary = run(
+                RunConfig(
+                    data=a.data,
+                    checkpoint_dir=a.checkpoint_dir,
+                    model=a.model,
+                    seq_len=a.seq_len,
+                    micro_batch=a.micro_batch,
+                    grad_accum=a.grad_accum,
+                    steps=a.steps,
+                    save_every=a.save_every,
+                    lr=a.lr,
+                    warmup=a.warmup,
+                    seed=a.seed,
+                    zero_stage=a.zero_stage,
+                    offload_optimizer=not a.no_offload_optimizer,
+                    offload_param=a.offload_param,
+                    metrics=a.metrics,
+                    resume=not a.no_resume,
+                    peak_tflops=a.peak_tflops,
+                    crash_after_step=a.crash_after_step,
+                )
+            )
+            short = {k: v for k, v in summary.items() if k != "losses"}
+            print(json.dumps(short))
+        else:
+            from .export import export
+
+            print(export(a.checkpoint_dir, a.out, a.tag))
+    except ShardError as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 2
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

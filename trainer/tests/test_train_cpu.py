@@ -1,0 +1,256 @@
+"""CPU tests against a real lakecache mount: `lakecache up` (embedded S3,
+a worker, FUSE) started from the binary in $LAKECACHE_BIN."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from lakecache_trainer.loader import TokenLoader
+from lakecache_trainer.shards import ShardError, read_header, write_shard
+
+BIN = os.environ.get("LAKECACHE_BIN", "lakecache")
+# DeepSpeed JIT-builds its CPU ops with the venv's ninja.
+ENV = {
+    **os.environ,
+    "DS_ACCELERATOR": "cpu",
+    "OMP_NUM_THREADS": "1",
+    "PATH": f"{Path(sys.executable).parent}:{os.environ.get('PATH', '')}",
+}
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def mount(tmp_path_factory):
+    d = tmp_path_factory.mktemp("lakecache")
+    mnt = d / "mnt"
+    proc = subprocess.Popen(
+        [
+            BIN,
+            "up",
+            "--dir",
+            str(d / "data"),
+            "--mount",
+            str(mnt),
+            "--s3-listen",
+            "127.0.0.1:0",
+            "--listen",
+            "127.0.0.1:0",
+            "--cache-size",
+            "2GiB",
+        ],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.DEVNULL,
+        text=True,
+    )
+    worker = None
+    assert proc.stdout is not None
+    for line in proc.stdout:
+        if line.strip().startswith("worker"):
+            worker = line.split()[1].removeprefix("http://")
+        if line.startswith("try:"):
+            break
+    assert worker, "lakecache up did not start"
+    yield mnt, worker
+    proc.send_signal(signal.SIGTERM)
+    assert proc.wait(timeout=60) == 0
+
+
+def lakecache(*args: str) -> str:
+    out = subprocess.run([BIN, *args], capture_output=True, text=True, check=True)
+    return out.stdout
+
+
+def train(args: list[str], data: Path, ckpt: Path, metrics: Path) -> subprocess.CompletedProcess:
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--nproc_per_node",
+        "2",
+        "--master_port",
+        str(_free_port()),
+        "-m",
+        "lakecache_trainer.cli",
+        "run",
+        "--data",
+        str(data),
+        "--checkpoint-dir",
+        str(ckpt),
+        "--metrics",
+        str(metrics),
+        "--model",
+        "tiny",
+        "--seq-len",
+        "64",
+        "--micro-batch",
+        "4",
+        "--steps",
+        "8",
+        "--save-every",
+        "4",
+        "--warmup",
+        "2",
+        *args,
+    ]
+    return subprocess.run(cmd, capture_output=True, text=True, env=ENV, timeout=900)
+
+
+def losses(metrics: Path) -> dict[int, float]:
+    out = {}
+    for line in metrics.read_text().splitlines():
+        rec = json.loads(line)
+        if "step" in rec and not rec.get("summary"):
+            out[rec["step"]] = rec["loss"]
+    return out
+
+
+def test_interrupted_and_resumed_run_matches_an_uninterrupted_one(mount, tmp_path):
+    mnt, worker = mount
+    data = mnt / "datasets" / "tiny"
+    prep = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "lakecache_trainer.cli",
+            "prepare",
+            "--out",
+            str(data),
+            "--synthetic",
+            "3MiB",
+            "--shard-tokens",
+            "400000",
+        ],
+        capture_output=True,
+        text=True,
+        env=ENV,
+    )
+    assert prep.returncode == 0, prep.stderr
+    assert len(list(data.glob("*.bin"))) >= 4
+
+    ref = train([], data, mnt / "checkpoints" / "ref", tmp_path / "ref.jsonl")
+    assert ref.returncode == 0, ref.stderr[-4000:]
+
+    run_dir = mnt / "checkpoints" / "run"
+    crashed = train(["--crash-after-step", "6"], data, run_dir, tmp_path / "a.jsonl")
+    assert crashed.returncode != 0
+    assert (run_dir / "latest").read_text() == "step4"
+
+    resumed = train([], data, run_dir, tmp_path / "b.jsonl")
+    assert resumed.returncode == 0, resumed.stderr[-4000:]
+    assert "resumed from" in resumed.stdout
+
+    want = losses(tmp_path / "ref.jsonl")
+    before = losses(tmp_path / "a.jsonl")
+    after = losses(tmp_path / "b.jsonl")
+    assert sorted(want) == list(range(1, 9))
+    assert sorted(after) == [5, 6, 7, 8]
+    for step in range(1, 7):
+        assert before[step] == pytest.approx(want[step], rel=0, abs=1e-6), step
+    for step in range(5, 9):
+        assert after[step] == pytest.approx(want[step], rel=0, abs=1e-6), step
+    assert want[8] < want[1]  # it learns
+
+    # The checkpoint is in S3 (listed through the worker), `latest` last.
+    listing = lakecache("ls", "s3://lakecache/checkpoints/run/step8/", "--worker", worker)
+    assert "mp_rank_00_model_states.pt" in listing
+    assert "zero_pp_rank_1_mp_rank_00_optim_states.pt" in listing
+    assert "rng_rank1.pt" in listing
+    assert lakecache("cat", "s3://lakecache/checkpoints/run/latest", "--worker", worker) == "step8"
+
+    out = mnt / "exports" / "model.safetensors"
+    out.parent.mkdir(exist_ok=True)
+    exp = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "lakecache_trainer.cli",
+            "export",
+            "--checkpoint-dir",
+            str(run_dir),
+            "--out",
+            str(out),
+        ],
+        capture_output=True,
+        text=True,
+        env=ENV,
+    )
+    assert exp.returncode == 0, exp.stderr[-4000:]
+    from safetensors.numpy import load_file
+
+    tensors = load_file(str(out))
+    assert "model.embed_tokens.weight" in tensors
+
+
+def test_bad_shards_stop_the_run_naming_the_file(mount, tmp_path):
+    mnt, _ = mount
+    bad = mnt / "datasets" / "bad"
+    bad.mkdir(parents=True)
+    write_shard(bad / "good.bin", np.arange(5000) % 257)
+    (bad / "magic.bin").write_bytes(b"\0" * 2048)
+    write_shard(tmp_path / "full.bin", np.arange(5000) % 257)
+    (bad / "truncated.bin").write_bytes((tmp_path / "full.bin").read_bytes()[:-100])
+
+    with pytest.raises(ShardError, match="magic.bin: not an llm.c token shard"):
+        read_header(bad / "magic.bin")
+    with pytest.raises(ShardError, match="truncated.bin: header says 5000 tokens"):
+        read_header(bad / "truncated.bin")
+    with pytest.raises(ShardError, match="magic.bin"):
+        TokenLoader([str(p) for p in sorted(bad.glob("*.bin"))], 0, 1, 16, 2)
+
+    run = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "lakecache_trainer.cli",
+            "run",
+            "--data",
+            str(bad),
+            "--checkpoint-dir",
+            str(tmp_path / "ck"),
+            "--steps",
+            "1",
+        ],
+        capture_output=True,
+        text=True,
+        env=ENV,
+        timeout=300,
+    )
+    assert run.returncode == 2
+    assert "magic.bin" in run.stderr and "error:" in run.stderr
+
+
+def test_loader_is_disjoint_deterministic_and_resumable(tmp_path):
+    for i in range(4):
+        write_shard(tmp_path / f"s{i}.bin", (np.arange(10_000) + i * 10_000) % 60_000)
+    shards = sorted(str(p) for p in tmp_path.glob("*.bin"))
+    r0 = TokenLoader(shards, 0, 2, 32, 2, seed=7)
+    r1 = TokenLoader(shards, 1, 2, 32, 2, seed=7)
+    assert {i.path for i in r0.order(0)}.isdisjoint({i.path for i in r1.order(0)})
+    assert [i.path for i in r0.order(1)] == [
+        i.path for i in TokenLoader(shards, 0, 2, 32, 2, seed=7).order(1)
+    ]
+    first = [next(r0)[0].clone() for _ in range(5)]
+    state = r0.state_dict()
+    rest = [next(r0)[0].clone() for _ in range(200)]  # crosses shards and an epoch
+    again = TokenLoader(shards, 0, 2, 32, 2, seed=7)
+    again.load_state_dict(state)
+    replay = [next(again)[0].clone() for _ in range(200)]
+    assert all((a == b).all() for a, b in zip(rest, replay, strict=True))
+    assert not (first[0] == rest[0]).all()
+    x, y = next(again)
+    assert (x[:, 1:] == y[:, :-1]).all()
+    r0.close(), r1.close(), again.close()
