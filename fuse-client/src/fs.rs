@@ -258,14 +258,19 @@ impl Fs {
         if node.kind == Kind::Dir {
             return Err(FsError::IsDir);
         }
-        if node.writer.is_some() {
-            let written = self.written_by(&node);
-            if size == written {
-                return Ok(node);
+        if let Some(fh) = node.writer {
+            if let Ok(Handle::Write { writer, .. }) = self.handle(fh) {
+                let mut w = writer.lock().await;
+                w.set_len(size)?;
+                let shown = w.size();
+                return self
+                    .inodes
+                    .update(ino, |n| {
+                        n.meta.size = shown;
+                        n.clone()
+                    })
+                    .ok_or(FsError::NotFound);
             }
-            return Err(FsError::Unsupported(
-                "truncating a file being written to a size other than what was written",
-            ));
         }
         if size == node.meta.size {
             return Ok(node);
@@ -284,10 +289,6 @@ impl Fs {
                 n.clone()
             })
             .ok_or(FsError::NotFound)
-    }
-
-    fn written_by(&self, node: &Inode) -> u64 {
-        node.meta.size
     }
 
     pub async fn opendir(&self, ino: u64) -> Result<u64, FsError> {
@@ -506,7 +507,7 @@ impl Fs {
         let n = w.write(offset, data).await.inspect_err(|e| {
             tracing::warn!(uri = %w.uri, offset, error = %e, "write refused");
         })?;
-        let size = w.written();
+        let size = w.size();
         self.inodes.update(ino, |node| node.meta.size = size);
         Ok(n)
     }
@@ -676,9 +677,15 @@ impl Fs {
         }
         match src.kind {
             Kind::File => {
-                if src.writer.is_some() {
-                    return Err(FsError::Busy("the file is being written"));
-                }
+                // Renaming a file still open for writing (safetensors
+                // renames before close) commits what was written first.
+                let src = match src.writer {
+                    Some(fh) => {
+                        self.commit(fh).await?;
+                        self.node(src.ino)?
+                    }
+                    None => src,
+                };
                 if dst.as_ref().is_some_and(|d| d.kind == Kind::Dir) {
                     return Err(FsError::IsDir);
                 }

@@ -28,6 +28,9 @@ pub struct FileWriter {
     pub uri: ObjectUri,
     timeout: Duration,
     written: u64,
+    /// Size set by ftruncate before the data arrived (safetensors does
+    /// this); the gap past `written` is zeros unless written over.
+    fill_to: u64,
     upload: Option<Upload>,
     /// Set once the upload ended; repeated flushes report the same.
     outcome: Option<Result<ObjectStat, String>>,
@@ -40,6 +43,7 @@ impl FileWriter {
             uri,
             timeout,
             written: 0,
+            fill_to: 0,
             upload: None,
             outcome: None,
         }
@@ -47,6 +51,41 @@ impl FileWriter {
 
     pub fn written(&self) -> u64 {
         self.written
+    }
+
+    /// The file's size as `stat` should show it.
+    pub fn size(&self) -> u64 {
+        self.written.max(self.fill_to)
+    }
+
+    /// ftruncate on the open file: growing is allowed (zeros, written at
+    /// commit unless overwritten); shrinking below what was sent is not.
+    pub fn set_len(&mut self, size: u64) -> Result<(), FsError> {
+        if self.outcome.is_some() {
+            return Err(FsError::NotPermitted("the file was already committed"));
+        }
+        if size < self.written {
+            return Err(FsError::Unsupported(
+                "shrinking a file below what was already written",
+            ));
+        }
+        self.fill_to = size;
+        Ok(())
+    }
+
+    async fn send(&mut self, data: Bytes) -> Result<(), FsError> {
+        if self.upload.is_none() {
+            self.upload = Some(self.start()?);
+        }
+        let upload = self.upload.as_ref().ok_or(FsError::BadHandle)?;
+        if upload.sender.send(data).await.is_err() {
+            // The upload ended early; its error is what the caller needs.
+            let err = self.finish().await.err();
+            return Err(err.unwrap_or_else(|| {
+                FsError::UploadFailed("the upload ended before the data".into())
+            }));
+        }
+        Ok(())
     }
 
     pub fn is_finished(&self) -> bool {
@@ -86,22 +125,7 @@ impl FileWriter {
         if data.is_empty() {
             return Ok(0);
         }
-        if self.upload.is_none() {
-            self.upload = Some(self.start()?);
-        }
-        let upload = self.upload.as_ref().ok_or(FsError::BadHandle)?;
-        if upload
-            .sender
-            .send(Bytes::copy_from_slice(data))
-            .await
-            .is_err()
-        {
-            // The upload ended early; its error is what the caller needs.
-            let err = self.finish().await.err();
-            return Err(err.unwrap_or_else(|| {
-                FsError::UploadFailed("the upload ended before the data".into())
-            }));
-        }
+        self.send(Bytes::copy_from_slice(data)).await?;
         self.written += data.len() as u64;
         Ok(data.len() as u32)
     }
@@ -110,6 +134,18 @@ impl FileWriter {
     pub async fn finish(&mut self) -> Result<ObjectStat, FsError> {
         if let Some(outcome) = &self.outcome {
             return outcome.clone().map_err(FsError::UploadFailed);
+        }
+        // Zeros for a size set by ftruncate and never written over.
+        if self.written < self.fill_to && self.upload.is_none() {
+            self.upload = Some(self.start()?);
+        }
+        while self.written < self.fill_to {
+            let n = (self.fill_to - self.written).min(1 << 20) as usize;
+            let Some(upload) = &self.upload else { break };
+            if upload.sender.send(Bytes::from(vec![0u8; n])).await.is_err() {
+                break; // the task's error explains it
+            }
+            self.written += n as u64;
         }
         let result = match self.upload.take() {
             Some(Upload { sender, task }) => {
