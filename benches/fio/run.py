@@ -142,6 +142,7 @@ def main() -> None:
         c.start_worker(fresh=True)
         # Lay the datasets out on both sides (fio writes them).
         for d in (work / "local", c.mnt):
+            (d / "small").mkdir(exist_ok=True)
             fio("seq-read.fio", d, size=a.size, jobs="4")
             fio("small-files.fio", d)
         tests = [

@@ -161,9 +161,13 @@ fn wait_mounted(path: &Path, want: bool) {
     let deadline = Instant::now() + Duration::from_secs(20);
     loop {
         let path = path.canonicalize().unwrap_or(path.to_path_buf());
-        let live = lakecache_fuse::mount::is_mounted(&path)
-            && !lakecache_fuse::mount::is_dead_mount(&path);
-        if live == want {
+        // Mounted means serving; unmounted means gone, not merely dead.
+        let done = if want {
+            lakecache_fuse::mount::is_mounted(&path) && !lakecache_fuse::mount::is_dead_mount(&path)
+        } else {
+            !lakecache_fuse::mount::is_mounted(&path)
+        };
+        if done {
             return;
         }
         assert!(
@@ -216,7 +220,9 @@ fn errno_of<T>(r: std::io::Result<T>) -> i32 {
 fn worker_stat_requests(port: u16) -> u64 {
     let body = reqwest_like_get(port, "/metrics");
     body.lines()
-        .find(|l| l.starts_with("lakecache_request_duration_seconds_count{") && l.contains("op=\"stat\""))
+        .find(|l| {
+            l.starts_with("lakecache_request_duration_seconds_count{") && l.contains("op=\"stat\"")
+        })
         .and_then(|l| l.rsplit(' ').next())
         .and_then(|v| v.parse::<f64>().ok())
         .unwrap_or(0.0) as u64
@@ -236,7 +242,10 @@ fn reads_objects_from_s3_and_lists_prefixes_like_a_filesystem() {
     let mut env = Env::start(1);
     let sizes: [usize; 6] = [0, 1, 4095, (1 << 20) + 1, (17 << 20) + 5, 1 << 30];
     for (i, size) in sizes.iter().enumerate() {
-        env.put(&format!("sizes/obj-{size}"), Bytes::from(pattern(*size, i as u64)));
+        env.put(
+            &format!("sizes/obj-{size}"),
+            Bytes::from(pattern(*size, i as u64)),
+        );
     }
     for key in ["tree/a/b/c.txt", "tree/a/d.txt", "tree/x", "tree/x/y"] {
         env.put(key, Bytes::from(key.as_bytes().to_vec()));
@@ -265,20 +274,47 @@ fn reads_objects_from_s3_and_lists_prefixes_like_a_filesystem() {
         assert_eq!(fs::metadata(&path).unwrap().len(), *size as u64);
         let (n, digest) = sha_file(&path).unwrap();
         assert_eq!(n, *size as u64);
-        assert_eq!(digest, Sha256::digest(pattern(*size, i as u64)).to_vec(), "{size}");
+        assert_eq!(
+            digest,
+            Sha256::digest(pattern(*size, i as u64)).to_vec(),
+            "{size}"
+        );
     }
 
     // Directories come from prefixes: `e` from a marker, `x` shadows the
     // object of the same name, as `find` shows.
-    let out = Command::new("find").arg(".").current_dir(mnt.join("tree")).output().unwrap();
-    let mut found: Vec<String> = String::from_utf8(out.stdout).unwrap().lines().map(String::from).collect();
+    let out = Command::new("find")
+        .arg(".")
+        .current_dir(mnt.join("tree"))
+        .output()
+        .unwrap();
+    let mut found: Vec<String> = String::from_utf8(out.stdout)
+        .unwrap()
+        .lines()
+        .map(String::from)
+        .collect();
     found.sort();
-    assert_eq!(found, [".", "./a", "./a/b", "./a/b/c.txt", "./a/d.txt", "./e", "./x", "./x/y"]);
+    assert_eq!(
+        found,
+        [
+            ".",
+            "./a",
+            "./a/b",
+            "./a/b/c.txt",
+            "./a/d.txt",
+            "./e",
+            "./x",
+            "./x/y"
+        ]
+    );
     assert!(fs::metadata(mnt.join("tree/a/b")).unwrap().is_dir());
     assert_eq!(fs::metadata(mnt.join("tree/a/b/c.txt")).unwrap().len(), 14);
     assert_eq!(fs::read(mnt.join("tree/x/y")).unwrap(), b"tree/x/y");
     assert_eq!(errno_of(fs::metadata(mnt.join("tree/nope"))), libc::ENOENT);
-    assert_eq!(errno_of(fs::read_dir(mnt.join("tree/a/d.txt"))), libc::ENOTDIR);
+    assert_eq!(
+        errno_of(fs::read_dir(mnt.join("tree/a/d.txt"))),
+        libc::ENOTDIR
+    );
 
     // `ls -l` of 10,000 entries: names and sizes from the listing, not
     // one HEAD per file.
@@ -290,12 +326,19 @@ fn reads_objects_from_s3_and_lists_prefixes_like_a_filesystem() {
         assert_eq!(entry.metadata().unwrap().len(), 100);
         count += 1;
     }
-    let out = Command::new("ls").arg("-l").arg(mnt.join("many")).output().unwrap();
+    let out = Command::new("ls")
+        .arg("-l")
+        .arg(mnt.join("many"))
+        .output()
+        .unwrap();
     assert!(out.status.success());
     assert_eq!(String::from_utf8_lossy(&out.stdout).lines().count(), 10_001); // + "total"
     assert_eq!(count, 10_000);
     let stats = worker_stat_requests(port) - stats_before;
-    assert!(stats < 100, "{stats} stat requests for listing 10,000 entries");
+    assert!(
+        stats < 100,
+        "{stats} stat requests for listing 10,000 entries"
+    );
 }
 
 #[test]
@@ -331,7 +374,10 @@ fn writes_renames_and_deletes_land_in_s3_and_unsupported_ops_fail_cleanly() {
     assert_eq!(env.s3_get("run1/"), Some(Vec::new()));
     fs::write(mnt.join("run1/latest"), b"step10").unwrap();
     assert_eq!(errno_of(fs::remove_dir(mnt.join("run1"))), libc::ENOTEMPTY);
-    assert_eq!(errno_of(fs::rename(mnt.join("run1"), mnt.join("run2"))), libc::EXDEV);
+    assert_eq!(
+        errno_of(fs::rename(mnt.join("run1"), mnt.join("run2"))),
+        libc::EXDEV
+    );
     fs::remove_file(mnt.join("run1/latest")).unwrap();
     assert!(env.s3_get("run1/latest").is_none());
     fs::create_dir(mnt.join("empty")).unwrap();
@@ -369,10 +415,20 @@ with open(tmp, "wb") as f:
     os.fsync(f.fileno())
 os.replace(tmp, os.path.join(d, "model.safetensors"))
 "#;
-    let out = Command::new("python3").args(["-c", script]).arg(&mnt).output().unwrap();
-    assert!(out.status.success(), "python: {}", String::from_utf8_lossy(&out.stderr));
+    let out = Command::new("python3")
+        .args(["-c", script])
+        .arg(&mnt)
+        .output()
+        .unwrap();
+    assert!(
+        out.status.success(),
+        "python: {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
     assert_eq!(env.s3_get("plain.txt").unwrap(), b"hello from python\n");
-    let stream: Vec<u8> = (0..2000u32).flat_map(|i| vec![(i % 251) as u8; 4093]).collect();
+    let stream: Vec<u8> = (0..2000u32)
+        .flat_map(|i| vec![(i % 251) as u8; 4093])
+        .collect();
     assert_eq!(env.s3_get("stream.pt").unwrap(), stream);
     let st = env.s3_get("model.safetensors").unwrap();
     let hlen = u64::from_le_bytes(st[..8].try_into().unwrap()) as usize;
@@ -398,51 +454,128 @@ os.replace(tmp, os.path.join(d, "model.safetensors"))
             ),
             libc::EPERM,
         ),
-        ("out-of-order write", {
-            let f = File::create(mnt.join("random.bin")).unwrap();
-            f.write_at(b"abc", 0).unwrap();
-            let e = errno_of(f.write_at(b"zzz", 1 << 20));
-            drop(f);
-            e
-        }, libc::EINVAL),
-        ("read while being written", {
-            let _w = File::create(mnt.join("busy.bin")).unwrap();
-            errno_of(File::open(mnt.join("busy.bin")))
-        }, libc::EBUSY),
-        ("symlink", errno_of(std::os::unix::fs::symlink("x", mnt.join("link"))), libc::EPERM),
-        ("hard link", errno_of(fs::hard_link(&existing, mnt.join("hard"))), libc::EPERM),
-        ("chmod", errno_of(fs::set_permissions(&existing, fs::Permissions::from_mode(0o600))), libc::EPERM),
-        ("truncate to non-zero", {
-            let c = std::ffi::CString::new(existing.as_os_str().as_encoded_bytes()).unwrap();
-            // SAFETY: valid path string.
-            let rc = unsafe { libc::truncate(c.as_ptr(), 5) };
-            if rc == 0 { 0 } else { std::io::Error::last_os_error().raw_os_error().unwrap() }
-        }, libc::EOPNOTSUPP),
-        ("setxattr", {
-            let c = std::ffi::CString::new(existing.as_os_str().as_encoded_bytes()).unwrap();
-            // SAFETY: valid strings and buffer.
-            let rc = unsafe { libc::setxattr(c.as_ptr(), c"user.k".as_ptr(), b"v".as_ptr().cast(), 1, 0) };
-            if rc == 0 { 0 } else { std::io::Error::last_os_error().raw_os_error().unwrap() }
-        }, libc::EOPNOTSUPP),
-        ("mkfifo", {
-            let c = std::ffi::CString::new(mnt.join("fifo").as_os_str().as_encoded_bytes()).unwrap();
-            // SAFETY: valid path string.
-            let rc = unsafe { libc::mkfifo(c.as_ptr(), 0o644) };
-            if rc == 0 { 0 } else { std::io::Error::last_os_error().raw_os_error().unwrap() }
-        }, libc::EPERM),
-        ("fallocate", {
-            let f = File::create(mnt.join("falloc.bin")).unwrap();
-            // SAFETY: valid descriptor.
-            let rc = unsafe { libc::fallocate(std::os::fd::AsRawFd::as_raw_fd(&f), 0, 0, 4096) };
-            if rc == 0 { 0 } else { std::io::Error::last_os_error().raw_os_error().unwrap() }
-        }, libc::EOPNOTSUPP),
-        ("rmdir of a file", errno_of(fs::remove_dir(&existing)), libc::ENOTDIR),
-        ("unlink of a directory", {
-            fs::create_dir(mnt.join("adir")).unwrap();
-            errno_of(fs::remove_file(mnt.join("adir")))
-        }, libc::EISDIR),
-        ("mkdir over an existing name", errno_of(fs::create_dir(mnt.join("adir"))), libc::EEXIST),
-        ("non-UTF-8 name", errno_of(File::create(mnt.join(std::ffi::OsStr::from_bytes(b"bad\xff")))), libc::EINVAL),
+        (
+            "out-of-order write",
+            {
+                let f = File::create(mnt.join("random.bin")).unwrap();
+                f.write_at(b"abc", 0).unwrap();
+                let e = errno_of(f.write_at(b"zzz", 1 << 20));
+                drop(f);
+                e
+            },
+            libc::EINVAL,
+        ),
+        (
+            "read while being written",
+            {
+                let _w = File::create(mnt.join("busy.bin")).unwrap();
+                errno_of(File::open(mnt.join("busy.bin")))
+            },
+            libc::EBUSY,
+        ),
+        (
+            "symlink",
+            errno_of(std::os::unix::fs::symlink("x", mnt.join("link"))),
+            libc::EPERM,
+        ),
+        (
+            "hard link",
+            errno_of(fs::hard_link(&existing, mnt.join("hard"))),
+            libc::EPERM,
+        ),
+        (
+            "chmod",
+            errno_of(fs::set_permissions(
+                &existing,
+                fs::Permissions::from_mode(0o600),
+            )),
+            libc::EPERM,
+        ),
+        (
+            "truncate to non-zero",
+            {
+                let c = std::ffi::CString::new(existing.as_os_str().as_encoded_bytes()).unwrap();
+                // SAFETY: valid path string.
+                let rc = unsafe { libc::truncate(c.as_ptr(), 5) };
+                if rc == 0 {
+                    0
+                } else {
+                    std::io::Error::last_os_error().raw_os_error().unwrap()
+                }
+            },
+            libc::EOPNOTSUPP,
+        ),
+        (
+            "setxattr",
+            {
+                let c = std::ffi::CString::new(existing.as_os_str().as_encoded_bytes()).unwrap();
+                // SAFETY: valid strings and buffer.
+                let rc = unsafe {
+                    libc::setxattr(c.as_ptr(), c"user.k".as_ptr(), b"v".as_ptr().cast(), 1, 0)
+                };
+                if rc == 0 {
+                    0
+                } else {
+                    std::io::Error::last_os_error().raw_os_error().unwrap()
+                }
+            },
+            libc::EOPNOTSUPP,
+        ),
+        (
+            "mkfifo",
+            {
+                let c = std::ffi::CString::new(mnt.join("fifo").as_os_str().as_encoded_bytes())
+                    .unwrap();
+                // SAFETY: valid path string.
+                let rc = unsafe { libc::mkfifo(c.as_ptr(), 0o644) };
+                if rc == 0 {
+                    0
+                } else {
+                    std::io::Error::last_os_error().raw_os_error().unwrap()
+                }
+            },
+            libc::EPERM,
+        ),
+        (
+            "fallocate",
+            {
+                let f = File::create(mnt.join("falloc.bin")).unwrap();
+                // SAFETY: valid descriptor.
+                let rc =
+                    unsafe { libc::fallocate(std::os::fd::AsRawFd::as_raw_fd(&f), 0, 0, 4096) };
+                if rc == 0 {
+                    0
+                } else {
+                    std::io::Error::last_os_error().raw_os_error().unwrap()
+                }
+            },
+            libc::EOPNOTSUPP,
+        ),
+        (
+            "rmdir of a file",
+            errno_of(fs::remove_dir(&existing)),
+            libc::ENOTDIR,
+        ),
+        (
+            "unlink of a directory",
+            {
+                fs::create_dir(mnt.join("adir")).unwrap();
+                errno_of(fs::remove_file(mnt.join("adir")))
+            },
+            libc::EISDIR,
+        ),
+        (
+            "mkdir over an existing name",
+            errno_of(fs::create_dir(mnt.join("adir"))),
+            libc::EEXIST,
+        ),
+        (
+            "non-UTF-8 name",
+            errno_of(File::create(
+                mnt.join(std::ffi::OsStr::from_bytes(b"bad\xff")),
+            )),
+            libc::EINVAL,
+        ),
     ];
     let mut failures = Vec::new();
     for (what, got, want) in &cases {
@@ -464,8 +597,15 @@ os.replace(tmp, os.path.join(d, "model.safetensors"))
         .output()
         .expect("fio (scripts/deps.sh installs it)");
     let text = String::from_utf8_lossy(&out.stdout);
-    assert!(out.status.success() && text.contains("err= 0"), "fio failed:\n{text}\n{}", String::from_utf8_lossy(&out.stderr));
-    assert_eq!(env.s3_get("fio-verify.0.0").map(|b| b.len()), Some(64 << 20));
+    assert!(
+        out.status.success() && text.contains("err= 0"),
+        "fio failed:\n{text}\n{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    assert_eq!(
+        env.s3_get("fio-verify.0.0").map(|b| b.len()),
+        Some(64 << 20)
+    );
 }
 
 #[test]
@@ -478,7 +618,11 @@ fn a_worker_killed_during_a_read_through_the_mount_costs_no_io_error() {
     env.mount();
     // The owner of a segment well ahead of where the kill happens.
     let victim = env.rt.block_on(async {
-        let addrs: Vec<String> = env.workers.iter().map(|(p, _)| format!("127.0.0.1:{p}")).collect();
+        let addrs: Vec<String> = env
+            .workers
+            .iter()
+            .map(|(p, _)| format!("127.0.0.1:{p}"))
+            .collect();
         let membership = Arc::new(lakecache_registry::StaticMembership::new(&addrs));
         let mut options = lakecache_registry::ClusterOptions::default();
         options.ring.segment_size = 16 << 20;
@@ -486,7 +630,11 @@ fn a_worker_killed_during_a_read_through_the_mount_costs_no_io_error() {
         let uri = ObjectUri::new(BUCKET, "big.bin").unwrap();
         cluster.owner_of(&uri, 20 << 24).unwrap().address
     });
-    let victim = env.workers.iter().position(|(p, _)| victim.ends_with(&format!(":{p}"))).unwrap();
+    let victim = env
+        .workers
+        .iter()
+        .position(|(p, _)| victim.ends_with(&format!(":{p}")))
+        .unwrap();
 
     let mut f = File::open(env.mountpoint().join("big.bin")).unwrap();
     let mut h = Sha256::new();
@@ -511,8 +659,14 @@ fn a_worker_killed_during_a_read_through_the_mount_costs_no_io_error() {
 }
 
 fn mount_pids(mountpoint: &Path) -> Vec<String> {
-    let out = Command::new("pgrep").args(["-f", &format!("fusermount3.*{}", mountpoint.display())]).output().unwrap();
-    String::from_utf8_lossy(&out.stdout).lines().map(String::from).collect()
+    let out = Command::new("pgrep")
+        .args(["-f", &format!("fusermount3.*{}", mountpoint.display())])
+        .output()
+        .unwrap();
+    String::from_utf8_lossy(&out.stdout)
+        .lines()
+        .map(String::from)
+        .collect()
 }
 
 #[test]
@@ -555,19 +709,46 @@ fn sigterm_unmounts_and_a_killed_client_leaves_no_dead_mount() {
     wait_mounted(&mnt, false);
 
     // --daemon returns once mounted; the detached process serves on.
-    let out = env.mount_command().arg("--daemon").arg("--log-file").arg(env.dir.path().join("daemon.log")).output().unwrap();
-    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    let out = env
+        .mount_command()
+        .arg("--daemon")
+        .arg("--log-file")
+        .arg(env.dir.path().join("daemon.log"))
+        .output()
+        .unwrap();
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
     let stdout = String::from_utf8_lossy(&out.stdout);
-    let pid = stdout.split("pid ").nth(1).and_then(|s| s.split(|c: char| !c.is_ascii_digit()).next()).expect("pid printed").to_string();
+    let pid = stdout
+        .split("pid ")
+        .nth(1)
+        .and_then(|s| s.split(|c: char| !c.is_ascii_digit()).next())
+        .expect("pid printed")
+        .to_string();
     assert_eq!(fs::read(mnt.join("hello.txt")).unwrap(), b"hi\n");
-    assert!(Command::new("kill").args(["-TERM", &pid]).status().unwrap().success());
+    assert!(Command::new("kill")
+        .args(["-TERM", &pid])
+        .status()
+        .unwrap()
+        .success());
     wait_mounted(&mnt, false);
 
     // Bad input at the CLI: clear errors, nothing mounted.
-    let out = Command::new(BIN).args(["mount", "http://x", "/tmp/nowhere"]).output().unwrap();
+    let out = Command::new(BIN)
+        .args(["mount", "http://x", "/tmp/nowhere"])
+        .output()
+        .unwrap();
     assert!(!out.status.success());
     assert!(String::from_utf8_lossy(&out.stderr).contains("expected s3://bucket"));
-    let out = env.mount_command().arg("--readahead-chunk").arg("0").output().unwrap();
+    let out = env
+        .mount_command()
+        .arg("--readahead-chunk")
+        .arg("0")
+        .output()
+        .unwrap();
     assert!(!out.status.success());
     assert!(String::from_utf8_lossy(&out.stderr).contains("--readahead-chunk"));
 }

@@ -49,7 +49,12 @@ fn start_up(dir: &std::path::Path) -> Up {
     Up {
         child,
         worker: worker.expect("up printed the worker address"),
-        mountpoint: dir.join("mnt").canonicalize().unwrap().display().to_string(),
+        mountpoint: dir
+            .join("mnt")
+            .canonicalize()
+            .unwrap()
+            .display()
+            .to_string(),
     }
 }
 
@@ -152,7 +157,10 @@ fn up_serves_put_cat_stat_ls_and_shuts_down_cleanly() {
     let mnt = dir.path().join("mnt");
     assert!(std::fs::read(mnt.join("data/blob.bin")).unwrap() == body);
     std::fs::write(mnt.join("data/note.txt"), b"from the mount\n").unwrap();
-    let note = run(&["cat", "s3://lakecache/data/note.txt", "--worker", &w], None);
+    let note = run(
+        &["cat", "s3://lakecache/data/note.txt", "--worker", &w],
+        None,
+    );
     assert_eq!(note.stdout, b"from the mount\n");
 
     // Errors are clear and exit non-zero.

@@ -9,9 +9,9 @@ use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
 use fuser::{
     AccessFlags, BsdFileFlags, Errno, FileAttr, FileHandle, FileType, Filesystem, FopenFlags,
-    Generation, INodeNo, InitFlags, KernelConfig, LockOwner, OpenFlags, RenameFlags,
-    ReplyAttr, ReplyCreate, ReplyData, ReplyDirectory, ReplyDirectoryPlus, ReplyEmpty,
-    ReplyEntry, ReplyOpen, ReplyStatfs, ReplyWrite, ReplyXattr, Request, TimeOrNow, WriteFlags,
+    Generation, INodeNo, InitFlags, KernelConfig, LockOwner, OpenFlags, RenameFlags, ReplyAttr,
+    ReplyCreate, ReplyData, ReplyDirectory, ReplyDirectoryPlus, ReplyEmpty, ReplyEntry, ReplyOpen,
+    ReplyStatfs, ReplyWrite, ReplyXattr, Request, TimeOrNow, WriteFlags,
 };
 
 use crate::error::FsError;
@@ -294,7 +294,8 @@ impl Filesystem for KernelAdapter {
         flags: RenameFlags,
         reply: ReplyEmpty,
     ) {
-        let names = name_str(name).and_then(|a| Ok((a.to_string(), name_str(newname)?.to_string())));
+        let names =
+            name_str(name).and_then(|a| Ok((a.to_string(), name_str(newname)?.to_string())));
         let (name, newname) = match names {
             Ok(n) => n,
             Err(e) => return reply.error(self.refuse("rename", e)),
@@ -559,13 +560,17 @@ impl Filesystem for KernelAdapter {
         _position: u32,
         reply: ReplyEmpty,
     ) {
-        reply.error(self.refuse(
-            "setxattr",
-            FsError::Unsupported("extended attributes"),
-        ));
+        reply.error(self.refuse("setxattr", FsError::Unsupported("extended attributes")));
     }
 
-    fn getxattr(&self, _req: &Request, _ino: INodeNo, _name: &OsStr, _size: u32, reply: ReplyXattr) {
+    fn getxattr(
+        &self,
+        _req: &Request,
+        _ino: INodeNo,
+        _name: &OsStr,
+        _size: u32,
+        reply: ReplyXattr,
+    ) {
         reply.error(Errno::from_i32(libc::ENODATA));
     }
 
@@ -578,10 +583,7 @@ impl Filesystem for KernelAdapter {
     }
 
     fn removexattr(&self, _req: &Request, _ino: INodeNo, _name: &OsStr, reply: ReplyEmpty) {
-        reply.error(self.refuse(
-            "removexattr",
-            FsError::Unsupported("extended attributes"),
-        ));
+        reply.error(self.refuse("removexattr", FsError::Unsupported("extended attributes")));
     }
 
     fn access(&self, _req: &Request, _ino: INodeNo, _mask: AccessFlags, reply: ReplyEmpty) {

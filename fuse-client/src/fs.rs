@@ -244,7 +244,9 @@ impl Fs {
             Kind::Dir => self.config.dir_mode,
         };
         if change.mode.is_some_and(|m| (m & 0o7777) as u16 != perm) {
-            return Err(FsError::NotPermitted("S3 objects have no permissions to change"));
+            return Err(FsError::NotPermitted(
+                "S3 objects have no permissions to change",
+            ));
         }
         if change.uid.is_some_and(|u| u != self.config.uid)
             || change.gid.is_some_and(|g| g != self.config.gid)
@@ -280,7 +282,10 @@ impl Fs {
                 "truncating an object to a non-zero size",
             ));
         }
-        let stat = self.cluster.put(&self.uri(&node.key)?, Bytes::new()).await?;
+        let stat = self
+            .cluster
+            .put(&self.uri(&node.key)?, Bytes::new())
+            .await?;
         let meta = meta_of(&stat);
         self.inodes
             .update(ino, |n| {
@@ -369,11 +374,7 @@ impl Fs {
     /// Entries from index `offset` of the snapshot taken at opendir.
     pub fn readdir(&self, fh: u64, offset: u64) -> Result<Vec<DirEntry>, FsError> {
         match self.handle(fh)? {
-            Handle::Dir(entries) => Ok(entries
-                .iter()
-                .skip(offset as usize)
-                .cloned()
-                .collect()),
+            Handle::Dir(entries) => Ok(entries.iter().skip(offset as usize).cloned().collect()),
             _ => Err(FsError::BadHandle),
         }
     }

@@ -229,7 +229,13 @@ mod tests {
     fn rename_moves_the_name() {
         let t = InodeTable::new("p/");
         let f = t.upsert(ROOT_INO, "tmp", Kind::File, "p/tmp".into(), Meta::default());
-        let old = t.upsert(ROOT_INO, "final", Kind::File, "p/final".into(), Meta::default());
+        let old = t.upsert(
+            ROOT_INO,
+            "final",
+            Kind::File,
+            "p/final".into(),
+            Meta::default(),
+        );
         t.rename(f.ino, ROOT_INO, "final", "p/final".into(), Meta::default());
         assert!(t.child(ROOT_INO, "tmp").is_none());
         let now = t.child(ROOT_INO, "final").expect("renamed");

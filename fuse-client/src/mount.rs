@@ -117,7 +117,7 @@ fn prepare_mountpoint(path: &Path) -> Result<PathBuf, MountError> {
     }
     if is_mounted(&path) {
         return Err(err(
-            "something is already mounted here; unmount it first".into(),
+            "something is already mounted here; unmount it first".into()
         ));
     }
     Ok(path)
@@ -133,7 +133,10 @@ pub fn mount(
     let path = prepare_mountpoint(&options.mountpoint)?;
     let fs_config = fs.config().clone();
     let mut mount_options = vec![
-        MountOption::FSName(format!("lakecache:{}/{}", fs_config.bucket, fs_config.prefix)),
+        MountOption::FSName(format!(
+            "lakecache:{}/{}",
+            fs_config.bucket, fs_config.prefix
+        )),
         MountOption::Subtype("lakecache".into()),
         MountOption::NoDev,
         MountOption::NoSuid,

@@ -174,7 +174,7 @@ async fn read(
             }
         },
     };
-    let if_match = if_match(&req);
+    let if_match = if_match(req);
     // A read that finds the object changed under its cached ETag starts
     // over once against the new version.
     for attempt in 0..2 {
