@@ -23,6 +23,7 @@ pub const MAX_IO_BYTES: u32 = 1 << 20;
 /// Reported as `st_blksize`: stdio and Python buffer this much per write.
 const BLOCK_SIZE: u32 = 1 << 20;
 
+#[derive(Clone)]
 pub struct KernelAdapter {
     fs: Arc<Fs>,
     runtime: tokio::runtime::Handle,
@@ -135,7 +136,7 @@ impl Filesystem for KernelAdapter {
             Err(e) => return reply.error(self.refuse("lookup", e)),
         };
         let ttl = self.fs.config().entry_ttl;
-        let this = self.clone_for_reply();
+        let this = self.clone();
         self.spawn(
             "lookup",
             parent.0,
@@ -153,7 +154,7 @@ impl Filesystem for KernelAdapter {
 
     fn getattr(&self, _req: &Request, ino: INodeNo, _fh: Option<FileHandle>, reply: ReplyAttr) {
         let ttl = self.fs.config().attr_ttl;
-        let this = self.clone_for_reply();
+        let this = self.clone();
         self.spawn(
             "getattr",
             ino.0,
@@ -184,7 +185,7 @@ impl Filesystem for KernelAdapter {
         reply: ReplyAttr,
     ) {
         let ttl = self.fs.config().attr_ttl;
-        let this = self.clone_for_reply();
+        let this = self.clone();
         let change = SetAttr {
             mode,
             uid,
@@ -232,7 +233,7 @@ impl Filesystem for KernelAdapter {
             Err(e) => return reply.error(self.refuse("mkdir", e)),
         };
         let ttl = self.fs.config().entry_ttl;
-        let this = self.clone_for_reply();
+        let this = self.clone();
         self.spawn(
             "mkdir",
             parent.0,
@@ -386,11 +387,12 @@ impl Filesystem for KernelAdapter {
         _lock_owner: Option<LockOwner>,
         reply: ReplyWrite,
     ) {
-        let data = data.to_vec();
+        // The one copy: the kernel's buffer is only borrowed for this call.
+        let data = bytes::Bytes::copy_from_slice(data);
         self.spawn(
             "write",
             ino.0,
-            move |fs| async move { fs.write(fh.0, offset, &data).await },
+            move |fs| async move { fs.write(fh.0, offset, data).await },
             move |r| match r {
                 Ok(n) => reply.written(n),
                 Err(e) => reply.error(errno(&e)),
@@ -607,7 +609,7 @@ impl Filesystem for KernelAdapter {
         };
         let pid = req.pid();
         let ttl = self.fs.config().entry_ttl;
-        let this = self.clone_for_reply();
+        let this = self.clone();
         self.spawn(
             "create",
             parent.0,
@@ -639,15 +641,6 @@ impl Filesystem for KernelAdapter {
             "fallocate",
             FsError::Unsupported("preallocation (objects are written sequentially)"),
         ));
-    }
-}
-
-impl KernelAdapter {
-    fn clone_for_reply(&self) -> Self {
-        Self {
-            fs: self.fs.clone(),
-            runtime: self.runtime.clone(),
-        }
     }
 }
 

@@ -12,7 +12,7 @@ use tokio::sync::Mutex as AsyncMutex;
 
 use crate::config::FsConfig;
 use crate::error::FsError;
-use crate::inode::{Inode, InodeTable, Kind, Meta, ROOT_INO};
+use crate::inode::{Inode, InodeTable, Kind, Meta};
 use crate::read::{FileReader, ReadaheadPolicy};
 use crate::write::FileWriter;
 
@@ -25,6 +25,7 @@ pub struct DirEntry {
     pub node: Inode,
 }
 
+#[derive(Clone)]
 enum Handle {
     Read(Arc<AsyncMutex<FileReader>>),
     Write {
@@ -36,26 +37,6 @@ enum Handle {
         previous: Option<Meta>,
     },
     Dir(Arc<Vec<DirEntry>>),
-}
-
-impl Clone for Handle {
-    fn clone(&self) -> Self {
-        match self {
-            Handle::Read(r) => Handle::Read(r.clone()),
-            Handle::Write {
-                writer,
-                ino,
-                owner_tgid,
-                previous,
-            } => Handle::Write {
-                writer: writer.clone(),
-                ino: *ino,
-                owner_tgid: *owner_tgid,
-                previous: previous.clone(),
-            },
-            Handle::Dir(d) => Handle::Dir(d.clone()),
-        }
-    }
 }
 
 /// What `setattr` was asked to change.
@@ -395,7 +376,8 @@ impl Fs {
         // O_RDWR on an existing object without O_TRUNC reads it (fio's
         // verify pass does this); writing through that handle is refused.
         if access == libc::O_WRONLY || (access == libc::O_RDWR && replaces) {
-            return self.open_for_write(node, flags, pid);
+            let previous = Some(node.meta.clone());
+            return self.open_for_write(node, flags, pid, previous);
         }
         if node.writer.is_some() {
             return Err(FsError::Busy("the file is being written"));
@@ -420,7 +402,14 @@ impl Fs {
         Ok((fh, keep_cache))
     }
 
-    fn open_for_write(&self, node: Inode, flags: i32, pid: u32) -> Result<(u64, bool), FsError> {
+    /// `previous`: the metadata to restore if the upload fails.
+    fn open_for_write(
+        &self,
+        node: Inode,
+        flags: i32,
+        pid: u32,
+        previous: Option<Meta>,
+    ) -> Result<(u64, bool), FsError> {
         if node.writer.is_some() {
             return Err(FsError::Busy("the file is already open for writing"));
         }
@@ -438,7 +427,7 @@ impl Fs {
             writer: Arc::new(AsyncMutex::new(writer)),
             ino: node.ino,
             owner_tgid: tgid_of(pid),
-            previous: Some(node.meta.clone()),
+            previous,
         });
         self.inodes.update(node.ino, |n| {
             n.writer = Some(fh);
@@ -472,13 +461,9 @@ impl Fs {
                 mtime_ms: now_ms(),
             },
         );
-        let (fh, _) = self.open_for_write(node.clone(), libc::O_WRONLY | libc::O_TRUNC, pid)?;
         // A create that did not replace anything has nothing to restore.
-        let mut handles = self.handles.lock().unwrap_or_else(|p| p.into_inner());
-        if let Some(Handle::Write { previous, .. }) = handles.get_mut(&fh) {
-            *previous = None;
-        }
-        drop(handles);
+        let (fh, _) =
+            self.open_for_write(node.clone(), libc::O_WRONLY | libc::O_TRUNC, pid, None)?;
         self.inodes.add_lookup(node.ino);
         let node = self.node(node.ino)?;
         Ok((node, fh))
@@ -494,7 +479,7 @@ impl Fs {
         }
     }
 
-    pub async fn write(&self, fh: u64, offset: u64, data: &[u8]) -> Result<u32, FsError> {
+    pub async fn write(&self, fh: u64, offset: u64, data: Bytes) -> Result<u32, FsError> {
         let (writer, ino) = match self.handle(fh)? {
             Handle::Write { writer, ino, .. } => (writer, ino),
             Handle::Read(_) => {
@@ -728,6 +713,3 @@ pub fn now_ms() -> i64 {
         .map(|d| d.as_millis() as i64)
         .unwrap_or(0)
 }
-
-/// The root inode, for callers that start a walk.
-pub const ROOT: u64 = ROOT_INO;

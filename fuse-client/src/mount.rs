@@ -71,14 +71,22 @@ fn unescape_mountinfo(s: &str) -> String {
         .replace("\\134", "\\")
 }
 
+/// `fusermount3 -u [-z] path`; true when it succeeded.
+fn fusermount_unmount(path: &Path, lazy: bool) -> bool {
+    let mut cmd = std::process::Command::new("fusermount3");
+    cmd.arg("-u");
+    if lazy {
+        cmd.arg("-z");
+    }
+    cmd.arg(path)
+        .stderr(std::process::Stdio::null())
+        .status()
+        .is_ok_and(|s| s.success())
+}
+
 /// Detaches whatever is mounted at `path` (lazy, so a busy mount goes too).
 pub fn force_unmount(path: &Path) -> std::io::Result<()> {
-    let status = std::process::Command::new("fusermount3")
-        .arg("-u")
-        .arg("-z")
-        .arg(path)
-        .status();
-    if matches!(status, Ok(s) if s.success()) {
+    if fusermount_unmount(path, true) {
         return Ok(());
     }
     let c_path = std::ffi::CString::new(path.as_os_str().as_encoded_bytes())
@@ -213,13 +221,7 @@ impl Mounted {
         if is_mounted(&self.mountpoint) {
             // fusermount3 itself: fuser's unmounter only closes the
             // auto_unmount socket, which can leave the mount in place.
-            let unmounted = std::process::Command::new("fusermount3")
-                .arg("-u")
-                .arg(&self.mountpoint)
-                .stderr(std::process::Stdio::null())
-                .status()
-                .is_ok_and(|s| s.success());
-            if !unmounted {
+            if !fusermount_unmount(&self.mountpoint, false) {
                 if let Err(e) = self.unmounter.unmount() {
                     tracing::debug!(error = %e, "fuser unmount failed");
                 }

@@ -125,8 +125,7 @@ impl FileReader {
             self.chunks.clear();
         }
         self.schedule(offset, end.saturating_add(self.window).min(self.size));
-        let mut out = BytesMut::new();
-        let mut single: Option<Bytes> = None;
+        let mut pieces = Vec::new();
         for chunk in self.chunks.iter_mut() {
             if chunk.range.start >= end {
                 break;
@@ -145,17 +144,17 @@ impl FileReader {
                     chunk.range.end - chunk.range.start
                 )));
             }
-            let piece = bytes.slice(from..to);
-            if single.is_none() && out.is_empty() && chunk.range.end >= end {
-                single = Some(piece);
-                break;
-            }
-            if let Some(first) = single.take() {
-                out.extend_from_slice(&first);
-            }
+            pieces.push(bytes.slice(from..to));
+        }
+        // Most reads fall inside one chunk: hand its bytes over uncopied.
+        if pieces.len() == 1 {
+            return Ok(pieces.remove(0));
+        }
+        let mut out = BytesMut::with_capacity((end - offset) as usize);
+        for piece in pieces {
             out.extend_from_slice(&piece);
         }
-        Ok(single.unwrap_or_else(|| out.freeze()))
+        Ok(out.freeze())
     }
 
     /// Starts fetches so that chunks cover `[from, until)`.

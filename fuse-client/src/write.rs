@@ -110,7 +110,7 @@ impl FileWriter {
         Ok(Upload { sender, task })
     }
 
-    pub async fn write(&mut self, offset: u64, data: &[u8]) -> Result<u32, FsError> {
+    pub async fn write(&mut self, offset: u64, data: Bytes) -> Result<u32, FsError> {
         if self.outcome.is_some() {
             return Err(FsError::NotPermitted(
                 "the file was already committed by flush or fsync; reopen it with O_TRUNC",
@@ -125,9 +125,10 @@ impl FileWriter {
         if data.is_empty() {
             return Ok(0);
         }
-        self.send(Bytes::copy_from_slice(data)).await?;
-        self.written += data.len() as u64;
-        Ok(data.len() as u32)
+        let len = data.len();
+        self.send(data).await?;
+        self.written += len as u64;
+        Ok(len as u32)
     }
 
     /// Ends the upload and waits until the object is in S3.
