@@ -8,7 +8,6 @@ mod index;
 mod lru;
 pub mod metrics;
 pub mod pages;
-pub mod store;
 mod write;
 
 use std::net::SocketAddr;
@@ -18,6 +17,9 @@ use std::time::Duration;
 
 pub use cache::{Cache, CacheConfig, CacheError};
 pub use http::HttpLimits;
+/// The object store seam lives in its own crate so clients need not link
+/// the worker; re-exported under its old path.
+pub use lakecache_store as store;
 pub use metrics::Metrics;
 pub use store::{ObjectStore, S3Config, S3Store};
 

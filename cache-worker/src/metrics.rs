@@ -178,7 +178,7 @@ impl Metrics {
         self.miss_bytes.add(bytes, &[]);
     }
 
-    pub fn s3_request(
+    fn record_s3_request(
         &self,
         op: &'static str,
         outcome: &'static str,
@@ -195,7 +195,7 @@ impl Metrics {
         }
     }
 
-    pub fn s3_retry(&self, op: &str) {
+    fn record_s3_retry(&self, op: &str) {
         self.s3_retries
             .add(1, &[KeyValue::new("op", op.to_string())]);
     }
@@ -216,5 +216,15 @@ impl Metrics {
             tracing::warn!(error = %e, "encoding metrics failed");
         }
         String::from_utf8_lossy(&out).into_owned()
+    }
+}
+
+impl lakecache_store::StoreMetrics for Metrics {
+    fn s3_request(&self, op: &'static str, outcome: &'static str, elapsed: Duration, bytes: u64) {
+        self.record_s3_request(op, outcome, elapsed, bytes);
+    }
+
+    fn s3_retry(&self, op: &str) {
+        self.record_s3_retry(op);
     }
 }

@@ -590,8 +590,10 @@ os.replace(tmp, os.path.join(d, "model.safetensors"))
 
     // fio writes a file and verifies it (crc32c) through the mount.
     let job = Path::new(env!("CARGO_MANIFEST_DIR")).join("../benches/fio/verify-write.fio");
+    let scratch = tempfile::tempdir().unwrap();
     let out = Command::new("fio")
         .arg(&job)
+        .current_dir(scratch.path())
         .env("LAKECACHE_FIO_DIR", &mnt)
         .env("LAKECACHE_FIO_SIZE", "64M")
         .output()

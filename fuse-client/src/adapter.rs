@@ -14,7 +14,7 @@ use fuser::{
     ReplyStatfs, ReplyWrite, ReplyXattr, Request, TimeOrNow, WriteFlags,
 };
 
-use crate::error::FsError;
+use crate::error::{Chain, FsError};
 use crate::fs::{Fs, SetAttr};
 use crate::inode::{Inode, Kind};
 
@@ -43,10 +43,10 @@ fn log_refusal(op: &'static str, e: &FsError) {
         FsError::NotFound | FsError::Exists | FsError::NotEmpty => {
             tracing::debug!(op, error = %e, "fuse op failed")
         }
-        FsError::UploadFailed(_) | FsError::Cluster(_) | FsError::Stale => {
-            tracing::error!(op, error = %e, "fuse op failed")
+        FsError::UploadFailed(_) | FsError::DataPlane(_) | FsError::Task(_) | FsError::Stale => {
+            tracing::error!(op, error = %Chain(e), "fuse op failed")
         }
-        _ => tracing::warn!(op, error = %e, "fuse op refused"),
+        _ => tracing::warn!(op, error = %Chain(e), "fuse op refused"),
     }
 }
 

@@ -1,8 +1,6 @@
 //! Typed filesystem errors; the kernel adapter turns each into an errno.
 
-use lakecache_protocol::{ClientError, ErrorCode};
-use lakecache_registry::ClusterError;
-use lakecache_worker::store::StoreError;
+use crate::data_plane::DataError;
 
 #[derive(Debug, thiserror::Error)]
 pub enum FsError {
@@ -38,10 +36,13 @@ pub enum FsError {
     CrossDevice(&'static str),
     #[error("the object changed while it was open")]
     Stale,
-    #[error("the upload failed: {0}")]
-    UploadFailed(String),
-    #[error("cache cluster error: {0}")]
-    Cluster(String),
+    #[error("the upload failed")]
+    UploadFailed(#[source] DataError),
+    #[error("cache cluster error")]
+    DataPlane(#[source] DataError),
+    /// A background task of the mount died (a bug, or shutdown).
+    #[error("internal task failed")]
+    Task(#[source] tokio::task::JoinError),
 }
 
 impl FsError {
@@ -61,26 +62,35 @@ impl FsError {
             FsError::Unsupported(_) => libc::EOPNOTSUPP,
             FsError::CrossDevice(_) => libc::EXDEV,
             FsError::Stale => libc::ESTALE,
-            FsError::UploadFailed(_) | FsError::Cluster(_) => libc::EIO,
+            FsError::UploadFailed(_) | FsError::DataPlane(_) | FsError::Task(_) => libc::EIO,
         }
     }
 }
 
-impl From<ClusterError> for FsError {
-    fn from(e: ClusterError) -> Self {
-        match &e {
-            ClusterError::Worker(ClientError::Api { code, .. }) => match code {
-                ErrorCode::NotFound => FsError::NotFound,
-                ErrorCode::PreconditionFailed => FsError::Stale,
-                ErrorCode::CopyTooLarge => {
-                    FsError::CrossDevice("object larger than a server-side copy allows")
-                }
-                _ => FsError::Cluster(e.to_string()),
-            },
-            ClusterError::S3(StoreError::NotFound) => FsError::NotFound,
-            ClusterError::S3(StoreError::PreconditionFailed) => FsError::Stale,
-            ClusterError::Changed { .. } => FsError::Stale,
-            _ => FsError::Cluster(e.to_string()),
+impl From<DataError> for FsError {
+    fn from(e: DataError) -> Self {
+        match e {
+            DataError::NotFound => FsError::NotFound,
+            DataError::Changed { .. } => FsError::Stale,
+            DataError::CopyTooLarge => {
+                FsError::CrossDevice("object larger than a server-side copy allows")
+            }
+            other => FsError::DataPlane(other),
         }
+    }
+}
+
+/// Displays an error with every cause after it (`a: b: c`), for logs.
+pub struct Chain<'a>(pub &'a (dyn std::error::Error + 'static));
+
+impl std::fmt::Display for Chain<'_> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "{}", self.0)?;
+        let mut next = self.0.source();
+        while let Some(cause) = next {
+            write!(f, ": {cause}")?;
+            next = cause.source();
+        }
+        Ok(())
     }
 }

@@ -7,10 +7,10 @@ use std::sync::{Arc, Mutex};
 
 use bytes::Bytes;
 use lakecache_protocol::{validate_key, ObjectStat, ObjectUri, MAX_KEY_BYTES};
-use lakecache_registry::ClusterClient;
 use tokio::sync::Mutex as AsyncMutex;
 
 use crate::config::FsConfig;
+use crate::data_plane::DataPlane;
 use crate::error::FsError;
 use crate::inode::{Inode, InodeTable, Kind, Meta};
 use crate::read::{FileReader, ReadaheadPolicy};
@@ -49,7 +49,7 @@ pub struct SetAttr {
 }
 
 pub struct Fs {
-    cluster: Arc<ClusterClient>,
+    data: Arc<dyn DataPlane>,
     config: FsConfig,
     inodes: InodeTable,
     handles: Mutex<HashMap<u64, Handle>>,
@@ -74,10 +74,10 @@ fn tgid_of(pid: u32) -> Option<u32> {
 }
 
 impl Fs {
-    pub fn new(cluster: Arc<ClusterClient>, config: FsConfig) -> Self {
+    pub fn new(data: Arc<dyn DataPlane>, config: FsConfig) -> Self {
         let inodes = InodeTable::new(&config.prefix);
         Self {
-            cluster,
+            data,
             config,
             inodes,
             handles: Mutex::new(HashMap::new()),
@@ -153,8 +153,8 @@ impl Fs {
         let dir_key = format!("{file_key}/");
         let file_uri = self.uri(&file_key)?;
         let (stat, listing) = tokio::join!(
-            self.cluster.stat(&file_uri),
-            self.cluster
+            self.data.stat(&file_uri),
+            self.data
                 .list(&self.config.bucket, &dir_key, Some("/"), None, Some(1))
         );
         let listing = listing.map_err(FsError::from)?;
@@ -196,7 +196,13 @@ impl Fs {
         if node.is_fresh(self.config.attr_ttl) {
             return Ok(node);
         }
-        match self.cluster.stat(&self.uri(&node.key)?).await {
+        self.revalidate(ino).await
+    }
+
+    /// Asks the store for the object's current size and version.
+    async fn revalidate(&self, ino: u64) -> Result<Inode, FsError> {
+        let node = self.node(ino)?;
+        match self.data.stat(&self.uri(&node.key)?).await {
             Ok(stat) => {
                 let meta = meta_of(&stat);
                 self.inodes.update(ino, |n| {
@@ -263,10 +269,7 @@ impl Fs {
                 "truncating an object to a non-zero size",
             ));
         }
-        let stat = self
-            .cluster
-            .put(&self.uri(&node.key)?, Bytes::new())
-            .await?;
+        let stat = self.data.put(&self.uri(&node.key)?, Bytes::new()).await?;
         let meta = meta_of(&stat);
         self.inodes
             .update(ino, |n| {
@@ -283,7 +286,7 @@ impl Fs {
         let mut token: Option<String> = None;
         loop {
             let page = self
-                .cluster
+                .data
                 .list(
                     &self.config.bucket,
                     &dir.key,
@@ -299,9 +302,11 @@ impl Fs {
                 if name.is_empty() || name == "." || name == ".." {
                     continue; // the directory's own marker
                 }
+                // Some S3-compatible stores list without ETags: then open
+                // asks for one instead of trusting an empty string.
                 let meta = Meta {
                     size: obj.size,
-                    etag: Some(obj.etag.clone()),
+                    etag: Some(obj.etag.clone()).filter(|e| !e.is_empty()),
                     mtime_ms: obj.last_modified_ms,
                 };
                 names
@@ -382,13 +387,16 @@ impl Fs {
         if node.writer.is_some() {
             return Err(FsError::Busy("the file is being written"));
         }
-        let node = self.getattr(ino).await?;
+        let mut node = self.getattr(ino).await?;
+        if node.meta.etag.is_none() {
+            node = self.revalidate(ino).await?;
+        }
         let etag = node.meta.etag.clone().ok_or(FsError::NotFound)?;
         let keep_cache = node.page_cache_etag.as_deref() == Some(etag.as_str());
         self.inodes
             .update(ino, |n| n.page_cache_etag = Some(etag.clone()));
         let reader = FileReader::new(
-            self.cluster.clone(),
+            self.data.clone(),
             self.uri(&node.key)?,
             etag,
             node.meta.size,
@@ -419,7 +427,7 @@ impl Fs {
             ));
         }
         let writer = FileWriter::new(
-            self.cluster.clone(),
+            self.data.clone(),
             self.uri(&node.key)?,
             self.config.upload_timeout,
         );
@@ -594,7 +602,7 @@ impl Fs {
             Err(FsError::NotFound) => {}
             Err(e) => return Err(e),
         }
-        self.cluster.put(&self.uri(&key)?, Bytes::new()).await?;
+        self.data.put(&self.uri(&key)?, Bytes::new()).await?;
         let node = self
             .inodes
             .upsert(parent, name, Kind::Dir, key, Meta::default());
@@ -610,7 +618,7 @@ impl Fs {
         if node.writer.is_some() {
             return Err(FsError::Busy("the file is being written"));
         }
-        self.cluster.delete(&self.uri(&node.key)?).await?;
+        self.data.delete(&self.uri(&node.key)?).await?;
         self.inodes.unlink(parent, name);
         Ok(())
     }
@@ -621,7 +629,7 @@ impl Fs {
             return Ok(false);
         }
         let page = self
-            .cluster
+            .data
             .list(&self.config.bucket, &dir.key, None, None, Some(2))
             .await?;
         Ok(page.objects.iter().all(|o| o.key == dir.key))
@@ -635,7 +643,7 @@ impl Fs {
         if !self.is_empty_dir(&node).await? {
             return Err(FsError::NotEmpty);
         }
-        self.cluster.delete(&self.uri(&node.key)?).await?;
+        self.data.delete(&self.uri(&node.key)?).await?;
         self.inodes.unlink(parent, name);
         Ok(())
     }
@@ -663,6 +671,13 @@ impl Fs {
         }
         match src.kind {
             Kind::File => {
+                if dst.as_ref().is_some_and(|d| d.kind == Kind::Dir) {
+                    return Err(FsError::IsDir);
+                }
+                // Its writer's commit would later overwrite the moved file.
+                if dst.as_ref().is_some_and(|d| d.writer.is_some()) {
+                    return Err(FsError::Busy("the target file is being written"));
+                }
                 // Renaming a file still open for writing (safetensors
                 // renames before close) commits what was written first.
                 let src = match src.writer {
@@ -672,13 +687,10 @@ impl Fs {
                     }
                     None => src,
                 };
-                if dst.as_ref().is_some_and(|d| d.kind == Kind::Dir) {
-                    return Err(FsError::IsDir);
-                }
                 let new_key = self.child_key(&np, new_name, Kind::File)?;
                 let (from, to) = (self.uri(&src.key)?, self.uri(&new_key)?);
-                let stat = self.cluster.copy(&from, None, &to).await?;
-                self.cluster.delete(&from).await?;
+                let stat = self.data.copy(&from, None, &to).await?;
+                self.data.delete(&from).await?;
                 self.inodes
                     .rename(src.ino, new_parent, new_name, new_key, meta_of(&stat));
             }
@@ -697,8 +709,8 @@ impl Fs {
                     ));
                 }
                 let new_key = self.child_key(&np, new_name, Kind::Dir)?;
-                self.cluster.put(&self.uri(&new_key)?, Bytes::new()).await?;
-                self.cluster.delete(&self.uri(&src.key)?).await?;
+                self.data.put(&self.uri(&new_key)?, Bytes::new()).await?;
+                self.data.delete(&self.uri(&src.key)?).await?;
                 self.inodes
                     .rename(src.ino, new_parent, new_name, new_key, Meta::default());
             }

@@ -6,6 +6,7 @@
 
 pub mod adapter;
 pub mod config;
+pub mod data_plane;
 pub mod error;
 pub mod fs;
 pub mod inode;
@@ -14,7 +15,8 @@ pub mod read;
 pub mod write;
 
 pub use config::FsConfig;
-pub use error::FsError;
+pub use data_plane::{DataError, DataPlane};
+pub use error::{Chain, FsError};
 pub use fs::{DirEntry, Fs, SetAttr};
 pub use inode::{Inode, Kind, ROOT_INO};
 pub use mount::{mount, MountError, MountOptions, Mounted};

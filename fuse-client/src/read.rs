@@ -7,9 +7,9 @@ use std::sync::Arc;
 
 use bytes::{Bytes, BytesMut};
 use lakecache_protocol::ObjectUri;
-use lakecache_registry::ClusterClient;
 use tokio::task::JoinHandle;
 
+use crate::data_plane::{read_exact, DataPlane};
 use crate::error::FsError;
 
 /// How far behind the last read a request may land and still count as
@@ -32,14 +32,11 @@ struct Chunk {
 impl Chunk {
     async fn bytes(&mut self) -> Result<Bytes, FsError> {
         if let Some(task) = self.fetch.take() {
-            let got = task
-                .await
-                .map_err(|e| FsError::Cluster(format!("read-ahead task failed: {e}")))??;
+            let got = task.await.map_err(FsError::Task)??;
             self.data = Some(got);
         }
-        self.data
-            .clone()
-            .ok_or_else(|| FsError::Cluster("read-ahead chunk lost".into()))
+        // A chunk whose fetch failed was already dropped by the reader.
+        self.data.clone().ok_or(FsError::BadHandle)
     }
 }
 
@@ -52,7 +49,7 @@ impl Drop for Chunk {
 }
 
 pub struct FileReader {
-    cluster: Arc<ClusterClient>,
+    data: Arc<dyn DataPlane>,
     uri: ObjectUri,
     etag: String,
     size: u64,
@@ -66,14 +63,14 @@ pub struct FileReader {
 
 impl FileReader {
     pub fn new(
-        cluster: Arc<ClusterClient>,
+        data: Arc<dyn DataPlane>,
         uri: ObjectUri,
         etag: String,
         size: u64,
         policy: ReadaheadPolicy,
     ) -> Self {
         Self {
-            cluster,
+            data,
             uri,
             etag,
             size,
@@ -125,6 +122,20 @@ impl FileReader {
             self.chunks.clear();
         }
         self.schedule(offset, end.saturating_add(self.window).min(self.size));
+        match self.collect(offset, end).await {
+            Ok(bytes) => Ok(bytes),
+            Err(e) => {
+                // Start over: the next read refetches instead of meeting
+                // the failed chunk again, and the window grows anew.
+                self.chunks.clear();
+                self.window = 0;
+                Err(e)
+            }
+        }
+    }
+
+    /// Assembles `[offset, end)` from the scheduled chunks.
+    async fn collect(&mut self, offset: u64, end: u64) -> Result<Bytes, FsError> {
         let mut pieces = Vec::new();
         for chunk in self.chunks.iter_mut() {
             if chunk.range.start >= end {
@@ -136,14 +147,6 @@ impl FileReader {
             let bytes = chunk.bytes().await?;
             let from = (offset.max(chunk.range.start) - chunk.range.start) as usize;
             let to = (end.min(chunk.range.end) - chunk.range.start) as usize;
-            if to > bytes.len() {
-                return Err(FsError::Cluster(format!(
-                    "short read-ahead chunk for {}: {} of {} bytes",
-                    self.uri,
-                    bytes.len(),
-                    chunk.range.end - chunk.range.start
-                )));
-            }
             pieces.push(bytes.slice(from..to));
         }
         // Most reads fall inside one chunk: hand its bytes over uncopied.
@@ -165,13 +168,13 @@ impl FileReader {
             let chunk = self.policy.chunk.max(1);
             let end = ((pos / chunk + 1) * chunk).min(self.size);
             let range = pos..end;
-            let cluster = self.cluster.clone();
+            let data = self.data.clone();
             let uri = self.uri.clone();
             let etag = self.etag.clone();
             let r = range.clone();
+            // read_exact: a chunk is whole or an error, never short.
             let fetch = tokio::spawn(async move {
-                cluster
-                    .read(&uri, r, Some(&etag))
+                read_exact(data.as_ref(), &uri, r, &etag)
                     .await
                     .map_err(FsError::from)
             });
@@ -185,18 +188,232 @@ impl FileReader {
     }
 
     async fn fetch(&self, range: Range<u64>) -> Result<Bytes, FsError> {
-        let want = range.end - range.start;
-        let bytes = self
-            .cluster
-            .read(&self.uri, range, Some(&self.etag))
-            .await?;
-        if bytes.len() as u64 != want {
-            return Err(FsError::Cluster(format!(
-                "short read of {}: {} of {want} bytes",
-                self.uri,
-                bytes.len()
-            )));
+        Ok(read_exact(self.data.as_ref(), &self.uri, range, &self.etag).await?)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use std::sync::Mutex;
+    use std::time::Duration;
+
+    use lakecache_protocol::{ListResponse, ObjectStat};
+
+    use super::*;
+    use crate::data_plane::{
+        ByteStream, DataError, DataFault, DataOp, FaultyDataPlane, MemoryDataPlane,
+    };
+
+    const KIB: u64 = 1024;
+    const MIB: u64 = 1024 * KIB;
+
+    /// Remembers every range read, to see what the reader asked for.
+    struct Recording {
+        inner: FaultyDataPlane<MemoryDataPlane>,
+        reads: Mutex<Vec<Range<u64>>>,
+    }
+
+    impl Recording {
+        fn ranges(&self) -> Vec<Range<u64>> {
+            self.reads.lock().unwrap().clone()
         }
-        Ok(bytes)
+        fn clear(&self) {
+            self.reads.lock().unwrap().clear();
+        }
+    }
+
+    #[async_trait::async_trait]
+    impl DataPlane for Recording {
+        async fn stat(&self, uri: &ObjectUri) -> Result<ObjectStat, DataError> {
+            self.inner.stat(uri).await
+        }
+        async fn read(
+            &self,
+            uri: &ObjectUri,
+            r: Range<u64>,
+            etag: &str,
+        ) -> Result<Bytes, DataError> {
+            self.reads.lock().unwrap().push(r.clone());
+            self.inner.read(uri, r, etag).await
+        }
+        async fn list(
+            &self,
+            b: &str,
+            p: &str,
+            d: Option<&str>,
+            t: Option<&str>,
+            m: Option<u32>,
+        ) -> Result<ListResponse, DataError> {
+            self.inner.list(b, p, d, t, m).await
+        }
+        async fn put(&self, uri: &ObjectUri, data: Bytes) -> Result<ObjectStat, DataError> {
+            self.inner.put(uri, data).await
+        }
+        async fn upload(
+            &self,
+            uri: &ObjectUri,
+            body: ByteStream,
+            t: Duration,
+        ) -> Result<ObjectStat, DataError> {
+            self.inner.upload(uri, body, t).await
+        }
+        async fn delete(&self, uri: &ObjectUri) -> Result<(), DataError> {
+            self.inner.delete(uri).await
+        }
+        async fn copy(
+            &self,
+            f: &ObjectUri,
+            e: Option<&str>,
+            t: &ObjectUri,
+        ) -> Result<ObjectStat, DataError> {
+            self.inner.copy(f, e, t).await
+        }
+    }
+
+    fn content(len: u64) -> Vec<u8> {
+        (0..len).map(|i| (i % 251) as u8).collect()
+    }
+
+    fn setup(len: u64) -> (Arc<Recording>, FileReader, Vec<u8>) {
+        let body = content(len);
+        let memory = MemoryDataPlane::new();
+        let etag = memory.insert("bkt", "obj", body.clone());
+        let rec = Arc::new(Recording {
+            inner: FaultyDataPlane::new(memory),
+            reads: Mutex::default(),
+        });
+        let reader = FileReader::new(
+            rec.clone(),
+            ObjectUri::new("bkt", "obj").unwrap(),
+            etag,
+            len,
+            ReadaheadPolicy {
+                initial: 256 * KIB,
+                max: 2 * MIB,
+                chunk: 512 * KIB,
+            },
+        );
+        (rec, reader, body)
+    }
+
+    fn expect(body: &[u8], off: u64, len: u64) -> &[u8] {
+        let end = (off + len).min(body.len() as u64) as usize;
+        &body[off as usize..end]
+    }
+
+    #[tokio::test]
+    async fn sequential_reads_grow_the_window_in_aligned_chunks() {
+        let (rec, mut r, body) = setup(8 * MIB);
+        let mut off = 0;
+        while off < 8 * MIB {
+            let got = r.read(off, 128 * KIB).await.unwrap();
+            assert_eq!(&got[..], expect(&body, off, 128 * KIB));
+            off += 128 * KIB;
+        }
+        assert_eq!(r.window, 2 * MIB, "window doubles up to the max");
+        let ranges = rec.ranges();
+        // 64 kernel reads became a handful of chunk requests, each ending
+        // on a chunk boundary and together covering the file once.
+        assert!(ranges.len() <= 17, "{ranges:?}");
+        assert!(
+            ranges.iter().all(|r| r.end % (512 * KIB) == 0),
+            "{ranges:?}"
+        );
+        let covered: u64 = ranges.iter().map(|r| r.end - r.start).sum();
+        assert_eq!(covered, 8 * MIB, "no byte fetched twice: {ranges:?}");
+    }
+
+    #[tokio::test]
+    async fn reordered_reads_stay_one_stream() {
+        let (rec, mut r, body) = setup(8 * MIB);
+        // The kernel's async read-ahead lands slightly out of order.
+        for off in [0, 256 * KIB, 128 * KIB, 512 * KIB, 384 * KIB, 640 * KIB] {
+            let got = r.read(off, 128 * KIB).await.unwrap();
+            assert_eq!(&got[..], expect(&body, off, 128 * KIB), "offset {off}");
+        }
+        assert!(r.window > 0, "still streaming");
+        let covered: u64 = rec.ranges().iter().map(|r| r.end - r.start).sum();
+        assert!(covered <= 4 * MIB, "reordering did not restart read-ahead");
+    }
+
+    #[tokio::test]
+    async fn random_access_fetches_exactly_what_was_asked() {
+        let (rec, mut r, body) = setup(64 * MIB);
+        r.read(0, 128 * KIB).await.unwrap();
+        r.read(128 * KIB, 128 * KIB).await.unwrap();
+        assert!(r.window > 0);
+        rec.clear();
+        for off in [40 * MIB, 7 * MIB + 13, 63 * MIB, 20 * MIB] {
+            let got = r.read(off, 4 * KIB).await.unwrap();
+            assert_eq!(&got[..], expect(&body, off, 4 * KIB));
+        }
+        assert_eq!(r.window, 0, "random access drops the read-ahead");
+        assert!(r.chunks.is_empty());
+        let ranges = rec.ranges();
+        assert_eq!(ranges.len(), 4, "{ranges:?}");
+        assert!(
+            ranges.iter().all(|r| r.end - r.start == 4 * KIB),
+            "{ranges:?}"
+        );
+    }
+
+    #[tokio::test]
+    async fn reads_past_the_end_are_short_or_empty() {
+        let (_rec, mut r, body) = setup(MIB + 5);
+        let got = r.read(MIB, 128 * KIB).await.unwrap();
+        assert_eq!(&got[..], &body[MIB as usize..]);
+        assert!(r.read(MIB + 5, 10).await.unwrap().is_empty());
+        assert!(r.read(10 * MIB, 10).await.unwrap().is_empty());
+    }
+
+    #[tokio::test]
+    async fn a_failed_chunk_resets_the_stream_and_the_next_read_recovers() {
+        let (rec, mut r, body) = setup(8 * MIB);
+        r.read(0, 128 * KIB).await.unwrap();
+        rec.inner.inject(
+            DataOp::Read,
+            0,
+            u64::MAX,
+            DataFault::Fail(DataError::UploadCut),
+        );
+        // Everything already prefetched may still serve; the first read
+        // needing a new chunk fails.
+        let mut off = 128 * KIB;
+        let err = loop {
+            match r.read(off, 128 * KIB).await {
+                Ok(_) => off += 128 * KIB,
+                Err(e) => break e,
+            }
+            assert!(off < 8 * MIB, "the fault never surfaced");
+        };
+        assert_eq!(err.errno(), libc::EIO);
+        assert_eq!(r.window, 0, "an error restarts the window");
+        rec.inner.heal();
+        let got = r.read(off, 128 * KIB).await.unwrap();
+        assert_eq!(&got[..], expect(&body, off, 128 * KIB));
+        let got = r.read(off + 128 * KIB, 128 * KIB).await.unwrap();
+        assert_eq!(&got[..], expect(&body, off + 128 * KIB, 128 * KIB));
+    }
+
+    #[tokio::test]
+    async fn a_truncated_body_is_an_error_never_short_data() {
+        let (rec, mut r, body) = setup(4 * MIB);
+        rec.inner
+            .inject(DataOp::Read, 0, 1, DataFault::Truncate { keep: 1000 });
+        let err = r.read(0, 128 * KIB).await.unwrap_err();
+        assert_eq!(err.errno(), libc::EIO);
+        assert!(
+            matches!(err, FsError::DataPlane(DataError::ShortBody { .. })),
+            "{err:?}"
+        );
+        let got = r.read(0, 128 * KIB).await.unwrap();
+        assert_eq!(&got[..], expect(&body, 0, 128 * KIB));
+        // And on the random path.
+        rec.inner
+            .inject(DataOp::Read, 0, 1, DataFault::Truncate { keep: 10 });
+        let err = r.read(3 * MIB, 4 * KIB).await.unwrap_err();
+        assert_eq!(err.errno(), libc::EIO);
+        let got = r.read(3 * MIB, 4 * KIB).await.unwrap();
+        assert_eq!(&got[..], expect(&body, 3 * MIB, 4 * KIB));
     }
 }

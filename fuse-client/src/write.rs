@@ -5,14 +5,11 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use bytes::Bytes;
-use futures::StreamExt;
-use http_body::Frame;
-use http_body_util::{BodyExt, StreamBody};
-use lakecache_protocol::{ObjectStat, ObjectUri, RequestBody};
-use lakecache_registry::ClusterClient;
+use lakecache_protocol::{ObjectStat, ObjectUri};
 use tokio::sync::mpsc;
 use tokio::task::JoinHandle;
 
+use crate::data_plane::{ByteStream, DataError, DataPlane};
 use crate::error::FsError;
 
 /// Writes buffered towards the worker before `write` waits.
@@ -20,11 +17,11 @@ const QUEUED_WRITES: usize = 16;
 
 struct Upload {
     sender: mpsc::Sender<Bytes>,
-    task: JoinHandle<Result<ObjectStat, FsError>>,
+    task: JoinHandle<Result<ObjectStat, DataError>>,
 }
 
 pub struct FileWriter {
-    cluster: Arc<ClusterClient>,
+    data: Arc<dyn DataPlane>,
     pub uri: ObjectUri,
     timeout: Duration,
     written: u64,
@@ -33,13 +30,13 @@ pub struct FileWriter {
     fill_to: u64,
     upload: Option<Upload>,
     /// Set once the upload ended; repeated flushes report the same.
-    outcome: Option<Result<ObjectStat, String>>,
+    outcome: Option<Result<ObjectStat, DataError>>,
 }
 
 impl FileWriter {
-    pub fn new(cluster: Arc<ClusterClient>, uri: ObjectUri, timeout: Duration) -> Self {
+    pub fn new(data: Arc<dyn DataPlane>, uri: ObjectUri, timeout: Duration) -> Self {
         Self {
-            cluster,
+            data,
             uri,
             timeout,
             written: 0,
@@ -75,15 +72,13 @@ impl FileWriter {
 
     async fn send(&mut self, data: Bytes) -> Result<(), FsError> {
         if self.upload.is_none() {
-            self.upload = Some(self.start()?);
+            self.upload = Some(self.start());
         }
         let upload = self.upload.as_ref().ok_or(FsError::BadHandle)?;
         if upload.sender.send(data).await.is_err() {
             // The upload ended early; its error is what the caller needs.
             let err = self.finish().await.err();
-            return Err(err.unwrap_or_else(|| {
-                FsError::UploadFailed("the upload ended before the data".into())
-            }));
+            return Err(err.unwrap_or(FsError::UploadFailed(DataError::UploadCut)));
         }
         Ok(())
     }
@@ -92,22 +87,12 @@ impl FileWriter {
         self.outcome.is_some()
     }
 
-    fn start(&self) -> Result<Upload, FsError> {
-        let worker = self
-            .cluster
-            .writer_for(&self.uri)?
-            .with_timeout(self.timeout);
+    fn start(&self) -> Upload {
         let (sender, receiver) = mpsc::channel::<Bytes>(QUEUED_WRITES);
-        let frames = tokio_stream_from(receiver).map(|b| Ok(Frame::data(b)));
-        let body: RequestBody = BodyExt::boxed(StreamBody::new(frames));
-        let uri = self.uri.clone();
-        let task = tokio::spawn(async move {
-            worker
-                .put(&uri, body)
-                .await
-                .map_err(|e| FsError::UploadFailed(e.to_string()))
-        });
-        Ok(Upload { sender, task })
+        let body: ByteStream = Box::pin(stream_from(receiver));
+        let (data, uri, timeout) = (self.data.clone(), self.uri.clone(), self.timeout);
+        let task = tokio::spawn(async move { data.upload(&uri, body, timeout).await });
+        Upload { sender, task }
     }
 
     pub async fn write(&mut self, offset: u64, data: Bytes) -> Result<u32, FsError> {
@@ -138,7 +123,7 @@ impl FileWriter {
         }
         // Zeros for a size set by ftruncate and never written over.
         if self.written < self.fill_to && self.upload.is_none() {
-            self.upload = Some(self.start()?);
+            self.upload = Some(self.start());
         }
         while self.written < self.fill_to {
             let n = (self.fill_to - self.written).min(1 << 20) as usize;
@@ -153,35 +138,27 @@ impl FileWriter {
                 drop(sender);
                 match task.await {
                     Ok(r) => r,
-                    Err(e) => Err(FsError::UploadFailed(format!("upload task failed: {e}"))),
+                    Err(e) => Err(DataError::backend("upload task failed", e)),
                 }
             }
             // Nothing written: the object is empty.
-            None => self
-                .cluster
-                .put(&self.uri, Bytes::new())
-                .await
-                .map_err(|e| FsError::UploadFailed(e.to_string())),
+            None => self.data.put(&self.uri, Bytes::new()).await,
         };
         let result = result.and_then(|stat| {
             if stat.size == self.written {
                 Ok(stat)
             } else {
-                Err(FsError::UploadFailed(format!(
-                    "S3 holds {} bytes but {} were written",
-                    stat.size, self.written
-                )))
+                Err(DataError::SizeMismatch {
+                    stored: stat.size,
+                    sent: self.written,
+                })
             }
         });
-        self.outcome = Some(match &result {
-            Ok(stat) => Ok(stat.clone()),
-            Err(FsError::UploadFailed(m)) => Err(m.clone()),
-            Err(e) => Err(e.to_string()),
-        });
-        result
+        self.outcome = Some(result.clone());
+        result.map_err(FsError::UploadFailed)
     }
 }
 
-fn tokio_stream_from(mut rx: mpsc::Receiver<Bytes>) -> impl futures::Stream<Item = Bytes> {
+fn stream_from(mut rx: mpsc::Receiver<Bytes>) -> impl futures::Stream<Item = Bytes> + Send + Sync {
     futures::stream::poll_fn(move |cx| rx.poll_recv(cx))
 }

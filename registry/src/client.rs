@@ -8,7 +8,7 @@ use std::time::{Duration, Instant};
 
 use bytes::{Bytes, BytesMut};
 use lakecache_protocol::{ClientError, ListResponse, ObjectStat, ObjectUri, WorkerClient};
-use lakecache_worker::store::{ObjectStore, StoreError};
+use lakecache_store::{ObjectStore, StoreError};
 
 use crate::membership::{Member, Membership, View};
 use crate::ring::{Ring, RingOptions};
@@ -45,10 +45,11 @@ pub enum ClusterError {
     /// A definite answer from a worker (not found, bad range, ...).
     #[error(transparent)]
     Worker(ClientError),
-    #[error("every worker failed and S3 fallback is off; last error: {0}")]
-    Unavailable(String),
-    #[error("S3 fallback failed: {0}")]
-    S3(StoreError),
+    /// Every worker tried failed; the last failure is the source.
+    #[error("every worker failed and S3 fallback is off")]
+    Unavailable(#[source] ClientError),
+    #[error("S3 fallback failed")]
+    S3(#[source] StoreError),
     #[error("the object changed during the read (expected ETag {expected}, got {got})")]
     Changed { expected: String, got: String },
 }
@@ -190,7 +191,7 @@ impl ClusterClient {
             return Err(ClusterError::NoWorkers(self.membership.describe()));
         };
         let mut order: Vec<Member> = vec![owner.clone()];
-        let mut last = String::from("no worker tried");
+        let mut last: Option<ClientError> = None;
         let mut expanded = false;
         let mut i = 0;
         while i < order.len() {
@@ -211,7 +212,7 @@ impl ClusterClient {
                 Ok(v) => return Ok(v),
                 Err(e) if e.is_retryable() => {
                     self.mark_suspect(&member.id, &e);
-                    last = e.to_string();
+                    last = Some(e);
                     if !expanded {
                         order.extend(self.more_replicas(&state, key, segment, &order));
                         expanded = true;
@@ -220,7 +221,11 @@ impl ClusterClient {
                 Err(e) => return Err(ClusterError::Worker(e)),
             }
         }
-        Err(ClusterError::Unavailable(last))
+        match last {
+            Some(e) => Err(ClusterError::Unavailable(e)),
+            // Members without a usable client (bad addresses).
+            None => Err(ClusterError::NoWorkers(self.membership.describe())),
+        }
     }
 
     fn more_replicas(
@@ -251,7 +256,7 @@ impl ClusterClient {
         {
             Err(ClusterError::Unavailable(last)) => match self.fallback() {
                 Some(s3) => {
-                    tracing::warn!(%uri, %last, "no worker answered stat; asking S3");
+                    tracing::warn!(%uri, last = %last, "no worker answered stat; asking S3");
                     let meta = s3.head(uri).await.map_err(ClusterError::S3)?;
                     Ok(ObjectStat {
                         uri: key,
@@ -331,7 +336,7 @@ impl ClusterClient {
                 let Some(s3) = self.fallback() else {
                     return Err(ClusterError::Unavailable(last));
                 };
-                tracing::warn!(%uri, segment, %last, "no worker could serve the segment; reading from S3");
+                tracing::warn!(%uri, segment, last = %last, "no worker could serve the segment; reading from S3");
                 let version = match etag {
                     Some(e) => e.to_string(),
                     None => s3.head(uri).await.map_err(ClusterError::S3)?.etag,

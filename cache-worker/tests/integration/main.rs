@@ -7,4 +7,5 @@ mod endpoint;
 mod faults;
 mod harness;
 mod reads;
+mod store_faults;
 mod writes;

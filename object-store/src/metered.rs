@@ -5,17 +5,16 @@ use std::time::Instant;
 use bytes::Bytes;
 use lakecache_protocol::{ListResponse, ObjectUri};
 
-use super::{ObjectMeta, ObjectStore, StoreError};
-use crate::metrics::Metrics;
+use crate::{ObjectMeta, ObjectStore, StoreError, StoreMetrics};
 
 /// Records requests, bytes and latency of every call to the inner store.
 pub struct MeteredStore<S> {
     inner: S,
-    metrics: Arc<Metrics>,
+    metrics: Arc<dyn StoreMetrics>,
 }
 
 impl<S: ObjectStore> MeteredStore<S> {
-    pub fn new(inner: S, metrics: Arc<Metrics>) -> Self {
+    pub fn new(inner: S, metrics: Arc<dyn StoreMetrics>) -> Self {
         Self { inner, metrics }
     }
 

@@ -5,7 +5,7 @@ use std::sync::{Arc, Mutex};
 use bytes::Bytes;
 use lakecache_protocol::{ListResponse, ObjectUri};
 
-use super::{ObjectMeta, ObjectStore, StoreError};
+use crate::{ObjectMeta, ObjectStore, StoreError};
 
 /// A fault the next matching call returns instead of reaching the store.
 #[derive(Debug, Clone)]

@@ -18,8 +18,7 @@ use aws_smithy_runtime_api::client::retries::RequestAttempts;
 use bytes::{Bytes, BytesMut};
 use lakecache_protocol::{ListEntry, ListResponse, ObjectUri};
 
-use super::{unquote_etag, ObjectMeta, ObjectStore, StoreError};
-use crate::metrics::Metrics;
+use crate::{unquote_etag, ObjectMeta, ObjectStore, StoreError, StoreMetrics};
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Deserialize)]
 #[serde(rename_all = "lowercase")]
@@ -93,7 +92,7 @@ impl Default for S3Config {
 
 /// Counts SDK-internal retries (attempts after the first) by operation.
 #[derive(Debug)]
-struct RetryCounter(Arc<Metrics>);
+struct RetryCounter(Arc<dyn StoreMetrics>);
 
 impl Intercept for RetryCounter {
     fn name(&self) -> &'static str {
@@ -124,11 +123,11 @@ impl Intercept for RetryCounter {
 pub struct S3Store {
     client: aws_sdk_s3::Client,
     max_resumes: u32,
-    metrics: Arc<Metrics>,
+    metrics: Arc<dyn StoreMetrics>,
 }
 
 impl S3Store {
-    pub async fn new(config: &S3Config, metrics: Arc<Metrics>) -> Self {
+    pub async fn new(config: &S3Config, metrics: Arc<dyn StoreMetrics>) -> Self {
         let retry = match config.retry_mode {
             RetryMode::Standard => aws_sdk_s3::config::retry::RetryConfig::standard(),
             RetryMode::Adaptive => aws_sdk_s3::config::retry::RetryConfig::adaptive(),

@@ -1,11 +1,15 @@
 //! The object store under the cache: one trait, the aws-sdk-s3
 //! implementation, a metering wrapper and a fault-injecting wrapper.
+//!
+//! A crate of its own so that clients (the cluster client's S3 fallback,
+//! the mount) share it without linking the worker and RocksDB.
 
 mod faulty;
 mod metered;
 mod s3;
 
 use std::ops::Range;
+use std::time::Duration;
 
 use bytes::Bytes;
 use lakecache_protocol::{ListResponse, ObjectUri};
@@ -13,6 +17,24 @@ use lakecache_protocol::{ListResponse, ObjectUri};
 pub use faulty::{FaultyStore, StoreFault};
 pub use metered::MeteredStore;
 pub use s3::{RetryMode, S3Config, S3Store};
+
+/// Where the store wrappers report requests; the worker's metrics
+/// implement it, tests may use [`NoMetrics`].
+pub trait StoreMetrics: Send + Sync + std::fmt::Debug + 'static {
+    /// One finished S3 call: operation, outcome label, latency, bytes moved.
+    fn s3_request(&self, op: &'static str, outcome: &'static str, elapsed: Duration, bytes: u64);
+    /// One retry (SDK attempt after the first, or a resumed body).
+    fn s3_retry(&self, op: &str);
+}
+
+/// Records nothing.
+#[derive(Debug, Default)]
+pub struct NoMetrics;
+
+impl StoreMetrics for NoMetrics {
+    fn s3_request(&self, _: &'static str, _: &'static str, _: Duration, _: u64) {}
+    fn s3_retry(&self, _: &str) {}
+}
 
 /// Metadata of one object version.
 #[derive(Debug, Clone, PartialEq, Eq)]

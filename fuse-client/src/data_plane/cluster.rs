@@ -1,0 +1,115 @@
+//! The real data plane: the cache cluster's failover client.
+
+use std::ops::Range;
+use std::time::Duration;
+
+use bytes::Bytes;
+use futures::StreamExt;
+use http_body::Frame;
+use http_body_util::{BodyExt, StreamBody};
+use lakecache_protocol::{
+    ClientError, ErrorCode, ListResponse, ObjectStat, ObjectUri, RequestBody,
+};
+use lakecache_registry::{ClusterClient, ClusterError};
+use lakecache_store::StoreError;
+
+use super::{ByteStream, DataError, DataPlane};
+
+impl From<ClusterError> for DataError {
+    fn from(e: ClusterError) -> Self {
+        match &e {
+            ClusterError::Worker(ClientError::Api { code, .. }) => match code {
+                ErrorCode::NotFound => return DataError::NotFound,
+                ErrorCode::PreconditionFailed => {
+                    return DataError::Changed {
+                        expected: None,
+                        found: None,
+                    }
+                }
+                ErrorCode::CopyTooLarge => return DataError::CopyTooLarge,
+                _ => {}
+            },
+            ClusterError::Worker(ClientError::ShortBody { expected, got }) => {
+                return DataError::ShortBody {
+                    expected: *expected,
+                    got: *got,
+                }
+            }
+            ClusterError::S3(StoreError::NotFound) => return DataError::NotFound,
+            ClusterError::S3(StoreError::PreconditionFailed) => {
+                return DataError::Changed {
+                    expected: None,
+                    found: None,
+                }
+            }
+            ClusterError::Changed { expected, got } => {
+                return DataError::Changed {
+                    expected: Some(expected.clone()),
+                    found: Some(got.clone()),
+                }
+            }
+            _ => {}
+        }
+        DataError::backend("cache cluster request failed", e)
+    }
+}
+
+#[async_trait::async_trait]
+impl DataPlane for ClusterClient {
+    async fn stat(&self, uri: &ObjectUri) -> Result<ObjectStat, DataError> {
+        Ok(ClusterClient::stat(self, uri).await?)
+    }
+
+    async fn read(
+        &self,
+        uri: &ObjectUri,
+        range: Range<u64>,
+        etag: &str,
+    ) -> Result<Bytes, DataError> {
+        Ok(ClusterClient::read(self, uri, range, Some(etag)).await?)
+    }
+
+    async fn list(
+        &self,
+        bucket: &str,
+        prefix: &str,
+        delimiter: Option<&str>,
+        token: Option<&str>,
+        max_keys: Option<u32>,
+    ) -> Result<ListResponse, DataError> {
+        Ok(ClusterClient::list(self, bucket, prefix, delimiter, token, max_keys).await?)
+    }
+
+    async fn put(&self, uri: &ObjectUri, data: Bytes) -> Result<ObjectStat, DataError> {
+        Ok(ClusterClient::put(self, uri, data).await?)
+    }
+
+    async fn upload(
+        &self,
+        uri: &ObjectUri,
+        body: ByteStream,
+        timeout: Duration,
+    ) -> Result<ObjectStat, DataError> {
+        // A stream cannot be replayed on a replica: one worker takes it.
+        let worker = self.writer_for(uri)?.with_timeout(timeout);
+        let frames = body.map(|b| Ok(Frame::data(b)));
+        let body: RequestBody = BodyExt::boxed(StreamBody::new(frames));
+        worker
+            .put(uri, body)
+            .await
+            .map_err(|e| DataError::from(ClusterError::Worker(e)))
+    }
+
+    async fn delete(&self, uri: &ObjectUri) -> Result<(), DataError> {
+        Ok(ClusterClient::delete(self, uri).await?)
+    }
+
+    async fn copy(
+        &self,
+        from: &ObjectUri,
+        etag: Option<&str>,
+        to: &ObjectUri,
+    ) -> Result<ObjectStat, DataError> {
+        Ok(ClusterClient::copy(self, from, etag, to).await?)
+    }
+}

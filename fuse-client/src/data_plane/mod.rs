@@ -1,0 +1,132 @@
+//! The mount's data plane: the few calls the filesystem core makes to
+//! the outside world. The real one is the cache cluster
+//! ([`lakecache_registry::ClusterClient`]); tests use [`MemoryDataPlane`],
+//! optionally behind [`FaultyDataPlane`].
+
+mod cluster;
+mod faulty;
+mod memory;
+
+use std::error::Error as StdError;
+use std::ops::Range;
+use std::pin::Pin;
+use std::sync::Arc;
+use std::time::Duration;
+
+use bytes::Bytes;
+use futures::Stream;
+use lakecache_protocol::{ListResponse, ObjectStat, ObjectUri};
+
+pub use faulty::{DataFault, DataOp, FaultyDataPlane};
+pub use memory::{MemoryDataPlane, Quirks};
+
+/// The body of a streaming upload: chunks in file order.
+pub type ByteStream = Pin<Box<dyn Stream<Item = Bytes> + Send + Sync>>;
+
+/// A lower-level failure kept whole, so logs show its cause chain.
+pub type Cause = Arc<dyn StdError + Send + Sync>;
+
+#[derive(Debug, Clone, thiserror::Error)]
+pub enum DataError {
+    #[error("no such object")]
+    NotFound,
+    /// The object is no longer the version the caller named.
+    #[error("the object changed (expected ETag {expected:?}, found {found:?})")]
+    Changed {
+        expected: Option<String>,
+        found: Option<String>,
+    },
+    #[error("range {start}..{end} is outside the object")]
+    InvalidRange { start: u64, end: u64 },
+    #[error("object larger than a server-side copy allows")]
+    CopyTooLarge,
+    /// A body that ended early (a worker or store cut it).
+    #[error("short body: expected {expected} bytes, got {got}")]
+    ShortBody { expected: u64, got: u64 },
+    /// The store kept a different number of bytes than were sent.
+    #[error("the store holds {stored} bytes but {sent} were sent")]
+    SizeMismatch { stored: u64, sent: u64 },
+    /// An upload whose body the store stopped reading before the end.
+    #[error("the upload ended before all its data was sent")]
+    UploadCut,
+    /// Anything else, with the failure that caused it.
+    #[error("{context}")]
+    Backend {
+        context: &'static str,
+        #[source]
+        source: Cause,
+    },
+}
+
+impl DataError {
+    pub fn backend(context: &'static str, source: impl StdError + Send + Sync + 'static) -> Self {
+        DataError::Backend {
+            context,
+            source: Arc::new(source),
+        }
+    }
+}
+
+/// What the filesystem core needs from the cache cluster and S3.
+#[async_trait::async_trait]
+pub trait DataPlane: Send + Sync + 'static {
+    /// Size and version of one object.
+    async fn stat(&self, uri: &ObjectUri) -> Result<ObjectStat, DataError>;
+
+    /// Exactly the bytes of `range` of the version tagged `etag`.
+    async fn read(
+        &self,
+        uri: &ObjectUri,
+        range: Range<u64>,
+        etag: &str,
+    ) -> Result<Bytes, DataError>;
+
+    /// One page of a ListObjectsV2-style listing.
+    async fn list(
+        &self,
+        bucket: &str,
+        prefix: &str,
+        delimiter: Option<&str>,
+        token: Option<&str>,
+        max_keys: Option<u32>,
+    ) -> Result<ListResponse, DataError>;
+
+    /// Stores `data` as the object's whole content.
+    async fn put(&self, uri: &ObjectUri, data: Bytes) -> Result<ObjectStat, DataError>;
+
+    /// Streams the object's new content; returns once it is stored.
+    async fn upload(
+        &self,
+        uri: &ObjectUri,
+        body: ByteStream,
+        timeout: Duration,
+    ) -> Result<ObjectStat, DataError>;
+
+    async fn delete(&self, uri: &ObjectUri) -> Result<(), DataError>;
+
+    /// Server-side copy (of version `etag`, when given).
+    async fn copy(
+        &self,
+        from: &ObjectUri,
+        etag: Option<&str>,
+        to: &ObjectUri,
+    ) -> Result<ObjectStat, DataError>;
+}
+
+/// `read`, checked to have returned exactly the bytes asked for.
+pub async fn read_exact(
+    data: &dyn DataPlane,
+    uri: &ObjectUri,
+    range: Range<u64>,
+    etag: &str,
+) -> Result<Bytes, DataError> {
+    let want = range.end - range.start;
+    let bytes = data.read(uri, range, etag).await?;
+    if bytes.len() as u64 != want {
+        return Err(DataError::ShortBody {
+            expected: want,
+            got: bytes.len() as u64,
+        });
+    }
+    Ok(bytes)
+}

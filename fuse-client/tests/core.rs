@@ -1,0 +1,264 @@
+//! The filesystem core without the kernel: S3-compatible stores' quirks
+//! and faults, driven through `Fs` over the in-memory data plane.
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use bytes::Bytes;
+use lakecache_fuse::data_plane::{
+    DataError, DataFault, DataOp, FaultyDataPlane, MemoryDataPlane, Quirks,
+};
+use lakecache_fuse::{Chain, Fs, FsConfig, FsError, Kind, ROOT_INO};
+
+const BUCKET: &str = "data";
+
+struct Setup {
+    fs: Fs,
+    plane: Arc<FaultyDataPlane<MemoryDataPlane>>,
+}
+
+impl Setup {
+    fn new(quirks: Quirks) -> Self {
+        let plane = Arc::new(FaultyDataPlane::new(MemoryDataPlane::with_quirks(quirks)));
+        let mut config = FsConfig::new(BUCKET, "");
+        config.readahead_initial = 4096;
+        config.readahead_chunk = 8192;
+        config.readahead_max = 32768;
+        let fs = Fs::new(plane.clone(), config);
+        Self { fs, plane }
+    }
+
+    fn store(&self) -> &MemoryDataPlane {
+        self.plane.inner()
+    }
+
+    async fn read_all(&self, name: &str) -> Result<Vec<u8>, FsError> {
+        let node = self.fs.lookup(ROOT_INO, name).await?;
+        let (fh, _) = self.fs.open(node.ino, libc::O_RDONLY, pid()).await?;
+        let mut out = Vec::new();
+        let result = loop {
+            match self.fs.read(fh, out.len() as u64, 3000).await {
+                Ok(b) if b.is_empty() => break Ok(out),
+                Ok(b) => out.extend_from_slice(&b),
+                Err(e) => break Err(e),
+            }
+        };
+        self.fs.release(fh).await?;
+        result
+    }
+
+    /// create + write in pieces + release; the release's answer.
+    async fn write_file(&self, name: &str, body: &[u8]) -> Result<(), FsError> {
+        let fh = match self.fs.lookup(ROOT_INO, name).await {
+            Ok(node) => {
+                self.fs
+                    .open(node.ino, libc::O_WRONLY | libc::O_TRUNC, pid())
+                    .await?
+                    .0
+            }
+            Err(FsError::NotFound) => self.fs.create(ROOT_INO, name, pid()).await?.1,
+            Err(e) => return Err(e),
+        };
+        let mut written = 0;
+        for piece in body.chunks(1000) {
+            if let Err(e) = self
+                .fs
+                .write(fh, written, Bytes::copy_from_slice(piece))
+                .await
+            {
+                let _ = self.fs.release(fh).await;
+                return Err(e);
+            }
+            written += piece.len() as u64;
+        }
+        self.fs.release(fh).await
+    }
+
+    async fn names(&self) -> Vec<String> {
+        let fh = self.fs.opendir(ROOT_INO).await.unwrap();
+        let entries = self.fs.readdir(fh, 0).unwrap();
+        self.fs.releasedir(fh);
+        entries
+            .into_iter()
+            .map(|e| e.name)
+            .filter(|n| n != "." && n != "..")
+            .collect()
+    }
+}
+
+fn pid() -> u32 {
+    std::process::id()
+}
+
+fn body(len: usize, seed: u8) -> Vec<u8> {
+    (0..len).map(|i| (i as u8).wrapping_mul(seed)).collect()
+}
+
+#[tokio::test]
+async fn a_listing_without_etags_still_opens_and_reads() {
+    let s = Setup::new(Quirks {
+        list_without_etags: true,
+        ..Quirks::default()
+    });
+    let content = body(20_000, 3);
+    s.store().insert(BUCKET, "f.bin", content.clone());
+    assert_eq!(s.names().await, vec!["f.bin"]);
+    assert_eq!(s.read_all("f.bin").await.unwrap(), content);
+}
+
+#[tokio::test]
+async fn an_object_replaced_between_listing_and_open_never_serves_mixed_bytes() {
+    let s = Setup::new(Quirks::default());
+    let old = body(30_000, 5);
+    let new = body(12_000, 7);
+    s.store().insert(BUCKET, "f.bin", old);
+    assert_eq!(s.names().await, vec!["f.bin"]);
+    s.store().insert(BUCKET, "f.bin", new.clone());
+    // The listing's version is gone: the read must be the new object
+    // whole or a clear ESTALE, never old-sized or spliced data.
+    match s.read_all("f.bin").await {
+        Ok(got) => assert_eq!(got, new),
+        Err(e) => assert_eq!(e.errno(), libc::ESTALE, "{e:?}"),
+    }
+}
+
+#[tokio::test]
+async fn a_directory_listed_over_many_small_pages_is_complete() {
+    let s = Setup::new(Quirks {
+        list_page_limit: Some(2),
+        ..Quirks::default()
+    });
+    for i in 0..7 {
+        s.store().insert(BUCKET, &format!("f{i}"), vec![i as u8]);
+    }
+    s.store().insert(BUCKET, "sub/x", vec![1]);
+    let mut names = s.names().await;
+    names.sort();
+    assert_eq!(names, ["f0", "f1", "f2", "f3", "f4", "f5", "f6", "sub"]);
+    let sub = s.fs.lookup(ROOT_INO, "sub").await.unwrap();
+    assert_eq!(sub.kind, Kind::Dir);
+}
+
+#[tokio::test]
+async fn read_errors_after_n_calls_surface_as_eio_and_heal() {
+    let s = Setup::new(Quirks::default());
+    let content = body(100_000, 9);
+    s.store().insert(BUCKET, "f.bin", content.clone());
+    s.plane.inject(
+        DataOp::Read,
+        2,
+        u64::MAX,
+        DataFault::Fail(DataError::UploadCut),
+    );
+    let err = s.read_all("f.bin").await.unwrap_err();
+    assert_eq!(err.errno(), libc::EIO);
+    s.plane.heal();
+    assert_eq!(s.read_all("f.bin").await.unwrap(), content);
+}
+
+#[tokio::test]
+async fn slow_responses_still_give_the_right_bytes() {
+    let s = Setup::new(Quirks {
+        latency: Some(Duration::from_millis(2)),
+        ..Quirks::default()
+    });
+    let content = body(70_000, 11);
+    s.store().insert(BUCKET, "f.bin", content.clone());
+    s.plane.inject(
+        DataOp::Read,
+        1,
+        3,
+        DataFault::Delay(Duration::from_millis(40)),
+    );
+    assert_eq!(s.read_all("f.bin").await.unwrap(), content);
+}
+
+#[tokio::test]
+async fn a_failed_upload_of_a_new_file_leaves_nothing_and_says_why() {
+    let s = Setup::new(Quirks::default());
+    s.plane.inject(
+        DataOp::Upload,
+        0,
+        1,
+        DataFault::Fail(DataError::ShortBody {
+            expected: 5000,
+            got: 10,
+        }),
+    );
+    let err = s.write_file("new.bin", &body(5000, 1)).await.unwrap_err();
+    assert_eq!(err.errno(), libc::EIO);
+    // The cause reaches the log whole.
+    let logged = Chain(&err).to_string();
+    assert!(logged.contains("short body"), "{logged}");
+    assert!(s.store().get(BUCKET, "new.bin").is_none());
+    assert_eq!(
+        s.fs.lookup(ROOT_INO, "new.bin").await.unwrap_err().errno(),
+        libc::ENOENT
+    );
+}
+
+#[tokio::test]
+async fn a_cut_upload_over_an_existing_file_keeps_the_old_content() {
+    let s = Setup::new(Quirks::default());
+    let old = body(9000, 2);
+    s.write_file("f.bin", &old).await.unwrap();
+    s.plane
+        .inject(DataOp::Upload, 0, 1, DataFault::Truncate { keep: 2500 });
+    let err = s.write_file("f.bin", &body(9000, 3)).await.unwrap_err();
+    assert_eq!(err.errno(), libc::EIO);
+    assert_eq!(s.store().get(BUCKET, "f.bin").unwrap(), old);
+    let node = s.fs.lookup(ROOT_INO, "f.bin").await.unwrap();
+    assert_eq!(node.meta.size, old.len() as u64);
+    assert_eq!(s.read_all("f.bin").await.unwrap(), old);
+}
+
+#[tokio::test]
+async fn listing_and_lookup_failures_are_eio_not_enoent() {
+    let s = Setup::new(Quirks::default());
+    s.store().insert(BUCKET, "f", vec![1]);
+    s.plane.inject(
+        DataOp::List,
+        0,
+        1,
+        DataFault::Fail(DataError::ShortBody {
+            expected: 1,
+            got: 0,
+        }),
+    );
+    assert_eq!(s.fs.opendir(ROOT_INO).await.unwrap_err().errno(), libc::EIO);
+    s.plane.inject(
+        DataOp::Stat,
+        0,
+        1,
+        DataFault::Fail(DataError::ShortBody {
+            expected: 1,
+            got: 0,
+        }),
+    );
+    // A failing store must not make an existing file look deleted.
+    assert_eq!(
+        s.fs.lookup(ROOT_INO, "f").await.unwrap_err().errno(),
+        libc::EIO
+    );
+    assert_eq!(s.fs.lookup(ROOT_INO, "f").await.unwrap().meta.size, 1);
+}
+
+#[tokio::test]
+async fn a_failed_rename_copy_keeps_the_source() {
+    let s = Setup::new(Quirks::default());
+    s.write_file("a", &body(100, 4)).await.unwrap();
+    s.plane.inject(
+        DataOp::Copy,
+        0,
+        1,
+        DataFault::Fail(DataError::ShortBody {
+            expected: 1,
+            got: 0,
+        }),
+    );
+    let err = s.fs.rename(ROOT_INO, "a", ROOT_INO, "b", false).await;
+    assert_eq!(err.unwrap_err().errno(), libc::EIO);
+    assert_eq!(s.store().get(BUCKET, "a").unwrap(), body(100, 4));
+    assert!(s.store().get(BUCKET, "b").is_none());
+    assert_eq!(s.read_all("a").await.unwrap(), body(100, 4));
+}
