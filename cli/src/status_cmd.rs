@@ -40,7 +40,10 @@ impl StatusCmd {
         let members = membership.subscribe().borrow().clone();
         let probes = members.iter().map(|m| async move {
             let health = match WorkerClient::new(&m.address, Duration::from_secs(2)) {
-                Ok(c) => c.health().await.map_err(|e| e.to_string()),
+                Ok(c) => c
+                    .health()
+                    .await
+                    .map_err(|e| lakecache_protocol::Chain(&e).to_string()),
                 Err(e) => Err(e.to_string()),
             };
             match health {

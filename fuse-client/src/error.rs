@@ -1,5 +1,7 @@
 //! Typed filesystem errors; the kernel adapter turns each into an errno.
 
+pub use lakecache_protocol::Chain;
+
 use crate::data_plane::DataError;
 
 #[derive(Debug, thiserror::Error)]
@@ -77,20 +79,5 @@ impl From<DataError> for FsError {
             }
             other => FsError::DataPlane(other),
         }
-    }
-}
-
-/// Displays an error with every cause after it (`a: b: c`), for logs.
-pub struct Chain<'a>(pub &'a (dyn std::error::Error + 'static));
-
-impl std::fmt::Display for Chain<'_> {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        write!(f, "{}", self.0)?;
-        let mut next = self.0.source();
-        while let Some(cause) = next {
-            write!(f, ": {cause}")?;
-            next = cause.source();
-        }
-        Ok(())
     }
 }

@@ -23,8 +23,13 @@ pub enum ClientError {
         code: ErrorCode,
         message: String,
     },
-    #[error("cannot reach worker {addr}: {message}")]
-    Transport { addr: String, message: String },
+    /// The connection failed; the source says how (kept whole for logs).
+    #[error("cannot reach worker {addr}")]
+    Transport {
+        addr: String,
+        #[source]
+        source: BoxError,
+    },
     #[error("worker {addr} did not answer within {0:?}", .timeout)]
     Timeout { addr: String, timeout: Duration },
     #[error("short body from worker: expected {expected} bytes, got {got}")]
@@ -109,10 +114,10 @@ impl WorkerClient {
         &self.base
     }
 
-    fn transport(&self, e: impl std::fmt::Display) -> ClientError {
+    fn transport(&self, e: impl std::error::Error + Send + Sync + 'static) -> ClientError {
         ClientError::Transport {
             addr: self.base.clone(),
-            message: e.to_string(),
+            source: Box::new(e),
         }
     }
 
@@ -129,7 +134,7 @@ impl WorkerClient {
                 addr: self.base.clone(),
                 timeout: self.timeout,
             })?
-            .map_err(|e| self.transport(format!("{e:?}")))?;
+            .map_err(|e| self.transport(e))?;
         if resp.status().is_success() {
             return Ok(resp);
         }

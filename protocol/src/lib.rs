@@ -3,10 +3,12 @@
 //! Every layer above the worker (CLI, cluster client, FUSE) speaks to it
 //! through this crate, so the validation rules live here once.
 
+mod chain;
 mod client;
 mod types;
 mod uri;
 
+pub use chain::Chain;
 pub use client::{ClientError, RequestBody, WorkerClient, COPY_SOURCE_HEADER};
 pub use types::{ErrorBody, ErrorCode, ErrorDetail, Health, ListEntry, ListResponse, ObjectStat};
 pub use uri::{validate_bucket, validate_key, InvalidUri, ObjectUri, MAX_KEY_BYTES};

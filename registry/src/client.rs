@@ -7,7 +7,7 @@ use std::sync::{Arc, Mutex, RwLock};
 use std::time::{Duration, Instant};
 
 use bytes::{Bytes, BytesMut};
-use lakecache_protocol::{ClientError, ListResponse, ObjectStat, ObjectUri, WorkerClient};
+use lakecache_protocol::{Chain, ClientError, ListResponse, ObjectStat, ObjectUri, WorkerClient};
 use lakecache_store::{ObjectStore, StoreError};
 
 use crate::membership::{Member, Membership, View};
@@ -167,7 +167,7 @@ impl ClusterClient {
     }
 
     fn mark_suspect(&self, id: &str, error: &ClientError) {
-        tracing::warn!(worker = %id, %error, "worker failed; trying the next replica");
+        tracing::warn!(worker = %id, error = %Chain(error), "worker failed; trying the next replica");
         self.suspects
             .lock()
             .unwrap_or_else(|p| p.into_inner())
@@ -256,7 +256,7 @@ impl ClusterClient {
         {
             Err(ClusterError::Unavailable(last)) => match self.fallback() {
                 Some(s3) => {
-                    tracing::warn!(%uri, last = %last, "no worker answered stat; asking S3");
+                    tracing::warn!(%uri, last = %Chain(&last), "no worker answered stat; asking S3");
                     let meta = s3.head(uri).await.map_err(ClusterError::S3)?;
                     Ok(ObjectStat {
                         uri: key,
@@ -336,7 +336,7 @@ impl ClusterClient {
                 let Some(s3) = self.fallback() else {
                     return Err(ClusterError::Unavailable(last));
                 };
-                tracing::warn!(%uri, segment, last = %last, "no worker could serve the segment; reading from S3");
+                tracing::warn!(%uri, segment, last = %Chain(&last), "no worker could serve the segment; reading from S3");
                 let version = match etag {
                     Some(e) => e.to_string(),
                     None => s3.head(uri).await.map_err(ClusterError::S3)?.etag,
