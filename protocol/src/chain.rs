@@ -33,7 +33,10 @@ mod tests {
         assert!(matches!(err, ClientError::Transport { .. }), "{err:?}");
         let top = err.to_string();
         let whole = Chain(&err).to_string();
-        assert!(whole.starts_with(&top) && whole.len() > top.len(), "{whole}");
+        assert!(
+            whole.starts_with(&top) && whole.len() > top.len(),
+            "{whole}"
+        );
         assert!(whole.to_lowercase().contains("refused"), "{whole}");
     }
 }
