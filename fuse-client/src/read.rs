@@ -194,94 +194,21 @@ impl FileReader {
 
 #[cfg(test)]
 mod tests {
-    use std::sync::Mutex;
-    use std::time::Duration;
-
-    use lakecache_protocol::{ListResponse, ObjectStat};
-
     use super::*;
-    use crate::data_plane::{
-        ByteStream, DataError, DataFault, DataOp, FaultyDataPlane, MemoryDataPlane,
-    };
+    use crate::data_plane::{DataError, DataFault, DataOp, FaultyDataPlane, MemoryDataPlane};
 
     const KIB: u64 = 1024;
     const MIB: u64 = 1024 * KIB;
-
-    /// Remembers every range read, to see what the reader asked for.
-    struct Recording {
-        inner: FaultyDataPlane<MemoryDataPlane>,
-        reads: Mutex<Vec<Range<u64>>>,
-    }
-
-    impl Recording {
-        fn ranges(&self) -> Vec<Range<u64>> {
-            self.reads.lock().unwrap().clone()
-        }
-        fn clear(&self) {
-            self.reads.lock().unwrap().clear();
-        }
-    }
-
-    #[async_trait::async_trait]
-    impl DataPlane for Recording {
-        async fn stat(&self, uri: &ObjectUri) -> Result<ObjectStat, DataError> {
-            self.inner.stat(uri).await
-        }
-        async fn read(
-            &self,
-            uri: &ObjectUri,
-            r: Range<u64>,
-            etag: &str,
-        ) -> Result<Bytes, DataError> {
-            self.reads.lock().unwrap().push(r.clone());
-            self.inner.read(uri, r, etag).await
-        }
-        async fn list(
-            &self,
-            b: &str,
-            p: &str,
-            d: Option<&str>,
-            t: Option<&str>,
-            m: Option<u32>,
-        ) -> Result<ListResponse, DataError> {
-            self.inner.list(b, p, d, t, m).await
-        }
-        async fn put(&self, uri: &ObjectUri, data: Bytes) -> Result<ObjectStat, DataError> {
-            self.inner.put(uri, data).await
-        }
-        async fn upload(
-            &self,
-            uri: &ObjectUri,
-            body: ByteStream,
-            t: Duration,
-        ) -> Result<ObjectStat, DataError> {
-            self.inner.upload(uri, body, t).await
-        }
-        async fn delete(&self, uri: &ObjectUri) -> Result<(), DataError> {
-            self.inner.delete(uri).await
-        }
-        async fn copy(
-            &self,
-            f: &ObjectUri,
-            e: Option<&str>,
-            t: &ObjectUri,
-        ) -> Result<ObjectStat, DataError> {
-            self.inner.copy(f, e, t).await
-        }
-    }
 
     fn content(len: u64) -> Vec<u8> {
         (0..len).map(|i| (i % 251) as u8).collect()
     }
 
-    fn setup(len: u64) -> (Arc<Recording>, FileReader, Vec<u8>) {
+    fn setup(len: u64) -> (Arc<FaultyDataPlane<MemoryDataPlane>>, FileReader, Vec<u8>) {
         let body = content(len);
         let memory = MemoryDataPlane::new();
         let etag = memory.insert("bkt", "obj", body.clone());
-        let rec = Arc::new(Recording {
-            inner: FaultyDataPlane::new(memory),
-            reads: Mutex::default(),
-        });
+        let rec = Arc::new(FaultyDataPlane::new(memory));
         let reader = FileReader::new(
             rec.clone(),
             ObjectUri::new("bkt", "obj").unwrap(),
@@ -311,7 +238,7 @@ mod tests {
             off += 128 * KIB;
         }
         assert_eq!(r.window, 2 * MIB, "window doubles up to the max");
-        let ranges = rec.ranges();
+        let ranges = rec.read_ranges();
         // 64 kernel reads became a handful of chunk requests, each ending
         // on a chunk boundary and together covering the file once.
         assert!(ranges.len() <= 17, "{ranges:?}");
@@ -332,7 +259,7 @@ mod tests {
             assert_eq!(&got[..], expect(&body, off, 128 * KIB), "offset {off}");
         }
         assert!(r.window > 0, "still streaming");
-        let covered: u64 = rec.ranges().iter().map(|r| r.end - r.start).sum();
+        let covered: u64 = rec.read_ranges().iter().map(|r| r.end - r.start).sum();
         assert!(covered <= 4 * MIB, "reordering did not restart read-ahead");
     }
 
@@ -342,14 +269,14 @@ mod tests {
         r.read(0, 128 * KIB).await.unwrap();
         r.read(128 * KIB, 128 * KIB).await.unwrap();
         assert!(r.window > 0);
-        rec.clear();
+        rec.clear_read_log();
         for off in [40 * MIB, 7 * MIB + 13, 63 * MIB, 20 * MIB] {
             let got = r.read(off, 4 * KIB).await.unwrap();
             assert_eq!(&got[..], expect(&body, off, 4 * KIB));
         }
         assert_eq!(r.window, 0, "random access drops the read-ahead");
         assert!(r.chunks.is_empty());
-        let ranges = rec.ranges();
+        let ranges = rec.read_ranges();
         assert_eq!(ranges.len(), 4, "{ranges:?}");
         assert!(
             ranges.iter().all(|r| r.end - r.start == 4 * KIB),
@@ -370,7 +297,7 @@ mod tests {
     async fn a_failed_chunk_resets_the_stream_and_the_next_read_recovers() {
         let (rec, mut r, body) = setup(8 * MIB);
         r.read(0, 128 * KIB).await.unwrap();
-        rec.inner.inject(
+        rec.inject(
             DataOp::Read,
             0,
             u64::MAX,
@@ -388,7 +315,7 @@ mod tests {
         };
         assert_eq!(err.errno(), libc::EIO);
         assert_eq!(r.window, 0, "an error restarts the window");
-        rec.inner.heal();
+        rec.heal();
         let got = r.read(off, 128 * KIB).await.unwrap();
         assert_eq!(&got[..], expect(&body, off, 128 * KIB));
         let got = r.read(off + 128 * KIB, 128 * KIB).await.unwrap();
@@ -398,8 +325,7 @@ mod tests {
     #[tokio::test]
     async fn a_truncated_body_is_an_error_never_short_data() {
         let (rec, mut r, body) = setup(4 * MIB);
-        rec.inner
-            .inject(DataOp::Read, 0, 1, DataFault::Truncate { keep: 1000 });
+        rec.inject(DataOp::Read, 0, 1, DataFault::Truncate { keep: 1000 });
         let err = r.read(0, 128 * KIB).await.unwrap_err();
         assert_eq!(err.errno(), libc::EIO);
         assert!(
@@ -409,8 +335,7 @@ mod tests {
         let got = r.read(0, 128 * KIB).await.unwrap();
         assert_eq!(&got[..], expect(&body, 0, 128 * KIB));
         // And on the random path.
-        rec.inner
-            .inject(DataOp::Read, 0, 1, DataFault::Truncate { keep: 10 });
+        rec.inject(DataOp::Read, 0, 1, DataFault::Truncate { keep: 10 });
         let err = r.read(3 * MIB, 4 * KIB).await.unwrap_err();
         assert_eq!(err.errno(), libc::EIO);
         let got = r.read(3 * MIB, 4 * KIB).await.unwrap();

@@ -55,6 +55,8 @@ pub struct FaultyDataPlane<D> {
     inner: D,
     rules: Mutex<Vec<Rule>>,
     calls: Mutex<[u64; OPS]>,
+    /// Every range `read` was asked for, to see what a caller requested.
+    read_log: Mutex<Vec<Range<u64>>>,
 }
 
 impl<D: DataPlane> FaultyDataPlane<D> {
@@ -63,6 +65,7 @@ impl<D: DataPlane> FaultyDataPlane<D> {
             inner,
             rules: Mutex::default(),
             calls: Mutex::default(),
+            read_log: Mutex::default(),
         }
     }
 
@@ -92,6 +95,21 @@ impl<D: DataPlane> FaultyDataPlane<D> {
     /// Calls of `op` seen so far (faulted ones included).
     pub fn calls(&self, op: DataOp) -> u64 {
         self.calls.lock().unwrap_or_else(|p| p.into_inner())[op.index()]
+    }
+
+    /// The ranges read so far, in call order.
+    pub fn read_ranges(&self) -> Vec<Range<u64>> {
+        self.read_log
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .clone()
+    }
+
+    pub fn clear_read_log(&self) {
+        self.read_log
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .clear();
     }
 
     /// Counts the call and returns the fault it gets, if any.
@@ -142,6 +160,10 @@ impl<D: DataPlane> DataPlane for FaultyDataPlane<D> {
         range: Range<u64>,
         etag: &str,
     ) -> Result<Bytes, DataError> {
+        self.read_log
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .push(range.clone());
         let cut = self.before(DataOp::Read).await?;
         let bytes = self.inner.read(uri, range, etag).await?;
         Ok(match cut {
