@@ -57,6 +57,7 @@ pub fn worker_options(cache_dir: PathBuf, capacity: u64) -> Result<WorkerOptions
             readahead_pages: 4,
             fetch_concurrency: 32,
             part_size: 16 * MIB,
+            segment_size: None,
         },
         limits: HttpLimits::default(),
     })

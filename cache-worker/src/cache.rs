@@ -6,7 +6,7 @@ use std::ops::Range;
 use std::path::Path;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, Weak};
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 use bytes::Bytes;
 use futures::Stream;
@@ -17,7 +17,8 @@ use crate::flight::SingleFlight;
 use crate::index::{Index, ObjectRecord, PageEntry};
 use crate::lru::Lru;
 use crate::metrics::Metrics;
-use crate::pages::{PageKey, PageReadError, PageStore};
+use crate::cache_dir::CacheDir;
+use crate::pages::{PageId, PageKey, PageReadError, PageStore, CHECK_BLOCK};
 use crate::store::{ObjectMeta, ObjectStore, StoreError};
 
 #[derive(Debug, Clone)]
@@ -31,6 +32,9 @@ pub struct CacheConfig {
     pub readahead_pages: u32,
     pub fetch_concurrency: usize,
     pub part_size: u64,
+    /// The ring's segment size, when the worker is in a ring: read-ahead
+    /// stops at the end of the segment being read.
+    pub segment_size: Option<u64>,
 }
 
 #[derive(Debug, Clone, thiserror::Error)]
@@ -53,9 +57,8 @@ impl From<crate::index::IndexError> for CacheError {
     }
 }
 
-type ListKey = (String, String, Option<String>, Option<String>, u32);
-
 pub struct Cache {
+    _dir_lock: CacheDir,
     pub(crate) config: CacheConfig,
     pub(crate) store: Arc<dyn ObjectStore>,
     pub(crate) pages: PageStore,
@@ -63,12 +66,13 @@ pub struct Cache {
     pub(crate) lru: Lru,
     pub(crate) metrics: Arc<Metrics>,
     page_flights: SingleFlight<PageKey, Result<Bytes, CacheError>>,
+    /// Partial fills: (page, first block, end block).
+    block_flights: SingleFlight<(PageKey, u64, u64), Result<Bytes, CacheError>>,
     head_flights: SingleFlight<String, Result<ObjectMeta, CacheError>>,
     fetch_permits: Semaphore,
     readahead_permits: Arc<Semaphore>,
     /// Where the last read of each object ended, to detect sequential access.
     last_read_end: Mutex<HashMap<String, u64>>,
-    list_cache: Mutex<HashMap<ListKey, (Instant, ListResponse)>>,
     pub(crate) evict: Arc<Notify>,
     /// Totals for `/v1/health` (the same counts feed the metrics).
     hit_bytes: AtomicU64,
@@ -79,7 +83,6 @@ const MAX_TRACKED_STREAMS: usize = 16_384;
 /// Largest piece a response stream holds at once, so memory per client
 /// stays small whatever the page and request sizes.
 const MAX_PIECE: u64 = 1 << 20;
-const MAX_CACHED_LISTS: usize = 4_096;
 
 fn now_ms() -> i64 {
     std::time::SystemTime::now()
@@ -95,6 +98,10 @@ impl Cache {
         store: Arc<dyn ObjectStore>,
         metrics: Arc<Metrics>,
     ) -> Result<Arc<Self>, CacheError> {
+        // The lock comes first: nothing in a live worker's directory is touched.
+        let dir_lock = CacheDir::open(dir, config.page_size)
+            .map_err(|e| CacheError::Local(e.to_string()))?;
+        metrics.discarded_pages(dir_lock.discarded_pages);
         let pages = PageStore::open(dir)
             .map_err(|e| CacheError::Local(format!("cache dir {}: {e}", dir.display())))?;
         let index = Index::open(&dir.join("index"))?;
@@ -110,6 +117,7 @@ impl Cache {
         lru.restore(index.load_pages()?);
         let readahead = (config.fetch_concurrency / 2).max(1);
         let cache = Arc::new(Self {
+            _dir_lock: dir_lock,
             fetch_permits: Semaphore::new(config.fetch_concurrency.max(1)),
             readahead_permits: Arc::new(Semaphore::new(readahead)),
             config,
@@ -121,7 +129,7 @@ impl Cache {
             page_flights: SingleFlight::default(),
             head_flights: SingleFlight::default(),
             last_read_end: Mutex::default(),
-            list_cache: Mutex::default(),
+            block_flights: SingleFlight::default(),
             evict: Arc::new(Notify::new()),
             hit_bytes: AtomicU64::new(0),
             miss_bytes: AtomicU64::new(0),
@@ -225,22 +233,26 @@ impl Cache {
         meta: &ObjectMeta,
         range: Range<u64>,
     ) -> Result<impl Stream<Item = Result<Bytes, CacheError>> + Send + 'static, CacheError> {
-        self.maybe_read_ahead(uri, meta, &range);
+        let seq = self.maybe_read_ahead(uri, meta, &range);
         let first = if range.is_empty() {
             None
         } else {
-            Some(self.next_piece(uri, meta, range.start, range.end).await?)
+            Some(self.next_piece(uri, meta, range.start, range.end, seq).await?)
         };
         let state = (self.clone(), uri.clone(), meta.clone(), range, first);
         Ok(futures::stream::unfold(
             state,
-            |(cache, uri, meta, range, first)| async move {
+            move |(cache, uri, meta, range, first)| async move {
                 if range.is_empty() {
                     return None;
                 }
                 let piece = match first {
                     Some(p) => Ok(p),
-                    None => cache.next_piece(&uri, &meta, range.start, range.end).await,
+                    None => {
+                        cache
+                            .next_piece(&uri, &meta, range.start, range.end, seq)
+                            .await
+                    }
                 };
                 match piece {
                     Ok(bytes) => {
@@ -266,6 +278,7 @@ impl Cache {
         meta: &ObjectMeta,
         pos: u64,
         end: u64,
+        sequential: bool,
     ) -> Result<Bytes, CacheError> {
         let ps = self.config.page_size;
         let idx = pos / ps;
@@ -274,85 +287,107 @@ impl Cache {
             .min(page_start + ps)
             .min((pos / MAX_PIECE + 1) * MAX_PIECE);
         let sub = pos - page_start..piece_end - page_start;
-        self.page_range(uri, meta, idx, sub).await
+        self.page_range(uri, meta, idx, sub, sequential).await
     }
 
-    /// `sub` (page-relative) of page `idx`, from disk or S3.
+    /// `sub` (page-relative) of page `idx`, from disk or S3. A miss of a
+    /// sequential reader fetches the whole page; a random reader's miss
+    /// fetches only the blocks it touches (the page is filled partly).
     async fn page_range(
         self: &Arc<Self>,
         uri: &ObjectUri,
         meta: &ObjectMeta,
         idx: u64,
         sub: Range<u64>,
+        sequential: bool,
     ) -> Result<Bytes, CacheError> {
         let uri_s = uri.to_string();
         let key = PageKey::new(&uri_s, &meta.etag, idx);
-        if let Some(entry) = self.index.get_page(&key)? {
-            match self.read_local(key, entry, sub.clone()).await {
+        let id = PageId::new(&uri_s, &meta.etag, idx, self.config.page_size, meta.size);
+        let mut partly_filled = false;
+        if self.lru.contains(&key) {
+            match self.read_local(key, id, sub.clone()).await {
                 Ok(bytes) => {
                     self.metrics.hit(bytes.len() as u64);
                     self.hit_bytes
                         .fetch_add(bytes.len() as u64, Ordering::Relaxed);
                     return Ok(bytes);
                 }
-                Err(PageReadError::Corrupt { block }) => {
-                    tracing::warn!(uri = %uri_s, page = idx, block, "page failed CRC check; dropping and refetching");
+                Err(PageReadError::Unfilled(_)) => partly_filled = true,
+                Err(PageReadError::Corrupt(why)) => {
+                    tracing::warn!(uri = %uri_s, page = idx, %why, "page file rejected; dropping and refetching");
                     self.metrics.corrupt_page();
-                    self.drop_page(&key);
+                    self.drop_page(&key).await;
                 }
-                Err(PageReadError::Missing) => self.drop_page(&key),
+                Err(PageReadError::Missing) => self.drop_page(&key).await,
                 Err(PageReadError::Io(e)) => {
                     tracing::warn!(uri = %uri_s, page = idx, error = %e, "page read failed; refetching");
-                    self.drop_page(&key);
+                    self.drop_page(&key).await;
                 }
             }
         }
-        let page = match self.fetch_page(uri, meta, idx, key).await {
-            Ok(page) => page,
+        let fetched = if sequential && !partly_filled {
+            self.fetch_page(uri, meta, idx, key, id)
+                .await
+                .map(|page| slice_within(&page, &sub))
+        } else {
+            self.fetch_blocks(uri, meta, key, id, &sub).await
+        };
+        let bytes = match fetched {
+            Ok(bytes) => bytes,
             Err(e) => {
                 if matches!(e, CacheError::Store(StoreError::PreconditionFailed)) {
                     // The object changed under us: forget its metadata so
                     // the next open revalidates instead of failing again.
-                    if let Err(e) = self.index.delete_object(&uri_s) {
-                        tracing::warn!(uri = %uri_s, error = %e, "forgetting stale metadata failed");
-                    }
+                    let this = self.clone();
+                    let forget = uri_s.clone();
+                    let _ = tokio::task::spawn_blocking(move || {
+                        if let Err(e) = this.index.delete_object(&forget) {
+                            tracing::warn!(uri = %forget, error = %e, "forgetting stale metadata failed");
+                        }
+                    })
+                    .await;
                 }
                 return Err(e);
             }
         };
-        let end = (sub.end as usize).min(page.len());
-        let start = (sub.start as usize).min(end);
-        self.metrics.miss((end - start) as u64);
+        self.metrics.miss(bytes.len() as u64);
         self.miss_bytes
-            .fetch_add((end - start) as u64, Ordering::Relaxed);
-        Ok(page.slice(start..end))
-    }
-
-    async fn read_local(
-        self: &Arc<Self>,
-        key: PageKey,
-        entry: PageEntry,
-        sub: Range<u64>,
-    ) -> Result<Bytes, PageReadError> {
-        let this = self.clone();
-        let bytes =
-            tokio::task::spawn_blocking(move || this.pages.read(&key, entry.len, &entry.crcs, sub))
-                .await
-                .map_err(|e| PageReadError::Io(std::io::Error::other(e)))??;
-        if let Some(seq) = self.lru.touch(&key) {
-            if let Err(e) = self.index.touch(&key, seq) {
-                tracing::debug!(error = %e, "recording page access failed");
-            }
-        }
+            .fetch_add(bytes.len() as u64, Ordering::Relaxed);
         Ok(bytes)
     }
 
-    pub(crate) fn drop_page(&self, key: &PageKey) {
-        self.lru.remove(key);
-        self.pages.remove(key);
-        if let Err(e) = self.index.remove_pages(&[*key]) {
-            tracing::warn!(error = %e, "removing page from index failed");
-        }
+    /// Reads from a page file and records the access, off the runtime.
+    async fn read_local(
+        self: &Arc<Self>,
+        key: PageKey,
+        id: PageId,
+        sub: Range<u64>,
+    ) -> Result<Bytes, PageReadError> {
+        let this = self.clone();
+        tokio::task::spawn_blocking(move || {
+            let bytes = this.pages.read(&key, &id, sub)?;
+            if let Some(seq) = this.lru.touch(&key) {
+                if let Err(e) = this.index.touch(&key, seq) {
+                    tracing::debug!(error = %e, "recording page access failed");
+                }
+            }
+            Ok(bytes)
+        })
+        .await
+        .map_err(|e| PageReadError::Io(std::io::Error::other(e)))?
+    }
+
+    pub(crate) async fn drop_page(self: &Arc<Self>, key: &PageKey) {
+        let (this, key) = (self.clone(), *key);
+        let _ = tokio::task::spawn_blocking(move || {
+            this.lru.remove(&key);
+            this.pages.remove(&key);
+            if let Err(e) = this.index.remove_pages(&[key]) {
+                tracing::warn!(error = %e, "removing page from index failed");
+            }
+        })
+        .await;
     }
 
     /// The whole page from S3, once for all concurrent callers, then kept.
@@ -362,6 +397,7 @@ impl Cache {
         meta: &ObjectMeta,
         idx: u64,
         key: PageKey,
+        id: PageId,
     ) -> Result<Bytes, CacheError> {
         let this = self.clone();
         self.page_flights
@@ -371,14 +407,72 @@ impl Cache {
                     .acquire()
                     .await
                     .map_err(|e| CacheError::Local(e.to_string()))?;
-                let ps = this.config.page_size;
-                let range = idx * ps..((idx + 1) * ps).min(meta.size);
+                let range = id.offset..id.offset + id.len;
                 let data = this.store.get_range(uri, range, &meta.etag).await?;
-                this.keep_page(uri.to_string(), meta.etag.clone(), idx, key, data.clone())
+                if data.len() as u64 != id.len {
+                    return Err(short_body(id.len, data.len()));
+                }
+                this.keep_page(uri.to_string(), meta.etag.clone(), idx, key, id, data.clone())
                     .await;
                 Ok(data)
             })
             .await
+    }
+
+    /// The blocks of page `id` that `sub` touches, from S3, written into
+    /// the page file (which may stay partly filled).
+    async fn fetch_blocks(
+        self: &Arc<Self>,
+        uri: &ObjectUri,
+        meta: &ObjectMeta,
+        key: PageKey,
+        id: PageId,
+        sub: &Range<u64>,
+    ) -> Result<Bytes, CacheError> {
+        let first = sub.start / CHECK_BLOCK;
+        let last = sub.end.div_ceil(CHECK_BLOCK);
+        let this = self.clone();
+        let blocks = self
+            .block_flights
+            .run((key, first, last), || async move {
+                let _permit = this
+                    .fetch_permits
+                    .acquire()
+                    .await
+                    .map_err(|e| CacheError::Local(e.to_string()))?;
+                let start = first * CHECK_BLOCK;
+                let end = (last * CHECK_BLOCK).min(id.len);
+                let range = id.offset + start..id.offset + end;
+                let data = this.store.get_range(uri, range, &meta.etag).await?;
+                if data.len() as u64 != end - start {
+                    return Err(short_body(end - start, data.len()));
+                }
+                let (keeper, kept, entry) = (
+                    this.clone(),
+                    data.clone(),
+                    PageEntry {
+                        uri: uri.to_string(),
+                        etag: meta.etag.clone(),
+                        index: id.index,
+                        len: id.len,
+                    },
+                );
+                let filled = tokio::task::spawn_blocking(move || {
+                    keeper.pages.fill(&key, &id, first as usize, &kept)?;
+                    if !keeper.lru.contains(&key) {
+                        keeper.index_page(key, entry);
+                    }
+                    Ok::<_, std::io::Error>(())
+                })
+                .await;
+                if let Ok(Err(e)) | Err(e) = filled.map_err(std::io::Error::other) {
+                    tracing::warn!(%uri, page = id.index, error = %e, "filling page blocks failed");
+                }
+                Ok(data)
+            })
+            .await?;
+        let base = first * CHECK_BLOCK;
+        Ok(slice_within(&blocks, &(sub.start - base..sub.end - base)))
     }
 
     /// Writes a fetched page to disk and indexes it; failures only cost a
@@ -389,26 +483,24 @@ impl Cache {
         etag: String,
         idx: u64,
         key: PageKey,
+        id: PageId,
         data: Bytes,
     ) {
         let this = self.clone();
-        let len = data.len() as u64;
-        let written = tokio::task::spawn_blocking(move || this.pages.write(&key, &data)).await;
-        match written {
-            Ok(Ok(crcs)) => self.index_page(
-                key,
-                PageEntry {
-                    uri,
-                    etag,
-                    index: idx,
-                    len,
-                    crcs,
-                },
-            ),
-            Ok(Err(e)) => {
-                tracing::warn!(%uri, page = idx, error = %e, "writing page to cache failed")
-            }
-            Err(e) => tracing::warn!(%uri, page = idx, error = %e, "page write task failed"),
+        let entry = PageEntry {
+            uri: uri.clone(),
+            etag,
+            index: idx,
+            len: id.len,
+        };
+        let written = tokio::task::spawn_blocking(move || {
+            this.pages.write(&key, &id, &data)?;
+            this.index_page(key, entry);
+            Ok::<_, std::io::Error>(())
+        })
+        .await;
+        if let Ok(Err(e)) | Err(e) = written.map_err(std::io::Error::other) {
+            tracing::warn!(%uri, page = idx, error = %e, "writing page to cache failed");
         }
     }
 
@@ -425,11 +517,18 @@ impl Cache {
         }
     }
 
-    /// Sequential readers get the next pages fetched in the background.
-    fn maybe_read_ahead(self: &Arc<Self>, uri: &ObjectUri, meta: &ObjectMeta, range: &Range<u64>) {
-        let window = u64::from(self.config.readahead_pages);
-        if window == 0 || range.is_empty() {
-            return;
+    /// Records where this read ends and says whether it continues the
+    /// last one (or starts the object); sequential readers get the next
+    /// pages fetched in the background, never past the end of the ring
+    /// segment this read is in (the pages beyond belong to other workers).
+    fn maybe_read_ahead(
+        self: &Arc<Self>,
+        uri: &ObjectUri,
+        meta: &ObjectMeta,
+        range: &Range<u64>,
+    ) -> bool {
+        if range.is_empty() {
+            return false;
         }
         let key = uri.to_string();
         let sequential = {
@@ -440,33 +539,42 @@ impl Cache {
             let prev = last.insert(key.clone(), range.end);
             range.start == 0 || prev == Some(range.start)
         };
-        if !sequential {
-            return;
+        let window = u64::from(self.config.readahead_pages);
+        if !sequential || window == 0 {
+            return sequential;
         }
         let ps = self.config.page_size;
         let last_page = (range.end - 1) / ps;
-        let total_pages = meta.size.div_ceil(ps);
-        for idx in last_page + 1..(last_page + 1 + window).min(total_pages) {
+        let mut limit = meta.size;
+        if let Some(seg) = self.config.segment_size.filter(|s| *s > 0) {
+            limit = limit.min(((range.end - 1) / seg + 1) * seg);
+        }
+        let end_page = limit.div_ceil(ps);
+        for idx in last_page + 1..(last_page + 1 + window).min(end_page) {
             let page_key = PageKey::new(&key, &meta.etag, idx);
-            if self.page_flights.in_flight(&page_key)
-                || matches!(self.index.get_page(&page_key), Ok(Some(_)))
-            {
+            if self.page_flights.in_flight(&page_key) || self.lru.contains(&page_key) {
                 continue;
             }
             let Ok(permit) = self.readahead_permits.clone().try_acquire_owned() else {
-                return;
+                break;
             };
+            let id = PageId::new(&key, &meta.etag, idx, ps, meta.size);
             let (this, uri, meta) = (self.clone(), uri.clone(), meta.clone());
             tokio::spawn(async move {
                 let _permit = permit;
-                if let Err(e) = this.fetch_page(&uri, &meta, idx, page_key).await {
+                if let Err(e) = this.fetch_page(&uri, &meta, idx, page_key, id).await {
                     tracing::debug!(%uri, page = idx, error = %e, "read-ahead failed");
                 }
             });
         }
+        sequential
     }
 
-    /// LIST with a TTL cache (in memory; listings are cheap to redo).
+    /// LIST, straight from the store. Workers keep no listing cache: S3
+    /// listings are strongly consistent, and a cache here would be
+    /// invalidated only on the worker that saw a write, so another worker
+    /// could serve a listing without it. Mounts cache listings themselves
+    /// and drop their cache on their own writes.
     pub async fn list(
         &self,
         bucket: &str,
@@ -475,40 +583,10 @@ impl Cache {
         token: Option<&str>,
         max_keys: u32,
     ) -> Result<ListResponse, CacheError> {
-        let key: ListKey = (
-            bucket.to_string(),
-            prefix.to_string(),
-            delimiter.map(str::to_string),
-            token.map(str::to_string),
-            max_keys,
-        );
-        let ttl = self.config.metadata_ttl;
-        if !ttl.is_zero() {
-            let cached = self.list_cache.lock().unwrap_or_else(|p| p.into_inner());
-            if let Some((at, resp)) = cached.get(&key) {
-                if at.elapsed() < ttl {
-                    return Ok(resp.clone());
-                }
-            }
-        }
-        let resp = self
+        Ok(self
             .store
             .list(bucket, prefix, delimiter, token, max_keys)
-            .await?;
-        if !ttl.is_zero() {
-            let mut cached = self.list_cache.lock().unwrap_or_else(|p| p.into_inner());
-            if cached.len() >= MAX_CACHED_LISTS {
-                cached.clear();
-            }
-            cached.insert(key, (Instant::now(), resp.clone()));
-        }
-        Ok(resp)
-    }
-
-    /// Forgets cached listings of a bucket after a write or delete there.
-    pub(crate) fn invalidate_lists(&self, bucket: &str) {
-        let mut cached = self.list_cache.lock().unwrap_or_else(|p| p.into_inner());
-        cached.retain(|k, _| k.0 != bucket);
+            .await?)
     }
 
     pub async fn delete(self: &Arc<Self>, uri: &ObjectUri) -> Result<(), CacheError> {
@@ -518,7 +596,6 @@ impl Cache {
             self.reclaim_version(&key, &old.etag, old.size);
             self.index.delete_object(&key)?;
         }
-        self.invalidate_lists(uri.bucket());
         Ok(())
     }
 
@@ -567,4 +644,15 @@ async fn evictor(cache: Weak<Cache>, wake: Arc<Notify>) {
             () = tokio::time::sleep(Duration::from_secs(1)) => {}
         }
     }
+}
+
+/// `range` of `bytes`, clamped to what is there.
+fn slice_within(bytes: &Bytes, range: &Range<u64>) -> Bytes {
+    let end = (range.end as usize).min(bytes.len());
+    let start = (range.start as usize).min(end);
+    bytes.slice(start..end)
+}
+
+fn short_body(expected: u64, got: usize) -> CacheError {
+    StoreError::InvalidResponse(format!("expected {expected} bytes from the store, got {got}")).into()
 }

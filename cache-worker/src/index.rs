@@ -26,8 +26,6 @@ pub struct PageEntry {
     pub etag: String,
     pub index: u64,
     pub len: u64,
-    /// CRC32C per check block.
-    pub crcs: Vec<u32>,
 }
 
 /// Cached HEAD result; `validated_ms` drives the metadata TTL.
@@ -60,15 +58,6 @@ impl Index {
         self.db
             .cf_handle(name)
             .expect("column family created at open")
-    }
-
-    pub fn get_page(&self, key: &PageKey) -> Result<Option<PageEntry>, IndexError> {
-        match self.db.get_pinned_cf(self.cf(CF_PAGES), key.0)? {
-            None => Ok(None),
-            Some(raw) => serde_json::from_slice(&raw)
-                .map(Some)
-                .map_err(|e| IndexError::Decode(e.to_string())),
-        }
     }
 
     pub fn put_page(&self, key: &PageKey, entry: &PageEntry, seq: u64) -> Result<(), IndexError> {

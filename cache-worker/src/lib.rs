@@ -2,6 +2,7 @@
 //! on local disk with a RocksDB index, and serves byte ranges over HTTP.
 
 pub mod cache;
+mod cache_dir;
 mod flight;
 pub mod http;
 mod index;

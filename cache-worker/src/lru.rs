@@ -87,6 +87,10 @@ impl Lru {
         Some(len)
     }
 
+    pub fn contains(&self, key: &PageKey) -> bool {
+        self.lock().by_key.contains_key(key)
+    }
+
     pub fn used(&self) -> u64 {
         self.lock().used
     }

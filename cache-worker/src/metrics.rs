@@ -29,6 +29,7 @@ pub struct Metrics {
     evicted_pages: Counter<u64>,
     evicted_bytes: Counter<u64>,
     corrupt_pages: Counter<u64>,
+    discarded_pages: Counter<u64>,
     /// Read by the gauges at scrape time.
     pub cache_used_bytes: Arc<AtomicU64>,
     pub cache_capacity_bytes: Arc<AtomicU64>,
@@ -148,7 +149,13 @@ impl Metrics {
                 &meter,
                 "lakecache_corrupt_pages",
                 "",
-                "Pages that failed their CRC and were refetched",
+                "Pages that failed their header or CRC checks and were refetched",
+            ),
+            discarded_pages: counter(
+                &meter,
+                "lakecache_discarded_pages",
+                "",
+                "Pages dropped at start because the cache directory had another format or page size",
             ),
             cache_used_bytes,
             cache_capacity_bytes,
@@ -203,6 +210,10 @@ impl Metrics {
     pub fn evicted(&self, pages: u64, bytes: u64) {
         self.evicted_pages.add(pages, &[]);
         self.evicted_bytes.add(bytes, &[]);
+    }
+
+    pub fn discarded_pages(&self, pages: u64) {
+        self.discarded_pages.add(pages, &[]);
     }
 
     pub fn corrupt_page(&self) {

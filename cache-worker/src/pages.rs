@@ -1,18 +1,31 @@
 //! Page files on local disk: one file per page, named by a hash of
-//! (URI, ETag, page index), written atomically, checked by CRC32C.
+//! (URI, ETag, page index). Every file starts with a header that says
+//! what it holds (see [`PageId`]) and which of its blocks are filled, with
+//! a CRC32C per block; a read checks all of it against what the reader
+//! expects, so a file that belongs to another object, version, page size
+//! or format is never served.
 
 use std::fs;
 use std::io::{self, Write};
 use std::ops::Range;
 use std::os::unix::fs::{DirBuilderExt, FileExt};
 use std::path::{Path, PathBuf};
+use std::sync::Mutex;
 
 use bytes::{Bytes, BytesMut};
 use sha2::{Digest, Sha256};
 
-/// Granularity of CRC checks, so a small read verifies a small block
-/// instead of the whole page.
+/// Granularity of CRC checks and of partial fills.
 pub const CHECK_BLOCK: u64 = 256 * 1024;
+/// Version of the page file layout; bumped on any change to it.
+pub const PAGE_FORMAT: u32 = 2;
+/// Data starts here, so it stays block-aligned in the file.
+const HEADER_LEN: u64 = 4096;
+const MAGIC: &[u8; 8] = b"LKCPAGE\n";
+/// Fixed fields before the per-block CRCs (see `encode_header`).
+const FIXED_LEN: usize = 120;
+/// 64 MiB pages of 256 KiB blocks; the header has room for this many.
+pub const MAX_BLOCKS: usize = 256;
 
 /// Identity of one page; SHA-256 over explicit bytes, stable everywhere.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
@@ -34,14 +47,140 @@ impl PageKey {
     }
 }
 
+/// What a page file must hold, written into its header and compared on
+/// every read.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct PageId {
+    pub uri_hash: [u8; 32],
+    pub etag_hash: [u8; 32],
+    pub index: u64,
+    /// Offset of the page in the object.
+    pub offset: u64,
+    /// Bytes of the object in this page (the last page may be short).
+    pub len: u64,
+    pub page_size: u64,
+}
+
+impl PageId {
+    pub fn new(uri: &str, etag: &str, index: u64, page_size: u64, object_size: u64) -> Self {
+        let offset = index.saturating_mul(page_size);
+        Self {
+            uri_hash: Sha256::digest(uri.as_bytes()).into(),
+            etag_hash: Sha256::digest(etag.as_bytes()).into(),
+            index,
+            offset,
+            len: object_size.saturating_sub(offset).min(page_size),
+            page_size,
+        }
+    }
+
+    fn blocks(&self) -> usize {
+        self.len.div_ceil(CHECK_BLOCK) as usize
+    }
+}
+
 #[derive(Debug, thiserror::Error)]
 pub enum PageReadError {
     #[error("page file missing")]
     Missing,
-    #[error("page file corrupt: CRC mismatch in block {block}")]
-    Corrupt { block: usize },
+    /// A partly filled page lacks some of the blocks asked for.
+    #[error("page blocks {0:?} not filled yet")]
+    Unfilled(Range<usize>),
+    #[error("page file rejected: {0}")]
+    Corrupt(String),
     #[error("page i/o: {0}")]
     Io(#[from] io::Error),
+}
+
+/// Header state of one page file.
+#[derive(Debug, Clone, PartialEq, Eq)]
+struct Header {
+    id: PageId,
+    crcs: Vec<u32>,
+    valid: Vec<bool>,
+}
+
+impl Header {
+    fn empty(id: PageId) -> Self {
+        let n = id.blocks();
+        Self {
+            id,
+            crcs: vec![0; n],
+            valid: vec![false; n],
+        }
+    }
+
+    fn encode(&self) -> Vec<u8> {
+        let n = self.crcs.len();
+        let mut out = Vec::with_capacity(HEADER_LEN as usize);
+        out.extend_from_slice(MAGIC);
+        out.extend_from_slice(&PAGE_FORMAT.to_le_bytes());
+        out.extend_from_slice(&(CHECK_BLOCK as u32).to_le_bytes());
+        out.extend_from_slice(&self.id.uri_hash);
+        out.extend_from_slice(&self.id.etag_hash);
+        for v in [self.id.index, self.id.offset, self.id.len, self.id.page_size] {
+            out.extend_from_slice(&v.to_le_bytes());
+        }
+        out.extend_from_slice(&(n as u32).to_le_bytes());
+        out.extend_from_slice(&[0u8; 4]);
+        debug_assert_eq!(out.len(), FIXED_LEN);
+        for crc in &self.crcs {
+            out.extend_from_slice(&crc.to_le_bytes());
+        }
+        let mut bitmap = vec![0u8; n.div_ceil(8)];
+        for (i, _) in self.valid.iter().enumerate().filter(|(_, v)| **v) {
+            bitmap[i / 8] |= 1 << (i % 8);
+        }
+        out.extend_from_slice(&bitmap);
+        let crc = crc32c::crc32c(&out);
+        out.extend_from_slice(&crc.to_le_bytes());
+        out.resize(HEADER_LEN as usize, 0);
+        out
+    }
+
+    /// Parses a header and checks it describes `want`.
+    fn decode(raw: &[u8], want: &PageId) -> Result<Self, PageReadError> {
+        let bad = |why: &str| PageReadError::Corrupt(why.to_string());
+        if raw.len() < FIXED_LEN || &raw[..8] != MAGIC {
+            return Err(bad("no page header"));
+        }
+        let u32_at = |at: usize| u32::from_le_bytes(raw[at..at + 4].try_into().unwrap_or([0; 4]));
+        let u64_at = |at: usize| u64::from_le_bytes(raw[at..at + 8].try_into().unwrap_or([0; 8]));
+        if u32_at(8) != PAGE_FORMAT {
+            return Err(bad("page format version differs"));
+        }
+        if u64::from(u32_at(12)) != CHECK_BLOCK {
+            return Err(bad("block size differs"));
+        }
+        let n = u32_at(112) as usize;
+        if n > MAX_BLOCKS {
+            return Err(bad("block count out of bounds"));
+        }
+        let crc_end = FIXED_LEN + 4 * n;
+        let end = crc_end + n.div_ceil(8);
+        if raw.len() < end + 4 || u32_at(end) != crc32c::crc32c(&raw[..end]) {
+            return Err(bad("header checksum mismatch"));
+        }
+        let id = PageId {
+            uri_hash: raw[16..48].try_into().unwrap_or([0; 32]),
+            etag_hash: raw[48..80].try_into().unwrap_or([0; 32]),
+            index: u64_at(80),
+            offset: u64_at(88),
+            len: u64_at(96),
+            page_size: u64_at(104),
+        };
+        if id != *want {
+            return Err(bad("header names another page"));
+        }
+        if n != id.blocks() {
+            return Err(bad("block count does not match the page length"));
+        }
+        let crcs = (0..n).map(|i| u32_at(FIXED_LEN + 4 * i)).collect();
+        let valid = (0..n)
+            .map(|i| raw[crc_end + i / 8] & (1 << (i % 8)) != 0)
+            .collect();
+        Ok(Self { id, crcs, valid })
+    }
 }
 
 /// CRC32C of each [`CHECK_BLOCK`] of `data`.
@@ -51,12 +190,24 @@ pub fn block_crcs(data: &[u8]) -> Vec<u32> {
         .collect()
 }
 
+/// A page's bytes in a temp file, not yet labelled or visible.
+#[derive(Debug)]
+pub struct Staged {
+    path: PathBuf,
+    crcs: Vec<u32>,
+    pub len: u64,
+}
+
+/// Serialises header updates of partial fills (read-modify-write).
+const FILL_LOCKS: usize = 64;
+
 pub struct PageStore {
     pages: PathBuf,
     tmp: PathBuf,
+    fill_locks: Vec<Mutex<()>>,
 }
 
-fn mkdir_private(path: &Path) -> io::Result<()> {
+pub(crate) fn mkdir_private(path: &Path) -> io::Result<()> {
     fs::DirBuilder::new()
         .recursive(true)
         .mode(0o700)
@@ -64,19 +215,22 @@ fn mkdir_private(path: &Path) -> io::Result<()> {
 }
 
 impl PageStore {
-    /// Creates `<dir>/pages` and `<dir>/tmp` (0700); stale temp files from
-    /// a crash are removed.
+    /// Uses `<dir>/pages` and `<dir>/tmp` (created 0700); temp files left
+    /// by a crash are removed. The caller holds the directory's lock.
     pub fn open(dir: &Path) -> io::Result<Self> {
-        use std::os::unix::fs::PermissionsExt;
-        mkdir_private(dir)?;
-        // An existing directory may have been created with looser modes.
-        fs::set_permissions(dir, fs::Permissions::from_mode(0o700))?;
         let pages = dir.join("pages");
         let tmp = dir.join("tmp");
         mkdir_private(&pages)?;
-        let _ = fs::remove_dir_all(&tmp);
+        match fs::remove_dir_all(&tmp) {
+            Err(e) if e.kind() != io::ErrorKind::NotFound => return Err(e),
+            _ => {}
+        }
         mkdir_private(&tmp)?;
-        Ok(Self { pages, tmp })
+        Ok(Self {
+            pages,
+            tmp,
+            fill_locks: (0..FILL_LOCKS).map(|_| Mutex::new(())).collect(),
+        })
     }
 
     pub fn path(&self, key: &PageKey) -> PathBuf {
@@ -84,68 +238,144 @@ impl PageStore {
         self.pages.join(&hex[..2]).join(hex)
     }
 
-    /// Writes `data` to a temp file; `commit` moves it into place.
-    pub fn stage(&self, data: &[u8]) -> io::Result<(PathBuf, Vec<u32>)> {
-        let tmp = self.tmp.join(uuid::Uuid::new_v4().simple().to_string());
-        let mut f = fs::File::create(&tmp)?;
-        if let Err(e) = f.write_all(data) {
-            let _ = fs::remove_file(&tmp);
+    /// Writes a complete page's bytes to a temp file, leaving room for the
+    /// header; `commit` labels it (the ETag of an upload is known only
+    /// once S3 has it) and moves it into place.
+    pub fn stage(&self, data: &[u8]) -> io::Result<Staged> {
+        if data.len() as u64 > MAX_BLOCKS as u64 * CHECK_BLOCK {
+            return Err(io::Error::other("page larger than the header can describe"));
+        }
+        let path = self.tmp.join(uuid::Uuid::new_v4().simple().to_string());
+        let written = fs::File::create(&path).and_then(|mut f| {
+            f.write_all(&[0u8; HEADER_LEN as usize])?;
+            f.write_all(data)
+        });
+        if let Err(e) = written {
+            let _ = fs::remove_file(&path);
             return Err(e);
         }
-        Ok((tmp, block_crcs(data)))
+        Ok(Staged {
+            path,
+            crcs: block_crcs(data),
+            len: data.len() as u64,
+        })
     }
 
-    pub fn commit(&self, staged: &Path, key: &PageKey) -> io::Result<()> {
+    /// Writes the header of a staged page and moves it into place; on
+    /// error the staged file is removed.
+    pub fn commit(&self, staged: Staged, key: &PageKey, id: &PageId) -> io::Result<()> {
+        let done = self.label_and_move(&staged, key, id);
+        if done.is_err() {
+            self.discard_staged(staged);
+        }
+        done
+    }
+
+    fn label_and_move(&self, staged: &Staged, key: &PageKey, id: &PageId) -> io::Result<()> {
+        if staged.len != id.len {
+            return Err(io::Error::other(format!(
+                "page {} holds {} bytes, expected {}",
+                id.index, staged.len, id.len
+            )));
+        }
+        let header = Header {
+            id: *id,
+            crcs: staged.crcs.clone(),
+            valid: vec![true; staged.crcs.len()],
+        };
+        fs::OpenOptions::new()
+            .write(true)
+            .open(&staged.path)?
+            .write_all_at(&header.encode(), 0)?;
         let dest = self.path(key);
         if let Some(parent) = dest.parent() {
             mkdir_private(parent)?;
         }
-        fs::rename(staged, dest)
+        fs::rename(&staged.path, dest)
     }
 
     /// Stage + commit: the page appears whole or not at all.
-    pub fn write(&self, key: &PageKey, data: &[u8]) -> io::Result<Vec<u32>> {
-        let (tmp, crcs) = self.stage(data)?;
-        if let Err(e) = self.commit(&tmp, key) {
-            let _ = fs::remove_file(&tmp);
-            return Err(e);
-        }
-        Ok(crcs)
+    pub fn write(&self, key: &PageKey, id: &PageId, data: &[u8]) -> io::Result<()> {
+        let staged = self.stage(data)?;
+        self.commit(staged, key, id)
     }
 
-    /// Reads `range` (page-relative) of a page of `len` bytes, verifying
-    /// every block it touches against `crcs`.
-    pub fn read(
-        &self,
-        key: &PageKey,
-        len: u64,
-        crcs: &[u32],
-        range: Range<u64>,
-    ) -> Result<Bytes, PageReadError> {
-        if range.end > len || range.start > range.end {
-            return Err(PageReadError::Corrupt { block: 0 });
-        }
-        let first = (range.start / CHECK_BLOCK) as usize;
-        let last = (range.end.div_ceil(CHECK_BLOCK) as usize).max(first + 1);
+    /// Fills whole blocks starting at block `first` of a page that may be
+    /// partly filled (or not exist yet). `data` ends on a block boundary
+    /// or at the end of the page. Returns true when the page is complete.
+    pub fn fill(&self, key: &PageKey, id: &PageId, first: usize, data: &[u8]) -> io::Result<bool> {
         let start = first as u64 * CHECK_BLOCK;
-        let end = (last as u64 * CHECK_BLOCK).min(len);
+        let end = start + data.len() as u64;
+        if id.blocks() > MAX_BLOCKS
+            || end > id.len
+            || (end % CHECK_BLOCK != 0 && end != id.len)
+            || data.is_empty()
+        {
+            return Err(io::Error::other("fill is not block-aligned within the page"));
+        }
+        let stripe = key.0[0] as usize % FILL_LOCKS;
+        let _guard = self.fill_locks[stripe]
+            .lock()
+            .unwrap_or_else(|p| p.into_inner());
+        let path = self.path(key);
+        if let Some(parent) = path.parent() {
+            mkdir_private(parent)?;
+        }
+        let file = fs::OpenOptions::new()
+            .read(true)
+            .write(true)
+            .create(true)
+            .truncate(false)
+            .open(&path)?;
+        let mut raw = vec![0u8; HEADER_LEN as usize];
+        let mut header = match file.read_exact_at(&mut raw, 0) {
+            Ok(()) => Header::decode(&raw, id).unwrap_or_else(|_| Header::empty(*id)),
+            Err(e) if e.kind() == io::ErrorKind::UnexpectedEof => Header::empty(*id),
+            Err(e) => return Err(e),
+        };
+        // Data before header: a crash in between leaves blocks unmarked.
+        file.write_all_at(data, HEADER_LEN + start)?;
+        for (i, crc) in block_crcs(data).into_iter().enumerate() {
+            header.crcs[first + i] = crc;
+            header.valid[first + i] = true;
+        }
+        file.write_all_at(&header.encode(), 0)?;
+        Ok(header.valid.iter().all(|v| *v))
+    }
+
+    /// Reads `range` (page-relative) of the page `id`, checking the header
+    /// and the CRC of every block it touches.
+    pub fn read(&self, key: &PageKey, id: &PageId, range: Range<u64>) -> Result<Bytes, PageReadError> {
+        if range.end > id.len || range.start >= range.end {
+            return Err(PageReadError::Corrupt(format!(
+                "range {range:?} outside a page of {} bytes",
+                id.len
+            )));
+        }
         let file = match fs::File::open(self.path(key)) {
             Ok(f) => f,
             Err(e) if e.kind() == io::ErrorKind::NotFound => return Err(PageReadError::Missing),
             Err(e) => return Err(e.into()),
         };
-        let mut buf = BytesMut::zeroed((end - start) as usize);
-        if let Err(e) = file.read_exact_at(&mut buf, start) {
-            return Err(if e.kind() == io::ErrorKind::UnexpectedEof {
-                PageReadError::Corrupt { block: first }
-            } else {
-                e.into()
-            });
+        let first = (range.start / CHECK_BLOCK) as usize;
+        let last = range.end.div_ceil(CHECK_BLOCK) as usize;
+        let start = first as u64 * CHECK_BLOCK;
+        let end = (last as u64 * CHECK_BLOCK).min(id.len);
+        let mut raw = BytesMut::zeroed(HEADER_LEN as usize);
+        read_exact(&file, &mut raw, 0)?;
+        let header = Header::decode(&raw, id)?;
+        if let Some(missing) = (first..last).find(|b| !header.valid[*b]) {
+            let upto = (missing..last)
+                .find(|b| header.valid[*b])
+                .unwrap_or(last);
+            return Err(PageReadError::Unfilled(missing..upto));
         }
+        let mut buf = BytesMut::zeroed((end - start) as usize);
+        read_exact(&file, &mut buf, HEADER_LEN + start)?;
         for (i, chunk) in buf.chunks(CHECK_BLOCK as usize).enumerate() {
             let block = first + i;
-            if crcs.get(block) != Some(&crc32c::crc32c(chunk)) {
-                return Err(PageReadError::Corrupt { block });
+            if header.crcs[block] != crc32c::crc32c(chunk) {
+                return Err(PageReadError::Corrupt(format!("CRC mismatch in block {block}")));
             }
         }
         let buf = buf.freeze();
@@ -160,9 +390,20 @@ impl PageStore {
         }
     }
 
-    pub fn discard_staged(&self, staged: &Path) {
-        let _ = fs::remove_file(staged);
+    pub fn discard_staged(&self, staged: Staged) {
+        let _ = fs::remove_file(&staged.path);
     }
+}
+
+/// A short file is a corrupt page, not an I/O failure.
+fn read_exact(file: &fs::File, buf: &mut [u8], at: u64) -> Result<(), PageReadError> {
+    file.read_exact_at(buf, at).map_err(|e| {
+        if e.kind() == io::ErrorKind::UnexpectedEof {
+            PageReadError::Corrupt("page file shorter than its header says".into())
+        } else {
+            e.into()
+        }
+    })
 }
 
 #[cfg(test)]
@@ -186,37 +427,80 @@ mod tests {
 
     const PAGE_KEY_PIN: &str = include_str!("../testdata/page_key_pin.txt");
 
+    fn sample(len: u64) -> Vec<u8> {
+        (0..len).map(|i| (i % 251) as u8).collect()
+    }
+
     #[test]
-    fn reads_verify_blocks() {
+    fn reads_verify_header_and_blocks() {
         let dir = tempfile::tempdir().unwrap();
         let store = PageStore::open(dir.path()).unwrap();
-        use std::os::unix::fs::PermissionsExt;
-        let mode = fs::metadata(dir.path()).unwrap().permissions().mode();
-        assert_eq!(mode & 0o777, 0o700, "cache dir must be private");
         let key = PageKey::new("s3://b/k", "e", 0);
-        let data: Vec<u8> = (0..(CHECK_BLOCK * 2 + 100))
-            .map(|i| (i % 251) as u8)
-            .collect();
-        let crcs = store.write(&key, &data).unwrap();
-        assert_eq!(crcs.len(), 3);
-        let got = store
-            .read(&key, data.len() as u64, &crcs, 10..CHECK_BLOCK + 5)
-            .unwrap();
+        let data = sample(CHECK_BLOCK * 2 + 100);
+        let id = PageId::new("s3://b/k", "e", 0, 4 << 20, data.len() as u64);
+        store.write(&key, &id, &data).unwrap();
+        let got = store.read(&key, &id, 10..CHECK_BLOCK + 5).unwrap();
         assert_eq!(&got[..], &data[10..CHECK_BLOCK as usize + 5]);
-        // Flip one byte in the second block.
+        // The same file read as another page size, ETag or index is refused.
+        for other in [
+            PageId::new("s3://b/k", "e", 0, 8 << 20, data.len() as u64),
+            PageId::new("s3://b/k", "f", 0, 4 << 20, data.len() as u64),
+            PageId::new("s3://b/j", "e", 0, 4 << 20, data.len() as u64),
+        ] {
+            assert!(matches!(
+                store.read(&key, &other, 0..10),
+                Err(PageReadError::Corrupt(_))
+            ));
+        }
+        // Flip one byte in the second block: only reads touching it fail.
         let path = store.path(&key);
         let mut raw = fs::read(&path).unwrap();
-        raw[CHECK_BLOCK as usize + 1] ^= 0xff;
-        fs::write(&path, raw).unwrap();
-        assert!(store.read(&key, data.len() as u64, &crcs, 0..10).is_ok());
+        raw[(HEADER_LEN + CHECK_BLOCK + 1) as usize] ^= 0xff;
+        fs::write(&path, &raw).unwrap();
+        assert!(store.read(&key, &id, 0..10).is_ok());
         assert!(matches!(
-            store.read(&key, data.len() as u64, &crcs, 0..CHECK_BLOCK + 2),
-            Err(PageReadError::Corrupt { block: 1 })
+            store.read(&key, &id, 0..CHECK_BLOCK + 2),
+            Err(PageReadError::Corrupt(_))
+        ));
+        // A damaged header is refused outright.
+        raw[20] ^= 1;
+        fs::write(&path, &raw).unwrap();
+        assert!(matches!(
+            store.read(&key, &id, 0..10),
+            Err(PageReadError::Corrupt(_))
         ));
         store.remove(&key);
         assert!(matches!(
-            store.read(&key, data.len() as u64, &crcs, 0..1),
+            store.read(&key, &id, 0..1),
             Err(PageReadError::Missing)
         ));
+    }
+
+    #[test]
+    fn partial_fills_serve_only_filled_blocks() {
+        let dir = tempfile::tempdir().unwrap();
+        let store = PageStore::open(dir.path()).unwrap();
+        let key = PageKey::new("s3://b/p", "e", 3);
+        let data = sample(CHECK_BLOCK * 4 - 7);
+        let id = PageId::new("s3://b/p", "e", 3, CHECK_BLOCK * 4, 3 * CHECK_BLOCK * 4 + data.len() as u64);
+        assert_eq!(id.len, data.len() as u64);
+        let b = CHECK_BLOCK as usize;
+        assert!(!store.fill(&key, &id, 2, &data[2 * b..3 * b]).unwrap());
+        let got = store.read(&key, &id, 2 * CHECK_BLOCK + 5..2 * CHECK_BLOCK + 9).unwrap();
+        assert_eq!(&got[..], &data[2 * b + 5..2 * b + 9]);
+        assert!(matches!(
+            store.read(&key, &id, 0..10),
+            Err(PageReadError::Unfilled(r)) if r == (0..1)
+        ));
+        assert!(matches!(
+            store.read(&key, &id, 0..CHECK_BLOCK * 4 - 7),
+            Err(PageReadError::Unfilled(r)) if r == (0..2)
+        ));
+        // Misaligned fills are refused.
+        assert!(store.fill(&key, &id, 0, &data[..10]).is_err());
+        assert!(!store.fill(&key, &id, 0, &data[..2 * b]).unwrap());
+        assert!(store.fill(&key, &id, 3, &data[3 * b..]).unwrap());
+        let all = store.read(&key, &id, 0..data.len() as u64).unwrap();
+        assert_eq!(&all[..], &data[..]);
     }
 }

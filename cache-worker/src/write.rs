@@ -7,7 +7,6 @@
 //! staging and replace the final "wait for S3" step with a durable journal.
 
 use std::collections::VecDeque;
-use std::path::PathBuf;
 use std::sync::Arc;
 
 use bytes::{Bytes, BytesMut};
@@ -17,7 +16,7 @@ use tokio::task::JoinHandle;
 
 use crate::cache::{Cache, CacheError};
 use crate::index::PageEntry;
-use crate::pages::PageKey;
+use crate::pages::{PageId, PageKey, Staged};
 use crate::store::{ObjectMeta, StoreError, MAX_COPY_BYTES};
 
 /// Part uploads in flight per write: bounds memory at this many parts.
@@ -25,9 +24,7 @@ const PARTS_IN_FLIGHT: usize = 4;
 
 struct StagedPage {
     index: u64,
-    path: PathBuf,
-    crcs: Vec<u32>,
-    len: u64,
+    file: Staged,
 }
 
 struct Upload {
@@ -55,7 +52,7 @@ impl Cache {
             Ok((etag, size)) => Ok(self.finish_write(uri, etag, size, staged).await),
             Err(e) => {
                 for page in staged {
-                    self.pages.discard_staged(&page.path);
+                    self.pages.discard_staged(page.file);
                 }
                 if let Some(up) = upload {
                     for task in up.in_flight {
@@ -153,14 +150,9 @@ impl Cache {
         let (this, data) = (self.clone(), data.clone());
         let len = data.len() as u64;
         match tokio::task::spawn_blocking(move || this.pages.stage(&data)).await {
-            Ok(Ok((path, crcs))) => {
+            Ok(Ok(file)) => {
                 *staged_bytes += len;
-                staged.push(StagedPage {
-                    index,
-                    path,
-                    crcs,
-                    len,
-                });
+                staged.push(StagedPage { index, file });
                 true
             }
             Ok(Err(e)) => {
@@ -244,30 +236,37 @@ impl Cache {
         if let Err(e) = self.record_meta(&key, &meta) {
             tracing::warn!(%uri, error = %e, "recording metadata after write failed");
         }
-        for page in staged {
-            let page_key = PageKey::new(&key, &etag, page.index);
-            if !ours {
-                self.pages.discard_staged(&page.path);
-                continue;
-            }
-            match self.pages.commit(&page.path, &page_key) {
-                Ok(()) => self.index_page(
-                    page_key,
-                    PageEntry {
-                        uri: key.clone(),
-                        etag: etag.clone(),
-                        index: page.index,
-                        len: page.len,
-                        crcs: page.crcs,
-                    },
-                ),
-                Err(e) => {
-                    tracing::warn!(%uri, page = page.index, error = %e, "committing written page failed");
-                    self.pages.discard_staged(&page.path);
+        let ps = self.config.page_size;
+        let this = self.clone();
+        let committed = tokio::task::spawn_blocking(move || {
+            for page in staged {
+                if !ours {
+                    this.pages.discard_staged(page.file);
+                    continue;
+                }
+                let page_key = PageKey::new(&key, &etag, page.index);
+                let id = PageId::new(&key, &etag, page.index, ps, size);
+                let len = page.file.len;
+                match this.pages.commit(page.file, &page_key, &id) {
+                    Ok(()) => this.index_page(
+                        page_key,
+                        PageEntry {
+                            uri: key.clone(),
+                            etag: etag.clone(),
+                            index: page.index,
+                            len,
+                        },
+                    ),
+                    Err(e) => {
+                        tracing::warn!(uri = %key, page = page.index, error = %e, "committing written page failed")
+                    }
                 }
             }
+        })
+        .await;
+        if let Err(e) = committed {
+            tracing::warn!(%uri, error = %e, "committing written pages failed");
         }
-        self.invalidate_lists(uri.bucket());
         meta
     }
 }
@@ -296,7 +295,6 @@ impl Cache {
             }
         }
         self.record_meta(&key, &meta)?;
-        self.invalidate_lists(to.bucket());
         Ok(meta)
     }
 }

@@ -86,6 +86,11 @@ pub struct WorkerSettings {
     /// HOST:PORT clients use to reach this worker [default: --listen]
     #[arg(long, env = "LAKECACHE_ADVERTISE")]
     pub advertise: Option<String>,
+    /// The ring's placement segment size; must match the clients'
+    /// `--segment-size` (read-ahead stops at segment ends, since the next
+    /// segment belongs to another worker) [default: 64MiB]
+    #[arg(long, env = "LAKECACHE_SEGMENT_SIZE")]
+    pub segment_size: Option<ByteSize>,
     /// Stable id of this worker in the ring [default: the advertised address]
     #[arg(long, env = "LAKECACHE_WORKER_ID")]
     pub worker_id: Option<String>,
@@ -145,6 +150,7 @@ impl WorkerSettings {
                 s3_max_resumes,
                 registry,
                 advertise,
+                segment_size,
                 worker_id,
                 lease_ttl,
             ]
@@ -197,6 +203,12 @@ impl WorkerSettings {
         if !(5 * MIB..=5 << 30).contains(&part_size) {
             bail!("--part-size must be between 5MiB and 5GiB, got {part_size} bytes");
         }
+        let segment_size = self
+            .segment_size
+            .map_or(lakecache_registry::DEFAULT_SEGMENT_SIZE, |s| s.0);
+        if segment_size < page_size || !segment_size.is_multiple_of(page_size) {
+            bail!("--segment-size must be a multiple of --page-size ({page_size} bytes), got {segment_size}");
+        }
         let fetch_concurrency = self.fetch_concurrency.unwrap_or(32);
         if !(1..=1024).contains(&fetch_concurrency) {
             bail!("--fetch-concurrency must be 1..=1024, got {fetch_concurrency}");
@@ -238,6 +250,7 @@ impl WorkerSettings {
                 readahead_pages: self.readahead_pages.unwrap_or(4),
                 fetch_concurrency,
                 part_size,
+                segment_size: Some(segment_size),
             },
             limits,
         };

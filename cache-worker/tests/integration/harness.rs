@@ -38,6 +38,7 @@ pub fn default_options(cache_dir: PathBuf) -> WorkerOptions {
             readahead_pages: 0,
             fetch_concurrency: 16,
             part_size: 5 * MIB,
+            segment_size: None,
         },
         limits: HttpLimits::default(),
     }
@@ -191,4 +192,12 @@ pub async fn raw_request(addr: SocketAddr, request: &[u8]) -> (u16, String) {
         .and_then(|s| s.parse().ok())
         .unwrap_or(0);
     (status, text)
+}
+
+/// Sum of every sample of a metric in Prometheus text.
+pub fn metric_value(text: &str, name: &str) -> f64 {
+    text.lines()
+        .filter(|l| l.starts_with(name))
+        .filter_map(|l| l.rsplit(' ').next()?.parse::<f64>().ok())
+        .sum()
 }

@@ -107,13 +107,6 @@ async fn eviction_under_a_small_capacity_keeps_reads_correct() {
     assert!(on_disk <= 6 * MIB, "{on_disk} bytes of page files on disk");
 }
 
-pub fn metric_value(text: &str, name: &str) -> f64 {
-    text.lines()
-        .filter(|l| l.starts_with(name))
-        .filter_map(|l| l.rsplit(' ').next()?.parse::<f64>().ok())
-        .sum()
-}
-
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn changed_etag_is_detected_and_new_bytes_served() {
     // TTL 0: every read revalidates, so a new version is seen at once.
@@ -204,7 +197,8 @@ async fn a_corrupted_page_file_is_detected_and_refetched() {
     let files = h.page_files();
     assert_eq!(files.len(), 1);
     let mut raw = std::fs::read(&files[0]).unwrap();
-    raw[1000] ^= 0x55;
+    // Past the 4 KiB header: a data byte.
+    raw[4096 + 1000] ^= 0x55;
     std::fs::write(&files[0], raw).unwrap();
 
     h.faults().reset_counts();

@@ -1,0 +1,153 @@
+//! The on-disk cache describes itself: pages written under one page size
+//! or format are never served under another, corrupt or mislabelled pages
+//! are refetched and counted, and a second worker cannot open a live
+//! worker's directory.
+
+use std::time::Duration;
+
+use crate::harness::{metric_value, uri, Harness, MIB};
+
+/// Every MiB of the object is a different byte value.
+fn striped(mibs: u64) -> Vec<u8> {
+    (0..mibs)
+        .flat_map(|i| std::iter::repeat_n(i as u8 + 1, MIB as usize))
+        .collect()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn page_size_change_on_restart_never_serves_old_pages() {
+    let mut h = Harness::with(|o| o.cache.page_size = 4 * MIB).await;
+    let body = striped(16);
+    h.put_direct("striped.bin", &body).await;
+    let whole = h.client.read(&uri("striped.bin"), None).await.unwrap();
+    assert_eq!(whole.len(), body.len());
+    assert_eq!(h.page_files().len(), 4, "four 4 MiB pages cached");
+
+    h.options.cache.page_size = 8 * MIB;
+    h.restart_worker().await;
+    let got = h
+        .client
+        .read(&uri("striped.bin"), Some(8 * MIB..8 * MIB + 8))
+        .await
+        .unwrap();
+    assert_eq!(&got[..], &body[8 * MIB as usize..8 * MIB as usize + 8]);
+    assert_eq!(got[0], 9, "byte 8 MiB belongs to the ninth MiB");
+    let metrics = h.client.metrics().await.unwrap();
+    assert!(
+        metric_value(&metrics, "lakecache_discarded_pages_total") >= 4.0,
+        "old pages must be discarded and counted:\n{metrics}"
+    );
+    // The whole object is right under the new page size, twice (cold, warm).
+    for _ in 0..2 {
+        let again = h.client.read(&uri("striped.bin"), None).await.unwrap();
+        assert!(again == body, "wrong bytes after the page-size change");
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_page_file_under_another_name_is_rejected() {
+    // Swap two page files on disk: each still passes its own CRCs, but the
+    // header names another page, so both are refetched.
+    let h = Harness::start().await;
+    let body = striped(2);
+    h.put_direct("swap.bin", &body).await;
+    h.client.read(&uri("swap.bin"), None).await.unwrap();
+    let files = h.page_files();
+    assert_eq!(files.len(), 2);
+    let (a, b) = (
+        std::fs::read(&files[0]).unwrap(),
+        std::fs::read(&files[1]).unwrap(),
+    );
+    std::fs::write(&files[0], b).unwrap();
+    std::fs::write(&files[1], a).unwrap();
+    h.faults().reset_counts();
+    let got = h.client.read(&uri("swap.bin"), None).await.unwrap();
+    assert!(got == body, "a swapped page was served");
+    assert_eq!(h.gets(), 2, "both pages refetched");
+    let metrics = h.client.metrics().await.unwrap();
+    assert!(metric_value(&metrics, "lakecache_corrupt_pages_total") >= 2.0);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_truncated_page_file_is_refetched() {
+    let h = Harness::start().await;
+    let body = striped(1);
+    h.put_direct("short.bin", &body).await;
+    h.client.read(&uri("short.bin"), None).await.unwrap();
+    let files = h.page_files();
+    let f = std::fs::OpenOptions::new()
+        .write(true)
+        .open(&files[0])
+        .unwrap();
+    f.set_len(100).unwrap();
+    h.faults().reset_counts();
+    let got = h.client.read(&uri("short.bin"), None).await.unwrap();
+    assert!(got == body);
+    assert_eq!(h.gets(), 1);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_second_worker_on_a_live_cache_dir_fails_before_touching_it() {
+    let h = Harness::start().await;
+    // Something in tmp/ that the running worker owns.
+    let marker = h.options.cache_dir.join("tmp").join("in-flight-upload");
+    std::fs::write(&marker, b"staged").unwrap();
+    let store = lakecache_worker::s3_store(
+        &h.s3_config,
+        std::sync::Arc::new(lakecache_worker::Metrics::new().unwrap()),
+    )
+    .await;
+    let started = std::time::Instant::now();
+    let second = lakecache_worker::start_worker(
+        h.options.clone(),
+        store,
+        std::sync::Arc::new(lakecache_worker::Metrics::new().unwrap()),
+    )
+    .await;
+    let err = match second {
+        Ok(_) => panic!("a second worker opened a live cache directory"),
+        Err(e) => format!("{e:#}"),
+    };
+    assert!(started.elapsed() < Duration::from_secs(2));
+    assert!(err.contains("in use"), "unclear error: {err}");
+    assert!(marker.exists(), "the live worker's staging was touched");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_cold_random_read_fetches_its_blocks_not_the_page() {
+    // 4 MiB pages; a 4 KiB read in the middle of an object is random.
+    let h = Harness::with(|o| o.cache.page_size = 4 * MIB).await;
+    let body = crate::harness::data((8 * MIB) as usize, 77);
+    h.put_direct("random.bin", &body).await;
+    let at = 5 * MIB + 300 * 1024;
+    let got = h
+        .client
+        .read(&uri("random.bin"), Some(at..at + 4096))
+        .await
+        .unwrap();
+    assert_eq!(&got[..], &body[at as usize..at as usize + 4096]);
+    let s3_bytes = |m: &str| metric_value(m, "lakecache_s3_transferred_bytes_total");
+    let fetched = s3_bytes(&h.client.metrics().await.unwrap());
+    assert!(
+        fetched > 0.0 && fetched <= 256.0 * 1024.0,
+        "a 4 KiB random read pulled {fetched} bytes from S3"
+    );
+    // Another read in the same block is a hit; one in the next block
+    // fills that block too; the whole object then reads right.
+    h.faults().reset_counts();
+    h.client
+        .read(&uri("random.bin"), Some(at + 8192..at + 9000))
+        .await
+        .unwrap();
+    assert_eq!(h.gets(), 0, "the filled block is served from disk");
+    let next = at + 256 * 1024;
+    let got = h
+        .client
+        .read(&uri("random.bin"), Some(next..next + 100))
+        .await
+        .unwrap();
+    assert_eq!(&got[..], &body[next as usize..next as usize + 100]);
+    assert_eq!(h.gets(), 1);
+    let all = h.client.read(&uri("random.bin"), None).await.unwrap();
+    assert!(all == body, "a partly filled page served wrong bytes");
+}
