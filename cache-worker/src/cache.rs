@@ -13,11 +13,11 @@ use futures::Stream;
 use lakecache_protocol::{ListResponse, ObjectUri};
 use tokio::sync::{Notify, Semaphore};
 
+use crate::cache_dir::CacheDir;
 use crate::flight::SingleFlight;
 use crate::index::{Index, ObjectRecord, PageEntry};
 use crate::lru::Lru;
 use crate::metrics::Metrics;
-use crate::cache_dir::CacheDir;
 use crate::pages::{PageId, PageKey, PageReadError, PageStore, CHECK_BLOCK};
 use crate::store::{ObjectMeta, ObjectStore, StoreError};
 
@@ -99,8 +99,8 @@ impl Cache {
         metrics: Arc<Metrics>,
     ) -> Result<Arc<Self>, CacheError> {
         // The lock comes first: nothing in a live worker's directory is touched.
-        let dir_lock = CacheDir::open(dir, config.page_size)
-            .map_err(|e| CacheError::Local(e.to_string()))?;
+        let dir_lock =
+            CacheDir::open(dir, config.page_size).map_err(|e| CacheError::Local(e.to_string()))?;
         metrics.discarded_pages(dir_lock.discarded_pages);
         let pages = PageStore::open(dir)
             .map_err(|e| CacheError::Local(format!("cache dir {}: {e}", dir.display())))?;
@@ -237,7 +237,10 @@ impl Cache {
         let first = if range.is_empty() {
             None
         } else {
-            Some(self.next_piece(uri, meta, range.start, range.end, seq).await?)
+            Some(
+                self.next_piece(uri, meta, range.start, range.end, seq)
+                    .await?,
+            )
         };
         let state = (self.clone(), uri.clone(), meta.clone(), range, first);
         Ok(futures::stream::unfold(
@@ -412,8 +415,15 @@ impl Cache {
                 if data.len() as u64 != id.len {
                     return Err(short_body(id.len, data.len()));
                 }
-                this.keep_page(uri.to_string(), meta.etag.clone(), idx, key, id, data.clone())
-                    .await;
+                this.keep_page(
+                    uri.to_string(),
+                    meta.etag.clone(),
+                    idx,
+                    key,
+                    id,
+                    data.clone(),
+                )
+                .await;
                 Ok(data)
             })
             .await
@@ -654,5 +664,8 @@ fn slice_within(bytes: &Bytes, range: &Range<u64>) -> Bytes {
 }
 
 fn short_body(expected: u64, got: usize) -> CacheError {
-    StoreError::InvalidResponse(format!("expected {expected} bytes from the store, got {got}")).into()
+    StoreError::InvalidResponse(format!(
+        "expected {expected} bytes from the store, got {got}"
+    ))
+    .into()
 }

@@ -118,7 +118,12 @@ impl Header {
         out.extend_from_slice(&(CHECK_BLOCK as u32).to_le_bytes());
         out.extend_from_slice(&self.id.uri_hash);
         out.extend_from_slice(&self.id.etag_hash);
-        for v in [self.id.index, self.id.offset, self.id.len, self.id.page_size] {
+        for v in [
+            self.id.index,
+            self.id.offset,
+            self.id.len,
+            self.id.page_size,
+        ] {
             out.extend_from_slice(&v.to_le_bytes());
         }
         out.extend_from_slice(&(n as u32).to_le_bytes());
@@ -311,7 +316,9 @@ impl PageStore {
             || (end % CHECK_BLOCK != 0 && end != id.len)
             || data.is_empty()
         {
-            return Err(io::Error::other("fill is not block-aligned within the page"));
+            return Err(io::Error::other(
+                "fill is not block-aligned within the page",
+            ));
         }
         let stripe = key.0[0] as usize % FILL_LOCKS;
         let _guard = self.fill_locks[stripe]
@@ -345,7 +352,12 @@ impl PageStore {
 
     /// Reads `range` (page-relative) of the page `id`, checking the header
     /// and the CRC of every block it touches.
-    pub fn read(&self, key: &PageKey, id: &PageId, range: Range<u64>) -> Result<Bytes, PageReadError> {
+    pub fn read(
+        &self,
+        key: &PageKey,
+        id: &PageId,
+        range: Range<u64>,
+    ) -> Result<Bytes, PageReadError> {
         if range.end > id.len || range.start >= range.end {
             return Err(PageReadError::Corrupt(format!(
                 "range {range:?} outside a page of {} bytes",
@@ -365,9 +377,7 @@ impl PageStore {
         read_exact(&file, &mut raw, 0)?;
         let header = Header::decode(&raw, id)?;
         if let Some(missing) = (first..last).find(|b| !header.valid[*b]) {
-            let upto = (missing..last)
-                .find(|b| header.valid[*b])
-                .unwrap_or(last);
+            let upto = (missing..last).find(|b| header.valid[*b]).unwrap_or(last);
             return Err(PageReadError::Unfilled(missing..upto));
         }
         let mut buf = BytesMut::zeroed((end - start) as usize);
@@ -375,7 +385,9 @@ impl PageStore {
         for (i, chunk) in buf.chunks(CHECK_BLOCK as usize).enumerate() {
             let block = first + i;
             if header.crcs[block] != crc32c::crc32c(chunk) {
-                return Err(PageReadError::Corrupt(format!("CRC mismatch in block {block}")));
+                return Err(PageReadError::Corrupt(format!(
+                    "CRC mismatch in block {block}"
+                )));
             }
         }
         let buf = buf.freeze();
@@ -482,11 +494,19 @@ mod tests {
         let store = PageStore::open(dir.path()).unwrap();
         let key = PageKey::new("s3://b/p", "e", 3);
         let data = sample(CHECK_BLOCK * 4 - 7);
-        let id = PageId::new("s3://b/p", "e", 3, CHECK_BLOCK * 4, 3 * CHECK_BLOCK * 4 + data.len() as u64);
+        let id = PageId::new(
+            "s3://b/p",
+            "e",
+            3,
+            CHECK_BLOCK * 4,
+            3 * CHECK_BLOCK * 4 + data.len() as u64,
+        );
         assert_eq!(id.len, data.len() as u64);
         let b = CHECK_BLOCK as usize;
         assert!(!store.fill(&key, &id, 2, &data[2 * b..3 * b]).unwrap());
-        let got = store.read(&key, &id, 2 * CHECK_BLOCK + 5..2 * CHECK_BLOCK + 9).unwrap();
+        let got = store
+            .read(&key, &id, 2 * CHECK_BLOCK + 5..2 * CHECK_BLOCK + 9)
+            .unwrap();
         assert_eq!(&got[..], &data[2 * b + 5..2 * b + 9]);
         assert!(matches!(
             store.read(&key, &id, 0..10),

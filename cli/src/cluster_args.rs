@@ -9,7 +9,7 @@ use lakecache_registry::{ClusterClient, ClusterOptions, RegistryUrl, RingOptions
 use lakecache_worker::store::ObjectStore;
 use lakecache_worker::{Metrics, S3Config};
 
-use crate::units::ByteSize;
+use crate::units::{ByteSize, Seconds};
 
 #[derive(Args, Clone)]
 pub struct ClusterArgs {
@@ -20,9 +20,17 @@ pub struct ClusterArgs {
     /// A single worker (HOST:PORT), used when --registry is not given
     #[arg(long, env = "LAKECACHE_WORKER", default_value = "127.0.0.1:9500")]
     pub worker: String,
-    /// Request timeout towards a worker, in seconds
+    /// Timeout of whole uploads and copies towards a worker, in seconds
     #[arg(long, default_value_t = 60)]
     pub timeout: u64,
+    /// A worker that sends nothing for this long during a read, stat or
+    /// listing is skipped for the next replica or S3 (a hung worker costs
+    /// this much), e.g. 2s or 500ms
+    #[arg(long, env = "LAKECACHE_PROGRESS_TIMEOUT", default_value = "2s")]
+    pub progress_timeout: Seconds,
+    /// TCP connect timeout towards a worker, e.g. 500ms
+    #[arg(long, env = "LAKECACHE_CONNECT_TIMEOUT", default_value = "500ms")]
+    pub connect_timeout: Seconds,
     /// Placement segment size; must match the cluster's [default: 64MiB]
     #[arg(long, env = "LAKECACHE_SEGMENT_SIZE")]
     pub segment_size: Option<ByteSize>,
@@ -64,6 +72,8 @@ impl ClusterArgs {
                 ..RingOptions::default()
             },
             timeout: Duration::from_secs(self.timeout),
+            progress_timeout: self.progress_timeout.0,
+            connect_timeout: self.connect_timeout.0,
             s3_fallback: !self.no_s3_fallback,
             ..ClusterOptions::default()
         }

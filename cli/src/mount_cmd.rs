@@ -37,6 +37,11 @@ pub struct FuseArgs {
     /// Size of one read-ahead request
     #[arg(long, default_value = "8MiB")]
     pub readahead_chunk: ByteSize,
+    /// Memory for read-ahead and queued upload data of all open files
+    /// together; read-ahead backs off and writers wait beyond it
+    /// [default: 1/8 of RAM, at most 4GiB]
+    #[arg(long, env = "LAKECACHE_MEMORY_LIMIT")]
+    pub memory_limit: Option<ByteSize>,
     /// Owner shown for files [default: the mounting user]
     #[arg(long)]
     pub uid: Option<u32>,
@@ -70,6 +75,15 @@ impl FuseArgs {
         config.readahead_chunk = self.readahead_chunk.0;
         if config.readahead_chunk == 0 || config.readahead_max < config.readahead_chunk {
             bail!("--readahead-chunk must be non-zero and at most --readahead-max");
+        }
+        if let Some(limit) = self.memory_limit {
+            if limit.0 < 16 << 20 {
+                bail!(
+                    "--memory-limit must be at least 16MiB, got {} bytes",
+                    limit.0
+                );
+            }
+            config.memory_limit = limit.0;
         }
         if let Some(uid) = self.uid {
             config.uid = uid;

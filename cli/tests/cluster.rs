@@ -198,16 +198,16 @@ fn block(i: u64) -> Vec<u8> {
     out
 }
 
-#[test]
-fn a_worker_killed_mid_stream_costs_no_failed_read() {
-    const MIB: u64 = 1 << 20;
-    const SIZE_MIB: u64 = 1024;
-    let mut c = Cluster::start(3);
-    c.wait_members(&["w0", "w1", "w2"], Duration::from_secs(15));
-
-    // Upload 1 GiB through the cluster (streamed by `lakecache put`).
+/// Uploads `mib` MiB of [`block`]s through the cluster with `lakecache
+/// put`; returns the SHA-256 of what was sent.
+fn put_streamed(c: &Cluster, key: &str, mib: u64) -> String {
     let mut put = Command::new(BIN)
-        .args(["put", "s3://data/big.bin", "--registry", &c.registry()])
+        .args([
+            "put",
+            &format!("s3://data/{key}"),
+            "--registry",
+            &c.registry(),
+        ])
         .envs(s3_env(c.s3_port))
         .stdin(Stdio::piped())
         .stdout(Stdio::null())
@@ -218,7 +218,7 @@ fn a_worker_killed_mid_stream_costs_no_failed_read() {
     {
         use std::io::Write;
         let mut stdin = put.stdin.take().unwrap();
-        for i in 0..SIZE_MIB {
+        for i in 0..mib {
             let b = block(i);
             expected.update(&b);
             stdin.write_all(&b).unwrap();
@@ -230,21 +230,91 @@ fn a_worker_killed_mid_stream_costs_no_failed_read() {
         "put failed: {}",
         String::from_utf8_lossy(&out.stderr)
     );
-    let expected = hex(&expected.finalize());
+    hex(&expected.finalize())
+}
+
+/// The id of the worker owning each 64 MiB segment of `uri`.
+fn segment_owners(c: &Cluster, uri: &str, segments: u64) -> Vec<String> {
+    let rt = tokio::runtime::Runtime::new().unwrap();
+    rt.block_on(async {
+        let m = c.etcd_membership().await;
+        let client = ClusterClient::new(Arc::new(m), ClusterOptions::default(), None);
+        let uri: ObjectUri = uri.parse().unwrap();
+        (0..segments)
+            .map(|s| client.owner_of(&uri, s * 64 * (1 << 20)).unwrap().id)
+            .collect()
+    })
+}
+
+#[test]
+fn a_hung_worker_costs_seconds_not_a_minute() {
+    const MIB: u64 = 1 << 20;
+    const SIZE_MIB: u64 = 512;
+    let mut c = Cluster::start(3);
+    c.wait_members(&["w0", "w1", "w2"], Duration::from_secs(15));
+    let expected = put_streamed(&c, "hang.bin", SIZE_MIB);
+    let owners = segment_owners(&c, "s3://data/hang.bin", SIZE_MIB / 64);
+    // A worker owning segments in the second half of the object.
+    let victim = owners[4..]
+        .iter()
+        .find(|o| **o != owners[0])
+        .unwrap()
+        .clone();
+
+    // The default timeouts of `cat`: whole requests 60 s, progress 2 s.
+    let started = Instant::now();
+    let mut cat = Command::new(BIN)
+        .args(["cat", "s3://data/hang.bin", "--registry", &c.registry()])
+        .envs(s3_env(c.s3_port))
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    let mut stdout = cat.stdout.take().unwrap();
+    let mut got = Sha256::new();
+    let (mut total, mut stopped) = (0u64, false);
+    let mut buf = vec![0u8; 1 << 20];
+    let pid = c.worker_mut(&victim).0.id().to_string();
+    loop {
+        let n = stdout.read(&mut buf).unwrap();
+        if n == 0 {
+            break;
+        }
+        got.update(&buf[..n]);
+        total += n as u64;
+        if !stopped && total >= 64 * MIB {
+            // Hung, not dead: the socket stays open and says nothing.
+            Command::new("kill").args(["-STOP", &pid]).status().unwrap();
+            stopped = true;
+        }
+    }
+    let took = started.elapsed();
+    let status = cat.wait().unwrap();
+    Command::new("kill").args(["-CONT", &pid]).status().unwrap();
+    let mut err = String::new();
+    cat.stderr.take().unwrap().read_to_string(&mut err).unwrap();
+    eprintln!("512 MiB with {victim} stopped mid-read: {took:?}");
+    assert!(stopped);
+    assert!(status.success(), "cat failed with {victim} hung: {err}");
+    assert_eq!(total, SIZE_MIB * MIB);
+    assert_eq!(hex(&got.finalize()), expected, "bytes differ");
+    assert!(
+        took < Duration::from_secs(20),
+        "a hung worker stalled the read for {took:?}"
+    );
+}
+
+#[test]
+fn a_worker_killed_mid_stream_costs_no_failed_read() {
+    const MIB: u64 = 1 << 20;
+    const SIZE_MIB: u64 = 1024;
+    let mut c = Cluster::start(3);
+    c.wait_members(&["w0", "w1", "w2"], Duration::from_secs(15));
+
+    let expected = put_streamed(&c, "big.bin", SIZE_MIB);
 
     // Which worker owns which 64 MiB segment: kill one that owns later ones.
-    let membership_owner = {
-        let rt = tokio::runtime::Runtime::new().unwrap();
-        rt.block_on(async {
-            let m = c.etcd_membership().await;
-            let client = ClusterClient::new(Arc::new(m), ClusterOptions::default(), None);
-            let uri: ObjectUri = "s3://data/big.bin".parse().unwrap();
-            let owners: Vec<String> = (0..SIZE_MIB / 64)
-                .map(|s| client.owner_of(&uri, s * 64 * MIB).unwrap().id)
-                .collect();
-            owners
-        })
-    };
+    let membership_owner = segment_owners(&c, "s3://data/big.bin", SIZE_MIB / 64);
     let victim = membership_owner[10].clone();
     let spread: std::collections::BTreeSet<_> = membership_owner.iter().collect();
     assert_eq!(

@@ -612,6 +612,23 @@ os.replace(tmp, os.path.join(d, "model.safetensors"))
 
 #[test]
 fn a_worker_killed_during_a_read_through_the_mount_costs_no_io_error() {
+    read_through_a_worker_failure(false);
+}
+
+#[test]
+fn a_worker_hung_during_a_read_through_the_mount_costs_seconds() {
+    let took = read_through_a_worker_failure(true);
+    // Before progress deadlines, each request to the stopped worker waited
+    // out the 60 s request timeout.
+    assert!(
+        took < Duration::from_secs(25),
+        "a hung worker stalled the mount for {took:?}"
+    );
+}
+
+/// Reads 384 MiB through the mount while the owner of a later segment is
+/// killed (or stopped: hung, socket open, silent); returns the read time.
+fn read_through_a_worker_failure(hang: bool) -> Duration {
     let mut env = Env::start(3);
     let size = 384usize << 20;
     let data = pattern(size, 99);
@@ -638,11 +655,13 @@ fn a_worker_killed_during_a_read_through_the_mount_costs_no_io_error() {
         .position(|(p, _)| victim.ends_with(&format!(":{p}")))
         .unwrap();
 
+    let started = Instant::now();
     let mut f = File::open(env.mountpoint().join("big.bin")).unwrap();
     let mut h = Sha256::new();
     let mut buf = vec![0u8; 1 << 20];
     let mut total = 0usize;
-    let mut killed = false;
+    let mut failed = false;
+    let pid = env.workers[victim].1 .0.id().to_string();
     loop {
         let n = f.read(&mut buf).expect("read through the mount");
         if n == 0 {
@@ -650,14 +669,27 @@ fn a_worker_killed_during_a_read_through_the_mount_costs_no_io_error() {
         }
         h.update(&buf[..n]);
         total += n;
-        if !killed && total >= 96 << 20 {
-            env.workers[victim].1.kill9();
-            killed = true;
+        if !failed && total >= 96 << 20 {
+            if hang {
+                Command::new("kill").args(["-STOP", &pid]).status().unwrap();
+            } else {
+                env.workers[victim].1.kill9();
+            }
+            failed = true;
         }
     }
-    assert!(killed);
+    let took = started.elapsed();
+    if hang {
+        Command::new("kill").args(["-CONT", &pid]).status().unwrap();
+    }
+    eprintln!(
+        "384 MiB through the mount, owner {} mid-read: {took:?}",
+        if hang { "stopped" } else { "killed" }
+    );
+    assert!(failed);
     assert_eq!(total, size);
     assert_eq!(h.finalize().to_vec(), want);
+    took
 }
 
 fn mount_pids(mountpoint: &Path) -> Vec<String> {
@@ -681,6 +713,29 @@ fn sigterm_unmounts_and_a_killed_client_leaves_no_dead_mount() {
     assert_eq!(fs::read(mnt.join("hello.txt")).unwrap(), b"hi\n");
     let status = env.mount.take().unwrap().term().unwrap();
     assert!(status.success(), "mount exited with {status}");
+    wait_mounted(&mnt, false);
+
+    // Unmounted from outside, as a benchmark harness does: the client
+    // exits cleanly, without a panic.
+    env.mount();
+    let out = Command::new("fusermount3")
+        .arg("-u")
+        .arg(&mnt)
+        .output()
+        .unwrap();
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let mut client = env.mount.take().unwrap();
+    let status = client.0.wait().unwrap();
+    assert!(
+        status.success(),
+        "mount exited with {status}: {}",
+        env.log()
+    );
+    assert!(!env.log().contains("panicked"), "{}", env.log());
     wait_mounted(&mnt, false);
 
     // SIGKILL: fusermount3's auto_unmount releases the mount.

@@ -466,60 +466,81 @@ impl Filesystem for KernelAdapter {
     fn readdir(
         &self,
         _req: &Request,
-        _ino: INodeNo,
+        ino: INodeNo,
         fh: FileHandle,
         offset: u64,
         mut reply: ReplyDirectory,
     ) {
-        let entries = match self.fs.readdir(fh.0, offset) {
-            Ok(e) => e,
-            Err(e) => return reply.error(self.refuse("readdir", e)),
-        };
-        for (i, entry) in entries.iter().enumerate() {
-            let kind = match entry.node.kind {
-                Kind::File => FileType::RegularFile,
-                Kind::Dir => FileType::Directory,
-            };
-            let next = offset + i as u64 + 1;
-            if reply.add(INodeNo(entry.node.ino), next, kind, &entry.name) {
-                break;
-            }
-        }
-        reply.ok();
+        self.spawn(
+            "readdir",
+            ino.0,
+            move |fs| async move { fs.readdir(ino.0, fh.0, offset, false).await },
+            move |r| {
+                let entries = match r {
+                    Ok(e) => e,
+                    Err(e) => return reply.error(errno(&e)),
+                };
+                for (i, entry) in entries.iter().enumerate() {
+                    let kind = match entry.node.kind {
+                        Kind::File => FileType::RegularFile,
+                        Kind::Dir => FileType::Directory,
+                    };
+                    let next = offset + i as u64 + 1;
+                    if reply.add(INodeNo(entry.node.ino), next, kind, &entry.name) {
+                        break;
+                    }
+                }
+                reply.ok();
+            },
+        );
     }
 
     fn readdirplus(
         &self,
         _req: &Request,
-        _ino: INodeNo,
+        ino: INodeNo,
         fh: FileHandle,
         offset: u64,
         mut reply: ReplyDirectoryPlus,
     ) {
-        let entries = match self.fs.readdir(fh.0, offset) {
-            Ok(e) => e,
-            Err(e) => return reply.error(self.refuse("readdirplus", e)),
-        };
-        let ttl = self.fs.config().entry_ttl;
-        for (i, entry) in entries.iter().enumerate() {
-            let next = offset + i as u64 + 1;
-            let attr = self.attr(&entry.node);
-            if reply.add(
-                INodeNo(entry.node.ino),
-                next,
-                &entry.name,
-                &ttl,
-                &attr,
-                Generation(0),
-            ) {
-                break;
-            }
-            // The kernel counts a lookup for every entry but `.` and `..`.
-            if entry.name != "." && entry.name != ".." {
-                self.fs.add_lookup(entry.node.ino);
-            }
-        }
-        reply.ok();
+        let this = self.clone();
+        self.spawn(
+            "readdirplus",
+            ino.0,
+            move |fs| async move { fs.readdir(ino.0, fh.0, offset, true).await },
+            move |r| {
+                let entries = match r {
+                    Ok(e) => e,
+                    Err(e) => return reply.error(errno(&e)),
+                };
+                let ttl = this.fs.config().entry_ttl;
+                let mut full = false;
+                for (i, entry) in entries.iter().enumerate() {
+                    let counted = entry.name != "." && entry.name != "..";
+                    let next = offset + i as u64 + 1;
+                    full = full
+                        || reply.add(
+                            INodeNo(entry.node.ino),
+                            next,
+                            &entry.name,
+                            &ttl,
+                            &this.attr(&entry.node),
+                            Generation(0),
+                        );
+                    // The kernel counts a lookup for every entry it took
+                    // but `.` and `..`; inodes made for entries that did
+                    // not fit are released at once.
+                    if counted {
+                        if full {
+                            this.fs.forget(entry.node.ino, 0);
+                        } else {
+                            this.fs.add_lookup(entry.node.ino);
+                        }
+                    }
+                }
+                reply.ok();
+            },
+        );
     }
 
     fn releasedir(

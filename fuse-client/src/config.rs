@@ -22,6 +22,8 @@ pub struct FsConfig {
     pub readahead_chunk: u64,
     /// Upper bound on one upload: a writer that stalls longer fails.
     pub upload_timeout: Duration,
+    /// One budget for read-ahead and queued upload data of all handles.
+    pub memory_limit: u64,
 }
 
 impl FsConfig {
@@ -45,6 +47,7 @@ impl FsConfig {
             readahead_max: 64 << 20,
             readahead_chunk: 8 << 20,
             upload_timeout: Duration::from_secs(6 * 3600),
+            memory_limit: crate::memory::default_limit(),
         }
     }
 }

@@ -1,7 +1,7 @@
 //! The filesystem core: POSIX operations over S3 keys, driven by the
 //! kernel adapter or directly by tests. Directories are key prefixes.
 
-use std::collections::{BTreeMap, HashMap};
+use std::collections::HashMap;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 
@@ -11,8 +11,10 @@ use tokio::sync::Mutex as AsyncMutex;
 
 use crate::config::FsConfig;
 use crate::data_plane::DataPlane;
+use crate::dir::{DirStream, Listed, ListingCache};
 use crate::error::FsError;
 use crate::inode::{Inode, InodeTable, Kind, Meta};
+use crate::memory::MemoryBudget;
 use crate::read::{FileReader, ReadaheadPolicy};
 use crate::write::FileWriter;
 
@@ -36,7 +38,7 @@ enum Handle {
         /// Metadata before an overwrite, restored if the upload fails.
         previous: Option<Meta>,
     },
-    Dir(Arc<Vec<DirEntry>>),
+    Dir(Arc<AsyncMutex<DirStream>>),
 }
 
 /// What `setattr` was asked to change.
@@ -54,7 +56,15 @@ pub struct Fs {
     inodes: InodeTable,
     handles: Mutex<HashMap<u64, Handle>>,
     next_fh: AtomicU64,
+    listings: ListingCache,
+    forgets: AtomicU64,
+    memory: Arc<MemoryBudget>,
 }
+
+/// Entries one `readdir` call prepares; the kernel's buffer takes fewer.
+const READDIR_BATCH: usize = 512;
+/// Names kept in complete listings across all directories.
+const MAX_CACHED_NAMES: usize = 1_000_000;
 
 fn meta_of(stat: &ObjectStat) -> Meta {
     Meta {
@@ -64,8 +74,16 @@ fn meta_of(stat: &ObjectStat) -> Meta {
     }
 }
 
-/// Thread group of a task (FUSE requests carry thread ids).
-fn tgid_of(pid: u32) -> Option<u32> {
+/// Thread group of a task (FUSE requests carry thread ids); read from
+/// /proc off the runtime threads.
+async fn tgid_of(pid: u32) -> Option<u32> {
+    tokio::task::spawn_blocking(move || read_tgid(pid))
+        .await
+        .ok()
+        .flatten()
+}
+
+fn read_tgid(pid: u32) -> Option<u32> {
     let status = std::fs::read_to_string(format!("/proc/{pid}/status")).ok()?;
     status
         .lines()
@@ -76,12 +94,17 @@ fn tgid_of(pid: u32) -> Option<u32> {
 impl Fs {
     pub fn new(data: Arc<dyn DataPlane>, config: FsConfig) -> Self {
         let inodes = InodeTable::new(&config.prefix);
+        tracing::debug!(bytes = config.memory_limit, "mount memory budget");
+        let memory = MemoryBudget::new(config.memory_limit);
         Self {
             data,
+            listings: ListingCache::new(config.entry_ttl, MAX_CACHED_NAMES),
             config,
             inodes,
             handles: Mutex::new(HashMap::new()),
             next_fh: AtomicU64::new(1),
+            forgets: AtomicU64::new(0),
+            memory,
         }
     }
 
@@ -185,6 +208,25 @@ impl Fs {
 
     pub fn forget(&self, ino: u64, n: u64) {
         self.inodes.forget(ino, n);
+        // Now and then: drop expired listings and hand freed memory back,
+        // so a mount that listed millions of names shrinks once the
+        // kernel lets go of them.
+        if self.forgets.fetch_add(1, Ordering::Relaxed) % 65_536 == 65_535 {
+            self.listings.purge_expired();
+            crate::memory::trim();
+        }
+    }
+
+    /// Inodes the table holds (the root included).
+    pub fn inode_count(&self) -> usize {
+        self.inodes.len()
+    }
+
+    /// This mount changed directory `ino`: its cached listing is stale.
+    fn dir_changed(&self, ino: u64) {
+        if let Some(dir) = self.inodes.get(ino) {
+            self.listings.invalidate(&dir.key);
+        }
     }
 
     pub fn add_lookup(&self, ino: u64) {
@@ -280,89 +322,115 @@ impl Fs {
             .ok_or(FsError::NotFound)
     }
 
+    /// Opens a directory after its first LIST page (or from a listing
+    /// cached within the entry TTL); later pages are listed as `readdir`
+    /// reaches them.
     pub async fn opendir(&self, ino: u64) -> Result<u64, FsError> {
         let dir = self.dir(ino)?;
-        let mut names: BTreeMap<String, (Kind, String, Meta)> = BTreeMap::new();
-        let mut token: Option<String> = None;
-        loop {
-            let page = self
-                .data
-                .list(
-                    &self.config.bucket,
-                    &dir.key,
-                    Some("/"),
-                    token.as_deref(),
-                    None,
-                )
-                .await?;
-            for obj in &page.objects {
-                let Some(name) = obj.key.strip_prefix(&dir.key) else {
-                    continue;
-                };
-                if name.is_empty() || name == "." || name == ".." {
-                    continue; // the directory's own marker
-                }
-                // Some S3-compatible stores list without ETags: then open
-                // asks for one instead of trusting an empty string.
-                let meta = Meta {
-                    size: obj.size,
-                    etag: Some(obj.etag.clone()).filter(|e| !e.is_empty()),
-                    mtime_ms: obj.last_modified_ms,
-                };
-                names
-                    .entry(name.to_string())
-                    .or_insert((Kind::File, obj.key.clone(), meta));
-            }
-            for prefix in &page.common_prefixes {
-                let Some(name) = prefix
-                    .strip_prefix(&dir.key)
-                    .and_then(|n| n.strip_suffix('/'))
-                else {
-                    continue;
-                };
-                if name.is_empty() || name == "." || name == ".." || name.contains('/') {
-                    continue;
-                }
-                names.insert(
-                    name.to_string(),
-                    (Kind::Dir, prefix.clone(), Meta::default()),
-                );
-            }
-            match page.next_token {
-                Some(t) => token = Some(t),
-                None => break,
-            }
-        }
-        let mut entries = Vec::with_capacity(names.len() + 2);
-        entries.push(DirEntry {
-            name: ".".into(),
-            node: dir.clone(),
-        });
         let parent = self.inodes.get(dir.parent).unwrap_or_else(|| dir.clone());
-        entries.push(DirEntry {
-            name: "..".into(),
-            node: parent,
-        });
+        let mut head = vec![
+            Listed {
+                name: ".".into(),
+                kind: Kind::Dir,
+                key: dir.key.clone(),
+                meta: Meta::default(),
+            },
+            Listed {
+                name: "..".into(),
+                kind: Kind::Dir,
+                key: parent.key,
+                meta: Meta::default(),
+            },
+        ];
         for local in self.inodes.local_children(ino) {
-            names.remove(&local.name);
-            entries.push(DirEntry {
-                name: local.name.clone(),
-                node: local,
+            head.push(Listed {
+                name: local.name,
+                kind: local.kind,
+                key: local.key,
+                meta: local.meta,
             });
         }
-        for (name, (kind, key, meta)) in names {
-            let node = self.inodes.upsert(ino, &name, kind, key, meta);
-            entries.push(DirEntry { name, node });
+        let mut stream = DirStream::new(&self.config.bucket, &dir.key, head);
+        match self.listings.get(&dir.key) {
+            Some(cached) => stream = stream.from_cache(&cached),
+            None => stream.fill_to(self.data.as_ref(), stream.len() + 1).await?,
         }
-        Ok(self.add_handle(Handle::Dir(Arc::new(entries))))
+        Ok(self.add_handle(Handle::Dir(Arc::new(AsyncMutex::new(stream)))))
     }
 
-    /// Entries from index `offset` of the snapshot taken at opendir.
-    pub fn readdir(&self, fh: u64, offset: u64) -> Result<Vec<DirEntry>, FsError> {
-        match self.handle(fh)? {
-            Handle::Dir(entries) => Ok(entries.iter().skip(offset as usize).cloned().collect()),
-            _ => Err(FsError::BadHandle),
+    /// Up to a batch of entries from index `offset`. With `plus` (the
+    /// kernel's READDIRPLUS) every entry gets an inode, which the caller
+    /// must count as looked up or release with [`Self::forget`]`(ino, 0)`;
+    /// without it, names not in the table get a stable stand-in number
+    /// and no inode (the kernel looks them up when it needs one).
+    pub async fn readdir(
+        &self,
+        ino: u64,
+        fh: u64,
+        offset: u64,
+        plus: bool,
+    ) -> Result<Vec<DirEntry>, FsError> {
+        let Handle::Dir(stream) = self.handle(fh)? else {
+            return Err(FsError::BadHandle);
+        };
+        let mut stream = stream.lock().await;
+        let start = usize::try_from(offset).unwrap_or(usize::MAX);
+        let end = start.saturating_add(READDIR_BATCH);
+        let was_done = stream.is_done();
+        stream.fill_to(self.data.as_ref(), end).await?;
+        if stream.is_done() && !was_done {
+            let dir_key = self.dir(ino)?.key;
+            self.listings
+                .put(&dir_key, stream.listed_at, stream.listed.clone());
         }
+        let at = stream.listed_at;
+        let mut out = Vec::new();
+        for i in start..end.min(stream.len()) {
+            let Some(entry) = stream.get(i) else { break };
+            let node = match entry.name.as_str() {
+                "." => self.node(ino)?,
+                ".." => {
+                    let dir = self.node(ino)?;
+                    self.inodes.get(dir.parent).unwrap_or(dir)
+                }
+                _ if plus => self.inodes.upsert_at(
+                    ino,
+                    &entry.name,
+                    entry.kind,
+                    entry.key.clone(),
+                    entry.meta.clone(),
+                    at,
+                ),
+                _ => match self.inodes.child(ino, &entry.name) {
+                    Some(node) => node,
+                    None => Inode::transient(ino, entry),
+                },
+            };
+            out.push(DirEntry {
+                name: entry.name.clone(),
+                node,
+            });
+        }
+        Ok(out)
+    }
+
+    /// Every entry of a directory, as `ls` reads it (tests and tools).
+    pub async fn list_dir(&self, ino: u64) -> Result<Vec<DirEntry>, FsError> {
+        let fh = self.opendir(ino).await?;
+        let mut all = Vec::new();
+        loop {
+            let batch = self.readdir(ino, fh, all.len() as u64, false).await;
+            match batch {
+                Ok(b) if b.is_empty() => break,
+                Ok(b) => all.extend(b),
+                Err(e) => {
+                    self.releasedir(fh);
+                    return Err(e);
+                }
+            }
+        }
+        self.releasedir(fh);
+        Ok(all)
     }
 
     pub fn releasedir(&self, fh: u64) {
@@ -382,7 +450,8 @@ impl Fs {
         // verify pass does this); writing through that handle is refused.
         if access == libc::O_WRONLY || (access == libc::O_RDWR && replaces) {
             let previous = Some(node.meta.clone());
-            return self.open_for_write(node, flags, pid, previous);
+            let owner = tgid_of(pid).await;
+            return self.open_for_write(node, flags, owner, previous);
         }
         if node.writer.is_some() {
             return Err(FsError::Busy("the file is being written"));
@@ -405,6 +474,7 @@ impl Fs {
                 max: self.config.readahead_max,
                 chunk: self.config.readahead_chunk,
             },
+            self.memory.clone(),
         );
         let fh = self.add_handle(Handle::Read(Arc::new(AsyncMutex::new(reader))));
         Ok((fh, keep_cache))
@@ -415,29 +485,22 @@ impl Fs {
         &self,
         node: Inode,
         flags: i32,
-        pid: u32,
+        owner_tgid: Option<u32>,
         previous: Option<Meta>,
     ) -> Result<(u64, bool), FsError> {
-        if node.writer.is_some() {
-            return Err(FsError::Busy("the file is already open for writing"));
-        }
         if flags & libc::O_TRUNC == 0 && node.meta.size > 0 {
             return Err(FsError::NotPermitted(
                 "existing objects can only be replaced whole: open with O_TRUNC",
             ));
         }
-        let writer = FileWriter::new(
-            self.data.clone(),
-            self.uri(&node.key)?,
-            self.config.upload_timeout,
-        );
-        let fh = self.add_handle(Handle::Write {
-            writer: Arc::new(AsyncMutex::new(writer)),
-            ino: node.ino,
-            owner_tgid: tgid_of(pid),
-            previous,
-        });
-        self.inodes.update(node.ino, |n| {
+        let uri = self.uri(&node.key)?;
+        // Claim the inode atomically: of two concurrent opens for
+        // writing, exactly one wins and the other gets EBUSY.
+        let fh = self.next_fh.fetch_add(1, Ordering::Relaxed);
+        let claimed = self.inodes.update(node.ino, |n| {
+            if n.writer.is_some() {
+                return false;
+            }
             n.writer = Some(fh);
             n.meta = Meta {
                 size: 0,
@@ -445,12 +508,35 @@ impl Fs {
                 mtime_ms: now_ms(),
             };
             n.page_cache_etag = None;
+            true
         });
+        match claimed {
+            Some(true) => {}
+            Some(false) => return Err(FsError::Busy("the file is already open for writing")),
+            None => return Err(FsError::NotFound),
+        }
+        let writer = FileWriter::new(
+            self.data.clone(),
+            uri,
+            self.config.upload_timeout,
+            self.memory.clone(),
+        );
+        let mut handles = self.handles.lock().unwrap_or_else(|p| p.into_inner());
+        handles.insert(
+            fh,
+            Handle::Write {
+                writer: Arc::new(AsyncMutex::new(writer)),
+                ino: node.ino,
+                owner_tgid,
+                previous,
+            },
+        );
         Ok((fh, false))
     }
 
     /// Creates a file that exists locally until its upload completes.
     pub async fn create(&self, parent: u64, name: &str, pid: u32) -> Result<(Inode, u64), FsError> {
+        let owner = tgid_of(pid).await;
         let p = self.dir(parent)?;
         let key = self.child_key(&p, name, Kind::File)?;
         if let Some(existing) = self.inodes.child(parent, name) {
@@ -471,7 +557,7 @@ impl Fs {
         );
         // A create that did not replace anything has nothing to restore.
         let (fh, _) =
-            self.open_for_write(node.clone(), libc::O_WRONLY | libc::O_TRUNC, pid, None)?;
+            self.open_for_write(node.clone(), libc::O_WRONLY | libc::O_TRUNC, owner, None)?;
         self.inodes.add_lookup(node.ino);
         let node = self.node(node.ino)?;
         Ok((node, fh))
@@ -513,7 +599,7 @@ impl Fs {
             Handle::Write {
                 owner_tgid, writer, ..
             } => {
-                if owner_tgid.is_some() && tgid_of(pid) != owner_tgid {
+                if owner_tgid.is_some() && tgid_of(pid).await != owner_tgid {
                     return Ok(());
                 }
                 // Shells open, dup2 and close the original descriptor before
@@ -570,11 +656,15 @@ impl Fs {
         match &result {
             Ok(stat) => {
                 let meta = meta_of(stat);
-                self.inodes.update(ino, |n| {
+                let parent = self.inodes.update(ino, |n| {
                     n.meta = meta;
                     n.validated = std::time::Instant::now();
                     n.writer = None;
+                    n.parent
                 });
+                if let Some(parent) = parent {
+                    self.dir_changed(parent);
+                }
                 tracing::debug!(uri = %w.uri, size = stat.size, "upload committed");
             }
             Err(e) => {
@@ -603,6 +693,7 @@ impl Fs {
             Err(e) => return Err(e),
         }
         self.data.put(&self.uri(&key)?, Bytes::new()).await?;
+        self.dir_changed(parent);
         let node = self
             .inodes
             .upsert(parent, name, Kind::Dir, key, Meta::default());
@@ -619,6 +710,7 @@ impl Fs {
             return Err(FsError::Busy("the file is being written"));
         }
         self.data.delete(&self.uri(&node.key)?).await?;
+        self.dir_changed(parent);
         self.inodes.unlink(parent, name);
         Ok(())
     }
@@ -644,6 +736,7 @@ impl Fs {
             return Err(FsError::NotEmpty);
         }
         self.data.delete(&self.uri(&node.key)?).await?;
+        self.dir_changed(parent);
         self.inodes.unlink(parent, name);
         Ok(())
     }
@@ -658,6 +751,9 @@ impl Fs {
     ) -> Result<(), FsError> {
         let src = self.resolve(parent, name).await?;
         let np = self.dir(new_parent)?;
+        // Whatever happens below, both listings may have changed.
+        self.dir_changed(parent);
+        self.dir_changed(new_parent);
         let dst = match self.resolve(new_parent, new_name).await {
             Ok(n) => Some(n),
             Err(FsError::NotFound) => None,

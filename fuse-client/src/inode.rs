@@ -39,6 +39,28 @@ pub struct Inode {
 }
 
 impl Inode {
+    /// A listed name that has no inode: shown by plain `readdir` with a
+    /// stable stand-in number (top bit set, never a real inode number).
+    pub fn transient(parent: u64, listed: &crate::dir::Listed) -> Self {
+        // FNV-1a over the key: stable and cheap.
+        let mut h: u64 = 0xcbf2_9ce4_8422_2325;
+        for b in listed.key.as_bytes() {
+            h = (h ^ u64::from(*b)).wrapping_mul(0x100_0000_01b3);
+        }
+        Self {
+            ino: h | 1 << 63,
+            parent,
+            name: listed.name.clone(),
+            kind: listed.kind,
+            key: listed.key.clone(),
+            meta: listed.meta.clone(),
+            validated: Instant::now(),
+            nlookup: 0,
+            writer: None,
+            page_cache_etag: None,
+        }
+    }
+
     pub fn is_fresh(&self, ttl: Duration) -> bool {
         self.kind == Kind::Dir || self.writer.is_some() || self.validated.elapsed() < ttl
     }
@@ -94,15 +116,29 @@ impl InodeTable {
     /// Records what S3 says about `parent/name`: updates the existing inode
     /// (unless a local upload owns it) or makes a new one.
     pub fn upsert(&self, parent: u64, name: &str, kind: Kind, key: String, meta: Meta) -> Inode {
+        self.upsert_at(parent, name, kind, key, meta, Instant::now())
+    }
+
+    /// [`Self::upsert`] with metadata learned at `seen` (a listing's age
+    /// counts against the attribute TTL).
+    pub fn upsert_at(
+        &self,
+        parent: u64,
+        name: &str,
+        kind: Kind,
+        key: String,
+        meta: Meta,
+        seen: Instant,
+    ) -> Inode {
         let mut t = self.lock();
         let name_key = (parent, name.to_string());
         if let Some(&ino) = t.names.get(&name_key) {
             if let Some(node) = t.nodes.get_mut(&ino) {
                 if node.kind == kind {
-                    if node.writer.is_none() {
+                    if node.writer.is_none() && seen >= node.validated {
                         node.meta = meta;
                         node.key = key;
-                        node.validated = Instant::now();
+                        node.validated = seen;
                     }
                     return node.clone();
                 }
@@ -118,7 +154,7 @@ impl InodeTable {
             kind,
             key,
             meta,
-            validated: Instant::now(),
+            validated: seen,
             nlookup: 0,
             writer: None,
             page_cache_etag: None,
@@ -126,6 +162,10 @@ impl InodeTable {
         t.names.insert(name_key, ino);
         t.nodes.insert(ino, node.clone());
         node
+    }
+
+    pub fn len(&self) -> usize {
+        self.lock().nodes.len()
     }
 
     pub fn update<R>(&self, ino: u64, f: impl FnOnce(&mut Inode) -> R) -> Option<R> {

@@ -7,9 +7,11 @@
 pub mod adapter;
 pub mod config;
 pub mod data_plane;
+pub mod dir;
 pub mod error;
 pub mod fs;
 pub mod inode;
+pub mod memory;
 pub mod mount;
 pub mod read;
 pub mod write;

@@ -36,7 +36,9 @@ pub struct Mounted {
     mountpoint: PathBuf,
     unmounter: fuser::SessionUnmounter,
     session: Option<std::thread::JoinHandle<std::io::Result<()>>>,
-    ended: tokio::sync::oneshot::Receiver<()>,
+    /// Becomes true when the session thread returns; awaited any number
+    /// of times (a oneshot would panic when polled after completion).
+    ended: tokio::sync::watch::Receiver<bool>,
 }
 
 /// True when `path` is a mount whose server is gone ("Transport endpoint
@@ -184,12 +186,12 @@ pub fn mount(
         source: e,
     })?;
     let unmounter = session.unmount_callable();
-    let (done_tx, ended) = tokio::sync::oneshot::channel();
+    let (done_tx, ended) = tokio::sync::watch::channel(false);
     let thread = std::thread::Builder::new()
         .name("fuse-session".into())
         .spawn(move || {
             let r = session.run();
-            let _ = done_tx.send(());
+            let _ = done_tx.send(true);
             r
         })
         .map_err(|e| MountError::Mount {
@@ -212,7 +214,8 @@ impl Mounted {
 
     /// Resolves when the session ends on its own (external `umount`).
     pub async fn ended(&mut self) {
-        let _ = (&mut self.ended).await;
+        // An error means the sender is gone, i.e. the thread ended too.
+        let _ = self.ended.wait_for(|ended| *ended).await;
     }
 
     /// Unmounts and waits for the session threads. A busy mount is
@@ -231,7 +234,7 @@ impl Mounted {
                 force_unmount(&self.mountpoint)?;
             }
         }
-        let _ = tokio::time::timeout(Duration::from_secs(30), &mut self.ended).await;
+        let _ = tokio::time::timeout(Duration::from_secs(30), self.ended()).await;
         if let Some(thread) = self.session.take() {
             if thread.is_finished() {
                 match thread.join() {

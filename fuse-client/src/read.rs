@@ -11,6 +11,7 @@ use tokio::task::JoinHandle;
 
 use crate::data_plane::{read_exact, DataPlane};
 use crate::error::FsError;
+use crate::memory::{MemoryBudget, Reservation};
 
 /// How far behind the last read a request may land and still count as
 /// the same stream (the kernel issues read-ahead out of order).
@@ -27,6 +28,8 @@ struct Chunk {
     range: Range<u64>,
     fetch: Option<JoinHandle<Result<Bytes, FsError>>>,
     data: Option<Bytes>,
+    /// Held against the mount's memory budget while the chunk lives.
+    _memory: Reservation,
 }
 
 impl Chunk {
@@ -59,6 +62,7 @@ pub struct FileReader {
     window: u64,
     /// Contiguous prefetched ranges, in order.
     chunks: VecDeque<Chunk>,
+    budget: Arc<MemoryBudget>,
 }
 
 impl FileReader {
@@ -68,6 +72,7 @@ impl FileReader {
         etag: String,
         size: u64,
         policy: ReadaheadPolicy,
+        budget: Arc<MemoryBudget>,
     ) -> Self {
         Self {
             data,
@@ -78,6 +83,7 @@ impl FileReader {
             next_offset: 0,
             window: 0,
             chunks: VecDeque::new(),
+            budget,
         }
     }
 
@@ -121,7 +127,7 @@ impl FileReader {
         if self.chunks.front().is_some_and(|c| c.range.start > offset) {
             self.chunks.clear();
         }
-        self.schedule(offset, end.saturating_add(self.window).min(self.size));
+        self.schedule(offset, end, end.saturating_add(self.window).min(self.size));
         match self.collect(offset, end).await {
             Ok(bytes) => Ok(bytes),
             Err(e) => {
@@ -160,13 +166,28 @@ impl FileReader {
         Ok(out.freeze())
     }
 
-    /// Starts fetches so that chunks cover `[from, until)`.
-    fn schedule(&mut self, from: u64, until: u64) {
+    /// Starts fetches so that chunks cover `[from, until)`: always up to
+    /// `demand` (what the reader asked for), beyond it only while the
+    /// memory budget allows. While the window is smaller than a chunk,
+    /// chunks stop at `until`, so the first read of a file fetches what
+    /// it asked plus the initial window, not a whole chunk; after that
+    /// chunks end on chunk multiples so that a stream's requests line up.
+    fn schedule(&mut self, from: u64, demand: u64, until: u64) {
         let mut pos = self.chunks.back().map_or(from, |c| c.range.end);
+        let chunk = self.policy.chunk.max(1);
         while pos < until {
-            // Align chunk ends so that a stream's requests line up.
-            let chunk = self.policy.chunk.max(1);
-            let end = ((pos / chunk + 1) * chunk).min(self.size);
+            let mut end = ((pos / chunk + 1) * chunk).min(self.size);
+            if self.window < chunk {
+                end = end.min(until);
+            }
+            let memory = match self.budget.try_reserve(end - pos) {
+                Some(r) => r,
+                None if pos < demand => {
+                    end = end.min(demand);
+                    Reservation::none()
+                }
+                None => break, // read-ahead backs off
+            };
             let range = pos..end;
             let data = self.data.clone();
             let uri = self.uri.clone();
@@ -182,6 +203,7 @@ impl FileReader {
                 range,
                 fetch: Some(fetch),
                 data: None,
+                _memory: memory,
             });
             pos = end;
         }
@@ -205,6 +227,13 @@ mod tests {
     }
 
     fn setup(len: u64) -> (Arc<FaultyDataPlane<MemoryDataPlane>>, FileReader, Vec<u8>) {
+        setup_with(len, MemoryBudget::new(1 << 30))
+    }
+
+    fn setup_with(
+        len: u64,
+        budget: Arc<MemoryBudget>,
+    ) -> (Arc<FaultyDataPlane<MemoryDataPlane>>, FileReader, Vec<u8>) {
         let body = content(len);
         let memory = MemoryDataPlane::new();
         let etag = memory.insert("bkt", "obj", body.clone());
@@ -219,6 +248,7 @@ mod tests {
                 max: 2 * MIB,
                 chunk: 512 * KIB,
             },
+            budget,
         );
         (rec, reader, body)
     }
@@ -239,15 +269,66 @@ mod tests {
         }
         assert_eq!(r.window, 2 * MIB, "window doubles up to the max");
         let ranges = rec.read_ranges();
-        // 64 kernel reads became a handful of chunk requests, each ending
-        // on a chunk boundary and together covering the file once.
-        assert!(ranges.len() <= 17, "{ranges:?}");
+        // 64 kernel reads became a handful of chunk requests, together
+        // covering the file once; once the window passed a chunk, each
+        // request ends on a chunk boundary.
+        assert!(ranges.len() <= 24, "{ranges:?}");
         assert!(
-            ranges.iter().all(|r| r.end % (512 * KIB) == 0),
+            ranges
+                .iter()
+                .filter(|r| r.start >= 2 * MIB)
+                .all(|r| r.end % (512 * KIB) == 0),
             "{ranges:?}"
         );
         let covered: u64 = ranges.iter().map(|r| r.end - r.start).sum();
         assert_eq!(covered, 8 * MIB, "no byte fetched twice: {ranges:?}");
+    }
+
+    #[tokio::test]
+    async fn a_first_small_read_fetches_the_initial_window_not_a_chunk() {
+        // Reading a shard's header must not pull a whole chunk.
+        let (rec, mut r, body) = setup(64 * MIB);
+        let got = r.read(0, KIB).await.unwrap();
+        assert_eq!(&got[..], expect(&body, 0, KIB));
+        let fetched: u64 = rec.read_ranges().iter().map(|r| r.end - r.start).sum();
+        assert_eq!(
+            fetched,
+            KIB + 256 * KIB,
+            "asked for plus the initial window"
+        );
+    }
+
+    #[tokio::test]
+    async fn read_ahead_backs_off_when_the_memory_budget_is_spent() {
+        let budget = MemoryBudget::new(MIB);
+        let (rec, mut r, body) = setup_with(16 * MIB, budget.clone());
+        // Another file holds most of the budget.
+        let held = budget.try_reserve(768 * KIB).unwrap();
+        let mut off = 0;
+        while off < 4 * MIB {
+            let got = r.read(off, 128 * KIB).await.unwrap();
+            assert_eq!(&got[..], expect(&body, off, 128 * KIB), "offset {off}");
+            off += 128 * KIB;
+            let ahead: u64 = r
+                .chunks
+                .iter()
+                .filter(|c| c.range.start >= off)
+                .map(|c| c.range.end - c.range.start)
+                .sum();
+            assert!(
+                ahead <= 256 * KIB,
+                "read ahead {ahead} bytes past a spent budget"
+            );
+        }
+        drop(held);
+        let before = rec.read_ranges().len();
+        for _ in 0..4 {
+            r.read(off, 128 * KIB).await.unwrap();
+            off += 128 * KIB;
+        }
+        let ahead: u64 = r.chunks.iter().map(|c| c.range.end - c.range.start).sum();
+        assert!(ahead > 256 * KIB, "read-ahead resumes once memory is free");
+        assert!(rec.read_ranges().len() > before);
     }
 
     #[tokio::test]

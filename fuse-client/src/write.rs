@@ -11,12 +11,15 @@ use tokio::task::JoinHandle;
 
 use crate::data_plane::{ByteStream, DataError, DataPlane};
 use crate::error::FsError;
+use crate::memory::{MemoryBudget, Reservation};
 
 /// Writes buffered towards the worker before `write` waits.
 const QUEUED_WRITES: usize = 16;
 
 struct Upload {
-    sender: mpsc::Sender<Bytes>,
+    /// Each piece travels with its share of the mount's memory budget,
+    /// released once the upload stream has handed it on.
+    sender: mpsc::Sender<(Bytes, Reservation)>,
     task: JoinHandle<Result<ObjectStat, DataError>>,
 }
 
@@ -31,14 +34,21 @@ pub struct FileWriter {
     upload: Option<Upload>,
     /// Set once the upload ended; repeated flushes report the same.
     outcome: Option<Result<ObjectStat, DataError>>,
+    budget: Arc<MemoryBudget>,
 }
 
 impl FileWriter {
-    pub fn new(data: Arc<dyn DataPlane>, uri: ObjectUri, timeout: Duration) -> Self {
+    pub fn new(
+        data: Arc<dyn DataPlane>,
+        uri: ObjectUri,
+        timeout: Duration,
+        budget: Arc<MemoryBudget>,
+    ) -> Self {
         Self {
             data,
             uri,
             timeout,
+            budget,
             written: 0,
             fill_to: 0,
             upload: None,
@@ -74,8 +84,10 @@ impl FileWriter {
         if self.upload.is_none() {
             self.upload = Some(self.start());
         }
+        // Waits while every handle's queued data fills the budget.
+        let memory = self.budget.reserve(data.len() as u64).await;
         let upload = self.upload.as_ref().ok_or(FsError::BadHandle)?;
-        if upload.sender.send(data).await.is_err() {
+        if upload.sender.send((data, memory)).await.is_err() {
             // The upload ended early; its error is what the caller needs.
             let err = self.finish().await.err();
             return Err(err.unwrap_or(FsError::UploadFailed(DataError::UploadCut)));
@@ -88,7 +100,7 @@ impl FileWriter {
     }
 
     fn start(&self) -> Upload {
-        let (sender, receiver) = mpsc::channel::<Bytes>(QUEUED_WRITES);
+        let (sender, receiver) = mpsc::channel::<(Bytes, Reservation)>(QUEUED_WRITES);
         let body: ByteStream = Box::pin(stream_from(receiver));
         let (data, uri, timeout) = (self.data.clone(), self.uri.clone(), self.timeout);
         let task = tokio::spawn(async move { data.upload(&uri, body, timeout).await });
@@ -128,7 +140,8 @@ impl FileWriter {
         while self.written < self.fill_to {
             let n = (self.fill_to - self.written).min(1 << 20) as usize;
             let Some(upload) = &self.upload else { break };
-            if upload.sender.send(Bytes::from(vec![0u8; n])).await.is_err() {
+            let zeros = (Bytes::from(vec![0u8; n]), Reservation::none());
+            if upload.sender.send(zeros).await.is_err() {
                 break; // the task's error explains it
             }
             self.written += n as u64;
@@ -159,6 +172,11 @@ impl FileWriter {
     }
 }
 
-fn stream_from(mut rx: mpsc::Receiver<Bytes>) -> impl futures::Stream<Item = Bytes> + Send + Sync {
-    futures::stream::poll_fn(move |cx| rx.poll_recv(cx))
+fn stream_from(
+    mut rx: mpsc::Receiver<(Bytes, Reservation)>,
+) -> impl futures::Stream<Item = Bytes> + Send + Sync {
+    futures::stream::poll_fn(move |cx| {
+        rx.poll_recv(cx)
+            .map(|piece| piece.map(|(bytes, _released)| bytes))
+    })
 }

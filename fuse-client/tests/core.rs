@@ -75,10 +75,10 @@ impl Setup {
     }
 
     async fn names(&self) -> Vec<String> {
-        let fh = self.fs.opendir(ROOT_INO).await.unwrap();
-        let entries = self.fs.readdir(fh, 0).unwrap();
-        self.fs.releasedir(fh);
-        entries
+        self.fs
+            .list_dir(ROOT_INO)
+            .await
+            .unwrap()
             .into_iter()
             .map(|e| e.name)
             .filter(|n| n != "." && n != "..")

@@ -3,8 +3,9 @@
 use std::ops::Range;
 use std::time::Duration;
 
-use bytes::Bytes;
+use bytes::{Bytes, BytesMut};
 use http_body_util::{combinators::BoxBody, BodyExt, Empty, Full};
+use hyper::body::Body as _;
 use hyper::body::Incoming;
 use hyper_util::client::legacy::{connect::HttpConnector, Client};
 use hyper_util::rt::TokioExecutor;
@@ -57,11 +58,36 @@ impl ClientError {
 /// instead of a body.
 pub const COPY_SOURCE_HEADER: &str = "x-lakecache-copy-source";
 
+/// How long a worker may take before the client gives up on it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Deadlines {
+    /// TCP connect; short, since a LAN peer answers in microseconds.
+    pub connect: Duration,
+    /// Reads, stats and listings: longest wait for the response head and
+    /// between two pieces of a body. A hung worker (stopped process,
+    /// black-holed path) costs this long, then the caller fails over.
+    pub progress: Duration,
+    /// Whole requests that carry a body (uploads, copies): S3 answers
+    /// them only once the object is stored.
+    pub request: Duration,
+}
+
+impl Deadlines {
+    /// One timeout for everything (connect capped at a second).
+    pub fn uniform(timeout: Duration) -> Self {
+        Self {
+            connect: timeout.min(Duration::from_secs(1)),
+            progress: timeout,
+            request: timeout,
+        }
+    }
+}
+
 #[derive(Clone)]
 pub struct WorkerClient {
     base: String,
     client: Client<HttpConnector, RequestBody>,
-    timeout: Duration,
+    deadlines: Deadlines,
 }
 
 impl std::fmt::Debug for WorkerClient {
@@ -79,6 +105,10 @@ fn empty() -> RequestBody {
 impl WorkerClient {
     /// `addr` is `HOST:PORT` or `http://HOST:PORT`.
     pub fn new(addr: &str, timeout: Duration) -> Result<Self, ClientError> {
+        Self::with_deadlines(addr, Deadlines::uniform(timeout))
+    }
+
+    pub fn with_deadlines(addr: &str, deadlines: Deadlines) -> Result<Self, ClientError> {
         let base = if addr.starts_with("http://") {
             addr.trim_end_matches('/').to_string()
         } else {
@@ -90,23 +120,36 @@ impl WorkerClient {
             .ok_or_else(|| ClientError::InvalidAddress(addr.to_string()))?;
         let mut connector = HttpConnector::new();
         connector.set_nodelay(true);
-        connector.set_connect_timeout(Some(timeout));
+        connector.set_connect_timeout(Some(deadlines.connect));
         let client = Client::builder(TokioExecutor::new())
             .pool_idle_timeout(Duration::from_secs(60))
             .build(connector);
         Ok(Self {
             base,
             client,
-            timeout,
+            deadlines,
         })
     }
 
-    /// The same pooled client with another request timeout (uploads of
-    /// large bodies need longer than reads).
+    /// The same pooled client with another whole-request timeout (uploads
+    /// of large bodies need longer than reads).
     pub fn with_timeout(&self, timeout: Duration) -> Self {
+        let mut deadlines = self.deadlines;
+        deadlines.request = timeout;
         Self {
-            timeout,
+            deadlines,
             ..self.clone()
+        }
+    }
+
+    pub fn deadlines(&self) -> Deadlines {
+        self.deadlines
+    }
+
+    fn timed_out(&self, timeout: Duration) -> ClientError {
+        ClientError::Timeout {
+            addr: self.base.clone(),
+            timeout,
         }
     }
 
@@ -121,19 +164,33 @@ impl WorkerClient {
         }
     }
 
-    /// Sends a request and returns the response head with its streaming
-    /// body; non-2xx answers become [`ClientError::Api`].
+    /// Sends a request that carries a body and returns the response head
+    /// with its streaming body; non-2xx answers become [`ClientError::Api`].
     pub async fn send(
         &self,
         req: http::Request<RequestBody>,
     ) -> Result<http::Response<Incoming>, ClientError> {
+        self.send_within(req, self.deadlines.request).await
+    }
+
+    /// Like [`Self::send`] for requests without a body: the head must come
+    /// within the progress deadline.
+    async fn send_quick(
+        &self,
+        req: http::Request<RequestBody>,
+    ) -> Result<http::Response<Incoming>, ClientError> {
+        self.send_within(req, self.deadlines.progress).await
+    }
+
+    async fn send_within(
+        &self,
+        req: http::Request<RequestBody>,
+        head_within: Duration,
+    ) -> Result<http::Response<Incoming>, ClientError> {
         let fut = self.client.request(req);
-        let resp = tokio::time::timeout(self.timeout, fut)
+        let resp = tokio::time::timeout(head_within, fut)
             .await
-            .map_err(|_| ClientError::Timeout {
-                addr: self.base.clone(),
-                timeout: self.timeout,
-            })?
+            .map_err(|_| self.timed_out(head_within))?
             .map_err(|e| self.transport(e))?;
         if resp.status().is_success() {
             return Ok(resp);
@@ -154,15 +211,28 @@ impl WorkerClient {
         })
     }
 
-    async fn collect(&self, body: Incoming) -> Result<Bytes, ClientError> {
-        tokio::time::timeout(self.timeout, body.collect())
-            .await
-            .map_err(|_| ClientError::Timeout {
-                addr: self.base.clone(),
-                timeout: self.timeout,
-            })?
-            .map(|c| c.to_bytes())
-            .map_err(|e| self.transport(e))
+    /// The whole body; every piece must come within the progress deadline
+    /// of the one before it.
+    async fn collect(&self, mut body: Incoming) -> Result<Bytes, ClientError> {
+        let progress = self.deadlines.progress;
+        let mut out = BytesMut::new();
+        loop {
+            let frame = tokio::time::timeout(progress, body.frame())
+                .await
+                .map_err(|_| self.timed_out(progress))?;
+            match frame {
+                None => return Ok(out.freeze()),
+                Some(Err(e)) => return Err(self.transport(e)),
+                Some(Ok(frame)) => {
+                    if let Ok(data) = frame.into_data() {
+                        if out.is_empty() && body.is_end_stream() {
+                            return Ok(data);
+                        }
+                        out.extend_from_slice(&data);
+                    }
+                }
+            }
+        }
     }
 
     fn request(&self, method: http::Method, path: &str) -> http::request::Builder {
@@ -176,7 +246,7 @@ impl WorkerClient {
             .request(http::Method::GET, path)
             .body(empty())
             .map_err(|e| ClientError::Decode(e.to_string()))?;
-        let resp = self.send(req).await?;
+        let resp = self.send_quick(req).await?;
         let body = self.collect(resp.into_body()).await?;
         serde_json::from_slice(&body).map_err(|e| ClientError::Decode(e.to_string()))
     }
@@ -246,7 +316,7 @@ impl WorkerClient {
         let req = builder
             .body(empty())
             .map_err(|e| ClientError::Decode(e.to_string()))?;
-        self.send(req).await
+        self.send_quick(req).await
     }
 
     /// Reads a whole range into memory, checking it arrived complete.
@@ -349,7 +419,7 @@ impl WorkerClient {
             .request(http::Method::GET, "/metrics")
             .body(empty())
             .map_err(|e| ClientError::Decode(e.to_string()))?;
-        let resp = self.send(req).await?;
+        let resp = self.send_quick(req).await?;
         let body = self.collect(resp.into_body()).await?;
         Ok(String::from_utf8_lossy(&body).into_owned())
     }

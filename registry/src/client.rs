@@ -7,7 +7,9 @@ use std::sync::{Arc, Mutex, RwLock};
 use std::time::{Duration, Instant};
 
 use bytes::{Bytes, BytesMut};
-use lakecache_protocol::{Chain, ClientError, ListResponse, ObjectStat, ObjectUri, WorkerClient};
+use lakecache_protocol::{
+    Chain, ClientError, Deadlines, ListResponse, ObjectStat, ObjectUri, WorkerClient,
+};
 use lakecache_store::{ObjectStore, StoreError};
 
 use crate::membership::{Member, Membership, View};
@@ -16,8 +18,14 @@ use crate::ring::{Ring, RingOptions};
 #[derive(Debug, Clone)]
 pub struct ClusterOptions {
     pub ring: RingOptions,
-    /// Per-request timeout towards a worker.
+    /// Whole-request timeout towards a worker (uploads, copies).
     pub timeout: Duration,
+    /// TCP connect timeout towards a worker.
+    pub connect_timeout: Duration,
+    /// Reads, stats and listings: a worker that sends nothing for this
+    /// long is marked suspect and the request goes to the next replica
+    /// (or S3), so a hung worker costs about this much, not `timeout`.
+    pub progress_timeout: Duration,
     /// Distinct workers tried per segment before S3.
     pub attempts: usize,
     /// How long a failed worker is skipped when it owns a segment.
@@ -31,9 +39,21 @@ impl Default for ClusterOptions {
         Self {
             ring: RingOptions::default(),
             timeout: Duration::from_secs(30),
+            connect_timeout: Duration::from_millis(500),
+            progress_timeout: Duration::from_secs(2),
             attempts: 3,
             suspect_for: Duration::from_secs(5),
             s3_fallback: true,
+        }
+    }
+}
+
+impl ClusterOptions {
+    pub fn deadlines(&self) -> Deadlines {
+        Deadlines {
+            connect: self.connect_timeout.min(self.timeout),
+            progress: self.progress_timeout.min(self.timeout),
+            request: self.timeout,
         }
     }
 }
@@ -90,7 +110,7 @@ fn build_state(view: &View, options: &ClusterOptions, previous: Option<&State>) 
             .filter(|c| c.base_url().ends_with(&m.address));
         let client = match reuse {
             Some(c) => c.clone(),
-            None => match WorkerClient::new(&m.address, options.timeout) {
+            None => match WorkerClient::with_deadlines(&m.address, options.deadlines()) {
                 Ok(c) => c,
                 Err(e) => {
                     tracing::warn!(member = %m.id, error = %e, "skipping member with a bad address");

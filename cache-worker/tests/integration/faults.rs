@@ -1,7 +1,7 @@
 use lakecache_s3_endpoint::{Fault, S3Op};
 
-use crate::harness::*;
 use crate::harness::metric_value;
+use crate::harness::*;
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn slowdown_503_is_retried_and_bytes_are_correct() {

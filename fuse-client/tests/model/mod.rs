@@ -428,9 +428,7 @@ pub async fn run_case(
                 let expected = Ok(Answer::Names(model.children(&parent)));
                 let actual = async {
                     let p = walk(fs, &parent).await?;
-                    let fh = fs.opendir(p).await.map_err(errno)?;
-                    let entries = fs.readdir(fh, 0).map_err(errno)?;
-                    fs.releasedir(fh);
+                    let entries = fs.list_dir(p).await.map_err(errno)?;
                     let mut names: Vec<(String, bool)> = entries
                         .into_iter()
                         .filter(|e| e.name != "." && e.name != "..")
