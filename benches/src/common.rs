@@ -26,6 +26,7 @@ pub async fn start_s3(root: PathBuf, bucket: &str) -> Result<BenchS3> {
         access_key: "bench".into(),
         secret_key: "bench-secret".into(),
         buckets: vec![bucket.into()],
+        list_without_etags: false,
     })
     .await?;
     let config = S3Config {
@@ -58,6 +59,7 @@ pub fn worker_options(cache_dir: PathBuf, capacity: u64) -> Result<WorkerOptions
             fetch_concurrency: 32,
             part_size: 16 * MIB,
             segment_size: None,
+            memory_limit: 1 << 30,
         },
         limits: HttpLimits::default(),
     })

@@ -20,6 +20,7 @@ use crate::lru::Lru;
 use crate::metrics::Metrics;
 use crate::pages::{PageId, PageKey, PageReadError, PageStore, CHECK_BLOCK};
 use crate::store::{ObjectMeta, ObjectStore, StoreError};
+use lakecache_protocol::memory::MemoryBudget;
 
 #[derive(Debug, Clone)]
 pub struct CacheConfig {
@@ -35,6 +36,9 @@ pub struct CacheConfig {
     /// The ring's segment size, when the worker is in a ring: read-ahead
     /// stops at the end of the segment being read.
     pub segment_size: Option<u64>,
+    /// Memory for upload parts and pages being fetched, all requests
+    /// together; work beyond it waits.
+    pub memory_limit: u64,
 }
 
 #[derive(Debug, Clone, thiserror::Error)]
@@ -49,6 +53,8 @@ pub enum CacheError {
     BodyTooLarge(u64),
     #[error("object of {0} bytes is larger than a server-side copy allows")]
     CopyTooLarge(u64),
+    #[error("the worker is shutting down; the upload was aborted")]
+    ShuttingDown,
 }
 
 impl From<crate::index::IndexError> for CacheError {
@@ -59,6 +65,9 @@ impl From<crate::index::IndexError> for CacheError {
 
 pub struct Cache {
     _dir_lock: CacheDir,
+    pub(crate) memory: Arc<MemoryBudget>,
+    /// Set at shutdown: uploads in progress abort and clean up.
+    pub(crate) closing: tokio::sync::watch::Sender<bool>,
     pub(crate) config: CacheConfig,
     pub(crate) store: Arc<dyn ObjectStore>,
     pub(crate) pages: PageStore,
@@ -118,6 +127,8 @@ impl Cache {
         let readahead = (config.fetch_concurrency / 2).max(1);
         let cache = Arc::new(Self {
             _dir_lock: dir_lock,
+            memory: MemoryBudget::new(config.memory_limit),
+            closing: tokio::sync::watch::Sender::new(false),
             fetch_permits: Semaphore::new(config.fetch_concurrency.max(1)),
             readahead_permits: Arc::new(Semaphore::new(readahead)),
             config,
@@ -410,6 +421,7 @@ impl Cache {
                     .acquire()
                     .await
                     .map_err(|e| CacheError::Local(e.to_string()))?;
+                let _memory = this.memory.reserve(id.len).await;
                 let range = id.offset..id.offset + id.len;
                 let data = this.store.get_range(uri, range, &meta.etag).await?;
                 if data.len() as u64 != id.len {
@@ -452,6 +464,7 @@ impl Cache {
                     .map_err(|e| CacheError::Local(e.to_string()))?;
                 let start = first * CHECK_BLOCK;
                 let end = (last * CHECK_BLOCK).min(id.len);
+                let _memory = this.memory.reserve(end - start).await;
                 let range = id.offset + start..id.offset + end;
                 let data = this.store.get_range(uri, range, &meta.etag).await?;
                 if data.len() as u64 != end - start {
@@ -611,6 +624,17 @@ impl Cache {
 
     pub fn used_bytes(&self) -> u64 {
         self.lru.used()
+    }
+
+    /// Bytes of uploads in progress staged on disk.
+    pub fn staged_bytes(&self) -> u64 {
+        self.lru.staged()
+    }
+
+    /// Uploads in progress abort (their multipart uploads too) and no new
+    /// one starts.
+    pub fn begin_shutdown(&self) {
+        self.closing.send_replace(true);
     }
 
     /// Bytes served from local pages and bytes that needed S3, since start.

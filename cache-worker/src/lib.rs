@@ -70,6 +70,9 @@ impl RunningWorker {
     /// cache (and its RocksDB lock) is released so a new worker can open
     /// the same directory.
     pub async fn shutdown(mut self) {
+        // Uploads in progress abort first (their multipart uploads too),
+        // so the server's drain does not wait on bodies that never end.
+        self.cache.begin_shutdown();
         if let Some(stop) = self.stop.take() {
             let _ = stop.send(());
         }

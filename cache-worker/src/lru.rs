@@ -14,10 +14,13 @@ struct Inner {
     by_seq: BTreeMap<u64, PageKey>,
     next_seq: u64,
     used: u64,
+    /// Bytes of uploads being staged: not evictable yet, but on disk.
+    staged: u64,
 }
 
 pub struct Lru {
     inner: Mutex<Inner>,
+    capacity: u64,
     high: u64,
     low: u64,
     used_gauge: Arc<AtomicU64>,
@@ -27,6 +30,7 @@ impl Lru {
     pub fn new(capacity: u64, high: f64, low: f64, used_gauge: Arc<AtomicU64>) -> Self {
         Self {
             inner: Mutex::default(),
+            capacity,
             high: (capacity as f64 * high) as u64,
             low: (capacity as f64 * low) as u64,
             used_gauge,
@@ -96,7 +100,28 @@ impl Lru {
     }
 
     pub fn over_high_watermark(&self) -> bool {
-        self.lock().used > self.high
+        let inner = self.lock();
+        inner.used + inner.staged > self.high
+    }
+
+    /// Counts `len` staged bytes against the capacity; false when they
+    /// would not fit even after evicting every committed page.
+    pub fn reserve_staging(&self, len: u64) -> bool {
+        let mut inner = self.lock();
+        if inner.staged + len > self.capacity {
+            return false;
+        }
+        inner.staged += len;
+        true
+    }
+
+    pub fn release_staging(&self, len: u64) {
+        let mut inner = self.lock();
+        inner.staged = inner.staged.saturating_sub(len);
+    }
+
+    pub fn staged(&self) -> u64 {
+        self.lock().staged
     }
 
     /// Takes least-recently-used pages out of the accounting until usage
@@ -104,10 +129,10 @@ impl Lru {
     pub fn take_victims(&self) -> Vec<(PageKey, u64)> {
         let mut inner = self.lock();
         let mut victims = Vec::new();
-        if inner.used <= self.high {
+        if inner.used + inner.staged <= self.high {
             return victims;
         }
-        while inner.used > self.low {
+        while inner.used + inner.staged > self.low {
             let Some((_, key)) = inner.by_seq.pop_first() else {
                 break;
             };
@@ -144,5 +169,20 @@ mod tests {
         assert_eq!(lru.used(), 50);
         assert!(lru.touch(&key(0)).is_some());
         assert!(lru.touch(&key(1)).is_none());
+    }
+
+    #[test]
+    fn staged_upload_bytes_count_against_the_capacity() {
+        let lru = Lru::new(100, 0.9, 0.5, Arc::default());
+        for i in 0..5 {
+            lru.insert(key(i), 10);
+        }
+        // Committed pages make room for staged ones.
+        assert!(lru.reserve_staging(45));
+        assert!(lru.over_high_watermark());
+        assert_eq!(lru.take_victims().len(), 5);
+        assert!(!lru.reserve_staging(60), "more than the capacity");
+        lru.release_staging(45);
+        assert_eq!(lru.staged(), 0);
     }
 }

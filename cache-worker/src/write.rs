@@ -18,9 +18,12 @@ use crate::cache::{Cache, CacheError};
 use crate::index::PageEntry;
 use crate::pages::{PageId, PageKey, Staged};
 use crate::store::{ObjectMeta, StoreError, MAX_COPY_BYTES};
+use lakecache_protocol::memory::Reservation;
 
 /// Part uploads in flight per write: bounds memory at this many parts.
 const PARTS_IN_FLIGHT: usize = 4;
+const MIN_PART_BYTES: u64 = 5 << 20;
+const MAX_PART_BYTES: u64 = 5 << 30;
 
 struct StagedPage {
     index: u64,
@@ -51,9 +54,7 @@ impl Cache {
         match result {
             Ok((etag, size)) => Ok(self.finish_write(uri, etag, size, staged).await),
             Err(e) => {
-                for page in staged {
-                    self.pages.discard_staged(page.file);
-                }
+                self.discard_staged(staged);
                 if let Some(up) = upload {
                     for task in up.in_flight {
                         task.abort();
@@ -79,16 +80,22 @@ impl Cache {
         S: Stream<Item = Result<Bytes, CacheError>> + Send + Unpin,
     {
         let ps = self.config.page_size as usize;
-        let part_size = self.config.part_size as usize;
-        // Staging more than half the cache would only evict it again.
-        let stage_budget = self.config.capacity / 2;
-        let mut staged_bytes = 0u64;
         let mut part = BytesMut::new();
+        // The next part's memory is reserved before its bytes are read:
+        // over the worker's budget, the body waits (TCP back-pressure).
+        let mut part_size = self.part_size(1);
+        let mut part_memory = self.memory.reserve(part_size as u64).await;
         let mut page = BytesMut::new();
         let mut total = 0u64;
         let mut pages_seen = 0u64;
         let mut staging = true;
-        while let Some(chunk) = body.next().await {
+        let mut closing = self.closing.subscribe();
+        loop {
+            let chunk = tokio::select! {
+                chunk = body.next() => chunk,
+                _ = closing.wait_for(|c| *c) => return Err(CacheError::ShuttingDown),
+            };
+            let Some(chunk) = chunk else { break };
             let chunk = chunk?;
             total += chunk.len() as u64;
             part.extend_from_slice(&chunk);
@@ -97,9 +104,7 @@ impl Cache {
             }
             while staging && page.len() >= ps {
                 let full = page.split_to(ps).freeze();
-                staging = self
-                    .stage(&full, pages_seen, &mut staged_bytes, stage_budget, staged)
-                    .await;
+                staging = self.stage(&full, pages_seen, staged).await;
                 pages_seen += 1;
                 if !staging {
                     page.clear();
@@ -107,19 +112,22 @@ impl Cache {
             }
             while part.len() >= part_size {
                 let data = part.split_to(part_size).freeze();
-                self.send_part(uri, upload, data).await?;
+                self.send_part(uri, upload, data, part_memory).await?;
+                let next = upload.as_ref().map_or(1, |u| u.next_part);
+                part_size = self.part_size(next);
+                part_memory = self.memory.reserve(part_size as u64).await;
             }
         }
         if staging && !page.is_empty() {
             let rest = page.freeze();
-            self.stage(&rest, pages_seen, &mut staged_bytes, stage_budget, staged)
-                .await;
+            self.stage(&rest, pages_seen, staged).await;
         }
         let etag = match upload {
             None => self.store.put(uri, part.freeze()).await?,
             Some(_) => {
                 if !part.is_empty() {
-                    self.send_part(uri, upload, part.freeze()).await?;
+                    self.send_part(uri, upload, part.freeze(), part_memory)
+                        .await?;
                 }
                 let Some(up) = upload.as_mut() else {
                     return Err(CacheError::Local("upload state lost".into()));
@@ -135,31 +143,45 @@ impl Cache {
         Ok((etag, total))
     }
 
-    /// Stages one page; returns whether staging should go on.
+    /// Size of part `number` (1-based): the configured size for the first
+    /// thousand parts, doubling every thousand after, so that 10,000 parts
+    /// hold S3's 5 TiB maximum; never above S3's 5 GiB or half the memory
+    /// budget (one part must always fit).
+    fn part_size(&self, number: i32) -> usize {
+        let tier = (number.max(1) as u64 - 1) / 1000;
+        let grown = self.config.part_size.saturating_mul(1 << tier.min(20));
+        let cap = MAX_PART_BYTES.min((self.memory.limit() / 2).max(MIN_PART_BYTES));
+        grown.clamp(MIN_PART_BYTES, cap) as usize
+    }
+
+    /// Stages one page (counted against the cache capacity); returns
+    /// whether staging should go on.
     async fn stage(
         self: &Arc<Self>,
         data: &Bytes,
         index: u64,
-        staged_bytes: &mut u64,
-        budget: u64,
         staged: &mut Vec<StagedPage>,
     ) -> bool {
-        if *staged_bytes + data.len() as u64 > budget {
+        let len = data.len() as u64;
+        if !self.lru.reserve_staging(len) {
             return false;
         }
+        if self.lru.over_high_watermark() {
+            self.evict.notify_one();
+        }
         let (this, data) = (self.clone(), data.clone());
-        let len = data.len() as u64;
         match tokio::task::spawn_blocking(move || this.pages.stage(&data)).await {
             Ok(Ok(file)) => {
-                *staged_bytes += len;
                 staged.push(StagedPage { index, file });
                 true
             }
             Ok(Err(e)) => {
+                self.lru.release_staging(len);
                 tracing::warn!(error = %e, "staging written page failed; it will be read from S3");
                 false
             }
             Err(e) => {
+                self.lru.release_staging(len);
                 tracing::warn!(error = %e, "staging task failed");
                 false
             }
@@ -171,6 +193,7 @@ impl Cache {
         uri: &ObjectUri,
         upload: &mut Option<Upload>,
         data: Bytes,
+        memory: Reservation,
     ) -> Result<(), CacheError> {
         if upload.is_none() {
             let id = self.store.create_multipart(uri).await?;
@@ -193,6 +216,7 @@ impl Cache {
         up.next_part += 1;
         let (store, uri, id) = (self.store.clone(), uri.clone(), up.id.clone());
         up.in_flight.push_back(tokio::spawn(async move {
+            let _memory = memory;
             store
                 .upload_part(&uri, &id, number, data)
                 .await
@@ -240,6 +264,7 @@ impl Cache {
         let this = self.clone();
         let committed = tokio::task::spawn_blocking(move || {
             for page in staged {
+                this.lru.release_staging(page.file.len);
                 if !ours {
                     this.pages.discard_staged(page.file);
                     continue;
@@ -272,6 +297,13 @@ impl Cache {
 }
 
 impl Cache {
+    fn discard_staged(&self, staged: Vec<StagedPage>) {
+        for page in staged {
+            self.lru.release_staging(page.file.len);
+            self.pages.discard_staged(page.file);
+        }
+    }
+
     /// Server-side copy of `from` (the version tagged `etag`, or the
     /// current one) to `to`; the copy's metadata is recorded at once.
     pub async fn copy(

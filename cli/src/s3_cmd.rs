@@ -22,6 +22,10 @@ pub struct S3ServerCmd {
     /// Buckets to create at start (repeatable)
     #[arg(long = "bucket")]
     buckets: Vec<String>,
+    /// Answer listings without ETags, as some S3-compatible stores do
+    /// (for testing clients against that quirk)
+    #[arg(long)]
+    list_without_etags: bool,
 }
 
 pub fn random_token(len: usize) -> String {
@@ -56,6 +60,7 @@ impl S3ServerCmd {
             access_key: access_key.clone(),
             secret_key: secret_key.clone(),
             buckets: self.buckets,
+            list_without_etags: self.list_without_etags,
         })
         .await
         .context("starting the embedded S3 endpoint")?;

@@ -55,6 +55,7 @@ impl UpCmd {
             access_key: access_key.clone(),
             secret_key: secret_key.clone(),
             buckets: vec![self.bucket.clone()],
+            list_without_etags: false,
         })
         .await
         .context("starting the embedded S3 endpoint")?;

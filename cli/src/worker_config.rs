@@ -47,7 +47,13 @@ pub struct WorkerSettings {
     /// Eviction stops at this fraction of --cache-size [default: 0.85]
     #[arg(long, env = "LAKECACHE_LOW_WATERMARK")]
     pub low_watermark: Option<f64>,
-    /// Multipart part size for uploads, 5MiB to 5GiB [default: 16MiB]
+    /// Memory for upload parts and cold page fetches of all requests
+    /// together; uploads beyond it wait (back-pressure on the client)
+    /// [default: 1/4 of RAM, 256MiB to 8GiB]
+    #[arg(long, env = "LAKECACHE_MEMORY_LIMIT")]
+    pub memory_limit: Option<ByteSize>,
+    /// Multipart part size for uploads, 5MiB to 5GiB; grows after every
+    /// 1,000 parts so 10,000 parts reach 5TiB [default: 16MiB]
     #[arg(long, env = "LAKECACHE_PART_SIZE")]
     pub part_size: Option<ByteSize>,
     /// Largest accepted upload body [default: 5TiB]
@@ -139,6 +145,7 @@ impl WorkerSettings {
                 high_watermark,
                 low_watermark,
                 part_size,
+                memory_limit,
                 max_body_size,
                 max_uri_bytes,
                 max_header_bytes,
@@ -209,6 +216,13 @@ impl WorkerSettings {
         if segment_size < page_size || !segment_size.is_multiple_of(page_size) {
             bail!("--segment-size must be a multiple of --page-size ({page_size} bytes), got {segment_size}");
         }
+        let memory_limit = self.memory_limit.map_or_else(default_memory_limit, |s| s.0);
+        if memory_limit < 2 * part_size.max(page_size) {
+            bail!(
+                "--memory-limit must hold two parts and two pages ({} bytes), got {memory_limit}",
+                2 * part_size.max(page_size)
+            );
+        }
         let fetch_concurrency = self.fetch_concurrency.unwrap_or(32);
         if !(1..=1024).contains(&fetch_concurrency) {
             bail!("--fetch-concurrency must be 1..=1024, got {fetch_concurrency}");
@@ -251,6 +265,7 @@ impl WorkerSettings {
                 fetch_concurrency,
                 part_size,
                 segment_size: Some(segment_size),
+                memory_limit,
             },
             limits,
         };
@@ -265,6 +280,23 @@ impl WorkerSettings {
         };
         Ok((options, s3))
     }
+}
+
+/// A quarter of physical memory, between 256 MiB and 8 GiB.
+fn default_memory_limit() -> u64 {
+    // SAFETY: sysconf reads system constants and touches no memory.
+    let (pages, page) = unsafe {
+        (
+            libc::sysconf(libc::_SC_PHYS_PAGES),
+            libc::sysconf(libc::_SC_PAGESIZE),
+        )
+    };
+    let ram = if pages > 0 && page > 0 {
+        pages as u64 * page as u64
+    } else {
+        8 << 30
+    };
+    (ram / 4).clamp(256 << 20, 8 << 30)
 }
 
 #[cfg(test)]

@@ -18,7 +18,7 @@ use lakecache_worker::{Metrics, S3Config};
 use sha2::{Digest, Sha256};
 
 mod common;
-use common::{free_port, start_s3, wait_for_port, Proc, BIN};
+use common::{free_port, start_s3_with, wait_for_port, Proc, BIN};
 
 const ACCESS: &str = "mount-test";
 const SECRET: &str = "mount-test-secret";
@@ -37,8 +37,14 @@ struct Env {
 
 impl Env {
     fn start(workers: usize) -> Env {
+        Self::start_with(workers, &[])
+    }
+
+    /// With extra `s3-server` flags (quirk modes).
+    fn start_with(workers: usize, s3_flags: &[&str]) -> Env {
         let dir = tempfile::tempdir().unwrap();
-        let (s3_proc, s3_port) = start_s3(&dir.path().join("s3"), ACCESS, SECRET, BUCKET);
+        let (s3_proc, s3_port) =
+            start_s3_with(&dir.path().join("s3"), ACCESS, SECRET, BUCKET, s3_flags);
         let rt = tokio::runtime::Runtime::new().unwrap();
         let s3 = rt.block_on(async {
             let config = S3Config {
@@ -808,4 +814,37 @@ fn sigterm_unmounts_and_a_killed_client_leaves_no_dead_mount() {
         .unwrap();
     assert!(!out.status.success());
     assert!(String::from_utf8_lossy(&out.stderr).contains("--readahead-chunk"));
+}
+
+#[test]
+fn listings_without_etags_and_objects_changed_after_ls_read_right() {
+    // A store whose listings carry no ETag, 2,000 small files, some of
+    // them overwritten between `ls -l` and `open`: every read returns the
+    // object's current bytes, on the first pass and the second.
+    let mut env = Env::start_with(1, &["--list-without-etags"]);
+    let body = |i: usize, version: usize| format!("v{version}-{i:05}").into_bytes();
+    let mut version = vec![1usize; 2000];
+    for (i, v) in version.iter().enumerate() {
+        env.put(&format!("small/f{i:05}"), Bytes::from(body(i, *v)));
+    }
+    env.mount();
+    let dir = env.mountpoint().join("small");
+    for pass in 0..2 {
+        let mut listed = 0;
+        for entry in fs::read_dir(&dir).unwrap() {
+            let meta = entry.unwrap().metadata().unwrap();
+            assert!(meta.is_file());
+            listed += 1;
+        }
+        assert_eq!(listed, 2000, "pass {pass}");
+        for i in (pass..2000).step_by(10) {
+            version[i] += 1;
+            env.put(&format!("small/f{i:05}"), Bytes::from(body(i, version[i])));
+        }
+        for (i, v) in version.iter().enumerate() {
+            let got = fs::read(dir.join(format!("f{i:05}")))
+                .unwrap_or_else(|e| panic!("pass {pass}: reading f{i:05}: {e}\n{}", env.log()));
+            assert_eq!(got, body(i, *v), "pass {pass}: f{i:05}");
+        }
+    }
 }

@@ -29,7 +29,10 @@ pub struct DirEntry {
 
 #[derive(Clone)]
 enum Handle {
-    Read(Arc<AsyncMutex<FileReader>>),
+    Read {
+        reader: Arc<AsyncMutex<FileReader>>,
+        ino: u64,
+    },
     Write {
         writer: Arc<AsyncMutex<FileWriter>>,
         ino: u64,
@@ -476,7 +479,10 @@ impl Fs {
             },
             self.memory.clone(),
         );
-        let fh = self.add_handle(Handle::Read(Arc::new(AsyncMutex::new(reader))));
+        let fh = self.add_handle(Handle::Read {
+            reader: Arc::new(AsyncMutex::new(reader)),
+            ino,
+        });
         Ok((fh, keep_cache))
     }
 
@@ -565,7 +571,23 @@ impl Fs {
 
     pub async fn read(&self, fh: u64, offset: u64, len: u32) -> Result<Bytes, FsError> {
         match self.handle(fh)? {
-            Handle::Read(reader) => reader.lock().await.read(offset, len as u64).await,
+            Handle::Read { reader, ino } => {
+                let mut reader = reader.lock().await;
+                match reader.read(offset, len as u64).await {
+                    // The version this handle was opened with (a listing's
+                    // ETag) was replaced before any byte of it was served:
+                    // read the current one. Later, a change is an error.
+                    Err(FsError::Stale) if !reader.has_served() => {
+                        let node = self.revalidate(ino).await?;
+                        let etag = node.meta.etag.clone().ok_or(FsError::NotFound)?;
+                        tracing::debug!(uri = %reader.uri(), %etag, "object replaced before the first read; reading the current version");
+                        reader.switch_version(etag.clone(), node.meta.size);
+                        self.inodes.update(ino, |n| n.page_cache_etag = Some(etag));
+                        reader.read(offset, len as u64).await
+                    }
+                    other => other,
+                }
+            }
             Handle::Write { .. } => Err(FsError::NotPermitted(
                 "a file open for writing cannot be read until it is closed",
             )),
@@ -576,7 +598,7 @@ impl Fs {
     pub async fn write(&self, fh: u64, offset: u64, data: Bytes) -> Result<u32, FsError> {
         let (writer, ino) = match self.handle(fh)? {
             Handle::Write { writer, ino, .. } => (writer, ino),
-            Handle::Read(_) => {
+            Handle::Read { .. } => {
                 return Err(FsError::NotPermitted(
                     "existing objects can only be replaced whole: open with O_TRUNC",
                 ))

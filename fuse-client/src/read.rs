@@ -63,6 +63,8 @@ pub struct FileReader {
     /// Contiguous prefetched ranges, in order.
     chunks: VecDeque<Chunk>,
     budget: Arc<MemoryBudget>,
+    /// Whether any byte was returned through this reader.
+    served: bool,
 }
 
 impl FileReader {
@@ -84,7 +86,26 @@ impl FileReader {
             window: 0,
             chunks: VecDeque::new(),
             budget,
+            served: false,
         }
+    }
+
+    pub fn uri(&self) -> &ObjectUri {
+        &self.uri
+    }
+
+    pub fn has_served(&self) -> bool {
+        self.served
+    }
+
+    /// Reads another version from now on (nothing of the old one was
+    /// served); read-ahead of the old version is dropped.
+    pub fn switch_version(&mut self, etag: String, size: u64) {
+        self.chunks.clear();
+        self.window = 0;
+        self.next_offset = 0;
+        self.etag = etag;
+        self.size = size;
     }
 
     pub fn size(&self) -> u64 {
@@ -93,6 +114,12 @@ impl FileReader {
 
     /// Bytes `[offset, offset + len)`, short at end of file.
     pub async fn read(&mut self, offset: u64, len: u64) -> Result<Bytes, FsError> {
+        let bytes = self.read_range(offset, len).await?;
+        self.served |= !bytes.is_empty();
+        Ok(bytes)
+    }
+
+    async fn read_range(&mut self, offset: u64, len: u64) -> Result<Bytes, FsError> {
         let end = offset.saturating_add(len).min(self.size);
         if offset >= end {
             return Ok(Bytes::new());

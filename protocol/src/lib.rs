@@ -5,6 +5,7 @@
 
 mod chain;
 mod client;
+pub mod memory;
 mod types;
 mod uri;
 

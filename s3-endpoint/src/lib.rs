@@ -25,6 +25,9 @@ pub struct EndpointConfig {
     pub secret_key: String,
     /// Buckets to create at start (existing ones are kept).
     pub buckets: Vec<String>,
+    /// Behave like S3-compatible stores whose ListObjectsV2 entries carry
+    /// no ETag (for testing clients against that quirk).
+    pub list_without_etags: bool,
 }
 
 #[derive(Debug, thiserror::Error)]
@@ -130,7 +133,8 @@ pub async fn start(config: EndpointConfig) -> Result<RunningEndpoint, EndpointEr
             addr: config.listen,
             source,
         })?;
-    let mut builder = s3s::service::S3ServiceBuilder::new(s3api::EmbeddedS3::new(db));
+    let mut builder =
+        s3s::service::S3ServiceBuilder::new(s3api::EmbeddedS3::new(db, config.list_without_etags));
     builder.set_auth(s3s::auth::SimpleAuth::from_single(
         config.access_key.clone(),
         config.secret_key.clone(),

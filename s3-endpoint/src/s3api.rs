@@ -22,11 +22,15 @@ const MAX_KEYS: i32 = 1000;
 #[derive(Clone)]
 pub struct EmbeddedS3 {
     db: Arc<ObjectDb>,
+    list_without_etags: bool,
 }
 
 impl EmbeddedS3 {
-    pub fn new(db: Arc<ObjectDb>) -> Self {
-        Self { db }
+    pub fn new(db: Arc<ObjectDb>, list_without_etags: bool) -> Self {
+        Self {
+            db,
+            list_without_etags,
+        }
     }
 
     async fn blocking<T: Send + 'static>(
@@ -328,7 +332,7 @@ impl S3 for EmbeddedS3 {
             .map(|(key, r)| Object {
                 key: Some(key),
                 size: Some(r.size as i64),
-                e_tag: Some(strong(&r.etag)),
+                e_tag: (!self.list_without_etags).then(|| strong(&r.etag)),
                 last_modified: Some(Timestamp::from(r.last_modified())),
                 storage_class: Some(ObjectStorageClass::from_static(
                     ObjectStorageClass::STANDARD,

@@ -62,6 +62,7 @@ pub fn cache_error(e: &CacheError) -> Response {
         CacheError::Body(_) => ErrorCode::BadRequest,
         CacheError::BodyTooLarge(_) => ErrorCode::BodyTooLarge,
         CacheError::CopyTooLarge(_) => ErrorCode::CopyTooLarge,
+        CacheError::ShuttingDown => ErrorCode::UpstreamUnavailable,
     };
     error(code, e.to_string())
 }

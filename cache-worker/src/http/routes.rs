@@ -319,9 +319,15 @@ async fn write(state: &AppState, rest: &str, req: http::Request<Incoming>) -> Re
         };
         std::future::ready(item)
     });
-    match state.cache.write(&uri, Box::pin(body)).await {
-        Ok(meta) => json(StatusCode::OK, &stat_body(&uri, &meta)),
-        Err(e) => cache_error(&e),
+    // The upload runs in its own task: if the client goes away, hyper
+    // drops this handler, but the task sees the body end in an error and
+    // aborts the multipart upload and frees its staged pages.
+    let (cache, task_uri) = (state.cache.clone(), uri.clone());
+    let upload = tokio::spawn(async move { cache.write(&task_uri, Box::pin(body)).await });
+    match upload.await {
+        Ok(Ok(meta)) => json(StatusCode::OK, &stat_body(&uri, &meta)),
+        Ok(Err(e)) => cache_error(&e),
+        Err(e) => cache_error(&CacheError::Local(format!("upload task failed: {e}"))),
     }
 }
 

@@ -39,6 +39,7 @@ pub fn default_options(cache_dir: PathBuf) -> WorkerOptions {
             fetch_concurrency: 16,
             part_size: 5 * MIB,
             segment_size: None,
+            memory_limit: 1 << 30,
         },
         limits: HttpLimits::default(),
     }
@@ -57,6 +58,7 @@ impl Harness {
             access_key: "test-access".into(),
             secret_key: "test-secret-key".into(),
             buckets: vec![BUCKET.into()],
+            list_without_etags: false,
         })
         .await
         .unwrap();
@@ -97,6 +99,11 @@ impl Harness {
         lakecache_worker::start_worker(options.clone(), store, metrics)
             .await
             .unwrap()
+    }
+
+    /// Where the embedded endpoint keeps objects and pending uploads.
+    pub fn s3_root(&self) -> PathBuf {
+        self._dir.path().join("s3")
     }
 
     pub fn addr(&self) -> SocketAddr {

@@ -99,3 +99,86 @@ async fn a_failed_upload_is_reported_and_nothing_is_stored() {
         "the upload was aborted"
     );
 }
+
+/// Pending multipart uploads the endpoint holds.
+fn pending_uploads(h: &Harness) -> usize {
+    std::fs::read_dir(h.s3_root().join("uploads")).map_or(0, |d| d.count())
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_client_killed_mid_upload_leaves_no_multipart_and_no_staging() {
+    use tokio::io::AsyncWriteExt;
+    let h = Harness::start().await;
+    let cache = h.worker.as_ref().unwrap().cache().clone();
+    let mut conn = tokio::net::TcpStream::connect(h.addr()).await.unwrap();
+    let head = format!(
+        "PUT /v1/objects/{BUCKET}/cut.bin HTTP/1.1\r\nhost: x\r\ncontent-length: {}\r\n\r\n",
+        64 * MIB
+    );
+    conn.write_all(head.as_bytes()).await.unwrap();
+    let piece = data(MIB as usize, 7);
+    for _ in 0..24 {
+        conn.write_all(&piece).await.unwrap();
+    }
+    // Parts are in flight and pages staged when the client dies.
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(10);
+    while pending_uploads(&h) == 0 || cache.staged_bytes() == 0 {
+        assert!(
+            std::time::Instant::now() < deadline,
+            "the upload never started"
+        );
+        tokio::time::sleep(std::time::Duration::from_millis(20)).await;
+    }
+    drop(conn);
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(10);
+    while pending_uploads(&h) > 0 || cache.staged_bytes() > 0 {
+        assert!(
+            std::time::Instant::now() < deadline,
+            "after the client died: {} pending uploads, {} staged bytes",
+            pending_uploads(&h),
+            cache.staged_bytes()
+        );
+        tokio::time::sleep(std::time::Duration::from_millis(20)).await;
+    }
+    let tmp = std::fs::read_dir(h.options.cache_dir.join("tmp"))
+        .unwrap()
+        .count();
+    assert_eq!(tmp, 0, "staged page files left behind");
+    assert!(
+        h.direct.head(&uri("cut.bin")).await.is_err(),
+        "nothing was stored"
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_worker_shutting_down_aborts_its_uploads() {
+    use tokio::io::AsyncWriteExt;
+    let mut h = Harness::start().await;
+    let mut conn = tokio::net::TcpStream::connect(h.addr()).await.unwrap();
+    let head = format!(
+        "PUT /v1/objects/{BUCKET}/half.bin HTTP/1.1\r\nhost: x\r\ncontent-length: {}\r\n\r\n",
+        64 * MIB
+    );
+    conn.write_all(head.as_bytes()).await.unwrap();
+    let piece = data(MIB as usize, 8);
+    for _ in 0..12 {
+        conn.write_all(&piece).await.unwrap();
+    }
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(10);
+    while pending_uploads(&h) == 0 {
+        assert!(
+            std::time::Instant::now() < deadline,
+            "the upload never started"
+        );
+        tokio::time::sleep(std::time::Duration::from_millis(20)).await;
+    }
+    let started = std::time::Instant::now();
+    h.worker.take().unwrap().shutdown().await;
+    assert!(started.elapsed() < std::time::Duration::from_secs(10));
+    assert_eq!(
+        pending_uploads(&h),
+        0,
+        "the multipart upload was not aborted"
+    );
+    drop(conn);
+}

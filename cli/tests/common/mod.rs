@@ -49,6 +49,17 @@ impl Drop for Proc {
 
 /// `lakecache s3-server` on a free port with one bucket.
 pub fn start_s3(root: &Path, access: &str, secret: &str, bucket: &str) -> (Proc, u16) {
+    start_s3_with(root, access, secret, bucket, &[])
+}
+
+/// [`start_s3`] with extra flags (quirk modes).
+pub fn start_s3_with(
+    root: &Path,
+    access: &str,
+    secret: &str,
+    bucket: &str,
+    extra: &[&str],
+) -> (Proc, u16) {
     let port = free_port();
     let child = Command::new(BIN)
         .args(["s3-server", "--root"])
@@ -63,6 +74,7 @@ pub fn start_s3(root: &Path, access: &str, secret: &str, bucket: &str) -> (Proc,
             "--bucket",
             bucket,
         ])
+        .args(extra)
         .stdout(Stdio::null())
         .stderr(Stdio::null())
         .spawn()
