@@ -313,7 +313,7 @@ impl PageStore {
         let end = start + data.len() as u64;
         if id.blocks() > MAX_BLOCKS
             || end > id.len
-            || (end % CHECK_BLOCK != 0 && end != id.len)
+            || (!end.is_multiple_of(CHECK_BLOCK) && end != id.len)
             || data.is_empty()
         {
             return Err(io::Error::other(

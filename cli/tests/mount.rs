@@ -837,7 +837,13 @@ fn listings_without_etags_and_objects_changed_after_ls_read_right() {
             listed += 1;
         }
         assert_eq!(listed, 2000, "pass {pass}");
-        for i in (pass..2000).step_by(10) {
+        // Overwritten between `ls` and `open` on the first pass; the second
+        // pass (a listing from the mount's cache, still without ETags) must
+        // read the same current versions, not fail with ESTALE.
+        for i in (0..2000).step_by(if pass == 0 { 10 } else { usize::MAX }) {
+            if pass > 0 {
+                break;
+            }
             version[i] += 1;
             env.put(&format!("small/f{i:05}"), Bytes::from(body(i, version[i])));
         }

@@ -69,6 +69,10 @@ impl DirStream {
         self.head.len() + self.listed.len()
     }
 
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+
     pub fn is_done(&self) -> bool {
         self.done
     }

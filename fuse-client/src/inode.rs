@@ -168,6 +168,10 @@ impl InodeTable {
         self.lock().nodes.len()
     }
 
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+
     pub fn update<R>(&self, ino: u64, f: impl FnOnce(&mut Inode) -> R) -> Option<R> {
         self.lock().nodes.get_mut(&ino).map(f)
     }
