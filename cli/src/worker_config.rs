@@ -284,19 +284,7 @@ impl WorkerSettings {
 
 /// A quarter of physical memory, between 256 MiB and 8 GiB.
 fn default_memory_limit() -> u64 {
-    // SAFETY: sysconf reads system constants and touches no memory.
-    let (pages, page) = unsafe {
-        (
-            libc::sysconf(libc::_SC_PHYS_PAGES),
-            libc::sysconf(libc::_SC_PAGESIZE),
-        )
-    };
-    let ram = if pages > 0 && page > 0 {
-        pages as u64 * page as u64
-    } else {
-        8 << 30
-    };
-    (ram / 4).clamp(256 << 20, 8 << 30)
+    (lakecache_protocol::memory::physical_memory() / 4).clamp(256 << 20, 8 << 30)
 }
 
 #[cfg(test)]

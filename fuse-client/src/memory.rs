@@ -7,19 +7,7 @@ pub use lakecache_protocol::memory::{MemoryBudget, Reservation};
 
 /// 1/8 of physical memory, at most 4 GiB (at least 64 MiB).
 pub fn default_limit() -> u64 {
-    // SAFETY: sysconf reads system constants and touches no memory.
-    let (pages, page) = unsafe {
-        (
-            libc::sysconf(libc::_SC_PHYS_PAGES),
-            libc::sysconf(libc::_SC_PAGESIZE),
-        )
-    };
-    let ram = if pages > 0 && page > 0 {
-        pages as u64 * page as u64
-    } else {
-        8 << 30
-    };
-    (ram / 8).clamp(64 << 20, 4 << 30)
+    (lakecache_protocol::memory::physical_memory() / 8).clamp(64 << 20, 4 << 30)
 }
 
 /// Hands freed heap memory back to the kernel (glibc keeps it otherwise,

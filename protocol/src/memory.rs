@@ -72,6 +72,22 @@ impl MemoryBudget {
     }
 }
 
+/// Physical memory of this machine (8 GiB when it cannot be read).
+pub fn physical_memory() -> u64 {
+    // SAFETY: sysconf reads system constants and touches no memory.
+    let (pages, page) = unsafe {
+        (
+            libc::sysconf(libc::_SC_PHYS_PAGES),
+            libc::sysconf(libc::_SC_PAGESIZE),
+        )
+    };
+    if pages > 0 && page > 0 {
+        pages as u64 * page as u64
+    } else {
+        8 << 30
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
