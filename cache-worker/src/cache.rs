@@ -55,6 +55,8 @@ pub enum CacheError {
     CopyTooLarge(u64),
     #[error("the worker is shutting down; the upload was aborted")]
     ShuttingDown,
+    #[error("invalid request: {0}")]
+    Invalid(String),
 }
 
 impl From<crate::index::IndexError> for CacheError {
@@ -83,6 +85,7 @@ pub struct Cache {
     /// Where the last read of each object ended, to detect sequential access.
     last_read_end: Mutex<HashMap<String, u64>>,
     pub(crate) evict: Arc<Notify>,
+    pub(crate) peers: crate::placement::Peers,
     /// Totals for `/v1/health` (the same counts feed the metrics).
     hit_bytes: AtomicU64,
     miss_bytes: AtomicU64,
@@ -142,6 +145,7 @@ impl Cache {
             last_read_end: Mutex::default(),
             block_flights: SingleFlight::default(),
             evict: Arc::new(Notify::new()),
+            peers: Default::default(),
             hit_bytes: AtomicU64::new(0),
             miss_bytes: AtomicU64::new(0),
         });
@@ -156,8 +160,11 @@ impl Cache {
 
     /// Object metadata, from the index while younger than the TTL.
     pub async fn stat(self: &Arc<Self>, uri: &ObjectUri) -> Result<ObjectMeta, CacheError> {
-        let key = uri.to_string();
-        if let Some(rec) = self.index.get_object(&key)? {
+        let (this, key) = (self.clone(), uri.to_string());
+        let rec = tokio::task::spawn_blocking(move || this.index.get_object(&key))
+            .await
+            .map_err(join_failed)??;
+        if let Some(rec) = rec {
             let age = now_ms().saturating_sub(rec.validated_ms);
             if age >= 0 && (age as u128) < self.config.metadata_ttl.as_millis() {
                 return Ok(ObjectMeta {
@@ -177,27 +184,45 @@ impl Cache {
         let this = self.clone();
         self.head_flights
             .run(key.clone(), || async move {
-                let head = this.store.head(uri).await;
-                let old = this.index.get_object(&key)?;
-                match head {
+                match this.store.head(uri).await {
                     Ok(meta) => {
-                        if let Some(old) = old.filter(|o| o.etag != meta.etag) {
-                            this.reclaim_version(&key, &old.etag, old.size);
-                        }
-                        this.record_meta(&key, &meta)?;
+                        this.replace_meta(&key, Some(&meta)).await?;
                         Ok(meta)
                     }
                     Err(StoreError::NotFound) => {
-                        if let Some(old) = old {
-                            this.reclaim_version(&key, &old.etag, old.size);
-                            this.index.delete_object(&key)?;
-                        }
+                        this.replace_meta(&key, None).await?;
                         Err(StoreError::NotFound.into())
                     }
                     Err(e) => Err(e.into()),
                 }
             })
             .await
+    }
+
+    /// Records `meta` as the object's current version (`None`: it is
+    /// gone) and drops the pages of the version it replaces. RocksDB runs
+    /// off the async runtime.
+    pub(crate) async fn replace_meta(
+        self: &Arc<Self>,
+        key: &str,
+        meta: Option<&ObjectMeta>,
+    ) -> Result<(), CacheError> {
+        let (this, owned_key, new) = (self.clone(), key.to_string(), meta.cloned());
+        let old = tokio::task::spawn_blocking(move || -> Result<_, CacheError> {
+            let old = this.index.get_object(&owned_key)?;
+            match &new {
+                Some(m) => this.record_meta(&owned_key, m)?,
+                None if old.is_some() => this.index.delete_object(&owned_key)?,
+                None => {}
+            }
+            Ok(old)
+        })
+        .await
+        .map_err(join_failed)??;
+        if let Some(old) = old.filter(|o| meta.is_none_or(|m| m.etag != o.etag)) {
+            self.reclaim_version(key, &old.etag, old.size);
+        }
+        Ok(())
     }
 
     pub(crate) fn record_meta(&self, key: &str, meta: &ObjectMeta) -> Result<(), CacheError> {
@@ -372,7 +397,7 @@ impl Cache {
     }
 
     /// Reads from a page file and records the access, off the runtime.
-    async fn read_local(
+    pub(crate) async fn read_local(
         self: &Arc<Self>,
         key: PageKey,
         id: PageId,
@@ -500,7 +525,7 @@ impl Cache {
 
     /// Writes a fetched page to disk and indexes it; failures only cost a
     /// future miss, so they are logged, not returned.
-    async fn keep_page(
+    pub(crate) async fn keep_page(
         self: &Arc<Self>,
         uri: String,
         etag: String,
@@ -614,12 +639,7 @@ impl Cache {
 
     pub async fn delete(self: &Arc<Self>, uri: &ObjectUri) -> Result<(), CacheError> {
         self.store.delete(uri).await?;
-        let key = uri.to_string();
-        if let Some(old) = self.index.get_object(&key)? {
-            self.reclaim_version(&key, &old.etag, old.size);
-            self.index.delete_object(&key)?;
-        }
-        Ok(())
+        self.replace_meta(&uri.to_string(), None).await
     }
 
     pub fn used_bytes(&self) -> u64 {
@@ -685,6 +705,10 @@ fn slice_within(bytes: &Bytes, range: &Range<u64>) -> Bytes {
     let end = (range.end as usize).min(bytes.len());
     let start = (range.start as usize).min(end);
     bytes.slice(start..end)
+}
+
+pub(crate) fn join_failed(e: tokio::task::JoinError) -> CacheError {
+    CacheError::Local(format!("blocking task failed: {e}"))
 }
 
 fn short_body(expected: u64, got: usize) -> CacheError {

@@ -9,6 +9,7 @@ mod index;
 mod lru;
 pub mod metrics;
 pub mod pages;
+mod placement;
 mod write;
 
 use std::net::SocketAddr;
@@ -22,6 +23,7 @@ pub use http::HttpLimits;
 /// the worker; re-exported under its old path.
 pub use lakecache_store as store;
 pub use metrics::Metrics;
+pub use placement::Placement;
 pub use store::{ObjectStore, S3Config, S3Store};
 
 /// Everything a worker needs besides its object store.

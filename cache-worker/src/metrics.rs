@@ -30,6 +30,7 @@ pub struct Metrics {
     evicted_bytes: Counter<u64>,
     corrupt_pages: Counter<u64>,
     discarded_pages: Counter<u64>,
+    handed_off_pages: Counter<u64>,
     /// Read by the gauges at scrape time.
     pub cache_used_bytes: Arc<AtomicU64>,
     pub cache_capacity_bytes: Arc<AtomicU64>,
@@ -157,6 +158,12 @@ impl Metrics {
                 "",
                 "Pages dropped at start because the cache directory had another format or page size",
             ),
+            handed_off_pages: counter(
+                &meter,
+                "lakecache_handed_off_pages",
+                "",
+                "Pages of written objects handed to the worker owning their segment",
+            ),
             cache_used_bytes,
             cache_capacity_bytes,
             registry,
@@ -214,6 +221,10 @@ impl Metrics {
 
     pub fn discarded_pages(&self, pages: u64) {
         self.discarded_pages.add(pages, &[]);
+    }
+
+    pub fn handed_off_pages(&self, pages: u64) {
+        self.handed_off_pages.add(pages, &[]);
     }
 
     pub fn corrupt_page(&self) {

@@ -52,7 +52,11 @@ impl Cache {
         let mut upload: Option<Upload> = None;
         let result = self.write_inner(uri, body, &mut staged, &mut upload).await;
         match result {
-            Ok((etag, size)) => Ok(self.finish_write(uri, etag, size, staged).await),
+            Ok((etag, size)) => {
+                let meta = self.finish_write(uri, etag, size, staged).await;
+                self.hand_off_segments(uri, &meta);
+                Ok(meta)
+            }
             Err(e) => {
                 self.discard_staged(staged);
                 if let Some(up) = upload {
@@ -252,12 +256,7 @@ impl Cache {
             }
         };
         let ours = meta.etag == etag && meta.size == size;
-        if let Ok(Some(old)) = self.index.get_object(&key) {
-            if old.etag != meta.etag {
-                self.reclaim_version(&key, &old.etag, old.size);
-            }
-        }
-        if let Err(e) = self.record_meta(&key, &meta) {
+        if let Err(e) = self.replace_meta(&key, Some(&meta)).await {
             tracing::warn!(%uri, error = %e, "recording metadata after write failed");
         }
         let ps = self.config.page_size;
@@ -297,11 +296,17 @@ impl Cache {
 }
 
 impl Cache {
-    fn discard_staged(&self, staged: Vec<StagedPage>) {
-        for page in staged {
+    /// Frees staged pages of a failed upload; the files go off the runtime.
+    fn discard_staged(self: &Arc<Self>, staged: Vec<StagedPage>) {
+        for page in &staged {
             self.lru.release_staging(page.file.len);
-            self.pages.discard_staged(page.file);
         }
+        let this = self.clone();
+        tokio::task::spawn_blocking(move || {
+            for page in staged {
+                this.pages.discard_staged(page.file);
+            }
+        });
     }
 
     /// Server-side copy of `from` (the version tagged `etag`, or the
@@ -320,13 +325,7 @@ impl Cache {
             return Err(CacheError::CopyTooLarge(source.size));
         }
         let meta = self.store.copy(from, &source.etag, to).await?;
-        let key = to.to_string();
-        if let Ok(Some(old)) = self.index.get_object(&key) {
-            if old.etag != meta.etag {
-                self.reclaim_version(&key, &old.etag, old.size);
-            }
-        }
-        self.record_meta(&key, &meta)?;
+        self.replace_meta(&to.to_string(), Some(&meta)).await?;
         Ok(meta)
     }
 }

@@ -79,6 +79,36 @@ impl ClusterArgs {
         }
     }
 
+    /// The options, with the ring settings the cluster's first worker
+    /// recorded in an etcd registry; flags that contradict them are an
+    /// error, since every client must place data as the workers do.
+    async fn ring_from(&self, registry: &RegistryUrl) -> Result<ClusterOptions> {
+        let mut options = self.options();
+        let Some(recorded) = registry
+            .advertised_ring(Duration::from_secs(5))
+            .await
+            .context("reading the cluster's ring settings")?
+        else {
+            return Ok(options);
+        };
+        if let Some(s) = self.segment_size.filter(|s| s.0 != recorded.segment_size) {
+            anyhow::bail!(
+                "--segment-size {} differs from the cluster's {} bytes recorded in the registry; leave it out",
+                s.0,
+                recorded.segment_size
+            );
+        }
+        if let Some(v) = self.vnodes.filter(|v| *v != recorded.vnodes) {
+            anyhow::bail!(
+                "--vnodes {v} differs from the cluster's {} recorded in the registry; leave it out",
+                recorded.vnodes
+            );
+        }
+        options.ring.segment_size = recorded.segment_size;
+        options.ring.vnodes = recorded.vnodes;
+        Ok(options)
+    }
+
     pub async fn connect(&self) -> Result<Arc<ClusterClient>> {
         let registry = self.registry()?;
         let membership = registry
@@ -97,7 +127,8 @@ impl ClusterArgs {
             let metrics = Arc::new(Metrics::new().map_err(anyhow::Error::msg)?);
             Some(lakecache_worker::s3_store(&config, metrics).await)
         };
-        let client = ClusterClient::new(membership, self.options(), s3);
+        let options = self.ring_from(&registry).await?;
+        let client = ClusterClient::new(membership, options, s3);
         anyhow::ensure!(
             !client.members().is_empty(),
             "no workers registered in {registry:?}"

@@ -11,6 +11,7 @@ mod units;
 mod up_cmd;
 mod worker_cmd;
 mod worker_config;
+mod worker_ring;
 
 use anyhow::Result;
 use clap::{Parser, Subcommand};

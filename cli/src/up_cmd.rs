@@ -95,6 +95,17 @@ impl UpCmd {
             }
         }
         let addrs: Vec<String> = workers.iter().map(|w| w.addr().to_string()).collect();
+        if workers.len() > 1 {
+            let ring = lakecache_registry::ClusterClient::new(
+                Arc::new(lakecache_registry::StaticMembership::new(&addrs)),
+                lakecache_registry::ClusterOptions::default(),
+                None,
+            );
+            for (w, addr) in workers.iter().zip(&addrs) {
+                let placement = crate::worker_ring::RingPlacement::new(ring.clone(), addr.clone());
+                w.cache().set_placement(Arc::new(placement));
+            }
+        }
         let first = addrs[0].clone();
         println!("lakecache is up (Ctrl-C to stop)");
         println!(

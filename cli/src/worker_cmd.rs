@@ -29,6 +29,9 @@ impl WorkerCmd {
         let registration = settings.registration()?;
         let (options, s3) = settings.resolve()?;
         let capacity = options.cache.capacity;
+        if let Some(reg) = &registration {
+            crate::worker_ring::check_ring_settings(reg).await?;
+        }
         tracing::info!(?s3, "starting worker");
         let metrics = Arc::new(
             Metrics::new()
@@ -40,6 +43,19 @@ impl WorkerCmd {
             .await
             .context("starting worker")?;
         eprintln!("lakecache worker listening on http://{}", worker.addr());
+        if let Some(reg) = &registration {
+            let placed = match advertised_address(reg, worker.addr()) {
+                Ok(me) => crate::worker_ring::RingPlacement::open(reg, me).await,
+                Err(e) => Err(e),
+            };
+            match placed {
+                Ok(placement) => worker.cache().set_placement(Arc::new(placement)),
+                Err(e) => {
+                    worker.shutdown().await;
+                    return Err(e);
+                }
+            }
+        }
         let joined = match registration {
             Some(reg) => match join_cluster(&reg, worker.addr(), capacity).await {
                 Ok(joined) => joined,
@@ -61,6 +77,22 @@ impl WorkerCmd {
     }
 }
 
+/// The address clients (and the ring) know this worker by.
+fn advertised_address(
+    reg: &crate::worker_config::Registration,
+    bound: std::net::SocketAddr,
+) -> Result<String> {
+    match &reg.advertise {
+        Some(a) => Ok(a.clone()),
+        None if bound.ip().is_unspecified() => {
+            anyhow::bail!(
+                "--listen {bound} is a wildcard address: set --advertise HOST:PORT for clients"
+            )
+        }
+        None => Ok(bound.to_string()),
+    }
+}
+
 /// Registers in etcd (static and file registries need no registration).
 async fn join_cluster(
     reg: &crate::worker_config::Registration,
@@ -70,15 +102,7 @@ async fn join_cluster(
     let RegistryUrl::Etcd { endpoints, prefix } = &reg.registry else {
         return Ok(None);
     };
-    let advertise = match &reg.advertise {
-        Some(a) => a.clone(),
-        None if bound.ip().is_unspecified() => {
-            anyhow::bail!(
-                "--listen {bound} is a wildcard address: set --advertise HOST:PORT for clients"
-            )
-        }
-        None => bound.to_string(),
-    };
+    let advertise = advertised_address(reg, bound)?;
     let member = Member {
         id: reg.worker_id.clone().unwrap_or_else(|| advertise.clone()),
         address: advertise,

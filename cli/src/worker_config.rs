@@ -92,11 +92,16 @@ pub struct WorkerSettings {
     /// HOST:PORT clients use to reach this worker [default: --listen]
     #[arg(long, env = "LAKECACHE_ADVERTISE")]
     pub advertise: Option<String>,
-    /// The ring's placement segment size; must match the clients'
-    /// `--segment-size` (read-ahead stops at segment ends, since the next
-    /// segment belongs to another worker) [default: 64MiB]
+    /// The ring's placement segment size (read-ahead stops at segment
+    /// ends, since the next segment belongs to another worker). With an
+    /// etcd registry, the first worker records it and later workers must
+    /// match [default: 64MiB]
     #[arg(long, env = "LAKECACHE_SEGMENT_SIZE")]
     pub segment_size: Option<ByteSize>,
+    /// Virtual nodes per worker on the ring; recorded and checked like
+    /// --segment-size [default: 512]
+    #[arg(long, env = "LAKECACHE_VNODES")]
+    pub vnodes: Option<u32>,
     /// Stable id of this worker in the ring [default: the advertised address]
     #[arg(long, env = "LAKECACHE_WORKER_ID")]
     pub worker_id: Option<String>,
@@ -113,6 +118,8 @@ pub struct Registration {
     pub advertise: Option<String>,
     pub worker_id: Option<String>,
     pub lease_ttl: std::time::Duration,
+    /// Placement settings, shared by the whole cluster.
+    pub ring: lakecache_registry::RingOptions,
 }
 
 macro_rules! layer {
@@ -158,6 +165,7 @@ impl WorkerSettings {
                 registry,
                 advertise,
                 segment_size,
+                vnodes,
                 worker_id,
                 lease_ttl,
             ]
@@ -178,11 +186,22 @@ impl WorkerSettings {
         if lease_ttl < std::time::Duration::from_secs(1) {
             bail!("--lease-ttl must be at least 1s");
         }
+        let vnodes = self.vnodes.unwrap_or(lakecache_registry::DEFAULT_VNODES);
+        if !(1..=65_536).contains(&vnodes) {
+            bail!("--vnodes must be 1..=65536, got {vnodes}");
+        }
         Ok(Some(Registration {
             registry,
             advertise: self.advertise.clone(),
             worker_id: self.worker_id.clone(),
             lease_ttl,
+            ring: lakecache_registry::RingOptions {
+                vnodes,
+                segment_size: self
+                    .segment_size
+                    .map_or(lakecache_registry::DEFAULT_SEGMENT_SIZE, |s| s.0),
+                ..Default::default()
+            },
         }))
     }
 

@@ -8,7 +8,7 @@ use std::process::{Command, Stdio};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use lakecache_protocol::ObjectUri;
+use lakecache_protocol::{ObjectUri, WorkerClient};
 use lakecache_registry::{ClusterClient, ClusterOptions, EtcdMembership, Membership};
 use sha2::{Digest, Sha256};
 
@@ -301,6 +301,121 @@ fn a_hung_worker_costs_seconds_not_a_minute() {
     assert!(
         took < Duration::from_secs(20),
         "a hung worker stalled the read for {took:?}"
+    );
+}
+
+/// Sum of the metric lines starting with `name` over all workers.
+fn workers_metric(c: &Cluster, name: &str) -> f64 {
+    let rt = tokio::runtime::Runtime::new().unwrap();
+    rt.block_on(async {
+        let mut sum = 0.0;
+        for (_, port, _) in &c.workers {
+            let client =
+                WorkerClient::new(&format!("127.0.0.1:{port}"), Duration::from_secs(5)).unwrap();
+            let text = client.metrics().await.unwrap();
+            sum += text
+                .lines()
+                .filter(|l| l.starts_with(name))
+                .filter_map(|l| l.rsplit(' ').next()?.parse::<f64>().ok())
+                .sum::<f64>();
+        }
+        sum
+    })
+}
+
+#[test]
+fn written_segments_are_handed_to_their_owners_and_read_without_s3() {
+    const SIZE_MIB: u64 = 256;
+    let c = Cluster::start(3);
+    c.wait_members(&["w0", "w1", "w2"], Duration::from_secs(15));
+    let expected = put_streamed(&c, "ckpt.bin", SIZE_MIB);
+    let owners = segment_owners(&c, "s3://data/ckpt.bin", SIZE_MIB / 64);
+    // 4 MiB pages: 16 per segment the writer (segment 0's owner) hands on.
+    let foreign = owners.iter().filter(|o| **o != owners[0]).count() as f64;
+    assert!(foreign > 0.0, "all segments on one worker: {owners:?}");
+    let deadline = Instant::now() + Duration::from_secs(30);
+    let mut handed = 0.0;
+    while Instant::now() < deadline {
+        handed = workers_metric(&c, "lakecache_handed_off_pages");
+        if handed >= foreign * 16.0 {
+            break;
+        }
+        std::thread::sleep(Duration::from_millis(100));
+    }
+    assert_eq!(handed, foreign * 16.0, "owners {owners:?}");
+
+    let misses = workers_metric(&c, "lakecache_cache_miss");
+    let out = Command::new(BIN)
+        .args(["cat", "s3://data/ckpt.bin", "--registry", &c.registry()])
+        .envs(s3_env(c.s3_port))
+        .output()
+        .unwrap();
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    assert_eq!(hex(&Sha256::digest(&out.stdout)), expected);
+    assert_eq!(
+        workers_metric(&c, "lakecache_cache_miss"),
+        misses,
+        "reading a just-written object went to S3: its pages are not on the segment owners"
+    );
+}
+
+#[test]
+fn a_worker_or_client_with_other_ring_settings_is_refused() {
+    let c = Cluster::start(1);
+    c.wait_members(&["w0"], Duration::from_secs(15));
+    let port = free_port();
+    let out = Command::new(BIN)
+        .args([
+            "worker",
+            "--listen",
+            &format!("127.0.0.1:{port}"),
+            "--cache-dir",
+        ])
+        .arg(c.dir.path().join("cache-odd"))
+        .args(["--segment-size", "32MiB", "--registry", &c.registry()])
+        .args([
+            "--s3-endpoint",
+            &format!("http://127.0.0.1:{}", c.s3_port),
+            "--s3-path-style",
+        ])
+        .envs(s3_env(c.s3_port))
+        .output()
+        .unwrap();
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        !out.status.success(),
+        "a worker with another segment size started"
+    );
+    assert!(
+        err.contains("--segment-size 67108864 --vnodes 512"),
+        "unclear refusal: {err}"
+    );
+    assert!(
+        !c.dir.path().join("cache-odd").exists(),
+        "the refused worker created its cache directory"
+    );
+
+    let out = Command::new(BIN)
+        .args([
+            "ls",
+            "s3://data/",
+            "--vnodes",
+            "64",
+            "--registry",
+            &c.registry(),
+        ])
+        .envs(s3_env(c.s3_port))
+        .output()
+        .unwrap();
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(!out.status.success());
+    assert!(
+        err.contains("--vnodes 64 differs"),
+        "unclear refusal: {err}"
     );
 }
 

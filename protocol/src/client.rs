@@ -58,6 +58,13 @@ impl ClientError {
 /// instead of a body.
 pub const COPY_SOURCE_HEADER: &str = "x-lakecache-copy-source";
 
+/// On a page hand-off (`PUT /v1/pages/...`), the object offset of the
+/// first byte of the body; the version is named by `If-Match`.
+pub const OFFSET_HEADER: &str = "x-lakecache-offset";
+/// On a page hand-off, the sending worker's instance id: a worker never
+/// takes pages from itself (a ring entry can name it by another address).
+pub const FROM_HEADER: &str = "x-lakecache-from";
+
 /// How long a worker may take before the client gives up on it.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct Deadlines {
@@ -403,6 +410,30 @@ impl WorkerClient {
         let resp = self.send(req).await?;
         let body = self.collect(resp.into_body()).await?;
         serde_json::from_slice(&body).map_err(|e| ClientError::Decode(e.to_string()))
+    }
+
+    /// Hands `len` bytes of one object version, starting at `offset`, to
+    /// this worker's cache (worker to worker, after a write): the worker
+    /// keeps them as pages without asking S3 for them.
+    pub async fn put_pages(
+        &self,
+        uri: &ObjectUri,
+        etag: &str,
+        offset: u64,
+        len: u64,
+        from: &str,
+        body: RequestBody,
+    ) -> Result<(), ClientError> {
+        let req = self
+            .request(http::Method::PUT, &uri.api_path("pages"))
+            .header(http::header::IF_MATCH, format!("\"{etag}\""))
+            .header(OFFSET_HEADER, offset.to_string())
+            .header(FROM_HEADER, from)
+            .header(http::header::CONTENT_LENGTH, len)
+            .body(body)
+            .map_err(|e| ClientError::Decode(e.to_string()))?;
+        let resp = self.send(req).await?;
+        self.collect(resp.into_body()).await.map(|_| ())
     }
 
     pub async fn delete(&self, uri: &ObjectUri) -> Result<(), ClientError> {

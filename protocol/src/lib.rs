@@ -10,6 +10,9 @@ mod types;
 mod uri;
 
 pub use chain::Chain;
-pub use client::{ClientError, Deadlines, RequestBody, WorkerClient, COPY_SOURCE_HEADER};
+pub use client::{
+    ClientError, Deadlines, RequestBody, WorkerClient, COPY_SOURCE_HEADER, FROM_HEADER,
+    OFFSET_HEADER,
+};
 pub use types::{ErrorBody, ErrorCode, ErrorDetail, Health, ListEntry, ListResponse, ObjectStat};
 pub use uri::{validate_bucket, validate_key, InvalidUri, ObjectUri, MAX_KEY_BYTES};

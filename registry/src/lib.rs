@@ -12,9 +12,11 @@ pub mod client;
 pub mod membership;
 pub mod registry_url;
 pub mod ring;
+pub mod ring_settings;
 pub mod stable_hash;
 
 pub use client::{ClusterClient, ClusterError, ClusterOptions};
 pub use membership::{EtcdMembership, EtcdRegistration, Member, Membership, StaticMembership};
 pub use registry_url::RegistryUrl;
 pub use ring::{Ring, RingOptions, DEFAULT_SEGMENT_SIZE, DEFAULT_VNODES};
+pub use ring_settings::{advertised_ring_settings, claim_ring_settings, RingSettings};

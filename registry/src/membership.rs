@@ -135,7 +135,10 @@ fn members_key(prefix: &str) -> String {
     format!("{}/members/", prefix.trim_end_matches('/'))
 }
 
-async fn connect(endpoints: &[String], timeout: Duration) -> Result<Client, MembershipError> {
+pub(crate) async fn connect(
+    endpoints: &[String],
+    timeout: Duration,
+) -> Result<Client, MembershipError> {
     let options = ConnectOptions::new()
         .with_connect_timeout(timeout)
         .with_timeout(timeout)

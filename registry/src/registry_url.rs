@@ -7,6 +7,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use crate::membership::{EtcdMembership, Membership, MembershipError, StaticMembership};
+use crate::ring_settings::{advertised_ring_settings, claim_ring_settings, RingSettings};
 
 pub const DEFAULT_PREFIX: &str = "/lakecache";
 
@@ -93,12 +94,46 @@ impl RegistryUrl {
                 path.clone(),
                 Duration::from_secs(2),
             )?),
-            RegistryUrl::Etcd { endpoints, prefix } => {
-                let urls: Vec<String> = endpoints.iter().map(|e| format!("http://{e}")).collect();
-                Arc::new(EtcdMembership::connect(urls, prefix.clone(), timeout).await?)
-            }
+            RegistryUrl::Etcd { endpoints, prefix } => Arc::new(
+                EtcdMembership::connect(etcd_urls(endpoints), prefix.clone(), timeout).await?,
+            ),
         })
     }
+
+    /// etcd registries: records `wanted` as the cluster's ring settings
+    /// unless some are recorded, and returns the recorded ones. Static
+    /// and file registries record nothing (`None`).
+    pub async fn claim_ring(
+        &self,
+        wanted: RingSettings,
+        timeout: Duration,
+    ) -> Result<Option<RingSettings>, MembershipError> {
+        match self {
+            RegistryUrl::Etcd { endpoints, prefix } => {
+                claim_ring_settings(&etcd_urls(endpoints), prefix, wanted, timeout)
+                    .await
+                    .map(Some)
+            }
+            _ => Ok(None),
+        }
+    }
+
+    /// etcd registries: the ring settings a worker recorded, if any.
+    pub async fn advertised_ring(
+        &self,
+        timeout: Duration,
+    ) -> Result<Option<RingSettings>, MembershipError> {
+        match self {
+            RegistryUrl::Etcd { endpoints, prefix } => {
+                advertised_ring_settings(&etcd_urls(endpoints), prefix, timeout).await
+            }
+            _ => Ok(None),
+        }
+    }
+}
+
+fn etcd_urls(endpoints: &[String]) -> Vec<String> {
+    endpoints.iter().map(|e| format!("http://{e}")).collect()
 }
 
 #[cfg(test)]

@@ -59,7 +59,7 @@ pub fn cache_error(e: &CacheError) -> Response {
             ErrorCode::UpstreamError
         }
         CacheError::Local(_) => ErrorCode::Internal,
-        CacheError::Body(_) => ErrorCode::BadRequest,
+        CacheError::Body(_) | CacheError::Invalid(_) => ErrorCode::BadRequest,
         CacheError::BodyTooLarge(_) => ErrorCode::BodyTooLarge,
         CacheError::CopyTooLarge(_) => ErrorCode::CopyTooLarge,
         CacheError::ShuttingDown => ErrorCode::UpstreamUnavailable,

@@ -10,7 +10,7 @@ use http_body_util::{BodyExt, BodyStream, StreamBody};
 use hyper::body::Incoming;
 use lakecache_protocol::{
     validate_bucket, ErrorCode, Health, ListResponse, ObjectStat, ObjectUri, COPY_SOURCE_HEADER,
-    MAX_KEY_BYTES,
+    FROM_HEADER, MAX_KEY_BYTES, OFFSET_HEADER,
 };
 
 use super::range::{parse_range, resolve};
@@ -59,6 +59,12 @@ pub async fn route(state: &AppState, req: http::Request<Incoming>) -> (&'static 
             Method::PUT => ("write", write(state, rest, req).await),
             Method::DELETE => ("delete", delete(state, rest).await),
             _ => ("invalid", method_not_allowed("GET, HEAD, PUT, DELETE")),
+        };
+    }
+    if let Some(rest) = path.strip_prefix("/v1/pages/") {
+        return match method {
+            Method::PUT => ("accept_pages", accept_pages(state, rest, req).await),
+            _ => ("invalid", method_not_allowed("PUT")),
         };
     }
     if let Some(rest) = path.strip_prefix("/v1/stat/") {
@@ -328,6 +334,63 @@ async fn write(state: &AppState, rest: &str, req: http::Request<Incoming>) -> Re
         Ok(Ok(meta)) => json(StatusCode::OK, &stat_body(&uri, &meta)),
         Ok(Err(e)) => cache_error(&e),
         Err(e) => cache_error(&CacheError::Local(format!("upload task failed: {e}"))),
+    }
+}
+
+/// Pages of a written object handed over by the worker that took the
+/// write (see `placement.rs`).
+async fn accept_pages(state: &AppState, rest: &str, req: http::Request<Incoming>) -> Response {
+    let uri = match parse_uri(rest) {
+        Ok(u) => u,
+        Err(resp) => return *resp,
+    };
+    let Some(etag) = if_match(&req).filter(|e| !e.is_empty() && e != "*") else {
+        return error(
+            ErrorCode::BadRequest,
+            "a page hand-off needs If-Match with the object's ETag",
+        );
+    };
+    let offset = req
+        .headers()
+        .get(OFFSET_HEADER)
+        .and_then(|v| v.to_str().ok())
+        .and_then(|v| v.parse::<u64>().ok());
+    let Some(offset) = offset else {
+        return error(
+            ErrorCode::BadRequest,
+            format!("a page hand-off needs {OFFSET_HEADER}: a byte offset"),
+        );
+    };
+    let len = req
+        .headers()
+        .get(header::CONTENT_LENGTH)
+        .and_then(|v| v.to_str().ok())
+        .and_then(|v| v.parse::<u64>().ok());
+    let Some(len) = len else {
+        return error(
+            ErrorCode::BadRequest,
+            "a page hand-off needs a Content-Length",
+        );
+    };
+    let from = req
+        .headers()
+        .get(FROM_HEADER)
+        .and_then(|v| v.to_str().ok())
+        .unwrap_or("")
+        .to_string();
+    let body = BodyStream::new(req.into_body()).filter_map(|frame| {
+        std::future::ready(match frame {
+            Ok(frame) => frame.into_data().ok().map(Ok),
+            Err(e) => Some(Err(CacheError::Body(e.to_string()))),
+        })
+    });
+    match state
+        .cache
+        .accept_pages(&uri, &etag, offset, len, &from, Box::pin(body))
+        .await
+    {
+        Ok(pages) => json(StatusCode::OK, &serde_json::json!({ "pages": pages })),
+        Err(e) => cache_error(&e),
     }
 }
 

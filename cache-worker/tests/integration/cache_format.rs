@@ -151,3 +151,62 @@ async fn a_cold_random_read_fetches_its_blocks_not_the_page() {
     let all = h.client.read(&uri("random.bin"), None).await.unwrap();
     assert!(all == body, "a partly filled page served wrong bytes");
 }
+
+/// Pages handed over by another worker are kept only for the object's
+/// current ETag, at page-aligned offsets, and then served without S3.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn handed_over_pages_are_checked_then_served_locally() {
+    use bytes::Bytes;
+    use http_body_util::{BodyExt, Full};
+    use lakecache_protocol::ClientError;
+
+    let h = Harness::with(|o| o.cache.page_size = MIB).await;
+    let body = striped(3);
+    let etag = h.put_direct("handed.bin", &body).await;
+    let u = uri("handed.bin");
+    let put = |etag: String, offset: u64, data: Vec<u8>| {
+        let client = h.client.clone();
+        let u = u.clone();
+        async move {
+            let len = data.len() as u64;
+            let b = Full::new(Bytes::from(data)).map_err(|e| match e {}).boxed();
+            client
+                .put_pages(&u, &etag, offset, len, "another-worker", b)
+                .await
+        }
+    };
+    let status = |r: Result<(), ClientError>| match r {
+        Err(ClientError::Api { status, .. }) => status,
+        // Refused before the body was read: the connection is cut.
+        Err(ClientError::Transport { .. }) => 0,
+        Err(e) => panic!("unexpected error {e}"),
+        Ok(()) => 200,
+    };
+    let mib = MIB as usize;
+    // Refusals may come before the body is read (then the connection is
+    // cut under the sender): 412 / 400 or a cut, never 200.
+    let wrong_etag = status(put("nope".into(), 0, body[..mib].to_vec()).await);
+    assert!(wrong_etag == 412 || wrong_etag == 0, "got {wrong_etag}");
+    let misaligned = status(put(etag.clone(), 4096, body[..mib].to_vec()).await);
+    assert!(misaligned == 400 || misaligned == 0, "got {misaligned}");
+    let too_long = status(put(etag.clone(), 0, vec![0; 4 * mib]).await);
+    assert!(too_long == 400 || too_long == 0, "got {too_long}");
+    assert!(h.page_files().is_empty(), "a refused hand-off left pages");
+    // Bytes 1..3 MiB: two whole pages are kept.
+    let gets = h.gets();
+    assert_eq!(
+        status(put(etag.clone(), MIB, body[mib..].to_vec()).await),
+        200
+    );
+    assert_eq!(h.page_files().len(), 2);
+    let got = h.client.read(&u, Some(MIB..3 * MIB)).await.unwrap();
+    assert!(
+        got[..] == body[mib..],
+        "handed-over pages served wrong bytes"
+    );
+    assert_eq!(
+        h.gets(),
+        gets,
+        "handed-over pages were fetched from S3 again"
+    );
+}
