@@ -364,6 +364,57 @@ fn written_segments_are_handed_to_their_owners_and_read_without_s3() {
 }
 
 #[test]
+fn every_worker_lists_a_write_or_delete_made_through_another_at_once() {
+    let c = Cluster::start(3);
+    c.wait_members(&["w0", "w1", "w2"], Duration::from_secs(15));
+    let rt = tokio::runtime::Runtime::new().unwrap();
+    rt.block_on(async {
+        let clients: Vec<WorkerClient> = c
+            .workers
+            .iter()
+            .map(|(_, port, _)| {
+                WorkerClient::new(&format!("127.0.0.1:{port}"), Duration::from_secs(10)).unwrap()
+            })
+            .collect();
+        let listed = |client: &WorkerClient| {
+            let client = client.clone();
+            async move {
+                // A listing first, so a worker that cached it would serve
+                // the stale one next.
+                let list = client
+                    .list("data", "ckpt/", None, None, None)
+                    .await
+                    .unwrap();
+                list.objects.into_iter().map(|o| o.key).collect::<Vec<_>>()
+            }
+        };
+        for (step, writer) in clients.iter().enumerate() {
+            for reader in &clients {
+                listed(reader).await;
+            }
+            let key = format!("ckpt/step-{step}.pt");
+            let uri: ObjectUri = format!("s3://data/{key}").parse().unwrap();
+            writer
+                .put_bytes(&uri, bytes::Bytes::from(vec![step as u8; 1000]))
+                .await
+                .unwrap();
+            for (i, reader) in clients.iter().enumerate() {
+                let keys = listed(reader).await;
+                assert!(
+                    keys.contains(&key),
+                    "worker {i} lists {keys:?} without {key}"
+                );
+            }
+            writer.delete(&uri).await.unwrap();
+            for (i, reader) in clients.iter().enumerate() {
+                let keys = listed(reader).await;
+                assert!(!keys.contains(&key), "worker {i} still lists deleted {key}");
+            }
+        }
+    });
+}
+
+#[test]
 fn a_worker_or_client_with_other_ring_settings_is_refused() {
     let c = Cluster::start(1);
     c.wait_members(&["w0"], Duration::from_secs(15));

@@ -287,7 +287,7 @@ impl Filesystem for KernelAdapter {
 
     fn rename(
         &self,
-        _req: &Request,
+        req: &Request,
         parent: INodeNo,
         name: &OsStr,
         newparent: INodeNo,
@@ -308,11 +308,12 @@ impl Filesystem for KernelAdapter {
             ));
         }
         let no_replace = flags.contains(RenameFlags::RENAME_NOREPLACE);
+        let pid = req.pid();
         self.spawn(
             "rename",
             parent.0,
             move |fs| async move {
-                fs.rename(parent.0, &name, newparent.0, &newname, no_replace)
+                fs.rename(parent.0, &name, newparent.0, &newname, no_replace, pid)
                     .await
             },
             move |r| empty_reply(reply, r),

@@ -770,6 +770,7 @@ impl Fs {
         new_parent: u64,
         new_name: &str,
         no_replace: bool,
+        pid: u32,
     ) -> Result<(), FsError> {
         let src = self.resolve(parent, name).await?;
         let np = self.dir(new_parent)?;
@@ -798,8 +799,21 @@ impl Fs {
                 }
                 // Renaming a file still open for writing (safetensors
                 // renames before close) commits what was written first.
+                // Another process renaming it must not publish a
+                // half-written file: only the writer's own process may.
                 let src = match src.writer {
                     Some(fh) => {
+                        if let Ok(Handle::Write {
+                            owner_tgid: Some(owner),
+                            ..
+                        }) = self.handle(fh)
+                        {
+                            if tgid_of(pid).await != Some(owner) {
+                                return Err(FsError::Busy(
+                                    "the file is being written by another process",
+                                ));
+                            }
+                        }
                         self.commit(fh).await?;
                         self.node(src.ino)?
                     }

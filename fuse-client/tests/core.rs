@@ -253,9 +253,40 @@ async fn a_failed_rename_copy_keeps_the_source() {
             got: 0,
         }),
     );
-    let err = s.fs.rename(ROOT_INO, "a", ROOT_INO, "b", false).await;
+    let err =
+        s.fs.rename(ROOT_INO, "a", ROOT_INO, "b", false, pid())
+            .await;
     assert_eq!(err.unwrap_err().errno(), libc::EIO);
     assert_eq!(s.store().get(BUCKET, "a").unwrap(), body(100, 4));
     assert!(s.store().get(BUCKET, "b").is_none());
     assert_eq!(s.read_all("a").await.unwrap(), body(100, 4));
+}
+
+#[tokio::test]
+async fn another_process_cannot_rename_a_file_being_written() {
+    let s = Setup::new(Quirks::default());
+    let (_, fh) = s.fs.create(ROOT_INO, "ckpt.tmp", pid()).await.unwrap();
+    s.fs.write(fh, 0, Bytes::from(vec![7u8; 5000]))
+        .await
+        .unwrap();
+    // pid 1 (init) is not the writer: the half-written file stays put.
+    let err =
+        s.fs.rename(ROOT_INO, "ckpt.tmp", ROOT_INO, "ckpt.pt", false, 1)
+            .await
+            .unwrap_err();
+    assert_eq!(err.errno(), libc::EBUSY);
+    assert!(s.store().get(BUCKET, "ckpt.pt").is_none());
+    assert!(s.store().get(BUCKET, "ckpt.tmp").is_none());
+    // The writer itself may (safetensors renames before close): what it
+    // wrote so far is committed and moved.
+    s.fs.write(fh, 5000, Bytes::from(vec![8u8; 100]))
+        .await
+        .unwrap();
+    s.fs.rename(ROOT_INO, "ckpt.tmp", ROOT_INO, "ckpt.pt", false, pid())
+        .await
+        .unwrap();
+    s.fs.release(fh).await.unwrap();
+    let got = s.store().get(BUCKET, "ckpt.pt").unwrap();
+    assert_eq!(got.len(), 5100);
+    assert_eq!(got[5099], 8);
 }

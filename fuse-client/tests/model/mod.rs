@@ -493,7 +493,9 @@ pub async fn run_case(
                 let actual = async {
                     let p = walk(fs, &from_dir).await?;
                     let q = walk(fs, &to_dir).await?;
-                    fs.rename(p, name, q, to_name, false).await.map_err(errno)?;
+                    fs.rename(p, name, q, to_name, false, pid)
+                        .await
+                        .map_err(errno)?;
                     Ok(Answer::Done)
                 }
                 .await;
