@@ -1,6 +1,9 @@
 //! Setup shared by the benchmarks: an embedded S3 endpoint with its
 //! client config, and worker options.
 
+// Each benchmark binary uses a part of this module.
+#![allow(dead_code)]
+
 use std::path::PathBuf;
 use std::sync::Arc;
 use std::time::Duration;

@@ -52,6 +52,7 @@ fn log_refusal(op: &'static str, e: &FsError) {
 
 impl KernelAdapter {
     pub fn new(fs: Arc<Fs>, runtime: tokio::runtime::Handle) -> Self {
+        runtime.spawn(Fs::housekeeping(Arc::downgrade(&fs)));
         Self { fs, runtime }
     }
 

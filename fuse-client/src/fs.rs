@@ -4,6 +4,7 @@
 use std::collections::HashMap;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
+use std::time::Duration;
 
 use bytes::Bytes;
 use lakecache_protocol::{validate_key, ObjectStat, ObjectUri, MAX_KEY_BYTES};
@@ -211,12 +212,28 @@ impl Fs {
 
     pub fn forget(&self, ino: u64, n: u64) {
         self.inodes.forget(ino, n);
-        // Now and then: drop expired listings and hand freed memory back,
-        // so a mount that listed millions of names shrinks once the
-        // kernel lets go of them.
-        if self.forgets.fetch_add(1, Ordering::Relaxed) % 65_536 == 65_535 {
-            self.listings.purge_expired();
-            crate::memory::trim();
+        self.forgets.fetch_add(1, Ordering::Relaxed);
+    }
+
+    /// Runs while the mount lives: drops expired listings, and once the
+    /// kernel has stopped forgetting inodes for a second (a dropped
+    /// dentry cache forgets millions in a burst), hands the freed memory
+    /// back to the OS, so a mount that listed millions of names shrinks.
+    pub async fn housekeeping(fs: std::sync::Weak<Fs>) {
+        let (mut last_tick, mut last_trim) = (0, 0);
+        loop {
+            tokio::time::sleep(Duration::from_secs(1)).await;
+            let Some(fs) = fs.upgrade() else { return };
+            let forgets = fs.forgets.load(Ordering::Relaxed);
+            let purged = fs.listings.purge_expired();
+            let settled = forgets == last_tick && forgets != last_trim;
+            if settled || purged > 0 {
+                fs.inodes.shrink();
+                crate::memory::trim();
+                last_trim = forgets;
+                tracing::debug!(purged, inodes = fs.inode_count(), "returned freed memory");
+            }
+            last_tick = forgets;
         }
     }
 

@@ -172,6 +172,18 @@ impl InodeTable {
         self.len() == 0
     }
 
+    /// Gives back the maps' spare room after the kernel forgot most
+    /// inodes (a hash map keeps its largest capacity otherwise).
+    pub fn shrink(&self) {
+        let mut t = self.lock();
+        if t.nodes.capacity() > 4 * t.nodes.len() + 1024 {
+            t.nodes.shrink_to_fit();
+        }
+        if t.names.capacity() > 4 * t.names.len() + 1024 {
+            t.names.shrink_to_fit();
+        }
+    }
+
     pub fn update<R>(&self, ino: u64, f: impl FnOnce(&mut Inode) -> R) -> Option<R> {
         self.lock().nodes.get_mut(&ino).map(f)
     }
