@@ -84,12 +84,16 @@ impl Cache {
         S: Stream<Item = Result<Bytes, CacheError>> + Send + Unpin,
     {
         let ps = self.config.page_size as usize;
-        let mut part = BytesMut::new();
         // The next part's memory is reserved before its bytes are read:
         // over the worker's budget, the body waits (TCP back-pressure).
+        // Buffers are allocated at their exact size (growing one by
+        // doubling would hold twice what was reserved).
         let mut part_size = self.part_size(1);
         let mut part_memory = self.memory.reserve(part_size as u64).await;
-        let mut page = BytesMut::new();
+        let mut part = BytesMut::with_capacity(part_size);
+        // One page being staged per upload, outside the budget: holding it
+        // while waiting for a part could starve every upload at once.
+        let mut page = BytesMut::with_capacity(ps);
         let mut total = 0u64;
         let mut pages_seen = 0u64;
         let mut staging = true;
@@ -102,24 +106,33 @@ impl Cache {
             let Some(chunk) = chunk else { break };
             let chunk = chunk?;
             total += chunk.len() as u64;
-            part.extend_from_slice(&chunk);
-            if staging {
-                page.extend_from_slice(&chunk);
-            }
-            while staging && page.len() >= ps {
-                let full = page.split_to(ps).freeze();
-                staging = self.stage(&full, pages_seen, staged).await;
-                pages_seen += 1;
-                if !staging {
-                    page.clear();
+            let mut rest = &chunk[..];
+            while staging && !rest.is_empty() {
+                let take = (ps - page.len()).min(rest.len());
+                page.extend_from_slice(&rest[..take]);
+                rest = &rest[take..];
+                if page.len() == ps {
+                    let full = std::mem::replace(&mut page, BytesMut::with_capacity(ps)).freeze();
+                    staging = self.stage(&full, pages_seen, staged).await;
+                    pages_seen += 1;
                 }
             }
-            while part.len() >= part_size {
-                let data = part.split_to(part_size).freeze();
-                self.send_part(uri, upload, data, part_memory).await?;
-                let next = upload.as_ref().map_or(1, |u| u.next_part);
-                part_size = self.part_size(next);
-                part_memory = self.memory.reserve(part_size as u64).await;
+            if !staging {
+                page = BytesMut::new();
+            }
+            let mut rest = &chunk[..];
+            while !rest.is_empty() {
+                let take = (part_size - part.len()).min(rest.len());
+                part.extend_from_slice(&rest[..take]);
+                rest = &rest[take..];
+                if part.len() == part_size {
+                    let data = std::mem::take(&mut part).freeze();
+                    self.send_part(uri, upload, data, part_memory).await?;
+                    let next = upload.as_ref().map_or(1, |u| u.next_part);
+                    part_size = self.part_size(next);
+                    part_memory = self.memory.reserve(part_size as u64).await;
+                    part = BytesMut::with_capacity(part_size);
+                }
             }
         }
         if staging && !page.is_empty() {

@@ -70,6 +70,7 @@ fn init_tracing(filter: &str) {
 fn main() {
     let cli = Cli::parse();
     init_tracing(&cli.log);
+    lakecache_protocol::memory::return_large_buffers_to_the_os();
     // Detach before any runtime threads exist.
     if let Command::Mount(cmd) = &cli.command {
         if cmd.wants_daemon() {

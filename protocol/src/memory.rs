@@ -72,6 +72,21 @@ impl MemoryBudget {
     }
 }
 
+/// Makes large buffers (upload parts, pages, read-ahead chunks: 1 MiB
+/// and up) come from `mmap` and go back to the OS when freed. glibc
+/// otherwise raises its mmap threshold after the first such free and
+/// serves later ones from heap arenas, where fragmentation keeps the
+/// process near its peak RSS long after the buffers are gone. Call once,
+/// early in `main`.
+pub fn return_large_buffers_to_the_os() {
+    #[cfg(all(target_os = "linux", target_env = "gnu"))]
+    // SAFETY: mallopt only changes allocator tuning; 1 MiB is a valid
+    // M_MMAP_THRESHOLD (at most HEAP_MAX/2).
+    unsafe {
+        libc::mallopt(libc::M_MMAP_THRESHOLD, 1 << 20);
+    }
+}
+
 /// Physical memory of this machine (8 GiB when it cannot be read).
 pub fn physical_memory() -> u64 {
     // SAFETY: sysconf reads system constants and touches no memory.
