@@ -65,5 +65,6 @@ pub fn worker_options(cache_dir: PathBuf, capacity: u64) -> Result<WorkerOptions
             memory_limit: 1 << 30,
         },
         limits: HttpLimits::default(),
+        access: Default::default(),
     })
 }

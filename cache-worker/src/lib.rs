@@ -18,7 +18,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 pub use cache::{Cache, CacheConfig, CacheError};
-pub use http::HttpLimits;
+pub use http::{AccessPolicy, HttpLimits};
 /// The object store seam lives in its own crate so clients need not link
 /// the worker; re-exported under its old path.
 pub use lakecache_store as store;
@@ -33,6 +33,7 @@ pub struct WorkerOptions {
     pub cache_dir: PathBuf,
     pub cache: CacheConfig,
     pub limits: HttpLimits,
+    pub access: AccessPolicy,
 }
 
 #[derive(Debug, thiserror::Error)]
@@ -124,10 +125,14 @@ pub async fn start_worker(
             addr: options.listen,
             source,
         })?;
+    if let Some(keys) = &options.access.keys {
+        cache.set_peer_key(keys.current().clone());
+    }
     let state = Arc::new(http::AppState {
         cache: cache.clone(),
         metrics,
         limits: options.limits,
+        access: options.access.clone(),
     });
     let (stop_tx, stop_rx) = tokio::sync::oneshot::channel::<()>();
     let task = tokio::spawn(http::serve(listener, state, async move {

@@ -15,6 +15,7 @@ use std::time::Duration;
 use bytes::{Bytes, BytesMut};
 use futures::{Stream, StreamExt};
 use http_body_util::{BodyExt, StreamBody};
+use lakecache_protocol::token::{Claims, SigningKey};
 use lakecache_protocol::{Deadlines, ObjectUri, WorkerClient};
 
 use crate::cache::{Cache, CacheError};
@@ -34,6 +35,8 @@ pub(crate) struct Peers {
     instance: String,
     placement: OnceLock<Arc<dyn Placement>>,
     clients: Mutex<HashMap<String, WorkerClient>>,
+    /// Signs the peer tokens of hand-offs when workers require tokens.
+    peer_key: OnceLock<SigningKey>,
 }
 
 const HAND_OFF_DEADLINES: Deadlines = Deadlines {
@@ -48,24 +51,49 @@ impl Default for Peers {
             instance: uuid::Uuid::new_v4().simple().to_string(),
             placement: OnceLock::new(),
             clients: Mutex::default(),
+            peer_key: OnceLock::new(),
         }
     }
 }
 
 impl Peers {
     fn client(&self, addr: &str) -> Result<WorkerClient, CacheError> {
-        let mut clients = self.clients.lock().unwrap_or_else(|e| e.into_inner());
-        if let Some(c) = clients.get(addr) {
-            return Ok(c.clone());
-        }
-        let client = WorkerClient::with_deadlines(addr, HAND_OFF_DEADLINES)
-            .map_err(|e| CacheError::Local(e.to_string()))?;
-        clients.insert(addr.to_string(), client.clone());
-        Ok(client)
+        let pooled = {
+            let mut clients = self.clients.lock().unwrap_or_else(|e| e.into_inner());
+            match clients.get(addr) {
+                Some(c) => c.clone(),
+                None => {
+                    let client = WorkerClient::with_deadlines(addr, HAND_OFF_DEADLINES)
+                        .map_err(|e| CacheError::Local(e.to_string()))?;
+                    clients.insert(addr.to_string(), client.clone());
+                    client
+                }
+            }
+        };
+        // A short-lived peer token per hand-off: a pooled client keeps none.
+        let token = self.peer_key.get().map(|key| {
+            key.mint(&Claims {
+                tenant: "cluster-peer".into(),
+                kid: String::new(),
+                exp: now_secs() + 600,
+                read: Vec::new(),
+                write: Vec::new(),
+                peer: true,
+            })
+        });
+        pooled
+            .with_token(token.as_deref())
+            .map_err(|e| CacheError::Local(e.to_string()))
     }
 }
 
 impl Cache {
+    /// Workers require tokens: hand-offs carry peer tokens signed with
+    /// `key`. Set once.
+    pub fn set_peer_key(&self, key: SigningKey) {
+        let _ = self.peers.peer_key.set(key);
+    }
+
     /// Tells the worker the ring it is part of; written objects' pages
     /// then go to their segments' owners. Set once.
     pub fn set_placement(&self, placement: Arc<dyn Placement>) {
@@ -252,6 +280,12 @@ impl Cache {
             }
         }
     }
+}
+
+fn now_secs() -> u64 {
+    std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map_or(0, |d| d.as_secs())
 }
 
 fn tokio_stream_from<T>(

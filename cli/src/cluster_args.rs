@@ -37,6 +37,10 @@ pub struct ClusterArgs {
     /// Virtual nodes per worker; must match the cluster [default: 512]
     #[arg(long, env = "LAKECACHE_VNODES")]
     pub vnodes: Option<u32>,
+    /// File holding the access token sent to workers that require one
+    /// (`lakecache token create`)
+    #[arg(long, env = "LAKECACHE_TOKEN_FILE")]
+    pub token_file: Option<std::path::PathBuf>,
     /// Do not read straight from S3 when no worker can answer
     #[arg(long)]
     pub no_s3_fallback: bool,
@@ -62,6 +66,22 @@ impl ClusterArgs {
         }
     }
 
+    /// The token from --token-file, if given.
+    pub fn token(&self) -> Result<Option<String>> {
+        let Some(path) = &self.token_file else {
+            return Ok(None);
+        };
+        let text = std::fs::read_to_string(path)
+            .with_context(|| format!("reading --token-file {}", path.display()))?;
+        let token = text.trim().to_string();
+        anyhow::ensure!(
+            !token.is_empty(),
+            "--token-file {} is empty",
+            path.display()
+        );
+        Ok(Some(token))
+    }
+
     pub fn options(&self) -> ClusterOptions {
         ClusterOptions {
             ring: RingOptions {
@@ -84,6 +104,7 @@ impl ClusterArgs {
     /// error, since every client must place data as the workers do.
     async fn ring_from(&self, registry: &RegistryUrl) -> Result<ClusterOptions> {
         let mut options = self.options();
+        options.token = self.token()?;
         let Some(recorded) = registry
             .advertised_ring(Duration::from_secs(5))
             .await

@@ -7,6 +7,7 @@ mod mount_cmd;
 mod ring_cmd;
 mod s3_cmd;
 mod status_cmd;
+mod token_cmd;
 mod units;
 mod up_cmd;
 mod worker_cmd;
@@ -52,6 +53,8 @@ enum Command {
     Status(status_cmd::StatusCmd),
     /// Print the owner of each of N keys (placement check across machines)
     Ring(ring_cmd::RingCmd),
+    /// Signing keys and access tokens (keygen, create)
+    Token(token_cmd::TokenCmd),
     /// Mount s3://bucket[/prefix] at a path through the cache (FUSE)
     Mount(mount_cmd::MountCmd),
 }
@@ -102,6 +105,7 @@ fn main() {
             Command::Ls(cmd) => cmd.run().await,
             Command::Status(cmd) => cmd.run().await,
             Command::Ring(cmd) => cmd.run().await,
+            Command::Token(cmd) => cmd.run(),
             Command::Mount(cmd) => cmd.run().await,
         }
     });

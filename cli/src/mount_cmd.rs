@@ -147,7 +147,13 @@ impl MountCmd {
 
     pub async fn run(self) -> Result<()> {
         let (bucket, prefix) = parse_source(&self.source)?;
-        let config = self.fuse.fs_config(&bucket, &prefix)?;
+        let mut config = self.fuse.fs_config(&bucket, &prefix)?;
+        if let Some(token) = self.cluster.token()? {
+            // Writes the token cannot make fail at open, not at close.
+            let claims = lakecache_protocol::token::peek_claims(&token)
+                .context("--token-file does not hold a lakecache token")?;
+            config.write_scopes = Some(claims.write);
+        }
         let cluster = self.cluster.connect().await?;
         check_bucket(&cluster, &bucket, &prefix).await?;
         let fs = Arc::new(Fs::new(cluster, config));

@@ -113,9 +113,10 @@ impl FromStr for Seconds {
             "ms" => Duration::from_millis(n),
             "m" => Duration::from_secs(n.saturating_mul(60)),
             "h" => Duration::from_secs(n.saturating_mul(3600)),
+            "d" => Duration::from_secs(n.saturating_mul(86_400)),
             other => {
                 return Err(format!(
-                    "invalid duration unit {other:?} in {s:?}: use ms, s, m or h"
+                    "invalid duration unit {other:?} in {s:?}: use ms, s, m, h or d"
                 ))
             }
         };

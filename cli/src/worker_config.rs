@@ -102,6 +102,29 @@ pub struct WorkerSettings {
     /// --segment-size [default: 512]
     #[arg(long, env = "LAKECACHE_VNODES")]
     pub vnodes: Option<u32>,
+    /// Signing keys file (`lakecache token keygen`): every request must
+    /// then carry a token signed with one of them [default: no tokens]
+    #[arg(long, env = "LAKECACHE_AUTH_KEYS")]
+    pub auth_keys: Option<PathBuf>,
+    /// Only these buckets can be reached, whatever a token allows
+    /// (repeatable) [default: every bucket the credentials reach]
+    #[arg(
+        long = "allow-bucket",
+        env = "LAKECACHE_ALLOW_BUCKET",
+        value_delimiter = ','
+    )]
+    pub allow_bucket: Option<Vec<String>>,
+    /// Only objects under these s3://bucket/prefix scopes can be reached
+    /// (repeatable; combines with --allow-bucket)
+    #[arg(
+        long = "allow-prefix",
+        env = "LAKECACHE_ALLOW_PREFIX",
+        value_delimiter = ','
+    )]
+    pub allow_prefix: Option<Vec<String>>,
+    /// Require a token for /metrics and /v1/health too
+    #[arg(long, env = "LAKECACHE_PROTECT_METRICS", num_args = 0..=1, default_missing_value = "true")]
+    pub protect_metrics: Option<bool>,
     /// Stable id of this worker in the ring [default: the advertised address]
     #[arg(long, env = "LAKECACHE_WORKER_ID")]
     pub worker_id: Option<String>,
@@ -166,6 +189,10 @@ impl WorkerSettings {
                 advertise,
                 segment_size,
                 vnodes,
+                auth_keys,
+                allow_bucket,
+                allow_prefix,
+                protect_metrics,
                 worker_id,
                 lease_ttl,
             ]
@@ -208,6 +235,7 @@ impl WorkerSettings {
     /// Applies defaults and checks every value.
     pub fn resolve(self) -> Result<(WorkerOptions, S3Config)> {
         self.registration()?;
+        let access = self.access_policy()?;
         const MIB: u64 = 1 << 20;
         let page_size = self.page_size.map_or(4 * MIB, |s| s.0);
         if !(MIB..=64 * MIB).contains(&page_size) || !page_size.is_multiple_of(256 * 1024) {
@@ -287,6 +315,7 @@ impl WorkerSettings {
                 memory_limit,
             },
             limits,
+            access,
         };
         let s3 = S3Config {
             endpoint: self.s3_endpoint,
@@ -298,6 +327,43 @@ impl WorkerSettings {
             ..S3Config::default()
         };
         Ok((options, s3))
+    }
+}
+
+impl WorkerSettings {
+    /// Signing keys, allow-list and metrics protection, checked.
+    fn access_policy(&self) -> Result<lakecache_worker::AccessPolicy> {
+        use lakecache_protocol::token::{validate_scope, KeyRing};
+        let keys = match &self.auth_keys {
+            None => None,
+            Some(path) => {
+                let text = std::fs::read_to_string(path)
+                    .with_context(|| format!("reading --auth-keys {}", path.display()))?;
+                Some(
+                    KeyRing::parse(&text)
+                        .with_context(|| format!("--auth-keys {}", path.display()))?,
+                )
+            }
+        };
+        let mut allow = Vec::new();
+        for bucket in self.allow_bucket.iter().flatten() {
+            lakecache_protocol::validate_bucket(bucket)
+                .map_err(|e| anyhow::anyhow!("--allow-bucket {bucket:?}: {e}"))?;
+            allow.push(format!("s3://{bucket}/"));
+        }
+        for scope in self.allow_prefix.iter().flatten() {
+            validate_scope(scope).map_err(|e| anyhow::anyhow!("--allow-prefix: {e}"))?;
+            allow.push(scope.clone());
+        }
+        let protect_metrics = self.protect_metrics.unwrap_or(false);
+        if protect_metrics && keys.is_none() {
+            bail!("--protect-metrics needs --auth-keys");
+        }
+        Ok(lakecache_worker::AccessPolicy {
+            keys,
+            allow,
+            protect_metrics,
+        })
     }
 }
 

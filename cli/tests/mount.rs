@@ -42,6 +42,11 @@ impl Env {
 
     /// With extra `s3-server` flags (quirk modes).
     fn start_with(workers: usize, s3_flags: &[&str]) -> Env {
+        Self::start_full(workers, s3_flags, &[])
+    }
+
+    /// With extra `s3-server` and `worker` flags.
+    fn start_full(workers: usize, s3_flags: &[&str], worker_flags: &[&str]) -> Env {
         let dir = tempfile::tempdir().unwrap();
         let (s3_proc, s3_port) =
             start_s3_with(&dir.path().join("s3"), ACCESS, SECRET, BUCKET, s3_flags);
@@ -72,6 +77,7 @@ impl Env {
                 .arg(env.dir.path().join(format!("cache-{i}")))
                 .args(["--cache-size", "4GiB", "--s3-path-style", "--s3-endpoint"])
                 .arg(format!("http://127.0.0.1:{s3_port}"))
+                .args(worker_flags)
                 .envs(common::s3_env(ACCESS, SECRET, s3_port))
                 .stdout(Stdio::null())
                 .stderr(Stdio::null())
@@ -853,4 +859,109 @@ fn listings_without_etags_and_objects_changed_after_ls_read_right() {
             assert_eq!(got, body(i, *v), "pass {pass}: f{i:05}");
         }
     }
+}
+
+/// `lakecache token ...` in `dir`; returns the file written.
+fn token_file(dir: &Path, name: &str, args: &[&str]) -> PathBuf {
+    let keys = dir.join("keys");
+    if !keys.exists() {
+        let out = Command::new(BIN)
+            .args(["token", "keygen", "--out"])
+            .arg(&keys)
+            .output()
+            .unwrap();
+        assert!(
+            out.status.success(),
+            "{}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+    }
+    let out = Command::new(BIN)
+        .args(["token", "create", "--keys"])
+        .arg(&keys)
+        .args(args)
+        .output()
+        .unwrap();
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let path = dir.join(name);
+    fs::write(&path, &out.stdout).unwrap();
+    path
+}
+
+#[test]
+fn a_mount_can_do_what_its_token_allows_and_nothing_else() {
+    let keys_dir = tempfile::tempdir().unwrap();
+    let read_only = token_file(
+        keys_dir.path(),
+        "ro.token",
+        &["--tenant", "readers", "--allow", &format!("s3://{BUCKET}/")],
+    );
+    let ckpt_writer = token_file(
+        keys_dir.path(),
+        "rw.token",
+        &[
+            "--tenant",
+            "team-a",
+            "--allow",
+            &format!("s3://{BUCKET}/"),
+            "--allow-write",
+            &format!("s3://{BUCKET}/ckpt/"),
+        ],
+    );
+    let keys = keys_dir.path().join("keys");
+    let mut env = Env::start_full(1, &[], &["--auth-keys", keys.to_str().unwrap()]);
+    env.put("ckpt/a.pt", Bytes::from_static(b"weights"));
+
+    // No token: the mount refuses to start and says why.
+    let out = env.mount_command().output().unwrap();
+    assert!(!out.status.success());
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(err.contains("requires a token"), "{err}");
+
+    // Read-only: reads work, every write is EACCES, S3 is untouched.
+    let mut cmd = env.mount_command();
+    cmd.arg("--token-file").arg(&read_only);
+    let log = File::create(env.dir.path().join("mount.log")).unwrap();
+    env.mount = Some(Proc(cmd.stdout(Stdio::null()).stderr(log).spawn().unwrap()));
+    wait_mounted(&env.mountpoint(), true);
+    let mnt = env.mountpoint();
+    assert_eq!(fs::read(mnt.join("ckpt/a.pt")).unwrap(), b"weights");
+    assert_eq!(
+        errno_of(fs::write(mnt.join("ckpt/a.pt"), b"evil")),
+        libc::EACCES
+    );
+    assert_eq!(
+        errno_of(fs::write(mnt.join("ckpt/new.pt"), b"x")),
+        libc::EACCES
+    );
+    assert_eq!(
+        errno_of(fs::remove_file(mnt.join("ckpt/a.pt"))),
+        libc::EACCES
+    );
+    assert_eq!(env.s3_get("ckpt/a.pt").as_deref(), Some(&b"weights"[..]));
+    assert_eq!(env.s3_get("ckpt/new.pt"), None);
+    env.mount.take().unwrap().term();
+    wait_mounted(&mnt, false);
+
+    // Checkpoint writer: writes under ckpt/ only.
+    let mut cmd = env.mount_command();
+    cmd.arg("--token-file").arg(&ckpt_writer);
+    env.mount = Some(Proc(
+        cmd.stdout(Stdio::null())
+            .stderr(Stdio::null())
+            .spawn()
+            .unwrap(),
+    ));
+    wait_mounted(&mnt, true);
+    fs::write(mnt.join("ckpt/new.pt"), b"step 2").unwrap();
+    assert_eq!(env.s3_get("ckpt/new.pt").as_deref(), Some(&b"step 2"[..]));
+    assert_eq!(
+        errno_of(fs::write(mnt.join("elsewhere.bin"), b"x")),
+        libc::EACCES
+    );
+    assert_eq!(env.s3_get("elsewhere.bin"), None);
 }

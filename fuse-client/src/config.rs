@@ -24,6 +24,10 @@ pub struct FsConfig {
     pub upload_timeout: Duration,
     /// One budget for read-ahead and queued upload data of all handles.
     pub memory_limit: u64,
+    /// What the mount's token lets it write (`s3://bucket/prefix`
+    /// scopes): opening anything else for writing fails with EACCES at
+    /// once instead of at close. `None`: no token, or no limit known.
+    pub write_scopes: Option<Vec<String>>,
 }
 
 impl FsConfig {
@@ -48,6 +52,7 @@ impl FsConfig {
             readahead_chunk: 8 << 20,
             upload_timeout: Duration::from_secs(6 * 3600),
             memory_limit: crate::memory::default_limit(),
+            write_scopes: None,
         }
     }
 }

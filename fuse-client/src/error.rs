@@ -38,6 +38,9 @@ pub enum FsError {
     CrossDevice(&'static str),
     #[error("the object changed while it was open")]
     Stale,
+    /// The mount's token does not allow this.
+    #[error("{0}")]
+    AccessDenied(String),
     #[error("the upload failed")]
     UploadFailed(#[source] DataError),
     #[error("cache cluster error")]
@@ -64,6 +67,9 @@ impl FsError {
             FsError::Unsupported(_) => libc::EOPNOTSUPP,
             FsError::CrossDevice(_) => libc::EXDEV,
             FsError::Stale => libc::ESTALE,
+            FsError::AccessDenied(_) => libc::EACCES,
+            FsError::UploadFailed(DataError::Denied(_))
+            | FsError::DataPlane(DataError::Denied(_)) => libc::EACCES,
             FsError::UploadFailed(_) | FsError::DataPlane(_) | FsError::Task(_) => libc::EIO,
         }
     }
@@ -74,6 +80,7 @@ impl From<DataError> for FsError {
         match e {
             DataError::NotFound => FsError::NotFound,
             DataError::Changed { .. } => FsError::Stale,
+            DataError::Denied(why) => FsError::AccessDenied(why),
             DataError::CopyTooLarge => {
                 FsError::CrossDevice("object larger than a server-side copy allows")
             }

@@ -504,6 +504,17 @@ impl Fs {
     }
 
     /// `previous`: the metadata to restore if the upload fails.
+    fn check_writable(&self, uri: &ObjectUri) -> Result<(), FsError> {
+        match &self.config.write_scopes {
+            Some(scopes) if !lakecache_protocol::token::scope_covers(scopes, &uri.to_string()) => {
+                Err(FsError::AccessDenied(format!(
+                    "the mount's token does not allow writing {uri}"
+                )))
+            }
+            _ => Ok(()),
+        }
+    }
+
     fn open_for_write(
         &self,
         node: Inode,
@@ -517,6 +528,7 @@ impl Fs {
             ));
         }
         let uri = self.uri(&node.key)?;
+        self.check_writable(&uri)?;
         // Claim the inode atomically: of two concurrent opens for
         // writing, exactly one wins and the other gets EBUSY.
         let fh = self.next_fh.fetch_add(1, Ordering::Relaxed);
@@ -562,6 +574,7 @@ impl Fs {
         let owner = tgid_of(pid).await;
         let p = self.dir(parent)?;
         let key = self.child_key(&p, name, Kind::File)?;
+        self.check_writable(&self.uri(&key)?)?;
         if let Some(existing) = self.inodes.child(parent, name) {
             if existing.writer.is_some() {
                 return Err(FsError::Busy("the file is already open for writing"));

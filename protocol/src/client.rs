@@ -95,6 +95,8 @@ pub struct WorkerClient {
     base: String,
     client: Client<HttpConnector, RequestBody>,
     deadlines: Deadlines,
+    /// `Authorization` value sent with every request (never logged).
+    bearer: Option<http::HeaderValue>,
 }
 
 impl std::fmt::Debug for WorkerClient {
@@ -135,7 +137,23 @@ impl WorkerClient {
             base,
             client,
             deadlines,
+            bearer: None,
         })
+    }
+
+    /// The same client, sending `token` as `Authorization: Bearer` on
+    /// every request.
+    pub fn with_token(mut self, token: Option<&str>) -> Result<Self, ClientError> {
+        self.bearer = match token {
+            None => None,
+            Some(t) => {
+                let mut value = http::HeaderValue::try_from(format!("Bearer {}", t.trim()))
+                    .map_err(|_| ClientError::Decode("the token has invalid characters".into()))?;
+                value.set_sensitive(true);
+                Some(value)
+            }
+        };
+        Ok(self)
     }
 
     /// The same pooled client with another whole-request timeout (uploads
@@ -243,9 +261,13 @@ impl WorkerClient {
     }
 
     fn request(&self, method: http::Method, path: &str) -> http::request::Builder {
-        http::Request::builder()
+        let builder = http::Request::builder()
             .method(method)
-            .uri(format!("{}{}", self.base, path))
+            .uri(format!("{}{}", self.base, path));
+        match &self.bearer {
+            Some(value) => builder.header(http::header::AUTHORIZATION, value.clone()),
+            None => builder,
+        }
     }
 
     async fn get_json<T: serde::de::DeserializeOwned>(&self, path: &str) -> Result<T, ClientError> {

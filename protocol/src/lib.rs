@@ -6,6 +6,7 @@
 mod chain;
 mod client;
 pub mod memory;
+pub mod token;
 mod types;
 mod uri;
 

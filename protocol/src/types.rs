@@ -46,6 +46,12 @@ pub enum ErrorCode {
     /// A server-side copy of an object larger than S3's CopyObject limit.
     CopyTooLarge,
     AccessDenied,
+    /// No token, or something that is not a lakecache token.
+    Unauthenticated,
+    /// A token that does not grant the request: forged, signed with an
+    /// unknown key, expired, or scoped elsewhere; or an object outside
+    /// the worker's allow-list.
+    OutOfScope,
     UpstreamThrottled,
     UpstreamUnavailable,
     UpstreamError,
@@ -69,7 +75,8 @@ impl ErrorCode {
             ErrorCode::BodyTooLarge => 413,
             ErrorCode::HeadersTooLarge => 431,
             ErrorCode::PreconditionFailed => 412,
-            ErrorCode::AccessDenied => 403,
+            ErrorCode::AccessDenied | ErrorCode::OutOfScope => 403,
+            ErrorCode::Unauthenticated => 401,
             ErrorCode::UpstreamThrottled => 503,
             ErrorCode::UpstreamUnavailable => 502,
             ErrorCode::UpstreamError => 502,

@@ -15,7 +15,7 @@ use lakecache_store::{ObjectStore, StoreError};
 use crate::membership::{Member, Membership, View};
 use crate::ring::{Ring, RingOptions};
 
-#[derive(Debug, Clone)]
+#[derive(Clone)]
 pub struct ClusterOptions {
     pub ring: RingOptions,
     /// Whole-request timeout towards a worker (uploads, copies).
@@ -32,6 +32,21 @@ pub struct ClusterOptions {
     pub suspect_for: Duration,
     /// Read straight from S3 when no worker could answer.
     pub s3_fallback: bool,
+    /// Access token sent to every worker (`Authorization: Bearer`).
+    pub token: Option<String>,
+}
+
+impl std::fmt::Debug for ClusterOptions {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("ClusterOptions")
+            .field("ring", &self.ring)
+            .field("timeout", &self.timeout)
+            .field("progress_timeout", &self.progress_timeout)
+            .field("attempts", &self.attempts)
+            .field("s3_fallback", &self.s3_fallback)
+            .field("token", &self.token.as_ref().map(|_| "<redacted>"))
+            .finish_non_exhaustive()
+    }
 }
 
 impl Default for ClusterOptions {
@@ -44,6 +59,7 @@ impl Default for ClusterOptions {
             attempts: 3,
             suspect_for: Duration::from_secs(5),
             s3_fallback: true,
+            token: None,
         }
     }
 }
@@ -110,7 +126,9 @@ fn build_state(view: &View, options: &ClusterOptions, previous: Option<&State>) 
             .filter(|c| c.base_url().ends_with(&m.address));
         let client = match reuse {
             Some(c) => c.clone(),
-            None => match WorkerClient::with_deadlines(&m.address, options.deadlines()) {
+            None => match WorkerClient::with_deadlines(&m.address, options.deadlines())
+                .and_then(|c| c.with_token(options.token.as_deref()))
+            {
                 Ok(c) => c,
                 Err(e) => {
                     tracing::warn!(member = %m.id, error = %e, "skipping member with a bad address");

@@ -1,5 +1,6 @@
 //! The worker's HTTP server (hyper 1, HTTP/1.1 with keep-alive).
 
+pub mod auth;
 mod range;
 mod response;
 mod routes;
@@ -14,6 +15,7 @@ use hyper_util::server::graceful::GracefulShutdown;
 use tokio::net::TcpListener;
 use tracing::Instrument;
 
+pub use auth::AccessPolicy;
 pub use routes::AppState;
 
 /// Request limits; anything over them gets a 4xx and the worker goes on.

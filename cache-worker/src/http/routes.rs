@@ -13,6 +13,7 @@ use lakecache_protocol::{
     FROM_HEADER, MAX_KEY_BYTES, OFFSET_HEADER,
 };
 
+use super::auth::{Access, AccessPolicy};
 use super::range::{parse_range, resolve};
 use super::response::{cache_error, error, full, json, BoxError, Response};
 use super::HttpLimits;
@@ -24,6 +25,16 @@ pub struct AppState {
     pub cache: Arc<Cache>,
     pub metrics: Arc<Metrics>,
     pub limits: HttpLimits,
+    pub access: AccessPolicy,
+}
+
+/// Returns the denial response when a check fails.
+macro_rules! check {
+    ($checked:expr) => {
+        if let Err(denied) = $checked {
+            return *denied;
+        }
+    };
 }
 
 /// Dispatches a request; returns the operation name (for metrics and
@@ -52,24 +63,37 @@ pub async fn route(state: &AppState, req: http::Request<Incoming>) -> (&'static 
     }
     let path = req.uri().path().to_string();
     let method = req.method().clone();
+    if path == "/v1/health" || path == "/metrics" {
+        if let Err(denied) = Access::operator_endpoint(&state.access, req.headers()) {
+            return ("denied", *denied);
+        }
+        return operator_route(state, &method, &path);
+    }
+    let access = match state.access.authenticate(req.headers()) {
+        Ok(a) => a,
+        Err(denied) => return ("denied", *denied),
+    };
     if let Some(rest) = path.strip_prefix("/v1/objects/") {
         return match method {
-            Method::GET => ("read", read(state, rest, &req, true).await),
-            Method::HEAD => ("head", read(state, rest, &req, false).await),
-            Method::PUT => ("write", write(state, rest, req).await),
-            Method::DELETE => ("delete", delete(state, rest).await),
+            Method::GET => ("read", read(state, &access, rest, &req, true).await),
+            Method::HEAD => ("head", read(state, &access, rest, &req, false).await),
+            Method::PUT => ("write", write(state, &access, rest, req).await),
+            Method::DELETE => ("delete", delete(state, &access, rest).await),
             _ => ("invalid", method_not_allowed("GET, HEAD, PUT, DELETE")),
         };
     }
     if let Some(rest) = path.strip_prefix("/v1/pages/") {
         return match method {
-            Method::PUT => ("accept_pages", accept_pages(state, rest, req).await),
+            Method::PUT => (
+                "accept_pages",
+                accept_pages(state, &access, rest, req).await,
+            ),
             _ => ("invalid", method_not_allowed("PUT")),
         };
     }
     if let Some(rest) = path.strip_prefix("/v1/stat/") {
         return match method {
-            Method::GET => ("stat", stat(state, rest).await),
+            Method::GET => ("stat", stat(state, &access, rest).await),
             _ => ("invalid", method_not_allowed("GET")),
         };
     }
@@ -77,14 +101,21 @@ pub async fn route(state: &AppState, req: http::Request<Incoming>) -> (&'static 
         return match method {
             Method::GET => (
                 "list",
-                list(state, bucket, req.uri().query().unwrap_or("")).await,
+                list(state, &access, bucket, req.uri().query().unwrap_or("")).await,
             ),
             _ => ("invalid", method_not_allowed("GET")),
         };
     }
-    match (method, path.as_str()) {
-        (Method::GET, "/v1/health") => ("health", health(state)),
-        (Method::GET, "/metrics") => {
+    (
+        "invalid",
+        error(ErrorCode::RouteNotFound, format!("no route for {path}")),
+    )
+}
+
+fn operator_route(state: &AppState, method: &Method, path: &str) -> (&'static str, Response) {
+    match (method, path) {
+        (&Method::GET, "/v1/health") => ("health", health(state)),
+        (&Method::GET, _) => {
             let mut resp = http::Response::new(full(state.metrics.render()));
             resp.headers_mut().insert(
                 header::CONTENT_TYPE,
@@ -92,11 +123,7 @@ pub async fn route(state: &AppState, req: http::Request<Incoming>) -> (&'static 
             );
             ("metrics", resp)
         }
-        (_, "/v1/health" | "/metrics") => ("invalid", method_not_allowed("GET")),
-        _ => (
-            "invalid",
-            error(ErrorCode::RouteNotFound, format!("no route for {path}")),
-        ),
+        _ => ("invalid", method_not_allowed("GET")),
     }
 }
 
@@ -139,11 +166,12 @@ fn health(state: &AppState) -> Response {
     )
 }
 
-async fn stat(state: &AppState, rest: &str) -> Response {
+async fn stat(state: &AppState, access: &Access<'_>, rest: &str) -> Response {
     let uri = match parse_uri(rest) {
         Ok(u) => u,
         Err(resp) => return *resp,
     };
+    check!(access.read(&uri));
     match state.cache.stat(&uri).await {
         Ok(meta) => json(StatusCode::OK, &stat_body(&uri, &meta)),
         Err(e) => cache_error(&e),
@@ -158,6 +186,7 @@ fn set_header(resp: &mut Response, name: header::HeaderName, value: String) {
 
 async fn read(
     state: &AppState,
+    access: &Access<'_>,
     rest: &str,
     req: &http::Request<Incoming>,
     with_body: bool,
@@ -166,6 +195,7 @@ async fn read(
         Ok(u) => u,
         Err(resp) => return *resp,
     };
+    check!(access.read(&uri));
     let spec = match req.headers().get(header::RANGE) {
         None => None,
         Some(v) => match v
@@ -284,13 +314,19 @@ fn if_match(req: &http::Request<Incoming>) -> Option<String> {
         })
 }
 
-async fn write(state: &AppState, rest: &str, req: http::Request<Incoming>) -> Response {
+async fn write(
+    state: &AppState,
+    access: &Access<'_>,
+    rest: &str,
+    req: http::Request<Incoming>,
+) -> Response {
     let uri = match parse_uri(rest) {
         Ok(u) => u,
         Err(resp) => return *resp,
     };
+    check!(access.write(&uri));
     if let Some(source) = req.headers().get(COPY_SOURCE_HEADER) {
-        return copy(state, source, if_match(&req), &uri).await;
+        return copy(state, access, source, if_match(&req), &uri).await;
     }
     let limit = state.limits.max_body_bytes;
     let declared = req
@@ -339,11 +375,18 @@ async fn write(state: &AppState, rest: &str, req: http::Request<Incoming>) -> Re
 
 /// Pages of a written object handed over by the worker that took the
 /// write (see `placement.rs`).
-async fn accept_pages(state: &AppState, rest: &str, req: http::Request<Incoming>) -> Response {
+async fn accept_pages(
+    state: &AppState,
+    access: &Access<'_>,
+    rest: &str,
+    req: http::Request<Incoming>,
+) -> Response {
     let uri = match parse_uri(rest) {
         Ok(u) => u,
         Err(resp) => return *resp,
     };
+    check!(access.peer());
+    check!(access.read(&uri));
     let Some(etag) = if_match(&req).filter(|e| !e.is_empty() && e != "*") else {
         return error(
             ErrorCode::BadRequest,
@@ -396,6 +439,7 @@ async fn accept_pages(state: &AppState, rest: &str, req: http::Request<Incoming>
 
 async fn copy(
     state: &AppState,
+    access: &Access<'_>,
     source: &HeaderValue,
     etag: Option<String>,
     to: &ObjectUri,
@@ -415,17 +459,19 @@ async fn copy(
             )
         }
     };
+    check!(access.read(&from));
     match state.cache.copy(&from, etag.as_deref(), to).await {
         Ok(meta) => json(StatusCode::OK, &stat_body(to, &meta)),
         Err(e) => cache_error(&e),
     }
 }
 
-async fn delete(state: &AppState, rest: &str) -> Response {
+async fn delete(state: &AppState, access: &Access<'_>, rest: &str) -> Response {
     let uri = match parse_uri(rest) {
         Ok(u) => u,
         Err(resp) => return *resp,
     };
+    check!(access.write(&uri));
     match state.cache.delete(&uri).await {
         Ok(()) => {
             let mut resp = http::Response::new(full(Bytes::new()));
@@ -436,7 +482,7 @@ async fn delete(state: &AppState, rest: &str) -> Response {
     }
 }
 
-async fn list(state: &AppState, bucket: &str, query: &str) -> Response {
+async fn list(state: &AppState, access: &Access<'_>, bucket: &str, query: &str) -> Response {
     if let Err(e) = validate_bucket(bucket) {
         return error(ErrorCode::InvalidPath, e.to_string());
     }
@@ -479,6 +525,7 @@ async fn list(state: &AppState, bucket: &str, query: &str) -> Response {
     if prefix.split('/').any(|c| c == "..") {
         return error(ErrorCode::InvalidPath, "prefix contains a '..' component");
     }
+    check!(access.list(bucket, &prefix));
     let listed: Result<ListResponse, CacheError> = state
         .cache
         .list(
@@ -490,7 +537,10 @@ async fn list(state: &AppState, bucket: &str, query: &str) -> Response {
         )
         .await;
     match listed {
-        Ok(resp) => json(StatusCode::OK, &resp),
+        Ok(mut resp) => {
+            access.filter_listing(bucket, &mut resp);
+            json(StatusCode::OK, &resp)
+        }
         Err(e) => cache_error(&e),
     }
 }

@@ -11,6 +11,8 @@ use lakecache_worker::{CacheConfig, HttpLimits, Metrics, RunningWorker, S3Config
 use sha2::{Digest, Sha256};
 
 pub const BUCKET: &str = "data";
+/// A second bucket, for copies across buckets.
+pub const OTHER_BUCKET: &str = "other";
 pub const MIB: u64 = 1 << 20;
 
 pub struct Harness {
@@ -42,6 +44,7 @@ pub fn default_options(cache_dir: PathBuf) -> WorkerOptions {
             memory_limit: 1 << 30,
         },
         limits: HttpLimits::default(),
+        access: Default::default(),
     }
 }
 
@@ -57,7 +60,7 @@ impl Harness {
             listen: "127.0.0.1:0".parse().unwrap(),
             access_key: "test-access".into(),
             secret_key: "test-secret-key".into(),
-            buckets: vec![BUCKET.into()],
+            buckets: vec![BUCKET.into(), OTHER_BUCKET.into()],
             list_without_etags: false,
         })
         .await

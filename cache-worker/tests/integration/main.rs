@@ -3,6 +3,7 @@
 //! counted, and faults injected, at the endpoint.
 
 mod api;
+mod auth;
 mod cache_format;
 mod endpoint;
 mod faults;

@@ -27,6 +27,11 @@ impl From<ClusterError> for DataError {
                     }
                 }
                 ErrorCode::CopyTooLarge => return DataError::CopyTooLarge,
+                ErrorCode::Unauthenticated | ErrorCode::OutOfScope => {
+                    if let ClusterError::Worker(ClientError::Api { message, .. }) = &e {
+                        return DataError::Denied(message.clone());
+                    }
+                }
                 _ => {}
             },
             ClusterError::Worker(ClientError::ShortBody { expected, got }) => {

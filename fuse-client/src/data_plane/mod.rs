@@ -36,6 +36,10 @@ pub enum DataError {
         expected: Option<String>,
         found: Option<String>,
     },
+    /// The worker refused the caller's token (missing, expired, or not
+    /// covering the object).
+    #[error("access denied by the cache: {0}")]
+    Denied(String),
     #[error("range {start}..{end} is outside the object")]
     InvalidRange { start: u64, end: u64 },
     #[error("object larger than a server-side copy allows")]

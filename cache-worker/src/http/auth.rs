@@ -1,0 +1,181 @@
+//! Who may do what. With signing keys configured, every request but
+//! health and metrics (unless protected) carries `Authorization: Bearer
+//! <token>`; the token's signature, expiry and scope are checked before
+//! anything touches the cache or S3. The operator's allow-list bounds
+//! every request, with or without tokens, so a leaked token reaches no
+//! further than the buckets the worker was meant to cache.
+
+use std::time::{SystemTime, UNIX_EPOCH};
+
+use http::HeaderMap;
+use lakecache_protocol::token::{scope_covers, scope_reaches, Claims, KeyRing, TokenError};
+use lakecache_protocol::{ErrorCode, ListResponse, ObjectUri};
+
+use super::response::{error, Response};
+
+/// The worker's access rules.
+#[derive(Debug, Clone, Default)]
+pub struct AccessPolicy {
+    /// Signing keys; `None` serves requests without tokens.
+    pub keys: Option<KeyRing>,
+    /// `s3://bucket/` or `s3://bucket/prefix` scopes any request may
+    /// reach; empty: every bucket the worker's credentials reach.
+    pub allow: Vec<String>,
+    /// Require a token for `/metrics` and `/v1/health` too.
+    pub protect_metrics: bool,
+}
+
+/// What one request's caller may do.
+pub struct Access<'a> {
+    policy: &'a AccessPolicy,
+    claims: Option<Claims>,
+}
+
+type Denied = Box<Response>;
+
+fn out_of_scope(message: String) -> Denied {
+    Box::new(error(ErrorCode::OutOfScope, message))
+}
+
+fn now() -> u64 {
+    SystemTime::now()
+        .duration_since(UNIX_EPOCH)
+        .map_or(0, |d| d.as_secs())
+}
+
+impl AccessPolicy {
+    /// Checks the request's token, if this worker requires one.
+    pub fn authenticate(&self, headers: &HeaderMap) -> Result<Access<'_>, Denied> {
+        let Some(keys) = &self.keys else {
+            return Ok(Access {
+                policy: self,
+                claims: None,
+            });
+        };
+        let unauthenticated = |m: &str| Box::new(error(ErrorCode::Unauthenticated, m));
+        let Some(value) = headers.get(http::header::AUTHORIZATION) else {
+            return Err(unauthenticated(
+                "this worker requires a token: send Authorization: Bearer <token> (lakecache token create)",
+            ));
+        };
+        let token = value
+            .to_str()
+            .ok()
+            .and_then(|v| v.strip_prefix("Bearer "))
+            .map(str::trim)
+            .ok_or_else(|| unauthenticated("Authorization must be: Bearer <token>"))?;
+        match keys.verify(token, now()) {
+            Ok(claims) => Ok(Access {
+                policy: self,
+                claims: Some(claims),
+            }),
+            Err(TokenError::Malformed) => {
+                Err(unauthenticated("the bearer value is not a lakecache token"))
+            }
+            Err(e) => Err(out_of_scope(e.to_string())),
+        }
+    }
+
+    fn allows(&self, target: &str) -> bool {
+        self.allow.is_empty() || scope_covers(&self.allow, target)
+    }
+
+    fn allows_listing(&self, target: &str) -> bool {
+        self.allow.is_empty() || scope_reaches(&self.allow, target)
+    }
+}
+
+impl Access<'_> {
+    pub fn tenant(&self) -> Option<&str> {
+        self.claims.as_ref().map(|c| c.tenant.as_str())
+    }
+
+    fn tenant_label(&self) -> &str {
+        self.tenant().unwrap_or("anonymous")
+    }
+
+    pub fn read(&self, uri: &ObjectUri) -> Result<(), Denied> {
+        if !self.policy.allows(&uri.to_string()) {
+            return Err(out_of_scope(format!(
+                "{uri} is outside this worker's allow-list"
+            )));
+        }
+        match &self.claims {
+            Some(c) if !c.may_read(uri) => Err(out_of_scope(format!(
+                "tenant {} may not read {uri}",
+                c.tenant
+            ))),
+            _ => Ok(()),
+        }
+    }
+
+    pub fn write(&self, uri: &ObjectUri) -> Result<(), Denied> {
+        if !self.policy.allows(&uri.to_string()) {
+            return Err(out_of_scope(format!(
+                "{uri} is outside this worker's allow-list"
+            )));
+        }
+        match &self.claims {
+            Some(c) if !c.may_write(uri) => Err(out_of_scope(format!(
+                "tenant {} may not write {uri}",
+                c.tenant
+            ))),
+            _ => Ok(()),
+        }
+    }
+
+    pub fn list(&self, bucket: &str, prefix: &str) -> Result<(), Denied> {
+        let target = format!("s3://{bucket}/{prefix}");
+        if !self.policy.allows_listing(&target) {
+            return Err(out_of_scope(format!(
+                "{target} is outside this worker's allow-list"
+            )));
+        }
+        match &self.claims {
+            Some(c) if !c.may_list(bucket, prefix) => Err(out_of_scope(format!(
+                "tenant {} may not list {target}",
+                self.tenant_label()
+            ))),
+            _ => Ok(()),
+        }
+    }
+
+    /// Drops what the caller may not see from a listing it may make.
+    pub fn filter_listing(&self, bucket: &str, listing: &mut ListResponse) {
+        let policy = self.policy;
+        listing.objects.retain(|o| {
+            policy.allows(&format!("s3://{bucket}/{}", o.key))
+                && self
+                    .claims
+                    .as_ref()
+                    .is_none_or(|c| c.may_show_object(bucket, &o.key))
+        });
+        listing.common_prefixes.retain(|p| {
+            policy.allows_listing(&format!("s3://{bucket}/{p}"))
+                && self
+                    .claims
+                    .as_ref()
+                    .is_none_or(|c| c.may_show_prefix(bucket, p))
+        });
+    }
+
+    /// Worker-to-worker calls need a peer token when tokens are on.
+    pub fn peer(&self) -> Result<(), Denied> {
+        match &self.claims {
+            Some(c) if !c.peer => Err(out_of_scope(format!(
+                "tenant {} is not a cluster worker",
+                c.tenant
+            ))),
+            _ => Ok(()),
+        }
+    }
+
+    /// Health and metrics: open unless the policy protects them.
+    pub fn operator_endpoint(policy: &AccessPolicy, headers: &HeaderMap) -> Result<(), Denied> {
+        if policy.protect_metrics {
+            policy.authenticate(headers).map(|_| ())
+        } else {
+            Ok(())
+        }
+    }
+}
