@@ -95,29 +95,28 @@ impl Access<'_> {
     }
 
     pub fn read(&self, uri: &ObjectUri) -> Result<(), Denied> {
-        if !self.policy.allows(&uri.to_string()) {
-            return Err(out_of_scope(format!(
-                "{uri} is outside this worker's allow-list"
-            )));
-        }
-        match &self.claims {
-            Some(c) if !c.may_read(uri) => Err(out_of_scope(format!(
-                "tenant {} may not read {uri}",
-                c.tenant
-            ))),
-            _ => Ok(()),
-        }
+        self.object(uri, "read", Claims::may_read)
     }
 
     pub fn write(&self, uri: &ObjectUri) -> Result<(), Denied> {
+        self.object(uri, "write", Claims::may_write)
+    }
+
+    /// The allow-list first, then the token's scope.
+    fn object(
+        &self,
+        uri: &ObjectUri,
+        verb: &str,
+        granted: fn(&Claims, &ObjectUri) -> bool,
+    ) -> Result<(), Denied> {
         if !self.policy.allows(&uri.to_string()) {
             return Err(out_of_scope(format!(
                 "{uri} is outside this worker's allow-list"
             )));
         }
         match &self.claims {
-            Some(c) if !c.may_write(uri) => Err(out_of_scope(format!(
-                "tenant {} may not write {uri}",
+            Some(c) if !granted(c, uri) => Err(out_of_scope(format!(
+                "tenant {} may not {verb} {uri}",
                 c.tenant
             ))),
             _ => Ok(()),
