@@ -172,6 +172,11 @@ mod tests {
             Duration::from_millis(500)
         );
         assert_eq!("2m".parse::<Seconds>().unwrap().0, Duration::from_secs(120));
-        assert!("1d".parse::<Seconds>().is_err());
+        assert_eq!(
+            "30d".parse::<Seconds>().unwrap().0,
+            Duration::from_secs(30 * 86_400)
+        );
+        assert!("1w".parse::<Seconds>().is_err());
+        assert!("d".parse::<Seconds>().is_err());
     }
 }
