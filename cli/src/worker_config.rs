@@ -66,6 +66,10 @@ pub struct WorkerSettings {
     /// [default: 65536]
     #[arg(long, env = "LAKECACHE_MAX_HEADER_BYTES")]
     pub max_header_bytes: Option<usize>,
+    /// Open client connections at most; more wait to be accepted
+    /// [default: 4096]
+    #[arg(long, env = "LAKECACHE_MAX_CONNECTIONS")]
+    pub max_connections: Option<usize>,
     /// S3 endpoint URL for S3-compatible stores (default: AWS, from region)
     #[arg(long, env = "LAKECACHE_S3_ENDPOINT")]
     pub s3_endpoint: Option<String>,
@@ -179,6 +183,7 @@ impl WorkerSettings {
                 max_body_size,
                 max_uri_bytes,
                 max_header_bytes,
+                max_connections,
                 s3_endpoint,
                 s3_region,
                 s3_path_style,
@@ -282,9 +287,16 @@ impl WorkerSettings {
             max_uri_bytes: self.max_uri_bytes.unwrap_or(8 * 1024),
             max_header_bytes: self.max_header_bytes.unwrap_or(64 * 1024),
             max_body_bytes: self.max_body_size.map_or(5 << 40, |s| s.0),
+            max_connections: self.max_connections.unwrap_or(4096),
         };
         if limits.max_uri_bytes < 256 || limits.max_header_bytes < 8192 {
             bail!("--max-uri-bytes must be >= 256 and --max-header-bytes >= 8192");
+        }
+        if !(1..=1_000_000).contains(&limits.max_connections) {
+            bail!(
+                "--max-connections must be 1..=1000000, got {}",
+                limits.max_connections
+            );
         }
         if let Some(ep) = &self.s3_endpoint {
             if !(ep.starts_with("http://") || ep.starts_with("https://")) {

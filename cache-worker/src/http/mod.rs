@@ -25,6 +25,9 @@ pub struct HttpLimits {
     /// Bytes of request line plus headers (hyper answers 431 beyond it).
     pub max_header_bytes: usize,
     pub max_body_bytes: u64,
+    /// Open client connections at most; beyond it new connections wait
+    /// in the kernel's accept queue.
+    pub max_connections: usize,
 }
 
 impl Default for HttpLimits {
@@ -33,6 +36,7 @@ impl Default for HttpLimits {
             max_uri_bytes: 8 * 1024,
             max_header_bytes: 64 * 1024,
             max_body_bytes: 5 << 40,
+            max_connections: 4096,
         }
     }
 }
@@ -48,6 +52,7 @@ async fn handle(
         method = %req.method(),
         path = %path,
         op = tracing::field::Empty,
+        tenant = tracing::field::Empty,
         status = tracing::field::Empty,
     );
     async move {
@@ -89,7 +94,18 @@ pub async fn serve(
         // hyper's own hard cap; the exact limit is checked per request.
         .max_buf_size((2 * state.limits.max_header_bytes).max(8192));
     tokio::pin!(shutdown);
+    let connections = Arc::new(tokio::sync::Semaphore::new(
+        state.limits.max_connections.max(1),
+    ));
     loop {
+        // A connection slot first: over the cap, accepting waits.
+        let slot = tokio::select! {
+            slot = connections.clone().acquire_owned() => match slot {
+                Ok(s) => s,
+                Err(_) => break,
+            },
+            () = &mut shutdown => break,
+        };
         let (stream, peer) = tokio::select! {
             accepted = listener.accept() => match accepted {
                 Ok(conn) => conn,
@@ -107,6 +123,7 @@ pub async fn serve(
         let svc = service_fn(move |req| handle(state.clone(), req));
         let conn = graceful.watch(builder.serve_connection(TokioIo::new(stream), svc));
         tokio::spawn(async move {
+            let _slot = slot;
             if let Err(e) = conn.await {
                 tracing::debug!(%peer, error = %e, "connection ended with error");
             }

@@ -73,6 +73,9 @@ pub async fn route(state: &AppState, req: http::Request<Incoming>) -> (&'static 
         Ok(a) => a,
         Err(denied) => return ("denied", *denied),
     };
+    if let Some(tenant) = access.tenant() {
+        tracing::Span::current().record("tenant", tenant);
+    }
     if let Some(rest) = path.strip_prefix("/v1/objects/") {
         return match method {
             Method::GET => ("read", read(state, &access, rest, &req, true).await),

@@ -258,3 +258,31 @@ async fn the_allow_list_bounds_every_token_and_rotation_keeps_old_tokens() {
     assert_eq!(outcome(h.client.metrics().await), "401 Unauthenticated");
     assert_eq!(outcome(wide_new.metrics().await), "ok");
 }
+
+/// Connections beyond `max_connections` wait to be accepted instead of
+/// each holding a task and buffers; one closing lets the next in.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn connections_over_the_cap_wait_for_a_free_slot() {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let h = Harness::with(|o| o.limits.max_connections = 1).await;
+    let addr = h.addr();
+    let mut held = tokio::net::TcpStream::connect(addr).await.unwrap();
+    held.write_all(b"GET /v1/health HTTP/1.1\r\nhost: x\r\n\r\n")
+        .await
+        .unwrap();
+    let mut buf = [0u8; 512];
+    let n = held.read(&mut buf).await.unwrap();
+    assert!(
+        buf[..n].starts_with(b"HTTP/1.1 200"),
+        "first connection served"
+    );
+    let quick =
+        WorkerClient::new(&addr.to_string(), std::time::Duration::from_millis(500)).unwrap();
+    assert!(
+        quick.health().await.is_err(),
+        "a second connection was served while the cap was taken"
+    );
+    drop(held);
+    let patient = WorkerClient::new(&addr.to_string(), std::time::Duration::from_secs(5)).unwrap();
+    assert_eq!(outcome(patient.health().await), "ok");
+}
