@@ -385,6 +385,45 @@ fn default_memory_limit() -> u64 {
 }
 
 #[cfg(test)]
+mod fuzz {
+    use super::*;
+    use proptest::prelude::*;
+
+    /// Generated cases: a tenth of `full` in the test command; all of them
+    /// (over 1,000,000 across the project) with `LAKECACHE_FUZZ=full`.
+    fn fuzz_cases(full: u32) -> u32 {
+        match std::env::var("LAKECACHE_FUZZ").as_deref() {
+            Ok("full") => full,
+            _ => full / 10,
+        }
+    }
+
+    proptest! {
+        #![proptest_config(ProptestConfig::with_cases(fuzz_cases(100_000)))]
+
+        /// Config files: any text is a settings value or a parse error,
+        /// and any parsed settings resolve or fail with a message.
+        #[test]
+        fn config_files_parse_or_are_rejected(
+            key in "(page_size|cache_size|metadata_ttl|listen|segment_size|vnodes|allow_bucket|memory_limit|max_connections|high_watermark)",
+            value in prop_oneof![
+                "\"[0-9a-zA-Z.:]{0,12}\"",
+                "-?[0-9]{1,20}(\\.[0-9]{1,3})?",
+                "\\[\"[a-z0-9.\\-]{0,12}\"\\]",
+                "\\PC{0,20}",
+            ],
+        ) {
+            let text = format!("{key} = {value}\n");
+            if let Ok(settings) = toml::from_str::<WorkerSettings>(&text) {
+                if let Err(e) = settings.resolve() {
+                    prop_assert!(!e.to_string().is_empty());
+                }
+            }
+        }
+    }
+}
+
+#[cfg(test)]
 mod tests {
     use super::*;
 
