@@ -165,7 +165,13 @@ async fn handed_over_pages_are_checked_then_served_locally() {
     let etag = h.put_direct("handed.bin", &body).await;
     let u = uri("handed.bin");
     let put = |etag: String, offset: u64, data: Vec<u8>| {
-        let client = h.client.clone();
+        // A fresh connection each time: a refusal sent before the body
+        // was read closes the connection it came on.
+        let client = lakecache_protocol::WorkerClient::new(
+            &h.addr().to_string(),
+            std::time::Duration::from_secs(60),
+        )
+        .unwrap();
         let u = u.clone();
         async move {
             let len = data.len() as u64;
