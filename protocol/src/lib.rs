@@ -6,6 +6,8 @@
 mod chain;
 mod client;
 pub mod memory;
+#[doc(hidden)]
+pub mod testing;
 pub mod token;
 mod types;
 mod uri;

@@ -2,18 +2,10 @@
 //! URIs and API paths, and tokens. No input panics; every rejection is a
 //! typed error; accepted values round-trip.
 
+use lakecache_protocol::testing::fuzz_cases;
 use lakecache_protocol::token::{Claims, KeyRing, SigningKey, TokenError};
 use lakecache_protocol::ObjectUri;
 use proptest::prelude::*;
-
-/// Generated cases: a tenth of `full` in the test command; all of them
-/// (over 1,000,000 across the project) with `LAKECACHE_FUZZ=full`.
-fn fuzz_cases(full: u32) -> u32 {
-    match std::env::var("LAKECACHE_FUZZ").as_deref() {
-        Ok("full") => full,
-        _ => full / 10,
-    }
-}
 
 proptest! {
     #![proptest_config(ProptestConfig::with_cases(fuzz_cases(200_000)))]

@@ -1,17 +1,9 @@
 //! Generated `--registry` values: parsed or rejected with a message, never
 //! a panic; accepted ones name at least one endpoint.
 
+use lakecache_protocol::testing::fuzz_cases;
 use lakecache_registry::RegistryUrl;
 use proptest::prelude::*;
-
-/// Generated cases: a tenth of `full` in the test command; all of them
-/// (over 1,000,000 across the project) with `LAKECACHE_FUZZ=full`.
-fn fuzz_cases(full: u32) -> u32 {
-    match std::env::var("LAKECACHE_FUZZ").as_deref() {
-        Ok("full") => full,
-        _ => full / 10,
-    }
-}
 
 proptest! {
     #![proptest_config(ProptestConfig::with_cases(fuzz_cases(150_000)))]
