@@ -78,7 +78,7 @@ class Cluster:
         if fresh and cache.exists():
             shutil.rmtree(cache)
         self.worker = subprocess.Popen(
-            [self.bin, "worker", "--listen", f"127.0.0.1:{self.worker_port}", "--cache-dir",
+            [self.bin, "worker", "--insecure-http", "--no-auth", "--listen", f"127.0.0.1:{self.worker_port}", "--cache-dir",
              str(cache), "--cache-size", "12GiB", "--s3-endpoint",
              f"http://127.0.0.1:{self.s3_port}", "--s3-path-style"],
             env=self.env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,

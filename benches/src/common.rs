@@ -66,5 +66,7 @@ pub fn worker_options(cache_dir: PathBuf, capacity: u64) -> Result<WorkerOptions
         },
         limits: HttpLimits::default(),
         access: Default::default(),
+        tls: None,
+        peer_tls: None,
     })
 }

@@ -76,7 +76,8 @@ async fn run_once(args: &Args, limit: &str) -> Result<Run> {
     let s3 = start_s3(tmp.path().join("s3"), "data").await?;
     let port = free_port()?;
     let mut cmd = Command::new(&args.lakecache);
-    cmd.args(["worker", "--listen", &format!("127.0.0.1:{port}")])
+    cmd.args(["worker", "--insecure-http", "--no-auth"])
+        .args(["--listen", &format!("127.0.0.1:{port}")])
         .arg("--cache-dir")
         .arg(tmp.path().join("cache"))
         .args(["--cache-size", "2GiB", "--s3-endpoint", &s3.endpoint.url()])

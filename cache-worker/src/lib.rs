@@ -34,6 +34,11 @@ pub struct WorkerOptions {
     pub cache: CacheConfig,
     pub limits: HttpLimits,
     pub access: AccessPolicy,
+    /// Serve HTTPS with this config; `None` is plain HTTP, which the CLI
+    /// only allows when asked for.
+    pub tls: Option<Arc<rustls::ServerConfig>>,
+    /// How this worker verifies peers in page hand-offs (HTTPS clusters).
+    pub peer_tls: Option<lakecache_protocol::tls::ClientTls>,
 }
 
 #[derive(Debug, thiserror::Error)]
@@ -128,6 +133,9 @@ pub async fn start_worker(
     if let Some(keys) = &options.access.keys {
         cache.set_peer_key(keys.current().clone());
     }
+    if let Some(tls) = &options.peer_tls {
+        cache.set_peer_tls(tls.clone());
+    }
     let state = Arc::new(http::AppState {
         cache: cache.clone(),
         metrics,
@@ -135,7 +143,8 @@ pub async fn start_worker(
         access: options.access.clone(),
     });
     let (stop_tx, stop_rx) = tokio::sync::oneshot::channel::<()>();
-    let task = tokio::spawn(http::serve(listener, state, async move {
+    let acceptor = options.tls.clone().map(tokio_rustls::TlsAcceptor::from);
+    let task = tokio::spawn(http::serve(listener, acceptor, state, async move {
         let _ = stop_rx.await;
     }));
     tracing::info!(%addr, cache_dir = %options.cache_dir.display(), "worker listening");

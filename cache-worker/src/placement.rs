@@ -15,6 +15,7 @@ use std::time::Duration;
 use bytes::{Bytes, BytesMut};
 use futures::{Stream, StreamExt};
 use http_body_util::{BodyExt, StreamBody};
+use lakecache_protocol::tls::ClientTls;
 use lakecache_protocol::token::{Claims, SigningKey};
 use lakecache_protocol::{Deadlines, ObjectUri, WorkerClient};
 
@@ -37,6 +38,8 @@ pub(crate) struct Peers {
     clients: Mutex<HashMap<String, WorkerClient>>,
     /// Signs the peer tokens of hand-offs when workers require tokens.
     peer_key: OnceLock<SigningKey>,
+    /// TLS towards peers when workers serve HTTPS.
+    peer_tls: OnceLock<ClientTls>,
 }
 
 const HAND_OFF_DEADLINES: Deadlines = Deadlines {
@@ -52,6 +55,7 @@ impl Default for Peers {
             placement: OnceLock::new(),
             clients: Mutex::default(),
             peer_key: OnceLock::new(),
+            peer_tls: OnceLock::new(),
         }
     }
 }
@@ -63,8 +67,9 @@ impl Peers {
             match clients.get(addr) {
                 Some(c) => c.clone(),
                 None => {
-                    let client = WorkerClient::with_deadlines(addr, HAND_OFF_DEADLINES)
-                        .map_err(|e| CacheError::Local(e.to_string()))?;
+                    let client =
+                        WorkerClient::connect(addr, HAND_OFF_DEADLINES, self.peer_tls.get())
+                            .map_err(|e| CacheError::Local(e.to_string()))?;
                     clients.insert(addr.to_string(), client.clone());
                     client
                 }
@@ -92,6 +97,12 @@ impl Cache {
     /// `key`. Set once.
     pub fn set_peer_key(&self, key: SigningKey) {
         let _ = self.peers.peer_key.set(key);
+    }
+
+    /// Workers serve HTTPS: hand-offs verify peers with this (and present
+    /// this worker's certificate where peers require one). Set once.
+    pub fn set_peer_tls(&self, tls: ClientTls) {
+        let _ = self.peers.peer_tls.set(tls);
     }
 
     /// Tells the worker the ring it is part of; written objects' pages

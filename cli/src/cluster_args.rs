@@ -41,6 +41,16 @@ pub struct ClusterArgs {
     /// (`lakecache token create`)
     #[arg(long, env = "LAKECACHE_TOKEN_FILE")]
     pub token_file: Option<std::path::PathBuf>,
+    /// PEM CA that signs the workers' certificates: workers are then
+    /// spoken to over HTTPS (plain HTTP is refused)
+    #[arg(long, env = "LAKECACHE_TLS_CA")]
+    pub tls_ca: Option<std::path::PathBuf>,
+    /// Client certificate (PEM) for workers that require one (mutual TLS)
+    #[arg(long, env = "LAKECACHE_TLS_CERT", requires = "tls_key")]
+    pub tls_cert: Option<std::path::PathBuf>,
+    /// Private key of --tls-cert
+    #[arg(long, env = "LAKECACHE_TLS_KEY", requires = "tls_cert")]
+    pub tls_key: Option<std::path::PathBuf>,
     /// Do not read straight from S3 when no worker can answer
     #[arg(long)]
     pub no_s3_fallback: bool,
@@ -82,6 +92,27 @@ impl ClusterArgs {
         Ok(Some(token))
     }
 
+    /// HTTPS settings from --tls-ca and --tls-cert/--tls-key.
+    pub fn tls(&self) -> Result<Option<lakecache_protocol::tls::ClientTls>> {
+        let identity = match (&self.tls_cert, &self.tls_key) {
+            (Some(cert), Some(key)) => Some(lakecache_protocol::tls::Identity {
+                cert: cert.clone(),
+                key: key.clone(),
+            }),
+            _ => None,
+        };
+        match &self.tls_ca {
+            None if identity.is_some() => {
+                anyhow::bail!("--tls-cert needs --tls-ca (the CA of the workers' certificates)")
+            }
+            None => Ok(None),
+            Some(ca) => Ok(Some(lakecache_protocol::tls::ClientTls::load(
+                ca,
+                identity.as_ref(),
+            )?)),
+        }
+    }
+
     pub fn options(&self) -> ClusterOptions {
         ClusterOptions {
             ring: RingOptions {
@@ -105,6 +136,7 @@ impl ClusterArgs {
     async fn ring_from(&self, registry: &RegistryUrl) -> Result<ClusterOptions> {
         let mut options = self.options();
         options.token = self.token()?;
+        options.tls = self.tls()?;
         let Some(recorded) = registry
             .advertised_ring(Duration::from_secs(5))
             .await

@@ -38,8 +38,17 @@ impl StatusCmd {
             .await
             .context("opening the cluster registry")?;
         let members = membership.subscribe().borrow().clone();
+        let tls = self.cluster.tls()?;
+        let token = self.cluster.token()?;
+        let (tls, token) = (&tls, &token);
         let probes = members.iter().map(|m| async move {
-            let health = match WorkerClient::new(&m.address, Duration::from_secs(2)) {
+            let client = WorkerClient::connect(
+                &m.address,
+                lakecache_protocol::Deadlines::uniform(Duration::from_secs(2)),
+                tls.as_ref(),
+            )
+            .and_then(|c| c.with_token(token.as_deref()));
+            let health = match client {
                 Ok(c) => c
                     .health()
                     .await

@@ -47,6 +47,13 @@ impl UpCmd {
         std::fs::create_dir_all(&self.dir)
             .with_context(|| format!("creating {}", self.dir.display()))?;
         let dir = self.dir.canonicalize().unwrap_or(self.dir.clone());
+        if !self.listen.ip().is_loopback() {
+            anyhow::bail!(
+                "lakecache up serves plain HTTP and binds to loopback only (got --listen {}); for other addresses run `lakecache worker` with --tls-cert/--tls-key",
+                self.listen
+            );
+        }
+        let (keys_path, token_path, token) = self.credentials(&dir)?;
         let access_key = format!("LC{}", crate::s3_cmd::random_token(18).to_uppercase());
         let secret_key = crate::s3_cmd::random_token(40);
         let endpoint = lakecache_s3_endpoint::start(EndpointConfig {
@@ -77,6 +84,9 @@ impl UpCmd {
                 cache_size: Some(self.cache_size),
                 s3_endpoint: Some(endpoint.url()),
                 s3_path_style: Some(true),
+                auth_keys: Some(keys_path.clone()),
+                // Loopback only (checked above): nothing crosses a wire.
+                insecure_http: Some(true),
                 ..Default::default()
             };
             let (options, mut s3) = settings.resolve()?;
@@ -112,19 +122,32 @@ impl UpCmd {
             "  S3 endpoint   {}  (path-style, region us-east-1)",
             endpoint.url()
         );
+        // The secret goes to a private file, never to the terminal or logs.
+        let creds_path = dir.join("s3-credentials");
+        crate::token_cmd::write_private(
+            &creds_path,
+            &format!("AWS_ACCESS_KEY_ID={access_key}\nAWS_SECRET_ACCESS_KEY={secret_key}\n"),
+        )?;
         println!(
-            "  credentials   AWS_ACCESS_KEY_ID={access_key} AWS_SECRET_ACCESS_KEY={secret_key}"
+            "  credentials   {}  (export $(cat {0}) for S3 tools)",
+            creds_path.display()
         );
         println!("  bucket        s3://{}", self.bucket);
         for addr in &addrs {
             println!("  worker        http://{addr}  (metrics: http://{addr}/metrics)");
         }
         println!("  registry      static:{}", addrs.join(","));
+        println!(
+            "  token file    {}  (read/write s3://{}/; signing keys: {})",
+            token_path.display(),
+            self.bucket,
+            keys_path.display()
+        );
         println!("  data          {}", dir.display());
         let mounted = if self.no_mount {
             None
         } else {
-            match self.mount_bucket(&addrs).await {
+            match self.mount_bucket(&addrs, &token).await {
                 Ok(m) => Some(m),
                 Err(e) => {
                     for w in workers {
@@ -142,17 +165,26 @@ impl UpCmd {
                 self.bucket
             );
         }
+        let token_flag = format!("--token-file {}", token_path.display());
         println!("try:");
         println!(
-            "  echo hello | lakecache put s3://{}/hello.txt --registry static:{}",
+            "  echo hello | lakecache put s3://{}/hello.txt --registry static:{} {token_flag}",
             self.bucket,
             addrs.join(",")
         );
         println!(
-            "  lakecache cat s3://{}/hello.txt --worker {first}",
+            "  lakecache cat s3://{}/hello.txt --worker {first} {token_flag}",
             self.bucket
         );
-        println!("  lakecache status --registry static:{}", addrs.join(","));
+        println!(
+            "  lakecache status --registry static:{} {token_flag}",
+            addrs.join(",")
+        );
+        println!(
+            "  lakecache token create --keys {} --tenant team-a --allow s3://{}/datasets/ --ttl 30d   # more tokens",
+            keys_path.display(),
+            self.bucket
+        );
         let mut mounted = mounted;
         match &mut mounted {
             Some(m) => {
@@ -182,14 +214,51 @@ impl UpCmd {
 }
 
 impl UpCmd {
-    async fn mount_bucket(&self, workers: &[String]) -> Result<lakecache_fuse::Mounted> {
+    /// The cluster's signing keys (kept across restarts, so tokens minted
+    /// earlier stay valid) and a fresh read/write token for the bucket.
+    fn credentials(&self, dir: &std::path::Path) -> Result<(PathBuf, PathBuf, String)> {
+        use lakecache_protocol::token::{KeyRing, SigningKey};
+        let keys_path = dir.join("keys");
+        let keys = if keys_path.exists() {
+            let text = std::fs::read_to_string(&keys_path)
+                .with_context(|| format!("reading {}", keys_path.display()))?;
+            KeyRing::parse(&text).with_context(|| format!("keys file {}", keys_path.display()))?
+        } else {
+            let id = format!("k{}", crate::s3_cmd::random_token(8));
+            let keys = KeyRing::new(SigningKey::generate(&id), None);
+            crate::token_cmd::write_private(&keys_path, &keys.to_file())?;
+            keys
+        };
+        let scope = vec![format!("s3://{}/", self.bucket)];
+        let token = crate::token_cmd::mint(
+            &keys,
+            "up",
+            &scope,
+            &scope,
+            crate::units::Seconds(std::time::Duration::from_secs(30 * 86_400)),
+            false,
+        )?;
+        let token_path = dir.join("token");
+        crate::token_cmd::write_private(&token_path, &token)?;
+        Ok((keys_path, token_path, token))
+    }
+
+    async fn mount_bucket(
+        &self,
+        workers: &[String],
+        token: &str,
+    ) -> Result<lakecache_fuse::Mounted> {
         let membership = Arc::new(lakecache_registry::StaticMembership::new(workers));
         let cluster = lakecache_registry::ClusterClient::new(
             membership,
-            lakecache_registry::ClusterOptions::default(),
+            lakecache_registry::ClusterOptions {
+                token: Some(token.to_string()),
+                ..Default::default()
+            },
             None,
         );
-        let config = self.fuse.fs_config(&self.bucket, "")?;
+        let mut config = self.fuse.fs_config(&self.bucket, "")?;
+        config.write_scopes = Some(vec![format!("s3://{}/", self.bucket)]);
         let fs = Arc::new(lakecache_fuse::Fs::new(cluster, config));
         lakecache_fuse::mount(
             fs,

@@ -29,6 +29,11 @@ impl WorkerCmd {
         let registration = settings.registration()?;
         let (options, s3) = settings.resolve()?;
         let capacity = options.cache.capacity;
+        let scheme = if options.tls.is_some() {
+            "https"
+        } else {
+            "http"
+        };
         if let Some(reg) = &registration {
             crate::worker_ring::check_ring_settings(reg).await?;
         }
@@ -42,7 +47,7 @@ impl WorkerCmd {
         let worker = lakecache_worker::start_worker(options, store, metrics)
             .await
             .context("starting worker")?;
-        eprintln!("lakecache worker listening on http://{}", worker.addr());
+        eprintln!("lakecache worker listening on {scheme}://{}", worker.addr());
         if let Some(reg) = &registration {
             let placed = match advertised_address(reg, worker.addr()) {
                 Ok(me) => crate::worker_ring::RingPlacement::open(reg, me).await,

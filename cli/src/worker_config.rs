@@ -11,6 +11,7 @@ use lakecache_worker::{CacheConfig, HttpLimits, S3Config, WorkerOptions};
 use serde::Deserialize;
 
 use crate::units::{ByteSize, Seconds};
+use lakecache_protocol::tls::{server_config, ClientTls, Identity};
 
 /// Every setting is optional here so that flags, environment and file can
 /// be layered; defaults are applied in [`WorkerSettings::resolve`].
@@ -129,6 +130,28 @@ pub struct WorkerSettings {
     /// Require a token for /metrics and /v1/health too
     #[arg(long, env = "LAKECACHE_PROTECT_METRICS", num_args = 0..=1, default_missing_value = "true")]
     pub protect_metrics: Option<bool>,
+    /// Serve without tokens: anyone who reaches the port may do anything
+    /// the worker's S3 credentials allow. Only for loopback or trusted
+    /// networks
+    #[arg(long, env = "LAKECACHE_NO_AUTH", num_args = 0..=1, default_missing_value = "true")]
+    pub no_auth: Option<bool>,
+    /// PEM certificate chain the worker serves HTTPS with
+    #[arg(long, env = "LAKECACHE_TLS_CERT")]
+    pub tls_cert: Option<PathBuf>,
+    /// PEM private key of --tls-cert
+    #[arg(long, env = "LAKECACHE_TLS_KEY")]
+    pub tls_key: Option<PathBuf>,
+    /// Require client certificates signed by this PEM CA (mutual TLS)
+    #[arg(long, env = "LAKECACHE_TLS_CLIENT_CA")]
+    pub tls_client_ca: Option<PathBuf>,
+    /// PEM CA that signs the other workers' certificates (page
+    /// hand-offs) [default: --tls-client-ca]
+    #[arg(long, env = "LAKECACHE_TLS_CA")]
+    pub tls_ca: Option<PathBuf>,
+    /// Serve plain HTTP: traffic, tokens included, is readable on the
+    /// wire. Only for loopback or a network that is already encrypted
+    #[arg(long, env = "LAKECACHE_INSECURE_HTTP", num_args = 0..=1, default_missing_value = "true")]
+    pub insecure_http: Option<bool>,
     /// Stable id of this worker in the ring [default: the advertised address]
     #[arg(long, env = "LAKECACHE_WORKER_ID")]
     pub worker_id: Option<String>,
@@ -198,6 +221,12 @@ impl WorkerSettings {
                 allow_bucket,
                 allow_prefix,
                 protect_metrics,
+                no_auth,
+                tls_cert,
+                tls_key,
+                tls_client_ca,
+                tls_ca,
+                insecure_http,
                 worker_id,
                 lease_ttl,
             ]
@@ -241,6 +270,7 @@ impl WorkerSettings {
     pub fn resolve(self) -> Result<(WorkerOptions, S3Config)> {
         self.registration()?;
         let access = self.access_policy()?;
+
         const MIB: u64 = 1 << 20;
         let page_size = self.page_size.map_or(4 * MIB, |s| s.0);
         if !(MIB..=64 * MIB).contains(&page_size) || !page_size.is_multiple_of(256 * 1024) {
@@ -303,6 +333,7 @@ impl WorkerSettings {
                 bail!("--s3-endpoint must be an http:// or https:// URL, got {ep:?}");
             }
         }
+        let (tls, peer_tls) = self.transport(access.keys.is_some())?;
         let region = self
             .s3_region
             .or_else(|| std::env::var("AWS_REGION").ok())
@@ -328,6 +359,8 @@ impl WorkerSettings {
             },
             limits,
             access,
+            tls,
+            peer_tls,
         };
         let s3 = S3Config {
             endpoint: self.s3_endpoint,
@@ -342,7 +375,53 @@ impl WorkerSettings {
     }
 }
 
+type ServerTls = Option<std::sync::Arc<lakecache_protocol::tls::ServerConfig>>;
+
 impl WorkerSettings {
+    /// HTTPS settings, or plain HTTP when explicitly asked for; and the
+    /// same refusal for serving without tokens.
+    fn transport(&self, has_keys: bool) -> Result<(ServerTls, Option<ClientTls>)> {
+        let no_auth = self.no_auth.unwrap_or(false);
+        match (has_keys, no_auth) {
+            (false, false) => bail!(
+                "a worker needs --auth-keys FILE (create one with `lakecache token keygen`), or --no-auth to serve anyone who can reach it"
+            ),
+            (true, true) => bail!("--no-auth contradicts --auth-keys"),
+            _ => {}
+        }
+        let insecure = self.insecure_http.unwrap_or(false);
+        let identity = match (&self.tls_cert, &self.tls_key) {
+            (Some(cert), Some(key)) => Identity {
+                cert: cert.clone(),
+                key: key.clone(),
+            },
+            (None, None) if insecure => {
+                if self.tls_client_ca.is_some() {
+                    bail!("--tls-client-ca needs --tls-cert and --tls-key");
+                }
+                return Ok((None, None));
+            }
+            (None, None) => bail!(
+                "give --tls-cert and --tls-key to serve HTTPS, or --insecure-http to serve plain HTTP"
+            ),
+            _ => bail!("--tls-cert and --tls-key go together"),
+        };
+        if insecure {
+            bail!("--insecure-http contradicts --tls-cert");
+        }
+        let server = server_config(&identity, self.tls_client_ca.as_deref())?;
+        // Peers are verified against --tls-ca; where workers demand client
+        // certificates this worker presents its own.
+        let peer = match self.tls_ca.as_ref().or(self.tls_client_ca.as_ref()) {
+            Some(ca) => Some(ClientTls::load(
+                ca,
+                self.tls_client_ca.as_ref().map(|_| &identity),
+            )?),
+            None => None,
+        };
+        Ok((Some(server), peer))
+    }
+
     /// Signing keys, allow-list and metrics protection, checked.
     fn access_policy(&self) -> Result<lakecache_worker::AccessPolicy> {
         use lakecache_protocol::token::{validate_scope, KeyRing};
@@ -427,6 +506,8 @@ mod tests {
         .unwrap();
         let flags = WorkerSettings {
             listen: Some("127.0.0.1:8000".parse().unwrap()),
+            insecure_http: Some(true),
+            no_auth: Some(true),
             ..Default::default()
         };
         let (opts, s3) = flags.over(file).resolve().unwrap();
@@ -460,5 +541,14 @@ mod tests {
             .unwrap_err()
             .contains("unknown field"));
         assert!(bad("s3_retry_mode = \"sometimes\"").is_err());
+        assert!(bad("insecure_http = true")
+            .unwrap_err()
+            .contains("--auth-keys"));
+        assert!(bad("no_auth = true")
+            .unwrap_err()
+            .contains("--insecure-http"));
+        assert!(bad("no_auth = true\ntls_cert = \"/x\"")
+            .unwrap_err()
+            .contains("go together"));
     }
 }

@@ -85,6 +85,8 @@ impl Cluster {
         let child = Command::new(BIN)
             .args([
                 "worker",
+                "--insecure-http",
+                "--no-auth",
                 "--listen",
                 &format!("127.0.0.1:{port}"),
                 "--cache-dir",
@@ -425,6 +427,8 @@ fn a_worker_or_client_with_other_ring_settings_is_refused() {
     let out = Command::new(BIN)
         .args([
             "worker",
+            "--insecure-http",
+            "--no-auth",
             "--listen",
             &format!("127.0.0.1:{port}"),
             "--cache-dir",
@@ -598,6 +602,8 @@ fn etcd_unreachable_at_start_is_a_clear_error() {
     let out = Command::new(BIN)
         .args([
             "worker",
+            "--insecure-http",
+            "--no-auth",
             "--listen",
             "127.0.0.1:0",
             "--registry",

@@ -73,6 +73,7 @@ impl Env {
             let port = free_port();
             let child = Command::new(BIN)
                 .args(["worker", "--listen", &format!("127.0.0.1:{port}")])
+                .args(["--insecure-http"])
                 .arg("--cache-dir")
                 .arg(env.dir.path().join(format!("cache-{i}")))
                 .args(["--cache-size", "4GiB", "--s3-path-style", "--s3-endpoint"])

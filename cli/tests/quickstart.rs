@@ -11,6 +11,8 @@ struct Up {
     child: Child,
     worker: String,
     mountpoint: String,
+    /// The read/write token `up` minted for its bucket.
+    token_file: String,
 }
 
 fn start_up(dir: &std::path::Path) -> Up {
@@ -34,8 +36,12 @@ fn start_up(dir: &std::path::Path) -> Up {
         .expect("spawn lakecache up");
     let mut lines = BufReader::new(child.stdout.take().unwrap()).lines();
     let mut worker = None;
+    let mut token_file = None;
     for line in lines.by_ref() {
         let line = line.unwrap();
+        if let Some(rest) = line.trim().strip_prefix("token file") {
+            token_file = rest.split_whitespace().next().map(str::to_string);
+        }
         if let Some(rest) = line.trim().strip_prefix("worker") {
             let url = rest.split_whitespace().next().unwrap();
             worker = Some(url.trim_start_matches("http://").to_string());
@@ -49,6 +55,7 @@ fn start_up(dir: &std::path::Path) -> Up {
     Up {
         child,
         worker: worker.expect("up printed the worker address"),
+        token_file: token_file.expect("up printed its token file"),
         mountpoint: dir
             .join("mnt")
             .canonicalize()
@@ -72,6 +79,13 @@ fn run(args: &[&str], stdin: Option<&[u8]>) -> Output {
     }
     drop(input);
     child.wait_with_output().unwrap()
+}
+
+/// A client command with `up`'s token.
+fn client(up: &Up, args: &[&str], stdin: Option<&[u8]>) -> Output {
+    let mut args = args.to_vec();
+    args.extend(["--token-file", &up.token_file]);
+    run(&args, stdin)
 }
 
 fn stop(mut up: Up) {
@@ -101,7 +115,8 @@ fn up_serves_put_cat_stat_ls_and_shuts_down_cleanly() {
     let w = up.worker.clone();
     let body: Vec<u8> = (0..5_000_000u32).map(|i| (i * 7 % 256) as u8).collect();
 
-    let put = run(
+    let put = client(
+        &up,
         &["put", "s3://lakecache/data/blob.bin", "--worker", &w],
         Some(&body),
     );
@@ -111,7 +126,8 @@ fn up_serves_put_cat_stat_ls_and_shuts_down_cleanly() {
         String::from_utf8_lossy(&put.stderr)
     );
 
-    let cat = run(
+    let cat = client(
+        &up,
         &["cat", "s3://lakecache/data/blob.bin", "--worker", &w],
         None,
     );
@@ -122,7 +138,8 @@ fn up_serves_put_cat_stat_ls_and_shuts_down_cleanly() {
     );
     assert!(cat.stdout == body, "cat returned different bytes");
 
-    let part = run(
+    let part = client(
+        &up,
         &[
             "cat",
             "s3://lakecache/data/blob.bin",
@@ -135,7 +152,8 @@ fn up_serves_put_cat_stat_ls_and_shuts_down_cleanly() {
     );
     assert_eq!(part.stdout, &body[10..20]);
 
-    let stat = run(
+    let stat = client(
+        &up,
         &[
             "stat",
             "s3://lakecache/data/blob.bin",
@@ -148,7 +166,7 @@ fn up_serves_put_cat_stat_ls_and_shuts_down_cleanly() {
     let json: serde_json::Value = serde_json::from_slice(&stat.stdout).unwrap();
     assert_eq!(json["size"], 5_000_000);
 
-    let ls = run(&["ls", "s3://lakecache/", "--worker", &w], None);
+    let ls = client(&up, &["ls", "s3://lakecache/", "--worker", &w], None);
     let listing = String::from_utf8_lossy(&ls.stdout);
     assert!(listing.contains("PRE  data/"), "{listing}");
 
@@ -157,29 +175,56 @@ fn up_serves_put_cat_stat_ls_and_shuts_down_cleanly() {
     let mnt = dir.path().join("mnt");
     assert!(std::fs::read(mnt.join("data/blob.bin")).unwrap() == body);
     std::fs::write(mnt.join("data/note.txt"), b"from the mount\n").unwrap();
-    let note = run(
+    let note = client(
+        &up,
         &["cat", "s3://lakecache/data/note.txt", "--worker", &w],
         None,
     );
     assert_eq!(note.stdout, b"from the mount\n");
 
     // Errors are clear and exit non-zero.
-    let missing = run(&["cat", "s3://lakecache/nope", "--worker", &w], None);
+    let missing = client(&up, &["cat", "s3://lakecache/nope", "--worker", &w], None);
     assert_eq!(missing.status.code(), Some(1));
     let err = String::from_utf8_lossy(&missing.stderr);
     assert!(
         err.contains("404") && err.contains("s3://lakecache/nope"),
         "{err}"
     );
-    let bad = run(&["cat", "lakecache/nope", "--worker", &w], None);
+    let bad = client(&up, &["cat", "lakecache/nope", "--worker", &w], None);
     assert_eq!(bad.status.code(), Some(1));
     assert!(String::from_utf8_lossy(&bad.stderr).contains("s3://bucket/key"));
+
+    // Without the token the worker refuses, and says what is missing.
+    let anonymous = run(
+        &[
+            "cat",
+            "s3://lakecache/data/blob.bin",
+            "--worker",
+            &w,
+            "--no-s3-fallback",
+        ],
+        None,
+    );
+    assert_eq!(anonymous.status.code(), Some(1));
+    let err = String::from_utf8_lossy(&anonymous.stderr);
+    assert!(err.contains("401") && err.contains("token"), "{err}");
+    // Nor do `up`'s banner and logs carry the S3 secret: it is in a
+    // private file.
+    let creds = std::fs::read_to_string(dir.path().join("s3-credentials")).unwrap();
+    assert!(creds.contains("AWS_SECRET_ACCESS_KEY="));
+    use std::os::unix::fs::PermissionsExt;
+    let mode = std::fs::metadata(dir.path().join("s3-credentials"))
+        .unwrap()
+        .permissions()
+        .mode();
+    assert_eq!(mode & 0o077, 0, "credentials file is private");
 
     stop(up);
 
     // Objects and cache survive a restart over the same directory.
     let up = start_up(dir.path());
-    let cat = run(
+    let cat = client(
+        &up,
         &[
             "cat",
             "s3://lakecache/data/blob.bin",
@@ -216,4 +261,34 @@ fn invalid_worker_settings_fail_fast_with_the_flag_named() {
     let out = run(&["worker", "--config", cfg.to_str().unwrap()], None);
     assert_eq!(out.status.code(), Some(1));
     assert!(String::from_utf8_lossy(&out.stderr).contains("unknown_key"));
+
+    // Secure by default: no plain HTTP and no anonymous access unless
+    // asked for by name.
+    let out = run(&["worker", "--cache-dir", "/tmp/unused-lakecache"], None);
+    assert_eq!(out.status.code(), Some(1));
+    assert!(String::from_utf8_lossy(&out.stderr).contains("--auth-keys"));
+    let out = run(
+        &[
+            "worker",
+            "--no-auth",
+            "--cache-dir",
+            "/tmp/unused-lakecache",
+        ],
+        None,
+    );
+    assert_eq!(out.status.code(), Some(1));
+    assert!(String::from_utf8_lossy(&out.stderr).contains("--insecure-http"));
+    let out = run(
+        &[
+            "up",
+            "--listen",
+            "0.0.0.0:0",
+            "--no-mount",
+            "--dir",
+            "/tmp/unused-lakecache",
+        ],
+        None,
+    );
+    assert_eq!(out.status.code(), Some(1));
+    assert!(String::from_utf8_lossy(&out.stderr).contains("loopback"));
 }

@@ -7,9 +7,11 @@ use bytes::{Bytes, BytesMut};
 use http_body_util::{combinators::BoxBody, BodyExt, Empty, Full};
 use hyper::body::Body as _;
 use hyper::body::Incoming;
+use hyper_rustls::{HttpsConnector, HttpsConnectorBuilder};
 use hyper_util::client::legacy::{connect::HttpConnector, Client};
 use hyper_util::rt::TokioExecutor;
 
+use crate::tls::ClientTls;
 use crate::types::{ErrorBody, ErrorCode, Health, ListResponse, ObjectStat};
 use crate::uri::ObjectUri;
 
@@ -31,6 +33,10 @@ pub enum ClientError {
         #[source]
         source: BoxError,
     },
+    /// The TLS handshake failed: wrong CA, wrong name, or a worker that
+    /// wants a client certificate. Configuration, not a transient fault.
+    #[error("TLS with worker {addr} failed: {message} (check --tls-ca, and --tls-cert/--tls-key where the worker requires client certificates)")]
+    Tls { addr: String, message: String },
     #[error("worker {addr} did not answer within {0:?}", .timeout)]
     Timeout { addr: String, timeout: Duration },
     #[error("short body from worker: expected {expected} bytes, got {got}")]
@@ -49,7 +55,9 @@ impl ClientError {
             ClientError::Transport { .. }
             | ClientError::Timeout { .. }
             | ClientError::ShortBody { .. } => true,
-            ClientError::Decode(_) | ClientError::InvalidAddress(_) => false,
+            ClientError::Decode(_) | ClientError::InvalidAddress(_) | ClientError::Tls { .. } => {
+                false
+            }
         }
     }
 }
@@ -93,7 +101,7 @@ impl Deadlines {
 #[derive(Clone)]
 pub struct WorkerClient {
     base: String,
-    client: Client<HttpConnector, RequestBody>,
+    client: Client<HttpsConnector<HttpConnector>, RequestBody>,
     deadlines: Deadlines,
     /// `Authorization` value sent with every request (never logged).
     bearer: Option<http::HeaderValue>,
@@ -107,6 +115,24 @@ impl std::fmt::Debug for WorkerClient {
     }
 }
 
+/// The rustls error somewhere in a transport error's chain, if any.
+fn tls_failure(e: &(dyn std::error::Error + 'static)) -> Option<String> {
+    let mut current: Option<&(dyn std::error::Error + 'static)> = Some(e);
+    while let Some(err) = current {
+        if let Some(tls) = err.downcast_ref::<rustls::Error>() {
+            return Some(tls.to_string());
+        }
+        // io::Error's source() skips its own payload; look inside it.
+        current = match err.downcast_ref::<std::io::Error>() {
+            Some(io) => io
+                .get_ref()
+                .map(|inner| inner as &(dyn std::error::Error + 'static)),
+            None => err.source(),
+        };
+    }
+    None
+}
+
 fn empty() -> RequestBody {
     Empty::new().map_err(|e| match e {}).boxed()
 }
@@ -118,10 +144,28 @@ impl WorkerClient {
     }
 
     pub fn with_deadlines(addr: &str, deadlines: Deadlines) -> Result<Self, ClientError> {
-        let base = if addr.starts_with("http://") {
-            addr.trim_end_matches('/').to_string()
-        } else {
-            format!("http://{}", addr.trim_end_matches('/'))
+        Self::connect(addr, deadlines, None)
+    }
+
+    /// With `tls`, the worker is spoken to over HTTPS and must present a
+    /// certificate from that CA; `http://` addresses are then refused.
+    pub fn connect(
+        addr: &str,
+        deadlines: Deadlines,
+        tls: Option<&ClientTls>,
+    ) -> Result<Self, ClientError> {
+        let invalid = |why: &str| ClientError::InvalidAddress(format!("{addr} ({why})"));
+        let host = addr.trim_end_matches('/');
+        let (scheme, rest) = match host.split_once("://") {
+            Some((scheme, rest)) => (Some(scheme), rest),
+            None => (None, host),
+        };
+        let base = match (tls.is_some(), scheme) {
+            (false, None | Some("http")) => format!("http://{rest}"),
+            (true, None | Some("https")) => format!("https://{rest}"),
+            (false, Some("https")) => return Err(invalid("an https worker needs --tls-ca")),
+            (true, Some("http")) => return Err(invalid("plain http refused: TLS is configured")),
+            _ => return Err(invalid("expected HOST:PORT")),
         };
         base.parse::<http::Uri>()
             .ok()
@@ -129,7 +173,19 @@ impl WorkerClient {
             .ok_or_else(|| ClientError::InvalidAddress(addr.to_string()))?;
         let mut connector = HttpConnector::new();
         connector.set_nodelay(true);
+        connector.enforce_http(false);
         connector.set_connect_timeout(Some(deadlines.connect));
+        // Without TLS settings the connector is never asked for https:
+        // such addresses were refused above.
+        let tls_config = match tls {
+            Some(t) => (*t.config()).clone(),
+            None => ClientTls::no_roots(),
+        };
+        let connector = HttpsConnectorBuilder::new()
+            .with_tls_config(tls_config)
+            .https_or_http()
+            .enable_http1()
+            .wrap_connector(connector);
         let client = Client::builder(TokioExecutor::new())
             .pool_idle_timeout(Duration::from_secs(60))
             .build(connector);
@@ -183,6 +239,12 @@ impl WorkerClient {
     }
 
     fn transport(&self, e: impl std::error::Error + Send + Sync + 'static) -> ClientError {
+        if let Some(message) = tls_failure(&e) {
+            return ClientError::Tls {
+                addr: self.base.clone(),
+                message,
+            };
+        }
         ClientError::Transport {
             addr: self.base.clone(),
             source: Box::new(e),

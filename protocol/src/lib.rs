@@ -8,6 +8,7 @@ mod client;
 pub mod memory;
 #[doc(hidden)]
 pub mod testing;
+pub mod tls;
 pub mod token;
 mod types;
 mod uri;

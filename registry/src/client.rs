@@ -34,6 +34,8 @@ pub struct ClusterOptions {
     pub s3_fallback: bool,
     /// Access token sent to every worker (`Authorization: Bearer`).
     pub token: Option<String>,
+    /// Speak HTTPS to workers, verifying them with this CA.
+    pub tls: Option<lakecache_protocol::tls::ClientTls>,
 }
 
 impl std::fmt::Debug for ClusterOptions {
@@ -45,6 +47,7 @@ impl std::fmt::Debug for ClusterOptions {
             .field("attempts", &self.attempts)
             .field("s3_fallback", &self.s3_fallback)
             .field("token", &self.token.as_ref().map(|_| "<redacted>"))
+            .field("tls", &self.tls.is_some())
             .finish_non_exhaustive()
     }
 }
@@ -60,6 +63,7 @@ impl Default for ClusterOptions {
             suspect_for: Duration::from_secs(5),
             s3_fallback: true,
             token: None,
+            tls: None,
         }
     }
 }
@@ -126,15 +130,17 @@ fn build_state(view: &View, options: &ClusterOptions, previous: Option<&State>) 
             .filter(|c| c.base_url().ends_with(&m.address));
         let client = match reuse {
             Some(c) => c.clone(),
-            None => match WorkerClient::with_deadlines(&m.address, options.deadlines())
-                .and_then(|c| c.with_token(options.token.as_deref()))
-            {
-                Ok(c) => c,
-                Err(e) => {
-                    tracing::warn!(member = %m.id, error = %e, "skipping member with a bad address");
-                    continue;
+            None => {
+                match WorkerClient::connect(&m.address, options.deadlines(), options.tls.as_ref())
+                    .and_then(|c| c.with_token(options.token.as_deref()))
+                {
+                    Ok(c) => c,
+                    Err(e) => {
+                        tracing::warn!(member = %m.id, error = %e, "skipping member with a bad address");
+                        continue;
+                    }
                 }
-            },
+            }
         };
         clients.insert(m.id.clone(), client);
     }

@@ -57,14 +57,17 @@ def mount(tmp_path_factory):
         text=True,
     )
     worker = None
+    token_file = None
     assert proc.stdout is not None
     for line in proc.stdout:
         if line.strip().startswith("worker"):
             worker = line.split()[1].removeprefix("http://")
+        if line.strip().startswith("token file"):
+            token_file = line.split()[2]
         if line.startswith("try:"):
             break
-    assert worker, "lakecache up did not start"
-    yield mnt, worker
+    assert worker and token_file, "lakecache up did not start"
+    yield mnt, worker, token_file
     proc.send_signal(signal.SIGTERM)
     assert proc.wait(timeout=60) == 0
 
@@ -119,7 +122,7 @@ def losses(metrics: Path) -> dict[int, float]:
 
 
 def test_interrupted_and_resumed_run_matches_an_uninterrupted_one(mount, tmp_path):
-    mnt, worker = mount
+    mnt, worker, token_file = mount
     data = mnt / "datasets" / "tiny"
     prep = subprocess.run(
         [
@@ -165,11 +168,19 @@ def test_interrupted_and_resumed_run_matches_an_uninterrupted_one(mount, tmp_pat
     assert want[8] < want[1]  # it learns
 
     # The checkpoint is in S3 (listed through the worker), `latest` last.
-    listing = lakecache("ls", "s3://lakecache/checkpoints/run/step8/", "--worker", worker)
+    listing = lakecache(
+        "ls", "s3://lakecache/checkpoints/run/step8/", "--worker", worker, "--token-file", token_file
+    )
     assert "mp_rank_00_model_states.pt" in listing
     assert "zero_pp_rank_1_mp_rank_00_optim_states.pt" in listing
     assert "rng_rank1.pt" in listing
-    assert lakecache("cat", "s3://lakecache/checkpoints/run/latest", "--worker", worker) == "step8"
+    assert (
+        lakecache(
+            "cat", "s3://lakecache/checkpoints/run/latest", "--worker", worker,
+            "--token-file", token_file,
+        )
+        == "step8"
+    )
 
     out = mnt / "exports" / "model.safetensors"
     out.parent.mkdir(exist_ok=True)
@@ -196,7 +207,7 @@ def test_interrupted_and_resumed_run_matches_an_uninterrupted_one(mount, tmp_pat
 
 
 def test_bad_shards_stop_the_run_naming_the_file(mount, tmp_path):
-    mnt, _ = mount
+    mnt, _, _ = mount
     bad = mnt / "datasets" / "bad"
     bad.mkdir(parents=True)
     write_shard(bad / "good.bin", np.arange(5000) % 257)

@@ -79,9 +79,14 @@ async fn handle(
     .await
 }
 
-/// Serves the API on `listener` until `shutdown` resolves, then drains.
+/// How long a client may take to complete a TLS handshake.
+const HANDSHAKE_TIMEOUT: Duration = Duration::from_secs(10);
+
+/// Serves the API on `listener` (over TLS with `acceptor`) until
+/// `shutdown` resolves, then drains.
 pub async fn serve(
     listener: TcpListener,
+    acceptor: Option<tokio_rustls::TlsAcceptor>,
     state: Arc<AppState>,
     shutdown: impl std::future::Future<Output = ()>,
 ) {
@@ -121,9 +126,34 @@ pub async fn serve(
         let _ = stream.set_nodelay(true);
         let state = state.clone();
         let svc = service_fn(move |req| handle(state.clone(), req));
-        let conn = graceful.watch(builder.serve_connection(TokioIo::new(stream), svc));
+        let Some(acceptor) = acceptor.clone() else {
+            let conn = graceful.watch(builder.serve_connection(TokioIo::new(stream), svc));
+            tokio::spawn(async move {
+                let _slot = slot;
+                if let Err(e) = conn.await {
+                    tracing::debug!(%peer, error = %e, "connection ended with error");
+                }
+            });
+            continue;
+        };
+        // The handshake runs in the connection's task so a slow client
+        // never holds up the accept loop.
+        let builder = builder.clone();
+        let watcher = graceful.watcher();
         tokio::spawn(async move {
             let _slot = slot;
+            let tls = match tokio::time::timeout(HANDSHAKE_TIMEOUT, acceptor.accept(stream)).await {
+                Ok(Ok(tls)) => tls,
+                Ok(Err(e)) => {
+                    tracing::info!(%peer, error = %e, "TLS handshake failed");
+                    return;
+                }
+                Err(_) => {
+                    tracing::info!(%peer, "TLS handshake timed out");
+                    return;
+                }
+            };
+            let conn = watcher.watch(builder.serve_connection(TokioIo::new(tls), svc));
             if let Err(e) = conn.await {
                 tracing::debug!(%peer, error = %e, "connection ended with error");
             }

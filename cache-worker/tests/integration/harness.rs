@@ -45,6 +45,8 @@ pub fn default_options(cache_dir: PathBuf) -> WorkerOptions {
         },
         limits: HttpLimits::default(),
         access: Default::default(),
+        tls: None,
+        peer_tls: None,
     }
 }
 

@@ -10,4 +10,5 @@ mod faults;
 mod harness;
 mod reads;
 mod store_faults;
+mod tls;
 mod writes;
