@@ -84,6 +84,7 @@ impl Peers {
                 read: Vec::new(),
                 write: Vec::new(),
                 peer: true,
+                members_key: None,
             })
         });
         pooled

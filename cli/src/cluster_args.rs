@@ -5,6 +5,7 @@ use std::time::Duration;
 
 use anyhow::{Context, Result};
 use clap::Args;
+use lakecache_protocol::member_sig::MemberTrust;
 use lakecache_registry::{ClusterClient, ClusterOptions, RegistryUrl, RingOptions};
 use lakecache_worker::store::ObjectStore;
 use lakecache_worker::{Metrics, S3Config};
@@ -51,6 +52,8 @@ pub struct ClusterArgs {
     /// Private key of --tls-cert
     #[arg(long, env = "LAKECACHE_TLS_KEY", requires = "tls_cert")]
     pub tls_key: Option<std::path::PathBuf>,
+    #[command(flatten)]
+    pub etcd: crate::etcd_args::EtcdArgs,
     /// Do not read straight from S3 when no worker can answer
     #[arg(long)]
     pub no_s3_fallback: bool,
@@ -66,8 +69,20 @@ pub struct ClusterArgs {
 }
 
 impl ClusterArgs {
+    /// The registry, with etcd credentials and member trust: a client
+    /// with a token believes only worker records signed by the key that
+    /// signed its token.
     pub fn registry(&self) -> Result<RegistryUrl> {
         match &self.registry {
+            Some(r @ RegistryUrl::Etcd { .. }) => {
+                let trust = match self.token()? {
+                    Some(token) => MemberTrust::from_token(&token).with_context(|| {
+                        "the --token-file token carries no members key: mint it again with `lakecache token create`"
+                    })?,
+                    None => MemberTrust::AnyRecord,
+                };
+                Ok(r.clone().with_etcd_access(self.etcd.access(trust)?))
+            }
             Some(r) => Ok(r.clone()),
             None => format!("static:{}", self.worker)
                 .parse()

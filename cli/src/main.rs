@@ -3,6 +3,7 @@
 
 mod client_cmds;
 mod cluster_args;
+mod etcd_args;
 mod mount_cmd;
 mod ring_cmd;
 mod s3_cmd;

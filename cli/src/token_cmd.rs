@@ -141,6 +141,7 @@ pub fn mint(
         read: read.to_vec(),
         write: write.to_vec(),
         peer,
+        members_key: None,
     }))
 }
 

@@ -104,7 +104,12 @@ async fn join_cluster(
     bound: std::net::SocketAddr,
     capacity: u64,
 ) -> Result<Option<EtcdRegistration>> {
-    let RegistryUrl::Etcd { endpoints, prefix } = &reg.registry else {
+    let RegistryUrl::Etcd {
+        endpoints,
+        prefix,
+        access,
+    } = &reg.registry
+    else {
         return Ok(None);
     };
     let advertise = advertised_address(reg, bound)?;
@@ -113,22 +118,24 @@ async fn join_cluster(
         address: advertise,
         capacity,
     };
-    let urls: Vec<String> = endpoints.iter().map(|e| format!("http://{e}")).collect();
     let registration = EtcdRegistration::start(
-        urls,
+        access.urls(endpoints),
         prefix.clone(),
+        access.clone(),
         member.clone(),
+        reg.signer.as_ref(),
         reg.lease_ttl,
         Duration::from_secs(5),
     )
     .await
     .with_context(|| format!("registering worker {} in etcd", member.id))?;
     eprintln!(
-        "registered as {} ({}) in etcd://{}{}",
+        "registered as {} ({}) in etcd://{}{}{}",
         member.id,
         member.address,
         endpoints.join(","),
-        prefix
+        prefix,
+        if reg.signer.is_some() { ", signed" } else { "" }
     );
     Ok(Some(registration))
 }

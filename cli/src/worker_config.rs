@@ -11,6 +11,7 @@ use lakecache_worker::{CacheConfig, HttpLimits, S3Config, WorkerOptions};
 use serde::Deserialize;
 
 use crate::units::{ByteSize, Seconds};
+use lakecache_protocol::member_sig::{MemberSigner, MemberTrust};
 use lakecache_protocol::tls::{server_config, ClientTls, Identity};
 
 /// Every setting is optional here so that flags, environment and file can
@@ -155,6 +156,9 @@ pub struct WorkerSettings {
     /// Stable id of this worker in the ring [default: the advertised address]
     #[arg(long, env = "LAKECACHE_WORKER_ID")]
     pub worker_id: Option<String>,
+    #[command(flatten)]
+    #[serde(flatten)]
+    pub etcd: crate::etcd_args::EtcdArgs,
     /// etcd lease TTL; a worker that stops heart-beating leaves every
     /// client's view within it [default: 10s]
     #[arg(long, env = "LAKECACHE_LEASE_TTL")]
@@ -170,11 +174,16 @@ pub struct Registration {
     pub lease_ttl: std::time::Duration,
     /// Placement settings, shared by the whole cluster.
     pub ring: lakecache_registry::RingOptions,
+    /// Signs this worker's record with the cluster keys.
+    pub signer: Option<MemberSigner>,
 }
 
 macro_rules! layer {
     ($top:expr, $under:expr, [$($field:ident),* $(,)?]) => {
-        WorkerSettings { $($field: $top.$field.or($under.$field)),* }
+        WorkerSettings {
+            etcd: $top.etcd.over($under.etcd),
+            $($field: $top.$field.or($under.$field)),*
+        }
     };
 }
 
@@ -238,9 +247,16 @@ impl WorkerSettings {
         let Some(raw) = &self.registry else {
             return Ok(None);
         };
+        let keys = self.key_ring()?;
+        // Workers believe only records their own keys signed (any record
+        // in a --no-auth cluster), and sign their own.
+        let trust = keys
+            .as_ref()
+            .map_or(MemberTrust::AnyRecord, MemberTrust::from_ring);
         let registry = raw
-            .parse()
-            .map_err(|e: String| anyhow::anyhow!("--registry: {e}"))?;
+            .parse::<lakecache_registry::RegistryUrl>()
+            .map_err(|e: String| anyhow::anyhow!("--registry: {e}"))?
+            .with_etcd_access(self.etcd.access(trust)?);
         let lease_ttl = self
             .lease_ttl
             .map_or(std::time::Duration::from_secs(10), |s| s.0);
@@ -252,6 +268,7 @@ impl WorkerSettings {
             bail!("--vnodes must be 1..=65536, got {vnodes}");
         }
         Ok(Some(Registration {
+            signer: keys.as_ref().map(MemberSigner::new),
             registry,
             advertise: self.advertise.clone(),
             worker_id: self.worker_id.clone(),
@@ -423,19 +440,21 @@ impl WorkerSettings {
     }
 
     /// Signing keys, allow-list and metrics protection, checked.
-    fn access_policy(&self) -> Result<lakecache_worker::AccessPolicy> {
-        use lakecache_protocol::token::{validate_scope, KeyRing};
-        let keys = match &self.auth_keys {
-            None => None,
-            Some(path) => {
-                let text = std::fs::read_to_string(path)
-                    .with_context(|| format!("reading --auth-keys {}", path.display()))?;
-                Some(
-                    KeyRing::parse(&text)
-                        .with_context(|| format!("--auth-keys {}", path.display()))?,
-                )
-            }
+    fn key_ring(&self) -> Result<Option<lakecache_protocol::token::KeyRing>> {
+        let Some(path) = &self.auth_keys else {
+            return Ok(None);
         };
+        let text = std::fs::read_to_string(path)
+            .with_context(|| format!("reading --auth-keys {}", path.display()))?;
+        Ok(Some(
+            lakecache_protocol::token::KeyRing::parse(&text)
+                .with_context(|| format!("--auth-keys {}", path.display()))?,
+        ))
+    }
+
+    fn access_policy(&self) -> Result<lakecache_worker::AccessPolicy> {
+        use lakecache_protocol::token::validate_scope;
+        let keys = self.key_ring()?;
         let mut allow = Vec::new();
         for bucket in self.allow_bucket.iter().flatten() {
             lakecache_protocol::validate_bucket(bucket)

@@ -8,6 +8,7 @@ use std::process::{Command, Stdio};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
+use lakecache_protocol::member_sig::MemberTrust;
 use lakecache_protocol::{ObjectUri, WorkerClient};
 use lakecache_registry::{ClusterClient, ClusterOptions, EtcdMembership, Membership};
 use sha2::{Digest, Sha256};
@@ -20,8 +21,61 @@ const SECRET: &str = "cluster-test-secret";
 const PREFIX: &str = "/lctest";
 const TTL_SECS: u64 = 2;
 
+/// Every cluster runs as production would: workers over TLS with signing
+/// keys, signed registrations, and clients with a CA and a token.
+struct Security {
+    keys: std::path::PathBuf,
+    token_file: std::path::PathBuf,
+    pki: lakecache_protocol::testing::TestPki,
+}
+
+impl Security {
+    fn create(dir: &Path) -> Security {
+        let pki = lakecache_protocol::testing::TestPki::create(dir).unwrap();
+        let keys = dir.join("keys");
+        let ok = |out: std::process::Output| {
+            assert!(
+                out.status.success(),
+                "{}",
+                String::from_utf8_lossy(&out.stderr)
+            );
+            out.stdout
+        };
+        ok(Command::new(BIN)
+            .args(["token", "keygen", "--out"])
+            .arg(&keys)
+            .output()
+            .unwrap());
+        let token = ok(Command::new(BIN)
+            .args(["token", "create", "--keys"])
+            .arg(&keys)
+            .args(["--tenant", "tests", "--allow-write", "s3://data/"])
+            .output()
+            .unwrap());
+        let token_file = dir.join("token");
+        std::fs::write(&token_file, token).unwrap();
+        Security {
+            keys,
+            token_file,
+            pki,
+        }
+    }
+
+    fn token(&self) -> String {
+        std::fs::read_to_string(&self.token_file)
+            .unwrap()
+            .trim()
+            .to_string()
+    }
+
+    fn client_tls(&self) -> lakecache_protocol::tls::ClientTls {
+        lakecache_protocol::tls::ClientTls::load(&self.pki.ca, None).unwrap()
+    }
+}
+
 struct Cluster {
     dir: tempfile::TempDir,
+    sec: Security,
     etcd: Proc,
     etcd_port: u16,
     s3_port: u16,
@@ -54,7 +108,10 @@ impl Cluster {
         let dir = tempfile::tempdir().unwrap();
         let (etcd, etcd_port) = start_etcd(dir.path());
         let (s3, s3_port) = start_s3(&dir.path().join("s3"), ACCESS, SECRET, "data");
+        let sec_dir = dir.path().join("sec");
+        std::fs::create_dir(&sec_dir).unwrap();
         let mut cluster = Cluster {
+            sec: Security::create(&sec_dir),
             dir,
             etcd,
             etcd_port,
@@ -71,9 +128,18 @@ impl Cluster {
     /// The registry library's view of this cluster's etcd.
     async fn etcd_membership(&self) -> EtcdMembership {
         let endpoint = format!("http://127.0.0.1:{}", self.etcd_port);
-        EtcdMembership::connect(vec![endpoint], PREFIX.into(), Duration::from_secs(5))
-            .await
-            .unwrap()
+        let access = lakecache_registry::EtcdAccess {
+            trust: MemberTrust::from_token(&self.sec.token()).unwrap(),
+            ..Default::default()
+        };
+        EtcdMembership::connect(
+            vec![endpoint],
+            PREFIX.into(),
+            access,
+            Duration::from_secs(5),
+        )
+        .await
+        .unwrap()
     }
 
     fn registry(&self) -> String {
@@ -85,13 +151,12 @@ impl Cluster {
         let child = Command::new(BIN)
             .args([
                 "worker",
-                "--insecure-http",
-                "--no-auth",
                 "--listen",
                 &format!("127.0.0.1:{port}"),
                 "--cache-dir",
             ])
             .arg(self.dir.path().join(format!("cache-{id}")))
+            .args(self.worker_security())
             .args([
                 "--cache-size",
                 "4GiB",
@@ -107,14 +172,70 @@ impl Cluster {
                 "--lease-ttl",
                 &format!("{TTL_SECS}s"),
             ])
-            .envs(s3_env(self.s3_port))
+            .envs(self.env())
             .stdout(Stdio::null())
-            .stderr(Stdio::null())
+            .stderr(worker_log())
             .spawn()
             .unwrap();
         wait_for_port(port, "worker");
         self.workers.push((id.to_string(), port, Proc(child)));
         port
+    }
+
+    /// Flags that make a worker production-like: keys, TLS, peer CA.
+    fn worker_security(&self) -> Vec<std::ffi::OsString> {
+        let p = &self.sec.pki;
+        vec![
+            "--auth-keys".into(),
+            self.sec.keys.clone().into(),
+            "--tls-cert".into(),
+            p.cert.clone().into(),
+            "--tls-key".into(),
+            p.key.clone().into(),
+            "--tls-ca".into(),
+            p.ca.clone().into(),
+        ]
+    }
+
+    /// S3 credentials plus the clients' CA and token (workers ignore the
+    /// token variable).
+    fn env(&self) -> Vec<(&'static str, String)> {
+        let mut env = s3_env(self.s3_port);
+        env.push(("LAKECACHE_TLS_CA", self.sec.pki.ca.display().to_string()));
+        env.push((
+            "LAKECACHE_TOKEN_FILE",
+            self.sec.token_file.display().to_string(),
+        ));
+        env
+    }
+
+    fn cli(&self, args: &[&str]) -> std::process::Output {
+        Command::new(BIN)
+            .args(args)
+            .envs(self.env())
+            .output()
+            .unwrap()
+    }
+
+    /// A direct client of one worker, with the cluster's CA and token.
+    fn worker_client(&self, port: u16, timeout: Duration) -> WorkerClient {
+        WorkerClient::connect(
+            &format!("127.0.0.1:{port}"),
+            lakecache_protocol::Deadlines::uniform(timeout),
+            Some(&self.sec.client_tls()),
+        )
+        .unwrap()
+        .with_token(Some(&self.sec.token()))
+        .unwrap()
+    }
+
+    /// Cluster-client options with the cluster's CA and token.
+    fn options(&self) -> ClusterOptions {
+        ClusterOptions {
+            tls: Some(self.sec.client_tls()),
+            token: Some(self.sec.token()),
+            ..Default::default()
+        }
     }
 
     fn worker_mut(&mut self, id: &str) -> &mut Proc {
@@ -124,10 +245,7 @@ impl Cluster {
     /// Member ids registered in etcd, as `lakecache status` lists them
     /// (live or not: liveness is probed separately).
     fn members(&self) -> Vec<String> {
-        let out = cli(
-            &["status", "--json", "--registry", &self.registry()],
-            self.s3_port,
-        );
+        let out = self.cli(&["status", "--json", "--registry", &self.registry()]);
         assert!(
             out.status.success(),
             "status failed: {}",
@@ -160,16 +278,17 @@ impl Cluster {
     }
 }
 
-fn s3_env(s3_port: u16) -> Vec<(&'static str, String)> {
-    common::s3_env(ACCESS, SECRET, s3_port)
+/// Worker logs go to the test's stderr with LAKECACHE_TEST_LOGS=1.
+fn worker_log() -> Stdio {
+    if std::env::var_os("LAKECACHE_TEST_LOGS").is_some() {
+        Stdio::inherit()
+    } else {
+        Stdio::null()
+    }
 }
 
-fn cli(args: &[&str], s3_port: u16) -> std::process::Output {
-    Command::new(BIN)
-        .args(args)
-        .envs(s3_env(s3_port))
-        .output()
-        .unwrap()
+fn s3_env(s3_port: u16) -> Vec<(&'static str, String)> {
+    common::s3_env(ACCESS, SECRET, s3_port)
 }
 
 #[test]
@@ -210,7 +329,7 @@ fn put_streamed(c: &Cluster, key: &str, mib: u64) -> String {
             "--registry",
             &c.registry(),
         ])
-        .envs(s3_env(c.s3_port))
+        .envs(c.env())
         .stdin(Stdio::piped())
         .stdout(Stdio::null())
         .stderr(Stdio::piped())
@@ -243,7 +362,7 @@ fn segment_owners(c: &Cluster, uri: &str, segments: u64) -> Vec<String> {
     let rt = tokio::runtime::Runtime::new().unwrap();
     rt.block_on(async {
         let m = c.etcd_membership().await;
-        let client = ClusterClient::new(Arc::new(m), ClusterOptions::default(), None);
+        let client = ClusterClient::new(Arc::new(m), c.options(), None);
         let uri: ObjectUri = uri.parse().unwrap();
         (0..segments)
             .map(|s| client.owner_of(&uri, s * 64 * (1 << 20)).unwrap().id)
@@ -270,7 +389,7 @@ fn a_hung_worker_costs_seconds_not_a_minute() {
     let started = Instant::now();
     let mut cat = Command::new(BIN)
         .args(["cat", "s3://data/hang.bin", "--registry", &c.registry()])
-        .envs(s3_env(c.s3_port))
+        .envs(c.env())
         .stdout(Stdio::piped())
         .stderr(Stdio::piped())
         .spawn()
@@ -315,8 +434,7 @@ fn workers_metric(c: &Cluster, name: &str) -> f64 {
     rt.block_on(async {
         let mut sum = 0.0;
         for (_, port, _) in &c.workers {
-            let client =
-                WorkerClient::new(&format!("127.0.0.1:{port}"), Duration::from_secs(5)).unwrap();
+            let client = c.worker_client(*port, Duration::from_secs(5));
             let text = client.metrics().await.unwrap();
             sum += text
                 .lines()
@@ -352,7 +470,7 @@ fn written_segments_are_handed_to_their_owners_and_read_without_s3() {
     let misses = workers_metric(&c, "lakecache_cache_miss");
     let out = Command::new(BIN)
         .args(["cat", "s3://data/ckpt.bin", "--registry", &c.registry()])
-        .envs(s3_env(c.s3_port))
+        .envs(c.env())
         .output()
         .unwrap();
     assert!(
@@ -377,9 +495,7 @@ fn every_worker_lists_a_write_or_delete_made_through_another_at_once() {
         let clients: Vec<WorkerClient> = c
             .workers
             .iter()
-            .map(|(_, port, _)| {
-                WorkerClient::new(&format!("127.0.0.1:{port}"), Duration::from_secs(10)).unwrap()
-            })
+            .map(|(_, port, _)| c.worker_client(*port, Duration::from_secs(10)))
             .collect();
         let listed = |client: &WorkerClient| {
             let client = client.clone();
@@ -440,7 +556,7 @@ fn a_worker_or_client_with_other_ring_settings_is_refused() {
             &format!("http://127.0.0.1:{}", c.s3_port),
             "--s3-path-style",
         ])
-        .envs(s3_env(c.s3_port))
+        .envs(c.env())
         .output()
         .unwrap();
     let err = String::from_utf8_lossy(&out.stderr);
@@ -466,7 +582,7 @@ fn a_worker_or_client_with_other_ring_settings_is_refused() {
             "--registry",
             &c.registry(),
         ])
-        .envs(s3_env(c.s3_port))
+        .envs(c.env())
         .output()
         .unwrap();
     let err = String::from_utf8_lossy(&out.stderr);
@@ -505,7 +621,7 @@ fn a_worker_killed_mid_stream_costs_no_failed_read() {
             "--timeout",
             "10",
         ])
-        .envs(s3_env(c.s3_port))
+        .envs(c.env())
         .stdout(Stdio::piped())
         .stderr(Stdio::piped())
         .spawn()
@@ -638,7 +754,7 @@ fn clients_keep_the_last_ring_when_etcd_is_lost() {
             membership.clone(),
             ClusterOptions {
                 s3_fallback: false,
-                ..Default::default()
+                ..c.options()
             },
             None,
         );
@@ -659,4 +775,226 @@ fn clients_keep_the_last_ring_when_etcd_is_lost() {
             assert!(got == body[..], "reads keep working without etcd");
         }
     });
+}
+
+/// Member ids in a view.
+fn ids(view: &[lakecache_registry::Member]) -> Vec<String> {
+    let mut ids: Vec<String> = view.iter().map(|m| m.id.clone()).collect();
+    ids.sort();
+    ids
+}
+
+#[test]
+fn a_registration_not_signed_by_the_cluster_key_never_joins_the_ring() {
+    let c = Cluster::start(2);
+    c.wait_members(&["w0", "w1"], Duration::from_secs(15));
+    let rt = tokio::runtime::Runtime::new().unwrap();
+    rt.block_on(async {
+        let endpoint = vec![format!("http://127.0.0.1:{}", c.etcd_port)];
+        let rogue = |id: &str| lakecache_registry::Member {
+            id: id.into(),
+            address: "127.0.0.1:1".into(),
+            capacity: 1 << 40,
+        };
+        // Anyone who can write to etcd: an unsigned record, and one
+        // signed with another cluster's keys.
+        let unsigned = lakecache_registry::EtcdRegistration::start(
+            endpoint.clone(),
+            PREFIX.into(),
+            Default::default(),
+            rogue("rogue-unsigned"),
+            None,
+            Duration::from_secs(30),
+            Duration::from_secs(5),
+        )
+        .await
+        .unwrap();
+        let other_keys = lakecache_protocol::token::KeyRing::new(
+            lakecache_protocol::token::SigningKey::generate("k-other"),
+            None,
+        );
+        let signer = lakecache_protocol::member_sig::MemberSigner::new(&other_keys);
+        let foreign = lakecache_registry::EtcdRegistration::start(
+            endpoint.clone(),
+            PREFIX.into(),
+            Default::default(),
+            rogue("rogue-foreign"),
+            Some(&signer),
+            Duration::from_secs(30),
+            Duration::from_secs(5),
+        )
+        .await
+        .unwrap();
+
+        // A client that trusts everything sees them: they are in etcd.
+        let open = EtcdMembership::connect(
+            endpoint.clone(),
+            PREFIX.into(),
+            Default::default(),
+            Duration::from_secs(5),
+        )
+        .await
+        .unwrap();
+        assert_eq!(
+            ids(&open.subscribe().borrow()),
+            ["rogue-foreign", "rogue-unsigned", "w0", "w1"]
+        );
+        // Clients with a token believe only the cluster's own workers,
+        // at start and as records arrive.
+        let trusting = c.etcd_membership().await;
+        assert_eq!(ids(&trusting.subscribe().borrow()), ["w0", "w1"]);
+        let late = lakecache_registry::EtcdRegistration::start(
+            endpoint.clone(),
+            PREFIX.into(),
+            Default::default(),
+            rogue("rogue-late"),
+            None,
+            Duration::from_secs(30),
+            Duration::from_secs(5),
+        )
+        .await
+        .unwrap();
+        tokio::time::sleep(Duration::from_millis(500)).await;
+        assert_eq!(ids(&trusting.subscribe().borrow()), ["w0", "w1"]);
+        for r in [unsigned, foreign, late] {
+            r.stop().await;
+        }
+    });
+    // So does the CLI, and reads and writes never go to the rogue address.
+    assert_eq!(c.members(), ["w0", "w1"]);
+    let put = Command::new(BIN)
+        .args(["put", "s3://data/signed/x", "--registry", &c.registry()])
+        .args(["--no-s3-fallback"])
+        .envs(c.env())
+        .stdin(Stdio::null())
+        .output()
+        .unwrap();
+    assert!(
+        put.status.success(),
+        "{}",
+        String::from_utf8_lossy(&put.stderr)
+    );
+}
+
+/// An etcd with auth on: root, and a `lakecache` user whose role reaches
+/// only the cluster's prefix.
+async fn enable_etcd_auth(port: u16, password: &str) {
+    use etcd_client::{Client, Permission};
+    let mut etcd = Client::connect([format!("http://127.0.0.1:{port}")], None)
+        .await
+        .unwrap();
+    etcd.user_add("root", "root-pass-for-tests", None)
+        .await
+        .unwrap();
+    etcd.user_grant_role("root", "root").await.unwrap();
+    etcd.role_add("lakecache").await.unwrap();
+    etcd.role_grant_permission(
+        "lakecache",
+        Permission::read_write(format!("{PREFIX}/")).with_prefix(),
+    )
+    .await
+    .unwrap();
+    etcd.user_add("lakecache", password, None).await.unwrap();
+    etcd.user_grant_role("lakecache", "lakecache")
+        .await
+        .unwrap();
+    etcd.auth_enable().await.unwrap();
+}
+
+#[test]
+fn etcd_with_auth_works_with_credentials_and_fails_clearly_without() {
+    let mut c = Cluster::start(0);
+    let rt = tokio::runtime::Runtime::new().unwrap();
+    rt.block_on(enable_etcd_auth(c.etcd_port, "lc-pass-for-tests"));
+    let password_file = c.dir.path().join("etcd-password");
+    std::fs::write(&password_file, "lc-pass-for-tests\n").unwrap();
+    let creds = [
+        "--etcd-user".to_string(),
+        "lakecache".into(),
+        "--etcd-password-file".into(),
+        password_file.display().to_string(),
+    ];
+
+    // A worker without credentials is refused by etcd and says so.
+    let port = free_port();
+    let refused = Command::new(BIN)
+        .args([
+            "worker",
+            "--listen",
+            &format!("127.0.0.1:{port}"),
+            "--cache-dir",
+        ])
+        .arg(c.dir.path().join("cache-refused"))
+        .args(c.worker_security())
+        .args(["--registry", &c.registry()])
+        .envs(c.env())
+        .output()
+        .unwrap();
+    assert_eq!(refused.status.code(), Some(1));
+    let err = String::from_utf8_lossy(&refused.stderr);
+    assert!(
+        err.contains("etcd")
+            && (err.contains("user name is empty") || err.contains("permission denied")),
+        "{err}"
+    );
+
+    // With them it registers; clients with them see it, without them fail.
+    let port = free_port();
+    let worker = Command::new(BIN)
+        .args([
+            "worker",
+            "--listen",
+            &format!("127.0.0.1:{port}"),
+            "--cache-dir",
+        ])
+        .arg(c.dir.path().join("cache-w0"))
+        .args(c.worker_security())
+        .args(["--registry", &c.registry(), "--worker-id", "w0"])
+        .args(&creds)
+        .envs(c.env())
+        .stdout(Stdio::null())
+        .stderr(Stdio::null())
+        .spawn()
+        .unwrap();
+    wait_for_port(port, "worker");
+    c.workers.push(("w0".into(), port, Proc(worker)));
+    let deadline = Instant::now() + Duration::from_secs(15);
+    loop {
+        let mut args = vec!["status", "--json", "--registry"];
+        let registry = c.registry();
+        args.push(&registry);
+        args.extend(creds.iter().map(String::as_str));
+        let out = c.cli(&args);
+        if out.status.success() && String::from_utf8_lossy(&out.stdout).contains("\"w0\"") {
+            break;
+        }
+        assert!(
+            Instant::now() < deadline,
+            "w0 never listed: {}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+        std::thread::sleep(Duration::from_millis(200));
+    }
+    let anonymous = c.cli(&["status", "--registry", &c.registry()]);
+    assert_eq!(anonymous.status.code(), Some(1));
+    let err = String::from_utf8_lossy(&anonymous.stderr);
+    assert!(err.contains("etcd"), "{err}");
+
+    let mut put = vec!["put", "s3://data/auth/x", "--registry"];
+    let registry = c.registry();
+    put.push(&registry);
+    put.extend(creds.iter().map(String::as_str));
+    let out = Command::new(BIN)
+        .args(&put)
+        .envs(c.env())
+        .stdin(Stdio::null())
+        .output()
+        .unwrap();
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    // The password is in no output.
+    assert!(!String::from_utf8_lossy(&out.stderr).contains("lc-pass-for-tests"));
 }

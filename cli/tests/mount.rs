@@ -74,6 +74,11 @@ impl Env {
             let child = Command::new(BIN)
                 .args(["worker", "--listen", &format!("127.0.0.1:{port}")])
                 .args(["--insecure-http"])
+                .args(if worker_flags.contains(&"--auth-keys") {
+                    &[][..]
+                } else {
+                    &["--no-auth"][..]
+                })
                 .arg("--cache-dir")
                 .arg(env.dir.path().join(format!("cache-{i}")))
                 .args(["--cache-size", "4GiB", "--s3-path-style", "--s3-endpoint"])

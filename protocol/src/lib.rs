@@ -5,6 +5,7 @@
 
 mod chain;
 mod client;
+pub mod member_sig;
 pub mod memory;
 #[doc(hidden)]
 pub mod testing;

@@ -37,6 +37,10 @@ pub struct Claims {
     /// Worker-to-worker calls (page hand-offs) need this.
     #[serde(default, skip_serializing_if = "std::ops::Not::not")]
     pub peer: bool,
+    /// Public key (Ed25519, base64url) that verifies the cluster's signed
+    /// worker registrations; set by [`SigningKey::mint`].
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub members_key: Option<String>,
 }
 
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
@@ -84,6 +88,10 @@ impl SigningKey {
         &self.id
     }
 
+    pub(crate) fn hmac(&self) -> HmacSha256 {
+        self.mac()
+    }
+
     fn mac(&self) -> HmacSha256 {
         // HMAC takes keys of any length; this cannot fail.
         HmacSha256::new_from_slice(&self.secret).unwrap_or_else(|_| unreachable!())
@@ -125,6 +133,7 @@ impl SigningKey {
     pub fn mint(&self, claims: &Claims) -> String {
         let mut claims = claims.clone();
         claims.kid = self.id.clone();
+        claims.members_key = crate::member_sig::member_public_key(self);
         // Serializing plain strings and numbers cannot fail.
         let json = serde_json::to_vec(&claims).unwrap_or_default();
         let signed = format!("{PREFIX}{}", URL_SAFE_NO_PAD.encode(json));
@@ -173,6 +182,10 @@ impl KeyRing {
             out.push('\n');
         }
         out
+    }
+
+    pub fn keys(&self) -> &[SigningKey] {
+        &self.keys
     }
 
     pub fn current(&self) -> &SigningKey {
@@ -287,6 +300,7 @@ mod tests {
             read: vec!["s3://datasets/llm/".into()],
             write: vec!["s3://ckpt/team-a/".into()],
             peer: false,
+            members_key: None,
         }
     }
 

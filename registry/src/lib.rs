@@ -9,6 +9,7 @@
 //!   owner, fails over to replicas and finally to S3.
 
 pub mod client;
+pub mod etcd_access;
 pub mod membership;
 pub mod registry_url;
 pub mod ring;
@@ -16,6 +17,7 @@ pub mod ring_settings;
 pub mod stable_hash;
 
 pub use client::{ClusterClient, ClusterError, ClusterOptions};
+pub use etcd_access::EtcdAccess;
 pub use membership::{EtcdMembership, EtcdRegistration, Member, Membership, StaticMembership};
 pub use registry_url::RegistryUrl;
 pub use ring::{Ring, RingOptions, DEFAULT_SEGMENT_SIZE, DEFAULT_VNODES};

@@ -9,7 +9,10 @@ use std::path::PathBuf;
 use std::sync::Arc;
 use std::time::Duration;
 
-use etcd_client::{Client, ConnectOptions, EventType, GetOptions, PutOptions, WatchOptions};
+use etcd_client::{Client, EventType, GetOptions, PutOptions, WatchOptions};
+use lakecache_protocol::member_sig::MemberSigner;
+
+use crate::etcd_access::{decode_member, encode_member, EtcdAccess};
 use serde::{Deserialize, Serialize};
 use tokio::sync::watch;
 
@@ -137,12 +140,10 @@ fn members_key(prefix: &str) -> String {
 
 pub(crate) async fn connect(
     endpoints: &[String],
+    access: &EtcdAccess,
     timeout: Duration,
 ) -> Result<Client, MembershipError> {
-    let options = ConnectOptions::new()
-        .with_connect_timeout(timeout)
-        .with_timeout(timeout)
-        .with_keep_alive(Duration::from_secs(5), timeout);
+    let options = access.connect_options(timeout)?;
     let unreachable = |message: String| MembershipError::Unreachable {
         endpoints: endpoints.join(","),
         message,
@@ -168,22 +169,22 @@ impl EtcdMembership {
     pub async fn connect(
         endpoints: Vec<String>,
         prefix: String,
+        access: EtcdAccess,
         timeout: Duration,
     ) -> Result<Self, MembershipError> {
-        let mut client = connect(&endpoints, timeout).await?;
+        let mut client = connect(&endpoints, &access, timeout).await?;
         let key = members_key(&prefix);
-        let (members, revision) =
-            list(&mut client, &key, timeout)
-                .await
-                .map_err(|e| MembershipError::Unreachable {
-                    endpoints: endpoints.join(","),
-                    message: e.to_string(),
-                })?;
+        let (members, revision) = list(&mut client, &key, &access, timeout)
+            .await
+            .map_err(|e| MembershipError::Unreachable {
+                endpoints: endpoints.join(","),
+                message: e.to_string(),
+            })?;
         let (tx, _) = watch::channel(Arc::new(members.values().cloned().collect::<Vec<_>>()));
         let sender = tx.clone();
         let source = format!("etcd://{}{}", endpoints.join(","), prefix);
         let task = tokio::spawn(watch_loop(
-            endpoints, key, timeout, sender, client, members, revision,
+            endpoints, access, key, timeout, sender, client, members, revision,
         ));
         Ok(Self { tx, source, task })
     }
@@ -208,6 +209,7 @@ impl Drop for EtcdMembership {
 async fn list(
     client: &mut Client,
     key: &str,
+    access: &EtcdAccess,
     timeout: Duration,
 ) -> Result<(BTreeMap<String, Member>, i64), MembershipError> {
     let resp = tokio::time::timeout(
@@ -219,13 +221,9 @@ async fn list(
     .map_err(|e| MembershipError::Etcd(e.to_string()))?;
     let mut members = BTreeMap::new();
     for kv in resp.kvs() {
-        match serde_json::from_slice::<Member>(kv.value()) {
-            Ok(m) => {
-                members.insert(String::from_utf8_lossy(kv.key()).into_owned(), m);
-            }
-            Err(e) => {
-                tracing::warn!(key = %String::from_utf8_lossy(kv.key()), error = %e, "ignoring malformed member record")
-            }
+        let k = String::from_utf8_lossy(kv.key()).into_owned();
+        if let Some(m) = decode_member(&k, kv.value(), &access.trust) {
+            members.insert(k, m);
         }
     }
     let revision = resp.header().map_or(0, |h| h.revision());
@@ -244,8 +242,10 @@ fn publish(tx: &watch::Sender<View>, members: &BTreeMap<String, Member>) {
     });
 }
 
+#[allow(clippy::too_many_arguments)]
 async fn watch_loop(
     endpoints: Vec<String>,
+    access: EtcdAccess,
     key: String,
     timeout: Duration,
     tx: watch::Sender<View>,
@@ -260,35 +260,47 @@ async fn watch_loop(
             let mut c = match client.take() {
                 Some(c) => c,
                 None => {
-                    let mut c = connect(&endpoints, timeout).await?;
+                    let mut c = connect(&endpoints, &access, timeout).await?;
                     // Relist: events may have been missed while away.
-                    let (fresh, rev) = list(&mut c, &key, timeout).await?;
+                    let (fresh, rev) = list(&mut c, &key, &access, timeout).await?;
                     members = fresh;
                     revision = rev;
                     publish(&tx, &members);
                     c
                 }
             };
-            let options = WatchOptions::new().with_prefix().with_start_revision(revision + 1);
+            let options = WatchOptions::new()
+                .with_prefix()
+                .with_start_revision(revision + 1);
             let mut stream = c
                 .watch(key.as_str(), Some(options))
                 .await
                 .map_err(|e| MembershipError::Etcd(e.to_string()))?;
             backoff = Duration::from_millis(500);
-            while let Some(resp) = stream.message().await.map_err(|e| MembershipError::Etcd(e.to_string()))? {
+            while let Some(resp) = stream
+                .message()
+                .await
+                .map_err(|e| MembershipError::Etcd(e.to_string()))?
+            {
                 if resp.canceled() {
-                    return Err(MembershipError::Etcd(format!("watch canceled: {}", resp.cancel_reason())));
+                    return Err(MembershipError::Etcd(format!(
+                        "watch canceled: {}",
+                        resp.cancel_reason()
+                    )));
                 }
                 for event in resp.events() {
                     let Some(kv) = event.kv() else { continue };
                     let k = String::from_utf8_lossy(kv.key()).into_owned();
                     revision = revision.max(kv.mod_revision());
                     match event.event_type() {
-                        EventType::Put => match serde_json::from_slice::<Member>(kv.value()) {
-                            Ok(m) => {
+                        EventType::Put => match decode_member(&k, kv.value(), &access.trust) {
+                            Some(m) => {
                                 members.insert(k, m);
                             }
-                            Err(e) => tracing::warn!(key = %k, error = %e, "ignoring malformed member record"),
+                            // A replaced record that no longer verifies leaves.
+                            None => {
+                                members.remove(&k);
+                            }
                         },
                         EventType::Delete => {
                             members.remove(&k);
@@ -322,12 +334,13 @@ struct Registered {
 
 async fn register(
     endpoints: &[String],
+    access: &EtcdAccess,
     key: &str,
     value: &[u8],
     ttl: Duration,
     timeout: Duration,
 ) -> Result<Registered, MembershipError> {
-    let mut client = connect(endpoints, timeout).await?;
+    let mut client = connect(endpoints, access, timeout).await?;
     let etcd = |e: etcd_client::Error| MembershipError::Etcd(e.to_string());
     let lease = tokio::time::timeout(
         timeout,
@@ -374,17 +387,20 @@ async fn keep_alive(
 impl EtcdRegistration {
     /// Registers once (errors are returned), then keeps the registration
     /// alive in the background.
+    /// With `signer`, the record carries signatures by the cluster's
+    /// keys (clients with tokens ignore unsigned records).
     pub async fn start(
         endpoints: Vec<String>,
         prefix: String,
+        access: EtcdAccess,
         member: Member,
+        signer: Option<&MemberSigner>,
         ttl: Duration,
         timeout: Duration,
     ) -> Result<Self, MembershipError> {
         let key = format!("{}{}", members_key(&prefix), member.id);
-        let value =
-            serde_json::to_vec(&member).map_err(|e| MembershipError::Etcd(e.to_string()))?;
-        let first = register(&endpoints, &key, &value, ttl, timeout)
+        let value = encode_member(&key, &member, signer)?;
+        let first = register(&endpoints, &access, &key, &value, ttl, timeout)
             .await
             .map_err(|e| match e {
                 MembershipError::Etcd(message) => MembershipError::Unreachable {
@@ -400,7 +416,7 @@ impl EtcdRegistration {
             loop {
                 let mut reg = match current.take() {
                     Some(r) => r,
-                    None => match register(&endpoints, &key, &value, ttl, timeout).await {
+                    None => match register(&endpoints, &access, &key, &value, ttl, timeout).await {
                         Ok(r) => {
                             tracing::info!(%key, lease = r.lease, "re-registered in etcd");
                             r

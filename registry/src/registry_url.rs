@@ -6,6 +6,7 @@ use std::str::FromStr;
 use std::sync::Arc;
 use std::time::Duration;
 
+use crate::etcd_access::EtcdAccess;
 use crate::membership::{EtcdMembership, Membership, MembershipError, StaticMembership};
 use crate::ring_settings::{advertised_ring_settings, claim_ring_settings, RingSettings};
 
@@ -18,6 +19,8 @@ pub enum RegistryUrl {
     Etcd {
         endpoints: Vec<String>,
         prefix: String,
+        /// Credentials, TLS and member trust; set from flags after parsing.
+        access: EtcdAccess,
     },
 }
 
@@ -77,7 +80,11 @@ impl FromStr for RegistryUrl {
             } else {
                 prefix
             };
-            return Ok(RegistryUrl::Etcd { endpoints, prefix });
+            return Ok(RegistryUrl::Etcd {
+                endpoints,
+                prefix,
+                access: EtcdAccess::default(),
+            });
         }
         Err(format!(
             "unsupported registry {s:?}: use static:HOST:PORT[,HOST:PORT], file:/path or etcd://HOST:PORT[/prefix]"
@@ -94,8 +101,18 @@ impl RegistryUrl {
                 path.clone(),
                 Duration::from_secs(2),
             )?),
-            RegistryUrl::Etcd { endpoints, prefix } => Arc::new(
-                EtcdMembership::connect(etcd_urls(endpoints), prefix.clone(), timeout).await?,
+            RegistryUrl::Etcd {
+                endpoints,
+                prefix,
+                access,
+            } => Arc::new(
+                EtcdMembership::connect(
+                    access.urls(endpoints),
+                    prefix.clone(),
+                    access.clone(),
+                    timeout,
+                )
+                .await?,
             ),
         })
     }
@@ -109,11 +126,13 @@ impl RegistryUrl {
         timeout: Duration,
     ) -> Result<Option<RingSettings>, MembershipError> {
         match self {
-            RegistryUrl::Etcd { endpoints, prefix } => {
-                claim_ring_settings(&etcd_urls(endpoints), prefix, wanted, timeout)
-                    .await
-                    .map(Some)
-            }
+            RegistryUrl::Etcd {
+                endpoints,
+                prefix,
+                access,
+            } => claim_ring_settings(&access.urls(endpoints), access, prefix, wanted, timeout)
+                .await
+                .map(Some),
             _ => Ok(None),
         }
     }
@@ -124,16 +143,25 @@ impl RegistryUrl {
         timeout: Duration,
     ) -> Result<Option<RingSettings>, MembershipError> {
         match self {
-            RegistryUrl::Etcd { endpoints, prefix } => {
-                advertised_ring_settings(&etcd_urls(endpoints), prefix, timeout).await
-            }
+            RegistryUrl::Etcd {
+                endpoints,
+                prefix,
+                access,
+            } => advertised_ring_settings(&access.urls(endpoints), access, prefix, timeout).await,
             _ => Ok(None),
         }
     }
 }
 
-fn etcd_urls(endpoints: &[String]) -> Vec<String> {
-    endpoints.iter().map(|e| format!("http://{e}")).collect()
+impl RegistryUrl {
+    /// The same registry with etcd credentials, TLS and member trust
+    /// (static and file registries have none).
+    pub fn with_etcd_access(mut self, new: EtcdAccess) -> Self {
+        if let RegistryUrl::Etcd { access, .. } = &mut self {
+            *access = new;
+        }
+        self
+    }
 }
 
 #[cfg(test)]
@@ -153,14 +181,16 @@ mod tests {
             "etcd://e1:2379,e2:2379/prod/cache".parse(),
             Ok(RegistryUrl::Etcd {
                 endpoints: vec!["e1:2379".into(), "e2:2379".into()],
-                prefix: "/prod/cache".into()
+                prefix: "/prod/cache".into(),
+                access: EtcdAccess::default(),
             })
         );
         assert_eq!(
             "etcd://e1:2379".parse(),
             Ok(RegistryUrl::Etcd {
                 endpoints: vec!["e1:2379".into()],
-                prefix: DEFAULT_PREFIX.into()
+                prefix: DEFAULT_PREFIX.into(),
+                access: EtcdAccess::default(),
             })
         );
         assert_eq!(

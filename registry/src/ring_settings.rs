@@ -11,6 +11,7 @@ use std::time::Duration;
 use etcd_client::{Compare, CompareOp, Txn, TxnOp, TxnOpResponse};
 use serde::{Deserialize, Serialize};
 
+use crate::etcd_access::EtcdAccess;
 use crate::membership::{connect, MembershipError};
 use crate::ring::RingOptions;
 
@@ -71,11 +72,12 @@ fn decode(raw: &[u8], key: &str) -> Result<RingSettings, MembershipError> {
 /// recorded ones (compare them with `wanted`).
 pub async fn claim_ring_settings(
     endpoints: &[String],
+    access: &EtcdAccess,
     prefix: &str,
     wanted: RingSettings,
     timeout: Duration,
 ) -> Result<RingSettings, MembershipError> {
-    let mut client = connect(endpoints, timeout).await?;
+    let mut client = connect(endpoints, access, timeout).await?;
     let key = ring_key(prefix);
     let value = serde_json::to_vec(&wanted).map_err(etcd)?;
     let txn = Txn::new()
@@ -106,10 +108,11 @@ pub async fn claim_ring_settings(
 /// The recorded settings, if a worker has recorded any.
 pub async fn advertised_ring_settings(
     endpoints: &[String],
+    access: &EtcdAccess,
     prefix: &str,
     timeout: Duration,
 ) -> Result<Option<RingSettings>, MembershipError> {
-    let mut client = connect(endpoints, timeout).await?;
+    let mut client = connect(endpoints, access, timeout).await?;
     let key = ring_key(prefix);
     let resp = tokio::time::timeout(timeout, client.get(key.as_str(), None))
         .await

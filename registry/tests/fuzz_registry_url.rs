@@ -15,7 +15,7 @@ proptest! {
     ]) {
         match raw.parse::<RegistryUrl>() {
             Ok(RegistryUrl::Static(addrs)) => prop_assert!(!addrs.is_empty()),
-            Ok(RegistryUrl::Etcd { endpoints, prefix }) => {
+            Ok(RegistryUrl::Etcd { endpoints, prefix, .. }) => {
                 prop_assert!(!endpoints.is_empty());
                 prop_assert!(prefix.starts_with('/'));
             }

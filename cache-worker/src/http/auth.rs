@@ -158,6 +158,19 @@ impl Access<'_> {
         });
     }
 
+    /// Pages handed over by a peer: a peer token (when tokens are on)
+    /// and the allow-list. The sending worker checked the writer's scope;
+    /// peer tokens name no object scopes of their own.
+    pub fn peer_object(&self, uri: &ObjectUri) -> Result<(), Denied> {
+        self.peer()?;
+        if !self.policy.allows(&uri.to_string()) {
+            return Err(out_of_scope(format!(
+                "{uri} is outside this worker's allow-list"
+            )));
+        }
+        Ok(())
+    }
+
     /// Worker-to-worker calls need a peer token when tokens are on.
     pub fn peer(&self) -> Result<(), Denied> {
         match &self.claims {

@@ -388,8 +388,7 @@ async fn accept_pages(
         Ok(u) => u,
         Err(resp) => return *resp,
     };
-    check!(access.peer());
-    check!(access.read(&uri));
+    check!(access.peer_object(&uri));
     let Some(etag) = if_match(&req).filter(|e| !e.is_empty() && e != "*") else {
         return error(
             ErrorCode::BadRequest,

@@ -19,6 +19,7 @@ fn claims(tenant: &str, read: &[&str], write: &[&str], exp: u64) -> Claims {
         read: read.iter().map(|s| s.to_string()).collect(),
         write: write.iter().map(|s| s.to_string()).collect(),
         peer: false,
+        members_key: None,
     }
 }
 
@@ -206,6 +207,28 @@ async fn every_route_checks_the_token_before_touching_s3() {
         .put_pages(&shard, &etag, 0, 6, "someone", body)
         .await;
     assert_eq!(outcome(pages), "403 OutOfScope");
+
+    // A peer token may hand over pages of any object the allow-list
+    // admits, though it names no object scope of its own.
+    let peer = Claims {
+        peer: true,
+        ..claims("cluster-peer", &[], &[], LATER)
+    };
+    let peer = h.client.clone().with_token(Some(&key.mint(&peer))).unwrap();
+    let body = Full::new(Bytes::from(vec![1u8; 6]))
+        .map_err(|e| match e {})
+        .boxed();
+    let handed = peer.put_pages(&shard, &etag, 0, 6, "someone", body).await;
+    assert!(
+        !matches!(
+            handed,
+            Err(ClientError::Api {
+                status: 401 | 403,
+                ..
+            })
+        ),
+        "{handed:?}"
+    );
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
