@@ -51,6 +51,8 @@ pub enum CacheError {
     Body(String),
     #[error("request body exceeds the limit of {0} bytes")]
     BodyTooLarge(u64),
+    #[error("{0}")]
+    BodyIdle(String),
     #[error("object of {0} bytes is larger than a server-side copy allows")]
     CopyTooLarge(u64),
     #[error("the worker is shutting down; the upload was aborted")]

@@ -140,6 +140,10 @@ pub async fn start_worker(
         cache: cache.clone(),
         metrics,
         limits: options.limits,
+        tenants: http::TenantLimiter::new(
+            options.limits.max_requests_per_tenant,
+            options.limits.tenant_wait,
+        ),
         access: options.access.clone(),
     });
     let (stop_tx, stop_rx) = tokio::sync::oneshot::channel::<()>();

@@ -72,6 +72,14 @@ pub struct WorkerSettings {
     /// [default: 4096]
     #[arg(long, env = "LAKECACHE_MAX_CONNECTIONS")]
     pub max_connections: Option<usize>,
+    /// Requests in flight per tenant (token); more wait up to 5 s, then
+    /// get 429 [default: 1024]
+    #[arg(long, env = "LAKECACHE_MAX_REQUESTS_PER_TENANT")]
+    pub max_requests_per_tenant: Option<usize>,
+    /// Abort an upload whose client sends nothing for this long (time the
+    /// worker spends applying back-pressure does not count) [default: 60s]
+    #[arg(long, env = "LAKECACHE_BODY_IDLE_TIMEOUT")]
+    pub body_idle_timeout: Option<Seconds>,
     /// S3 endpoint URL for S3-compatible stores (default: AWS, from region)
     #[arg(long, env = "LAKECACHE_S3_ENDPOINT")]
     pub s3_endpoint: Option<String>,
@@ -216,6 +224,8 @@ impl WorkerSettings {
                 max_uri_bytes,
                 max_header_bytes,
                 max_connections,
+                max_requests_per_tenant,
+                body_idle_timeout,
                 s3_endpoint,
                 s3_region,
                 s3_path_style,
@@ -335,7 +345,21 @@ impl WorkerSettings {
             max_header_bytes: self.max_header_bytes.unwrap_or(64 * 1024),
             max_body_bytes: self.max_body_size.map_or(5 << 40, |s| s.0),
             max_connections: self.max_connections.unwrap_or(4096),
+            max_requests_per_tenant: self.max_requests_per_tenant.unwrap_or(1024),
+            body_idle_timeout: self
+                .body_idle_timeout
+                .map_or(std::time::Duration::from_secs(60), |s| s.0),
+            ..HttpLimits::default()
         };
+        if !(1..=1_000_000).contains(&limits.max_requests_per_tenant) {
+            bail!(
+                "--max-requests-per-tenant must be 1..=1000000, got {}",
+                limits.max_requests_per_tenant
+            );
+        }
+        if limits.body_idle_timeout < std::time::Duration::from_secs(1) {
+            bail!("--body-idle-timeout must be at least 1s");
+        }
         if limits.max_uri_bytes < 256 || limits.max_header_bytes < 8192 {
             bail!("--max-uri-bytes must be >= 256 and --max-header-bytes >= 8192");
         }

@@ -52,6 +52,10 @@ pub enum ErrorCode {
     /// unknown key, expired, or scoped elsewhere; or an object outside
     /// the worker's allow-list.
     OutOfScope,
+    /// The tenant has as many requests in flight as the worker allows it.
+    TooManyRequests,
+    /// The client stopped sending a request body.
+    BodyTimeout,
     UpstreamThrottled,
     UpstreamUnavailable,
     UpstreamError,
@@ -77,6 +81,8 @@ impl ErrorCode {
             ErrorCode::PreconditionFailed => 412,
             ErrorCode::AccessDenied | ErrorCode::OutOfScope => 403,
             ErrorCode::Unauthenticated => 401,
+            ErrorCode::TooManyRequests => 429,
+            ErrorCode::BodyTimeout => 408,
             ErrorCode::UpstreamThrottled => 503,
             ErrorCode::UpstreamUnavailable => 502,
             ErrorCode::UpstreamError => 502,

@@ -48,11 +48,31 @@ def main(argv: list[str] | None = None) -> int:
     r.add_argument("--peak-tflops", type=float)
     r.add_argument("--crash-after-step", type=int, help=argparse.SUPPRESS)
     r.add_argument("--local_rank", type=int, default=None, help=argparse.SUPPRESS)
+    r.add_argument(
+        "--checkpoint-key-file",
+        help="HMAC key signing checkpoint manifests; keep it off the mount "
+        "[env LAKECACHE_CHECKPOINT_KEY_FILE]",
+    )
+    r.add_argument(
+        "--allow-unsigned-checkpoints",
+        action="store_true",
+        help="load checkpoints without a signed manifest (DeepSpeed unpickles them)",
+    )
 
     e = sub.add_parser("export", help="consolidated safetensors from a checkpoint")
     e.add_argument("--checkpoint-dir", required=True)
     e.add_argument("--tag")
     e.add_argument("--out", required=True)
+    e.add_argument(
+        "--checkpoint-key-file",
+        help="HMAC key signing checkpoint manifests; keep it off the mount "
+        "[env LAKECACHE_CHECKPOINT_KEY_FILE]",
+    )
+    e.add_argument(
+        "--allow-unsigned-checkpoints",
+        action="store_true",
+        help="load checkpoints without a signed manifest (DeepSpeed unpickles them)",
+    )
 
     a = p.parse_args(argv)
     try:
@@ -84,6 +104,8 @@ def main(argv: list[str] | None = None) -> int:
                     resume=not a.no_resume,
                     peak_tflops=a.peak_tflops,
                     crash_after_step=a.crash_after_step,
+                    checkpoint_key_file=a.checkpoint_key_file,
+                    allow_unsigned_checkpoints=a.allow_unsigned_checkpoints,
                 )
             )
             short = {k: v for k, v in summary.items() if k != "losses"}
@@ -91,7 +113,15 @@ def main(argv: list[str] | None = None) -> int:
         else:
             from .export import export
 
-            print(export(a.checkpoint_dir, a.out, a.tag))
+            print(
+                export(
+                    a.checkpoint_dir,
+                    a.out,
+                    a.tag,
+                    a.checkpoint_key_file,
+                    a.allow_unsigned_checkpoints,
+                )
+            )
     except ShardError as err:
         print(f"error: {err}", file=sys.stderr)
         return 2

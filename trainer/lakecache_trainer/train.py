@@ -18,6 +18,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
+from . import manifest
 from .loader import TokenLoader
 from .model import build_model, flops_per_token
 from .shards import list_shards
@@ -48,6 +49,9 @@ class RunConfig:
     log_every: int = 1
     # Test hook: SIGKILL rank 0 after this step (a crash, not a shutdown).
     crash_after_step: int | None = None
+    # HMAC key that signs checkpoint manifests (kept off the mount).
+    checkpoint_key_file: str | None = None
+    allow_unsigned_checkpoints: bool = False
 
 
 def ds_config(cfg: RunConfig, cuda: bool, world: int) -> dict:
@@ -83,9 +87,11 @@ def ds_config(cfg: RunConfig, cuda: bool, world: int) -> dict:
 
 
 def _rng_state() -> dict:
+    """Only tensors, ints, floats and tuples: loadable with weights_only=True."""
+    name, keys, pos, has_gauss, cached = np.random.get_state()
     state = {
         "python": random.getstate(),
-        "numpy": np.random.get_state(),
+        "numpy": (name, torch.from_numpy(keys.astype(np.int64)), pos, has_gauss, cached),
         "torch": torch.get_rng_state(),
     }
     if torch.cuda.is_available():
@@ -95,10 +101,27 @@ def _rng_state() -> dict:
 
 def _set_rng_state(state: dict) -> None:
     random.setstate(state["python"])
-    np.random.set_state(state["numpy"])
+    name, keys, pos, has_gauss, cached = state["numpy"]
+    np.random.set_state((name, keys.numpy().astype(np.uint32), pos, has_gauss, cached))
     torch.set_rng_state(state["torch"])
     if "cuda" in state and torch.cuda.is_available():
         torch.cuda.set_rng_state(state["cuda"])
+
+
+def _verified(cfg: RunConfig, tag: str, key: bytes | None, rank: int) -> None:
+    """Rank 0 checks the signed manifest before any rank lets DeepSpeed
+    unpickle the checkpoint; every rank stops on a refusal."""
+    import torch.distributed as dist
+
+    verdict = [None]
+    if rank == 0:
+        try:
+            manifest.verify(cfg.checkpoint_dir, tag, key, cfg.allow_unsigned_checkpoints)
+        except manifest.CheckpointRejected as e:
+            verdict = [str(e)]
+    dist.broadcast_object_list(verdict, src=0)
+    if verdict[0] is not None:
+        raise manifest.CheckpointRejected(verdict[0])
 
 
 def _peak_tflops(cfg: RunConfig) -> float | None:
@@ -135,6 +158,14 @@ def run(cfg: RunConfig) -> dict:
         os.environ.setdefault("MASTER_PORT", str(29500 + os.getpid() % 1000))
     deepspeed.init_distributed(dist_backend="nccl" if cuda else "gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
+    key = manifest.load_key(cfg.checkpoint_key_file, cfg.checkpoint_dir)
+    if key is None and rank == 0 and cfg.save_every > 0:
+        print(
+            f"warning: no checkpoint key (--checkpoint-key-file or ${manifest.KEY_ENV}): "
+            "checkpoints are saved unsigned and will only resume with "
+            "--allow-unsigned-checkpoints",
+            flush=True,
+        )
 
     random.seed(cfg.seed + rank)
     np.random.seed(cfg.seed + rank)
@@ -155,13 +186,15 @@ def run(cfg: RunConfig) -> dict:
     latest = Path(cfg.checkpoint_dir) / "latest"
     if cfg.resume and latest.exists():
         tag = latest.read_text().strip()
+        _verified(cfg, tag, key, rank)
         _, client = engine.load_checkpoint(cfg.checkpoint_dir, tag)
         if client is None:
             raise SystemExit(f"checkpoint {cfg.checkpoint_dir}/{tag} could not be loaded")
         step = int(client["step"])
-        loader.load_state_dict(client["loader"][rank])
-        rng_file = Path(cfg.checkpoint_dir) / tag / f"rng_rank{rank}.pt"
-        _set_rng_state(torch.load(rng_file, weights_only=False))
+        # The trainer's own files never unpickle code.
+        tag_dir = Path(cfg.checkpoint_dir) / tag
+        loader.load_state_dict(torch.load(tag_dir / f"loader_rank{rank}.pt", weights_only=True))
+        _set_rng_state(torch.load(tag_dir / f"rng_rank{rank}.pt", weights_only=True))
         if rank == 0:
             print(f"resumed from {cfg.checkpoint_dir}/{tag} at step {step}", flush=True)
 
@@ -177,17 +210,19 @@ def run(cfg: RunConfig) -> dict:
 
     def save(tag: str) -> float:
         t0 = time.perf_counter()
-        states = [None] * world
-        dist.all_gather_object(states, loader.state_dict())
         engine.save_checkpoint(
             cfg.checkpoint_dir,
             tag=tag,
-            client_state={"step": step, "loader": states},
+            client_state={"step": step},
             save_latest=False,
         )
-        torch.save(_rng_state(), Path(cfg.checkpoint_dir) / tag / f"rng_rank{rank}.pt")
+        tag_dir = Path(cfg.checkpoint_dir) / tag
+        torch.save(loader.state_dict(), tag_dir / f"loader_rank{rank}.pt")
+        torch.save(_rng_state(), tag_dir / f"rng_rank{rank}.pt")
         dist.barrier()
         if rank == 0:
+            if key is not None:
+                manifest.write(cfg.checkpoint_dir, tag, key)
             _write_latest(cfg.checkpoint_dir, tag)
         dist.barrier()
         return time.perf_counter() - t0

@@ -9,6 +9,7 @@ import signal
 import socket
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
 import numpy as np
@@ -18,12 +19,16 @@ from lakecache_trainer.loader import TokenLoader
 from lakecache_trainer.shards import ShardError, read_header, write_shard
 
 BIN = os.environ.get("LAKECACHE_BIN", "lakecache")
+# The checkpoint signing key lives on local disk, never on the mount.
+KEY_FILE = Path(tempfile.mkdtemp(prefix="lakecache-ckpt-key-")) / "key"
+KEY_FILE.write_bytes(os.urandom(32).hex().encode())
 # DeepSpeed JIT-builds its CPU ops with the venv's ninja.
 ENV = {
     **os.environ,
     "DS_ACCELERATOR": "cpu",
     "OMP_NUM_THREADS": "1",
     "PATH": f"{Path(sys.executable).parent}:{os.environ.get('PATH', '')}",
+    "LAKECACHE_CHECKPOINT_KEY_FILE": str(KEY_FILE),
 }
 
 
@@ -77,7 +82,9 @@ def lakecache(*args: str) -> str:
     return out.stdout
 
 
-def train(args: list[str], data: Path, ckpt: Path, metrics: Path) -> subprocess.CompletedProcess:
+def train(
+    args: list[str], data: Path, ckpt: Path, metrics: Path, env: dict | None = None
+) -> subprocess.CompletedProcess:
     cmd = [
         sys.executable,
         "-m",
@@ -109,7 +116,7 @@ def train(args: list[str], data: Path, ckpt: Path, metrics: Path) -> subprocess.
         "2",
         *args,
     ]
-    return subprocess.run(cmd, capture_output=True, text=True, env=ENV, timeout=900)
+    return subprocess.run(cmd, capture_output=True, text=True, env=env or ENV, timeout=900)
 
 
 def losses(metrics: Path) -> dict[int, float]:
@@ -169,15 +176,24 @@ def test_interrupted_and_resumed_run_matches_an_uninterrupted_one(mount, tmp_pat
 
     # The checkpoint is in S3 (listed through the worker), `latest` last.
     listing = lakecache(
-        "ls", "s3://lakecache/checkpoints/run/step8/", "--worker", worker, "--token-file", token_file
+        "ls",
+        "s3://lakecache/checkpoints/run/step8/",
+        "--worker",
+        worker,
+        "--token-file",
+        token_file,
     )
     assert "mp_rank_00_model_states.pt" in listing
     assert "zero_pp_rank_1_mp_rank_00_optim_states.pt" in listing
     assert "rng_rank1.pt" in listing
     assert (
         lakecache(
-            "cat", "s3://lakecache/checkpoints/run/latest", "--worker", worker,
-            "--token-file", token_file,
+            "cat",
+            "s3://lakecache/checkpoints/run/latest",
+            "--worker",
+            worker,
+            "--token-file",
+            token_file,
         )
         == "step8"
     )
@@ -204,6 +220,44 @@ def test_interrupted_and_resumed_run_matches_an_uninterrupted_one(mount, tmp_pat
 
     tensors = load_file(str(out))
     assert "model.embed_tokens.weight" in tensors
+
+    # Someone with write access to the bucket but not the key replaces
+    # the model states with a pickle that runs code, and re-signs the
+    # manifest with a key of their own: the resume refuses before
+    # DeepSpeed opens anything.
+    marker = tmp_path / "pwned"
+    tag_dir = run_dir / "step8"
+    (tag_dir / "mp_rank_00_model_states.pt").write_bytes(_evil_pickle(marker))
+    doc = json.loads((tag_dir / "manifest.json").read_text())
+    from lakecache_trainer import manifest
+
+    other_key = tmp_path / "other-key"
+    other_key.write_bytes(b"not-the-cluster-key-0123456789")
+    manifest.write(str(run_dir), "step8", other_key.read_bytes())
+    assert json.loads((tag_dir / "manifest.json").read_text())["hmac_sha256"] != doc["hmac_sha256"]
+    tampered = train(["--steps", "10"], data, run_dir, tmp_path / "c.jsonl")
+    assert tampered.returncode != 0
+    assert "refusing to load" in tampered.stderr + tampered.stdout
+    assert "not signed with this checkpoint key" in tampered.stderr + tampered.stdout
+    assert not marker.exists(), "the planted pickle ran"
+
+    # Without the key nothing unsigned or foreign is loaded either.
+    no_key = {k: v for k, v in ENV.items() if k != "LAKECACHE_CHECKPOINT_KEY_FILE"}
+    refused = train(["--steps", "10"], data, run_dir, tmp_path / "d.jsonl", env=no_key)
+    assert refused.returncode != 0
+    assert "only signed checkpoints are loaded" in refused.stderr + refused.stdout
+    assert not marker.exists()
+
+
+def _evil_pickle(marker: Path) -> bytes:
+    """A pickle that creates `marker` when unpickled with weights_only=False."""
+    import pickle
+
+    class Planted:
+        def __reduce__(self):
+            return (Path.touch, (marker,))
+
+    return pickle.dumps(Planted())
 
 
 def test_bad_shards_stop_the_run_naming_the_file(mount, tmp_path):

@@ -1,6 +1,7 @@
 //! The worker's HTTP server (hyper 1, HTTP/1.1 with keep-alive).
 
 pub mod auth;
+mod limits;
 mod range;
 mod response;
 mod routes;
@@ -16,6 +17,7 @@ use tokio::net::TcpListener;
 use tracing::Instrument;
 
 pub use auth::AccessPolicy;
+pub(crate) use limits::TenantLimiter;
 pub use routes::AppState;
 
 /// Request limits; anything over them gets a 4xx and the worker goes on.
@@ -28,6 +30,13 @@ pub struct HttpLimits {
     /// Open client connections at most; beyond it new connections wait
     /// in the kernel's accept queue.
     pub max_connections: usize,
+    /// Requests in flight per tenant; more wait `tenant_wait`, then 429.
+    pub max_requests_per_tenant: usize,
+    pub tenant_wait: Duration,
+    /// An upload whose client sends nothing for this long is aborted.
+    pub body_idle_timeout: Duration,
+    /// A client must send its request head within this long (slowloris).
+    pub header_read_timeout: Duration,
 }
 
 impl Default for HttpLimits {
@@ -37,6 +46,10 @@ impl Default for HttpLimits {
             max_header_bytes: 64 * 1024,
             max_body_bytes: 5 << 40,
             max_connections: 4096,
+            max_requests_per_tenant: 1024,
+            tenant_wait: Duration::from_secs(5),
+            body_idle_timeout: Duration::from_secs(60),
+            header_read_timeout: Duration::from_secs(30),
         }
     }
 }
@@ -95,7 +108,7 @@ pub async fn serve(
     builder
         .keep_alive(true)
         .timer(TokioTimer::new())
-        .header_read_timeout(Duration::from_secs(30))
+        .header_read_timeout(state.limits.header_read_timeout)
         // hyper's own hard cap; the exact limit is checked per request.
         .max_buf_size((2 * state.limits.max_header_bytes).max(8192));
     tokio::pin!(shutdown);

@@ -61,6 +61,7 @@ pub fn cache_error(e: &CacheError) -> Response {
         CacheError::Local(_) => ErrorCode::Internal,
         CacheError::Body(_) | CacheError::Invalid(_) => ErrorCode::BadRequest,
         CacheError::BodyTooLarge(_) => ErrorCode::BodyTooLarge,
+        CacheError::BodyIdle(_) => ErrorCode::BodyTimeout,
         CacheError::CopyTooLarge(_) => ErrorCode::CopyTooLarge,
         CacheError::ShuttingDown => ErrorCode::UpstreamUnavailable,
     };

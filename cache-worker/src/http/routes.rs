@@ -14,6 +14,7 @@ use lakecache_protocol::{
 };
 
 use super::auth::{Access, AccessPolicy};
+use super::limits::{Admitted, BodyIdle, IdleTimeoutBody, TenantLimiter};
 use super::range::{parse_range, resolve};
 use super::response::{cache_error, error, full, json, BoxError, Response};
 use super::HttpLimits;
@@ -26,6 +27,7 @@ pub struct AppState {
     pub metrics: Arc<Metrics>,
     pub limits: HttpLimits,
     pub access: AccessPolicy,
+    pub tenants: TenantLimiter,
 }
 
 /// Returns the denial response when a check fails.
@@ -35,6 +37,13 @@ macro_rules! check {
             return *denied;
         }
     };
+}
+
+fn body_error(e: BoxError) -> CacheError {
+    match e.downcast_ref::<BodyIdle>() {
+        Some(idle) => CacheError::BodyIdle(idle.to_string()),
+        None => CacheError::Body(e.to_string()),
+    }
 }
 
 /// Dispatches a request; returns the operation name (for metrics and
@@ -76,27 +85,43 @@ pub async fn route(state: &AppState, req: http::Request<Incoming>) -> (&'static 
     if let Some(tenant) = access.tenant() {
         tracing::Span::current().record("tenant", tenant);
     }
+    let slot = match state
+        .tenants
+        .admit(access.tenant().unwrap_or("anonymous"))
+        .await
+    {
+        Ok(slot) => slot,
+        Err(busy) => return ("throttled", *busy),
+    };
+    let (op, resp) = object_route(state, &access, &path, method, req).await;
+    (op, Admitted::wrap(resp, slot))
+}
+
+async fn object_route(
+    state: &AppState,
+    access: &Access<'_>,
+    path: &str,
+    method: Method,
+    req: http::Request<Incoming>,
+) -> (&'static str, Response) {
     if let Some(rest) = path.strip_prefix("/v1/objects/") {
         return match method {
-            Method::GET => ("read", read(state, &access, rest, &req, true).await),
-            Method::HEAD => ("head", read(state, &access, rest, &req, false).await),
-            Method::PUT => ("write", write(state, &access, rest, req).await),
-            Method::DELETE => ("delete", delete(state, &access, rest).await),
+            Method::GET => ("read", read(state, access, rest, &req, true).await),
+            Method::HEAD => ("head", read(state, access, rest, &req, false).await),
+            Method::PUT => ("write", write(state, access, rest, req).await),
+            Method::DELETE => ("delete", delete(state, access, rest).await),
             _ => ("invalid", method_not_allowed("GET, HEAD, PUT, DELETE")),
         };
     }
     if let Some(rest) = path.strip_prefix("/v1/pages/") {
         return match method {
-            Method::PUT => (
-                "accept_pages",
-                accept_pages(state, &access, rest, req).await,
-            ),
+            Method::PUT => ("accept_pages", accept_pages(state, access, rest, req).await),
             _ => ("invalid", method_not_allowed("PUT")),
         };
     }
     if let Some(rest) = path.strip_prefix("/v1/stat/") {
         return match method {
-            Method::GET => ("stat", stat(state, &access, rest).await),
+            Method::GET => ("stat", stat(state, access, rest).await),
             _ => ("invalid", method_not_allowed("GET")),
         };
     }
@@ -104,7 +129,7 @@ pub async fn route(state: &AppState, req: http::Request<Incoming>) -> (&'static 
         return match method {
             Method::GET => (
                 "list",
-                list(state, &access, bucket, req.uri().query().unwrap_or("")).await,
+                list(state, access, bucket, req.uri().query().unwrap_or("")).await,
             ),
             _ => ("invalid", method_not_allowed("GET")),
         };
@@ -347,7 +372,8 @@ async fn write(
         );
     }
     let mut received = 0u64;
-    let body = BodyStream::new(req.into_body()).filter_map(move |frame| {
+    let body = IdleTimeoutBody::new(req.into_body(), state.limits.body_idle_timeout);
+    let body = BodyStream::new(body).filter_map(move |frame| {
         let item = match frame {
             Ok(frame) => match frame.into_data() {
                 Ok(data) => {
@@ -360,7 +386,7 @@ async fn write(
                 }
                 Err(_) => None,
             },
-            Err(e) => Some(Err(CacheError::Body(e.to_string()))),
+            Err(e) => Some(Err(body_error(e))),
         };
         std::future::ready(item)
     });
@@ -423,10 +449,11 @@ async fn accept_pages(
         .and_then(|v| v.to_str().ok())
         .unwrap_or("")
         .to_string();
-    let body = BodyStream::new(req.into_body()).filter_map(|frame| {
+    let body = IdleTimeoutBody::new(req.into_body(), state.limits.body_idle_timeout);
+    let body = BodyStream::new(body).filter_map(|frame| {
         std::future::ready(match frame {
             Ok(frame) => frame.into_data().ok().map(Ok),
-            Err(e) => Some(Err(CacheError::Body(e.to_string()))),
+            Err(e) => Some(Err(body_error(e))),
         })
     });
     match state
