@@ -14,10 +14,17 @@ set +e
 cargo test --workspace --locked --no-fail-fast 2>&1 | tee "$log"
 status=${PIPESTATUS[0]}
 set -e
+# Secrets never reach a log, even of a test that prints what it saw.
+leaks=0
+scripts/scan_secrets.sh "$log" || leaks=1
 # One closing line over every test binary (cargo prints one per binary).
 read -r passed failed < <(awk '/^test result:/ {
     for (i = 2; i <= NF; i++) { if ($i ~ /^passed;?$/) p += $(i-1); if ($i ~ /^failed;?$/) f += $(i-1) }
   } END { print p + 0, f + 0 }' "$log")
+if [ "$leaks" -ne 0 ]; then
+  status=1
+  failed=$((failed + 1))  # the secret scan counts as a failed check
+fi
 
 echo "== trainer (python): venv, ruff, pytest against the debug lakecache binary" >&2
 set +e
@@ -31,6 +38,7 @@ set +e
     PATH="$LAKECACHE_VENV/bin:$PATH" "$LAKECACHE_VENV/bin/pytest" -q -rA
 ) 2>&1 | tee "$log"
 py_status=${PIPESTATUS[0]}
+scripts/scan_secrets.sh "$log" || py_status=1
 set -e
 read -r py_passed py_failed < <(awk '/^PASSED / {p++} /^(FAILED|ERROR) / {f++} END { print p + 0, f + 0 }' "$log")
 if [ "$py_status" -ne 0 ] && [ "$py_failed" -eq 0 ]; then

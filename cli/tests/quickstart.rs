@@ -292,3 +292,157 @@ fn invalid_worker_settings_fail_fast_with_the_flag_named() {
     assert_eq!(out.status.code(), Some(1));
     assert!(String::from_utf8_lossy(&out.stderr).contains("loopback"));
 }
+
+/// The secrets a running `up` holds: its token (whole and its signature),
+/// the signing keys and the S3 secret key.
+fn secrets_of(dir: &std::path::Path) -> Vec<String> {
+    let token = std::fs::read_to_string(dir.join("token")).unwrap();
+    let token = token.trim().to_string();
+    let mut secrets = vec![token.rsplit('.').next().unwrap().to_string(), token];
+    for line in std::fs::read_to_string(dir.join("keys")).unwrap().lines() {
+        if let Some(secret) = line.strip_prefix("lakecache-key-v1 ") {
+            secrets.push(secret.split_whitespace().nth(1).unwrap().to_string());
+        }
+    }
+    let creds = std::fs::read_to_string(dir.join("s3-credentials")).unwrap();
+    for line in creds.lines() {
+        if let Some(secret) = line.strip_prefix("AWS_SECRET_ACCESS_KEY=") {
+            secrets.push(secret.to_string());
+        }
+    }
+    assert!(secrets.len() >= 4 && secrets.iter().all(|s| s.len() >= 20));
+    secrets
+}
+
+#[test]
+fn no_secret_reaches_logs_errors_status_or_metrics() {
+    let dir = tempfile::tempdir().unwrap();
+    let log_path = dir.path().join("up.log");
+    let mut child = Command::new(BIN)
+        .args([
+            "up",
+            "--s3-listen",
+            "127.0.0.1:0",
+            "--listen",
+            "127.0.0.1:0",
+        ])
+        .args(["--cache-size", "1GiB", "--log", "debug", "--dir"])
+        .arg(dir.path())
+        .arg("--mount")
+        .arg(dir.path().join("mnt"))
+        .stdout(Stdio::piped())
+        .stderr(std::fs::File::create(&log_path).unwrap())
+        .spawn()
+        .unwrap();
+    let mut seen = String::new();
+    let mut lines = BufReader::new(child.stdout.take().unwrap()).lines();
+    let mut worker = String::new();
+    for line in lines.by_ref() {
+        let line = line.unwrap();
+        if let Some(rest) = line.trim().strip_prefix("worker") {
+            worker = rest
+                .split_whitespace()
+                .next()
+                .unwrap()
+                .trim_start_matches("http://")
+                .into();
+        }
+        seen.push_str(&line);
+        seen.push('\n');
+        if line.starts_with("try:") {
+            break;
+        }
+    }
+    std::thread::spawn(move || for _ in lines {});
+    let up = Up {
+        child,
+        worker: worker.clone(),
+        mountpoint: dir
+            .path()
+            .join("mnt")
+            .canonicalize()
+            .unwrap()
+            .display()
+            .to_string(),
+        token_file: dir.path().join("token").display().to_string(),
+    };
+    let secrets = secrets_of(dir.path());
+    let mut record = |out: Output| {
+        seen.push_str(&String::from_utf8_lossy(&out.stdout));
+        seen.push_str(&String::from_utf8_lossy(&out.stderr));
+    };
+    let debug = ["--log", "debug"];
+    // Everyday use, with debug logs, and every kind of refusal.
+    let put = client(
+        &up,
+        &[
+            "put",
+            "s3://lakecache/s/x",
+            "--worker",
+            &worker,
+            "--log",
+            "debug",
+        ],
+        Some(b"data"),
+    );
+    assert!(put.status.success());
+    record(put);
+    for args in [
+        vec!["cat", "s3://lakecache/s/x", "--worker", &worker],
+        vec!["stat", "s3://lakecache/s/x", "--json", "--worker", &worker],
+        vec!["ls", "s3://lakecache/", "--worker", &worker],
+        vec!["status", "--json", "--worker", &worker],
+        vec!["cat", "s3://lakecache/missing", "--worker", &worker],
+        vec![
+            "cat",
+            "s3://other-bucket/x",
+            "--worker",
+            &worker,
+            "--no-s3-fallback",
+        ],
+    ] {
+        let mut args = args;
+        args.extend(debug);
+        record(client(&up, &args, None));
+    }
+    // A forged token (signature changed) and a malformed one.
+    let forged = dir.path().join("forged");
+    let mut token = std::fs::read_to_string(dir.path().join("token")).unwrap();
+    let last = token.pop().unwrap();
+    token.push(if last == 'A' { 'B' } else { 'A' });
+    std::fs::write(&forged, &token).unwrap();
+    let forged_s = forged.display().to_string();
+    record(run(
+        &[
+            "cat",
+            "s3://lakecache/s/x",
+            "--worker",
+            &worker,
+            "--token-file",
+            &forged_s,
+            "--no-s3-fallback",
+            "--log",
+            "debug",
+        ],
+        None,
+    ));
+    // Metrics as a scraper sees them.
+    use std::io::Read;
+    let mut conn = std::net::TcpStream::connect(&worker).unwrap();
+    conn.write_all(b"GET /metrics HTTP/1.1\r\nhost: x\r\nconnection: close\r\n\r\n")
+        .unwrap();
+    let mut metrics = String::new();
+    conn.read_to_string(&mut metrics).unwrap();
+    assert!(metrics.contains("lakecache_"), "{metrics}");
+    seen.push_str(&metrics);
+    stop(up);
+    seen.push_str(&std::fs::read_to_string(&log_path).unwrap());
+    assert!(seen.contains("DEBUG"), "debug logging was on");
+    for secret in &secrets {
+        assert!(
+            !seen.contains(secret.as_str()),
+            "a secret ({} chars) appeared in logs, errors, status or metrics",
+            secret.len()
+        );
+    }
+}

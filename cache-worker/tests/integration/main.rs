@@ -8,6 +8,7 @@ mod cache_format;
 mod endpoint;
 mod faults;
 mod harness;
+mod http_fuzz;
 mod limits;
 mod reads;
 mod store_faults;
