@@ -73,20 +73,27 @@ class Cluster:
         self.mnt = work / "mnt"
         self.worker_port = free_port()
 
-    def start_worker(self, fresh: bool) -> None:
+    def start_worker(
+        self,
+        fresh: bool,
+        worker_flags: tuple[str, ...] = ("--insecure-http", "--no-auth"),
+        mount_flags: tuple[str, ...] = (),
+    ) -> None:
+        """Plain HTTP without tokens unless other flags are given (the
+        security-overhead bench passes TLS and token flags)."""
         cache = self.work / "cache"
         if fresh and cache.exists():
             shutil.rmtree(cache)
         self.worker = subprocess.Popen(
-            [self.bin, "worker", "--insecure-http", "--no-auth", "--listen", f"127.0.0.1:{self.worker_port}", "--cache-dir",
-             str(cache), "--cache-size", "12GiB", "--s3-endpoint",
+            [self.bin, "worker", *worker_flags, "--listen", f"127.0.0.1:{self.worker_port}",
+             "--cache-dir", str(cache), "--cache-size", "12GiB", "--s3-endpoint",
              f"http://127.0.0.1:{self.s3_port}", "--s3-path-style"],
             env=self.env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
         )
         wait_port(self.worker_port)
         self.mount = subprocess.Popen(
             [self.bin, "mount", f"s3://{BUCKET}", str(self.mnt), "--worker",
-             f"127.0.0.1:{self.worker_port}", "--no-s3-fallback"],
+             f"127.0.0.1:{self.worker_port}", "--no-s3-fallback", *mount_flags],
             env=self.env, stdout=subprocess.DEVNULL, stderr=open(self.work / "mount.log", "a"),
         )
         deadline = time.time() + 30

@@ -562,6 +562,24 @@ mod tests {
     }
 
     #[test]
+    fn the_deploy_example_and_etcd_keys_parse() {
+        let example = concat!(env!("CARGO_MANIFEST_DIR"), "/../deploy/worker.example.toml");
+        let settings = WorkerSettings::from_file(Path::new(example)).unwrap();
+        assert!(settings.auth_keys.is_some() && settings.tls_cert.is_some());
+        let etcd: WorkerSettings = toml::from_str(
+            "etcd_user = \"lakecache\"\netcd_password_file = \"/p\"\netcd_ca = \"/ca\"\n",
+        )
+        .unwrap();
+        assert_eq!(etcd.etcd.etcd_user.as_deref(), Some("lakecache"));
+        let flags = WorkerSettings::default();
+        assert_eq!(
+            flags.over(etcd).etcd.etcd_ca.as_deref(),
+            Some(Path::new("/ca"))
+        );
+        assert!(toml::from_str::<WorkerSettings>("etcd_usr = \"x\"\n").is_err());
+    }
+
+    #[test]
     fn rejects_bad_values_with_clear_errors() {
         let bad = |s: &str| {
             toml::from_str::<WorkerSettings>(s)

@@ -998,3 +998,88 @@ fn etcd_with_auth_works_with_credentials_and_fails_clearly_without() {
     // The password is in no output.
     assert!(!String::from_utf8_lossy(&out.stderr).contains("lc-pass-for-tests"));
 }
+
+#[test]
+fn etcd_over_tls_with_client_certificates() {
+    let mut c = Cluster::start(0);
+    // A second etcd that speaks only TLS and wants client certificates.
+    c.etcd.kill9();
+    let dir = c.dir.path().join("etcd-tls");
+    let (client, peer) = (free_port(), free_port());
+    let pki = &c.sec.pki;
+    let child = Command::new("etcd")
+        .args(["--name", "lctls", "--data-dir"])
+        .arg(&dir)
+        .arg(format!("--listen-client-urls=https://127.0.0.1:{client}"))
+        .arg(format!(
+            "--advertise-client-urls=https://127.0.0.1:{client}"
+        ))
+        .arg(format!("--listen-peer-urls=http://127.0.0.1:{peer}"))
+        .arg(format!(
+            "--initial-advertise-peer-urls=http://127.0.0.1:{peer}"
+        ))
+        .arg(format!("--initial-cluster=lctls=http://127.0.0.1:{peer}"))
+        .arg("--cert-file")
+        .arg(&pki.cert)
+        .arg("--key-file")
+        .arg(&pki.key)
+        .arg("--trusted-ca-file")
+        .arg(&pki.ca)
+        .arg("--client-cert-auth")
+        .stdout(Stdio::null())
+        .stderr(Stdio::null())
+        .spawn()
+        .unwrap();
+    wait_for_port(client, "etcd (TLS)");
+    c.etcd = Proc(child);
+    c.etcd_port = client;
+    let tls: Vec<String> = vec![
+        "--etcd-ca".into(),
+        pki.ca.display().to_string(),
+        "--etcd-cert".into(),
+        pki.cert.display().to_string(),
+        "--etcd-key".into(),
+        pki.key.display().to_string(),
+    ];
+    let port = free_port();
+    let worker = Command::new(BIN)
+        .args([
+            "worker",
+            "--listen",
+            &format!("127.0.0.1:{port}"),
+            "--cache-dir",
+        ])
+        .arg(c.dir.path().join("cache-w0"))
+        .args(c.worker_security())
+        .args(["--registry", &c.registry(), "--worker-id", "w0"])
+        .args(&tls)
+        .envs(c.env())
+        .stdout(Stdio::null())
+        .stderr(worker_log())
+        .spawn()
+        .unwrap();
+    wait_for_port(port, "worker");
+    c.workers.push(("w0".into(), port, Proc(worker)));
+    let registry = c.registry();
+    let mut status = vec!["status", "--json", "--registry", &registry];
+    status.extend(tls.iter().map(String::as_str));
+    let deadline = Instant::now() + Duration::from_secs(15);
+    loop {
+        let out = c.cli(&status);
+        if out.status.success() && String::from_utf8_lossy(&out.stdout).contains("\"w0\"") {
+            break;
+        }
+        assert!(
+            Instant::now() < deadline,
+            "w0 never listed over TLS: {}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+        std::thread::sleep(Duration::from_millis(200));
+    }
+    // Without the client certificate (and CA), etcd is unreachable, clearly.
+    let plain = c.cli(&["status", "--registry", &registry]);
+    assert_eq!(plain.status.code(), Some(1));
+    assert!(String::from_utf8_lossy(&plain.stderr).contains("etcd"));
+    let no_cert = c.cli(&["status", "--registry", &registry, "--etcd-ca", &tls[1]]);
+    assert_eq!(no_cert.status.code(), Some(1));
+}

@@ -11,6 +11,7 @@ use hyper_rustls::{HttpsConnector, HttpsConnectorBuilder};
 use hyper_util::client::legacy::{connect::HttpConnector, Client};
 use hyper_util::rt::TokioExecutor;
 
+use crate::buffered::BufferedConnector;
 use crate::tls::ClientTls;
 use crate::types::{ErrorBody, ErrorCode, Health, ListResponse, ObjectStat};
 use crate::uri::ObjectUri;
@@ -73,6 +74,9 @@ pub const OFFSET_HEADER: &str = "x-lakecache-offset";
 /// takes pages from itself (a ring entry can name it by another address).
 pub const FROM_HEADER: &str = "x-lakecache-from";
 
+/// Largest response body buffer allocated up front from Content-Length.
+const MAX_PRESIZE: u64 = 256 << 20;
+
 /// How long a worker may take before the client gives up on it.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct Deadlines {
@@ -101,7 +105,7 @@ impl Deadlines {
 #[derive(Clone)]
 pub struct WorkerClient {
     base: String,
-    client: Client<HttpsConnector<HttpConnector>, RequestBody>,
+    client: Client<HttpsConnector<BufferedConnector>, RequestBody>,
     deadlines: Deadlines,
     /// `Authorization` value sent with every request (never logged).
     bearer: Option<http::HeaderValue>,
@@ -185,7 +189,7 @@ impl WorkerClient {
             .with_tls_config(tls_config)
             .https_or_http()
             .enable_http1()
-            .wrap_connector(connector);
+            .wrap_connector(BufferedConnector(connector));
         let client = Client::builder(TokioExecutor::new())
             .pool_idle_timeout(Duration::from_secs(60))
             .build(connector);
@@ -302,7 +306,11 @@ impl WorkerClient {
     /// of the one before it.
     async fn collect(&self, mut body: Incoming) -> Result<Bytes, ClientError> {
         let progress = self.deadlines.progress;
-        let mut out = BytesMut::new();
+        // Sized once from Content-Length: growing by doubling would copy
+        // multi-MiB ranges several times into freshly mapped pages.
+        let hint = body.size_hint();
+        let capacity = hint.exact().unwrap_or(hint.lower()).min(MAX_PRESIZE);
+        let mut out = BytesMut::with_capacity(capacity as usize);
         loop {
             let frame = tokio::time::timeout(progress, body.frame())
                 .await

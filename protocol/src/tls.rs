@@ -33,8 +33,21 @@ pub enum TlsError {
     ClientCa { path: PathBuf, message: String },
 }
 
+/// aws-lc-rs with AES-128-GCM preferred: as safe for a cluster's links
+/// and about a third cheaper per byte than AES-256-GCM, which matters at
+/// cache speeds.
 fn provider() -> Arc<rustls::crypto::CryptoProvider> {
-    Arc::new(rustls::crypto::aws_lc_rs::default_provider())
+    use rustls::crypto::aws_lc_rs::{cipher_suite, default_provider};
+    let mut provider = default_provider();
+    let preferred = [
+        cipher_suite::TLS13_AES_128_GCM_SHA256,
+        cipher_suite::TLS_ECDHE_ECDSA_WITH_AES_128_GCM_SHA256,
+        cipher_suite::TLS_ECDHE_RSA_WITH_AES_128_GCM_SHA256,
+    ];
+    provider
+        .cipher_suites
+        .sort_by_key(|s| !preferred.iter().any(|p| p.suite() == s.suite()));
+    Arc::new(provider)
 }
 
 fn certificates(what: &'static str, path: &Path) -> Result<Vec<CertificateDer<'static>>, TlsError> {

@@ -155,6 +155,9 @@ pub async fn serve(
         let watcher = graceful.watcher();
         tokio::spawn(async move {
             let _slot = slot;
+            // rustls reads at most 4 KiB per call: buffer the socket so an
+            // upload costs a system call per many records, not per 4 KiB.
+            let stream = tokio::io::BufReader::with_capacity(256 * 1024, stream);
             let tls = match tokio::time::timeout(HANDSHAKE_TIMEOUT, acceptor.accept(stream)).await {
                 Ok(Ok(tls)) => tls,
                 Ok(Err(e)) => {
