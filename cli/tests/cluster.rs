@@ -874,6 +874,24 @@ fn a_registration_not_signed_by_the_cluster_key_never_joins_the_ring() {
         "{}",
         String::from_utf8_lossy(&put.stderr)
     );
+
+    // A client that trusts another CA is told so, and reads nothing.
+    let wrong_ca = Command::new(BIN)
+        .args(["cat", "s3://data/signed/x", "--registry", &c.registry()])
+        .args(["--no-s3-fallback"])
+        .envs(c.env())
+        .env("LAKECACHE_TLS_CA", &c.sec.pki.other_ca)
+        .output()
+        .unwrap();
+    assert_eq!(wrong_ca.status.code(), Some(1));
+    let err = String::from_utf8_lossy(&wrong_ca.stderr);
+    assert!(
+        err.contains("TLS with worker")
+            && err.contains("UnknownIssuer")
+            && err.contains("--tls-ca"),
+        "{err}"
+    );
+    assert!(wrong_ca.stdout.is_empty());
 }
 
 /// An etcd with auth on: root, and a `lakecache` user whose role reaches
