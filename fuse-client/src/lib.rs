@@ -11,6 +11,7 @@ pub mod dir;
 pub mod error;
 pub mod fs;
 pub mod inode;
+pub mod local_tier;
 pub mod memory;
 pub mod mount;
 pub mod read;

@@ -1,0 +1,531 @@
+//! The node-local cache tier (L1): whole objects on the training node's
+//! own disk, keyed by (URI, ETag), filled as they are read from the
+//! workers.
+//!
+//! Each object is two files: `<id>.data` holds exactly the object's
+//! bytes at their own offsets, so a complete one can back a FUSE
+//! passthrough open as it is; `<id>.meta` describes it (format, URI,
+//! ETag, size, block size, a CRC32C per filled block) and carries its own
+//! checksum. Reads check the CRC of every block they touch; a block that
+//! fails is forgotten and fetched again. Metadata is written when an
+//! object completes and when the tier is flushed, so after a crash an
+//! object's unrecorded blocks are simply absent.
+//!
+//! Blocking file I/O: callers on the async runtime use `spawn_blocking`.
+
+use std::collections::HashMap;
+use std::fs::{File, OpenOptions};
+use std::io::Write;
+use std::os::unix::fs::FileExt;
+use std::path::{Path, PathBuf};
+use std::sync::{Arc, Mutex};
+
+use bytes::{Bytes, BytesMut};
+use serde::{Deserialize, Serialize};
+use sha2::{Digest, Sha256};
+
+const FORMAT: &str = "lakecache-local-tier-v1";
+/// Filled and checked in blocks of this size (the last may be shorter).
+pub const BLOCK: u64 = 1 << 20;
+
+#[derive(Debug, thiserror::Error)]
+pub enum TierError {
+    #[error("local tier {path}: {source}")]
+    Io {
+        path: PathBuf,
+        source: std::io::Error,
+    },
+    #[error(
+        "local tier {0} was written by another format; move it away or pick another --local-cache"
+    )]
+    Format(PathBuf),
+    #[error("{size} bytes do not fit in a local tier of {capacity} bytes")]
+    TooLarge { size: u64, capacity: u64 },
+    #[error("a fill at {offset} of {len} bytes is not a whole block of a {size}-byte object")]
+    Unaligned { offset: u64, len: u64, size: u64 },
+}
+
+fn io(path: &Path) -> impl Fn(std::io::Error) -> TierError + '_ {
+    move |source| TierError::Io {
+        path: path.to_path_buf(),
+        source,
+    }
+}
+
+#[derive(Debug, Clone, Serialize, Deserialize, PartialEq)]
+struct Meta {
+    format: String,
+    uri: String,
+    etag: String,
+    size: u64,
+    block: u64,
+    /// CRC32C of each block; `None` where the block was never filled.
+    crcs: Vec<Option<u32>>,
+}
+
+#[derive(Serialize, Deserialize)]
+struct MetaFile {
+    meta: Meta,
+    /// CRC32C of `meta` serialized as JSON.
+    crc: u32,
+}
+
+fn blocks(size: u64) -> usize {
+    size.div_ceil(BLOCK) as usize
+}
+
+/// File name stem of an object: hashing keeps any URI a safe name.
+fn object_id(uri: &str, etag: &str) -> String {
+    let mut h = Sha256::new();
+    h.update(uri.as_bytes());
+    h.update([0]);
+    h.update(etag.as_bytes());
+    hex::encode(&h.finalize()[..16])
+}
+
+/// One object in the tier.
+pub struct TierObject {
+    id: String,
+    data_path: PathBuf,
+    meta_path: PathBuf,
+    file: File,
+    meta: Mutex<Meta>,
+}
+
+impl std::fmt::Debug for TierObject {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("TierObject").field("id", &self.id).finish()
+    }
+}
+
+impl TierObject {
+    pub fn size(&self) -> u64 {
+        self.lock().size
+    }
+
+    pub fn etag(&self) -> String {
+        self.lock().etag.clone()
+    }
+
+    fn lock(&self) -> std::sync::MutexGuard<'_, Meta> {
+        self.meta.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    /// The data file; once [`Self::is_complete`], it holds the whole object.
+    pub fn backing_path(&self) -> &Path {
+        &self.data_path
+    }
+
+    pub fn is_complete(&self) -> bool {
+        self.lock().crcs.iter().all(Option::is_some)
+    }
+
+    /// Bytes of filled blocks.
+    pub fn filled_bytes(&self) -> u64 {
+        let meta = self.lock();
+        (0..meta.crcs.len())
+            .filter(|i| meta.crcs[*i].is_some())
+            .map(|i| block_len(meta.size, i))
+            .sum()
+    }
+
+    /// `offset..offset+len` if every block it touches is filled and
+    /// checks out; `None` when some block is missing or failed its CRC
+    /// (a failed block is forgotten, so the next fill replaces it).
+    pub fn read(&self, offset: u64, len: u64) -> Result<Option<Bytes>, TierError> {
+        let (size, wanted) = {
+            let meta = self.lock();
+            let end = (offset + len).min(meta.size);
+            if offset >= end {
+                return Ok(Some(Bytes::new()));
+            }
+            let first = (offset / BLOCK) as usize;
+            let last = ((end - 1) / BLOCK) as usize;
+            let mut wanted = Vec::with_capacity(last - first + 1);
+            for i in first..=last {
+                match meta.crcs[i] {
+                    Some(crc) => wanted.push((i, crc)),
+                    None => return Ok(None),
+                }
+            }
+            (meta.size, wanted)
+        };
+        let end = (offset + len).min(size);
+        let mut out = BytesMut::with_capacity((end - offset) as usize);
+        for (i, crc) in wanted {
+            let start = i as u64 * BLOCK;
+            let mut buf = vec![0u8; block_len(size, i) as usize];
+            self.file
+                .read_exact_at(&mut buf, start)
+                .map_err(io(&self.data_path))?;
+            if crc32c::crc32c(&buf) != crc {
+                tracing::warn!(object = %self.id, block = i, "local tier block failed its CRC; refetching");
+                self.lock().crcs[i] = None;
+                return Ok(None);
+            }
+            let from = offset.max(start) - start;
+            let to = end.min(start + buf.len() as u64) - start;
+            out.extend_from_slice(&buf[from as usize..to as usize]);
+        }
+        Ok(Some(out.freeze()))
+    }
+
+    /// Stores whole blocks starting at a block boundary (the object's
+    /// last block may be short). Completing the object records its
+    /// metadata at once.
+    pub fn fill(&self, offset: u64, data: &[u8]) -> Result<bool, TierError> {
+        let size = self.size();
+        let len = data.len() as u64;
+        let ends_a_block = (offset + len).is_multiple_of(BLOCK) || offset + len == size;
+        if !offset.is_multiple_of(BLOCK) || !ends_a_block || offset + len > size || len == 0 {
+            return Err(TierError::Unaligned { offset, len, size });
+        }
+        self.file
+            .write_all_at(data, offset)
+            .map_err(io(&self.data_path))?;
+        let complete = {
+            let mut meta = self.lock();
+            for (n, chunk) in data.chunks(BLOCK as usize).enumerate() {
+                let i = (offset / BLOCK) as usize + n;
+                meta.crcs[i] = Some(crc32c::crc32c(chunk));
+            }
+            meta.crcs.iter().all(Option::is_some)
+        };
+        if complete {
+            self.file.sync_data().map_err(io(&self.data_path))?;
+            self.persist()?;
+        }
+        Ok(complete)
+    }
+
+    /// Reads every block and checks its CRC (before handing the file to
+    /// the kernel, which reads it unchecked). Failed blocks are forgotten.
+    pub fn verify(&self) -> Result<bool, TierError> {
+        let n = self.lock().crcs.len();
+        let size = self.size();
+        let mut ok = true;
+        let mut buf = vec![0u8; BLOCK as usize];
+        for i in 0..n {
+            let Some(crc) = self.lock().crcs[i] else {
+                ok = false;
+                continue;
+            };
+            let len = block_len(size, i) as usize;
+            self.file
+                .read_exact_at(&mut buf[..len], i as u64 * BLOCK)
+                .map_err(io(&self.data_path))?;
+            if crc32c::crc32c(&buf[..len]) != crc {
+                tracing::warn!(object = %self.id, block = i, "local tier block failed its CRC");
+                self.lock().crcs[i] = None;
+                ok = false;
+            }
+        }
+        if !ok {
+            self.persist()?;
+        }
+        Ok(ok)
+    }
+
+    /// Writes the metadata file (atomically: temp file, then rename).
+    pub fn persist(&self) -> Result<(), TierError> {
+        let meta = self.lock().clone();
+        let body = serde_json::to_vec(&meta).unwrap_or_default();
+        let file = MetaFile {
+            crc: crc32c::crc32c(&body),
+            meta,
+        };
+        let text = serde_json::to_vec(&file).unwrap_or_default();
+        let tmp = self.meta_path.with_extension("meta.tmp");
+        let mut f = File::create(&tmp).map_err(io(&tmp))?;
+        f.write_all(&text).map_err(io(&tmp))?;
+        f.sync_all().map_err(io(&tmp))?;
+        std::fs::rename(&tmp, &self.meta_path).map_err(io(&self.meta_path))
+    }
+}
+
+fn block_len(size: u64, i: usize) -> u64 {
+    (size - i as u64 * BLOCK).min(BLOCK)
+}
+
+struct Slot {
+    object: Arc<TierObject>,
+    last_use: u64,
+}
+
+struct State {
+    slots: HashMap<String, Slot>,
+    /// Sizes of every object held (reserved in full at creation).
+    used: u64,
+    clock: u64,
+}
+
+/// The tier: a directory of objects within a byte budget, least recently
+/// used first out.
+pub struct LocalTier {
+    dir: PathBuf,
+    capacity: u64,
+    state: Mutex<State>,
+}
+
+impl LocalTier {
+    /// Opens (or creates) the tier in `dir` and takes stock of what a
+    /// previous mount left: objects whose metadata checks out are kept;
+    /// anything else is deleted.
+    pub fn open(dir: &Path, capacity: u64) -> Result<Self, TierError> {
+        std::fs::create_dir_all(dir).map_err(io(dir))?;
+        let format = dir.join("FORMAT");
+        match std::fs::read_to_string(&format) {
+            Ok(text) if text.trim() == FORMAT => {}
+            Ok(_) => return Err(TierError::Format(dir.to_path_buf())),
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => {
+                std::fs::write(&format, format!("{FORMAT}\n")).map_err(io(&format))?;
+            }
+            Err(e) => return Err(io(&format)(e)),
+        }
+        let tier = Self {
+            dir: dir.to_path_buf(),
+            capacity,
+            state: Mutex::new(State {
+                slots: HashMap::new(),
+                used: 0,
+                clock: 0,
+            }),
+        };
+        tier.recover()?;
+        Ok(tier)
+    }
+
+    fn recover(&self) -> Result<(), TierError> {
+        let entries = std::fs::read_dir(&self.dir).map_err(io(&self.dir))?;
+        let mut state = self.lock();
+        for entry in entries.flatten() {
+            let path = entry.path();
+            let Some(name) = path.file_name().and_then(|n| n.to_str()) else {
+                continue;
+            };
+            if name == "FORMAT" {
+                continue;
+            }
+            let Some(id) = name.strip_suffix(".meta") else {
+                // Data files are adopted through their metadata below;
+                // temp files and strays go.
+                if !name.ends_with(".data") {
+                    let _ = std::fs::remove_file(&path);
+                }
+                continue;
+            };
+            match self.load(id) {
+                Some(object) => {
+                    state.used += object.size();
+                    state.clock += 1;
+                    let last_use = state.clock;
+                    state
+                        .slots
+                        .insert(id.to_string(), Slot { object, last_use });
+                }
+                None => {
+                    tracing::info!(
+                        object = id,
+                        "dropping a local tier object whose metadata does not check out"
+                    );
+                    let _ = std::fs::remove_file(&path);
+                    let _ = std::fs::remove_file(self.dir.join(format!("{id}.data")));
+                }
+            }
+        }
+        // Data files nobody describes.
+        for entry in std::fs::read_dir(&self.dir)
+            .map_err(io(&self.dir))?
+            .flatten()
+        {
+            let path = entry.path();
+            if let Some(id) = path
+                .file_name()
+                .and_then(|n| n.to_str())
+                .and_then(|n| n.strip_suffix(".data"))
+            {
+                if !state.slots.contains_key(id) {
+                    let _ = std::fs::remove_file(&path);
+                }
+            }
+        }
+        drop(state);
+        self.evict_to(0);
+        Ok(())
+    }
+
+    fn load(&self, id: &str) -> Option<Arc<TierObject>> {
+        let meta_path = self.dir.join(format!("{id}.meta"));
+        let data_path = self.dir.join(format!("{id}.data"));
+        let file: MetaFile = serde_json::from_slice(&std::fs::read(&meta_path).ok()?).ok()?;
+        let body = serde_json::to_vec(&file.meta).ok()?;
+        let meta = file.meta;
+        let sane = crc32c::crc32c(&body) == file.crc
+            && meta.format == FORMAT
+            && meta.block == BLOCK
+            && meta.crcs.len() == blocks(meta.size)
+            && object_id(&meta.uri, &meta.etag) == id;
+        let data = OpenOptions::new()
+            .read(true)
+            .write(true)
+            .open(&data_path)
+            .ok()?;
+        if !sane || data.metadata().ok()?.len() != meta.size {
+            return None;
+        }
+        Some(Arc::new(TierObject {
+            id: id.to_string(),
+            data_path,
+            meta_path,
+            file: data,
+            meta: Mutex::new(meta),
+        }))
+    }
+
+    fn lock(&self) -> std::sync::MutexGuard<'_, State> {
+        self.state.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    /// The object for this version, if the tier holds it.
+    pub fn get(&self, uri: &str, etag: &str) -> Option<Arc<TierObject>> {
+        let id = object_id(uri, etag);
+        let mut state = self.lock();
+        state.clock += 1;
+        let now = state.clock;
+        let slot = state.slots.get_mut(&id)?;
+        slot.last_use = now;
+        Some(slot.object.clone())
+    }
+
+    /// The object for this version, created empty (a sparse file of its
+    /// size) when absent. Older versions of the same URI are dropped, and
+    /// least recently used objects make room.
+    pub fn get_or_create(
+        &self,
+        uri: &str,
+        etag: &str,
+        size: u64,
+    ) -> Result<Arc<TierObject>, TierError> {
+        if let Some(object) = self.get(uri, etag) {
+            return Ok(object);
+        }
+        if size > self.capacity {
+            return Err(TierError::TooLarge {
+                size,
+                capacity: self.capacity,
+            });
+        }
+        self.forget_uri(uri);
+        self.evict_to(size);
+        let id = object_id(uri, etag);
+        let data_path = self.dir.join(format!("{id}.data"));
+        let file = OpenOptions::new()
+            .read(true)
+            .write(true)
+            .create(true)
+            .truncate(true)
+            .open(&data_path)
+            .map_err(io(&data_path))?;
+        file.set_len(size).map_err(io(&data_path))?;
+        let object = Arc::new(TierObject {
+            id: id.clone(),
+            meta_path: self.dir.join(format!("{id}.meta")),
+            data_path,
+            file,
+            meta: Mutex::new(Meta {
+                format: FORMAT.into(),
+                uri: uri.into(),
+                etag: etag.into(),
+                size,
+                block: BLOCK,
+                crcs: vec![None; blocks(size)],
+            }),
+        });
+        if size == 0 {
+            object.persist()?;
+        }
+        let mut state = self.lock();
+        state.clock += 1;
+        let last_use = state.clock;
+        state.used += size;
+        state.slots.insert(
+            id,
+            Slot {
+                object: object.clone(),
+                last_use,
+            },
+        );
+        Ok(object)
+    }
+
+    /// Drops every version of `uri` (its object changed in S3).
+    pub fn forget_uri(&self, uri: &str) {
+        let doomed: Vec<String> = self
+            .lock()
+            .slots
+            .iter()
+            .filter(|(_, s)| s.object.lock().uri == uri)
+            .map(|(id, _)| id.clone())
+            .collect();
+        for id in doomed {
+            self.remove(&id);
+        }
+    }
+
+    fn remove(&self, id: &str) {
+        let removed = self.lock().slots.remove(id);
+        if let Some(slot) = removed {
+            self.lock().used -= slot.object.size();
+            let _ = std::fs::remove_file(&slot.object.meta_path);
+            let _ = std::fs::remove_file(&slot.object.data_path);
+        }
+    }
+
+    /// Evicts least recently used objects until `incoming` more bytes
+    /// fit. An object someone still holds may go too: its open file stays
+    /// readable until dropped, and its files are already unlinked.
+    fn evict_to(&self, incoming: u64) {
+        loop {
+            let victim = {
+                let state = self.lock();
+                if state.used + incoming <= self.capacity {
+                    return;
+                }
+                state
+                    .slots
+                    .iter()
+                    .min_by_key(|(_, s)| (Arc::strong_count(&s.object) > 1, s.last_use))
+                    .map(|(id, _)| id.clone())
+            };
+            match victim {
+                Some(id) => self.remove(&id),
+                None => return,
+            }
+        }
+    }
+
+    /// Bytes reserved by the objects held.
+    pub fn used(&self) -> u64 {
+        self.lock().used
+    }
+
+    /// Records the filled blocks of every partial object (complete ones
+    /// were recorded when they completed).
+    pub fn flush(&self) -> Result<(), TierError> {
+        let objects: Vec<Arc<TierObject>> = self
+            .lock()
+            .slots
+            .values()
+            .map(|s| s.object.clone())
+            .collect();
+        for object in objects {
+            if !object.is_complete() {
+                object.persist()?;
+            }
+        }
+        Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests;

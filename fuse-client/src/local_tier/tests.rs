@@ -1,0 +1,217 @@
+use super::*;
+
+fn data(len: usize, seed: u8) -> Vec<u8> {
+    (0..len)
+        .map(|i| (i as u8).wrapping_mul(31).wrapping_add(seed))
+        .collect()
+}
+
+const MIB: usize = 1 << 20;
+
+#[test]
+fn filled_blocks_read_back_and_missing_ones_say_so() {
+    let dir = tempfile::tempdir().unwrap();
+    let tier = LocalTier::open(dir.path(), 64 << 20).unwrap();
+    let body = data(2 * MIB + 1000, 1);
+    let o = tier
+        .get_or_create("s3://b/k", "e1", body.len() as u64)
+        .unwrap();
+    assert_eq!(o.read(0, 10).unwrap(), None, "nothing filled yet");
+    assert!(!o.fill(0, &body[..MIB]).unwrap());
+    assert_eq!(o.read(5, 100).unwrap().unwrap(), &body[5..105]);
+    assert_eq!(
+        o.read(MIB as u64 - 10, 20).unwrap(),
+        None,
+        "spans a missing block"
+    );
+    assert!(
+        !o.fill(2 * MIB as u64, &body[2 * MIB..]).unwrap(),
+        "the short last block"
+    );
+    assert!(o.fill(MIB as u64, &body[MIB..2 * MIB]).unwrap(), "complete");
+    assert!(o.is_complete());
+    assert_eq!(
+        o.read(0, body.len() as u64 + 50).unwrap().unwrap(),
+        &body[..]
+    );
+    assert_eq!(
+        std::fs::read(o.backing_path()).unwrap(),
+        body,
+        "the data file is the object"
+    );
+    assert!(o.verify().unwrap());
+}
+
+#[test]
+fn fills_must_be_whole_blocks() {
+    let dir = tempfile::tempdir().unwrap();
+    let tier = LocalTier::open(dir.path(), 64 << 20).unwrap();
+    let o = tier
+        .get_or_create("s3://b/k", "e1", 3 * MIB as u64)
+        .unwrap();
+    for (offset, len) in [(1u64, MIB), (0, MIB - 1), (2 * MIB as u64, 2 * MIB), (0, 0)] {
+        assert!(matches!(
+            o.fill(offset, &vec![0; len]),
+            Err(TierError::Unaligned { .. })
+        ));
+    }
+    assert!(matches!(
+        tier.get_or_create("s3://b/huge", "e", 65 << 20),
+        Err(TierError::TooLarge { .. })
+    ));
+}
+
+#[test]
+fn a_flipped_byte_is_caught_and_the_block_refilled() {
+    let dir = tempfile::tempdir().unwrap();
+    let tier = LocalTier::open(dir.path(), 64 << 20).unwrap();
+    let body = data(2 * MIB, 2);
+    let o = tier
+        .get_or_create("s3://b/k", "e1", body.len() as u64)
+        .unwrap();
+    o.fill(0, &body).unwrap();
+    let f = OpenOptions::new()
+        .write(true)
+        .open(o.backing_path())
+        .unwrap();
+    f.write_all_at(&[body[MIB + 7] ^ 0xff], MIB as u64 + 7)
+        .unwrap();
+    assert_eq!(
+        o.read(0, 10).unwrap().unwrap(),
+        &body[..10],
+        "the other block is fine"
+    );
+    assert_eq!(
+        o.read(MIB as u64, 10).unwrap(),
+        None,
+        "the bad block is not served"
+    );
+    assert!(!o.is_complete(), "and is forgotten");
+    o.fill(MIB as u64, &body[MIB..]).unwrap();
+    assert_eq!(o.read(0, body.len() as u64).unwrap().unwrap(), &body[..]);
+    // verify() finds corruption before a passthrough open would.
+    f.write_all_at(&[body[3] ^ 0xff], 3).unwrap();
+    assert!(!o.verify().unwrap());
+    assert!(!o.is_complete());
+}
+
+#[test]
+fn objects_survive_a_remount_and_damaged_ones_are_dropped() {
+    let dir = tempfile::tempdir().unwrap();
+    let body = data(3 * MIB, 3);
+    {
+        let tier = LocalTier::open(dir.path(), 64 << 20).unwrap();
+        tier.get_or_create("s3://b/done", "e1", body.len() as u64)
+            .unwrap()
+            .fill(0, &body)
+            .unwrap();
+        let partial = tier
+            .get_or_create("s3://b/partial", "e1", body.len() as u64)
+            .unwrap();
+        partial.fill(MIB as u64, &body[MIB..2 * MIB]).unwrap();
+        tier.get_or_create("s3://b/meta-bad", "e1", MIB as u64)
+            .unwrap()
+            .fill(0, &body[..MIB])
+            .unwrap();
+        tier.get_or_create("s3://b/short", "e1", MIB as u64)
+            .unwrap()
+            .fill(0, &body[..MIB])
+            .unwrap();
+        let never = tier
+            .get_or_create("s3://b/unflushed", "e1", MIB as u64)
+            .unwrap();
+        drop(never);
+        tier.flush().unwrap();
+        // Damage two of them behind the tier's back.
+        let bad = tier.get("s3://b/meta-bad", "e1").unwrap();
+        let meta = bad.meta_path.clone();
+        let text = std::fs::read_to_string(&meta)
+            .unwrap()
+            .replace("\"size\":1048576", "\"size\":1048577");
+        std::fs::write(&meta, text).unwrap();
+        let short = tier.get("s3://b/short", "e1").unwrap();
+        OpenOptions::new()
+            .write(true)
+            .open(short.backing_path())
+            .unwrap()
+            .set_len(10)
+            .unwrap();
+    }
+    std::fs::write(dir.path().join("stray.tmp"), b"x").unwrap();
+    let tier = LocalTier::open(dir.path(), 64 << 20).unwrap();
+    let done = tier.get("s3://b/done", "e1").unwrap();
+    assert!(done.is_complete());
+    assert_eq!(done.read(0, body.len() as u64).unwrap().unwrap(), &body[..]);
+    let partial = tier.get("s3://b/partial", "e1").unwrap();
+    assert_eq!(partial.filled_bytes(), MIB as u64);
+    assert_eq!(
+        partial.read(MIB as u64, 5).unwrap().unwrap(),
+        &body[MIB..MIB + 5]
+    );
+    assert!(
+        tier.get("s3://b/meta-bad", "e1").is_none(),
+        "metadata checksum failed"
+    );
+    assert!(
+        tier.get("s3://b/short", "e1").is_none(),
+        "data file of the wrong length"
+    );
+    assert!(
+        tier.get("s3://b/done", "e2").is_none(),
+        "another version is another object"
+    );
+    assert!(!dir.path().join("stray.tmp").exists());
+    let files = std::fs::read_dir(dir.path()).unwrap().count();
+    assert_eq!(files, 1 + 2 * 3, "FORMAT plus two files per object kept");
+    assert_eq!(tier.used(), 2 * body.len() as u64 + MIB as u64);
+}
+
+#[test]
+fn a_new_version_replaces_the_old_and_eviction_keeps_the_budget() {
+    let dir = tempfile::tempdir().unwrap();
+    let tier = LocalTier::open(dir.path(), 4 * MIB as u64).unwrap();
+    let v1 = data(MIB, 4);
+    let v2 = data(MIB, 5);
+    tier.get_or_create("s3://b/k", "e1", MIB as u64)
+        .unwrap()
+        .fill(0, &v1)
+        .unwrap();
+    let new = tier.get_or_create("s3://b/k", "e2", MIB as u64).unwrap();
+    assert!(
+        tier.get("s3://b/k", "e1").is_none(),
+        "the old version is gone"
+    );
+    new.fill(0, &v2).unwrap();
+    assert_eq!(new.read(0, 4).unwrap().unwrap(), &v2[..4]);
+    drop(new);
+    for i in 0..5 {
+        let o = tier
+            .get_or_create(&format!("s3://b/o{i}"), "e", MIB as u64)
+            .unwrap();
+        o.fill(0, &data(MIB, i)).unwrap();
+        assert!(tier.used() <= 4 * MIB as u64);
+    }
+    assert!(
+        tier.get("s3://b/k", "e2").is_none(),
+        "least recently used went first"
+    );
+    assert!(tier.get("s3://b/o4", "e").is_some());
+    assert_eq!(
+        tier.get("s3://b/o3", "e")
+            .unwrap()
+            .read(0, 8)
+            .unwrap()
+            .unwrap(),
+        &data(MIB, 3)[..8]
+    );
+}
+
+#[test]
+fn a_directory_of_another_format_is_refused() {
+    let dir = tempfile::tempdir().unwrap();
+    std::fs::write(dir.path().join("FORMAT"), "something-else\n").unwrap();
+    assert!(matches!(
+        LocalTier::open(dir.path(), 1 << 30),
+        Err(TierError::Format(_))
+    ));
+}
