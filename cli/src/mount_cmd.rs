@@ -57,6 +57,13 @@ pub struct FuseArgs {
     /// Threads reading kernel requests
     #[arg(long, default_value_t = 4, value_parser = clap::value_parser!(u16).range(1..=64))]
     pub fuse_threads: u16,
+    /// Keep whole objects on this node's disk as they are read (the
+    /// node-local tier): a second read of a file is served from here
+    #[arg(long, env = "LAKECACHE_LOCAL_CACHE")]
+    pub local_cache: Option<PathBuf>,
+    /// Disk space of the node-local tier
+    #[arg(long, env = "LAKECACHE_LOCAL_CACHE_SIZE", default_value = "20GiB")]
+    pub local_cache_size: ByteSize,
 }
 
 fn parse_mode(s: &str) -> Result<u16, String> {
@@ -94,6 +101,24 @@ impl FuseArgs {
         config.file_mode = self.file_mode;
         config.dir_mode = self.dir_mode;
         Ok(config)
+    }
+
+    /// Opens the node-local tier when one is configured, or at `default`.
+    pub fn local_tier(
+        &self,
+        default: Option<&Path>,
+    ) -> Result<Option<Arc<lakecache_fuse::local_tier::LocalTier>>> {
+        let Some(dir) = self.local_cache.as_deref().or(default) else {
+            return Ok(None);
+        };
+        anyhow::ensure!(
+            self.local_cache_size.0 >= 16 << 20,
+            "--local-cache-size must be at least 16MiB"
+        );
+        let tier = lakecache_fuse::local_tier::LocalTier::open(dir, self.local_cache_size.0)
+            .with_context(|| format!("opening the local cache {}", dir.display()))?;
+        tracing::info!(dir = %dir.display(), bytes = self.local_cache_size.0, held = tier.used(), "node-local tier");
+        Ok(Some(Arc::new(tier)))
     }
 
     pub fn mount_options(&self, mountpoint: &Path) -> MountOptions {
@@ -156,8 +181,11 @@ impl MountCmd {
         }
         let cluster = self.cluster.connect().await?;
         check_bucket(&cluster, &bucket, &prefix).await?;
-        let fs = Arc::new(Fs::new(cluster, config));
-        serve(fs, &self.fuse.mount_options(&self.mountpoint)).await
+        let mut fs = Fs::new(cluster, config);
+        if let Some(tier) = self.fuse.local_tier(None)? {
+            fs = fs.with_local_tier(tier);
+        }
+        serve(Arc::new(fs), &self.fuse.mount_options(&self.mountpoint)).await
     }
 
     /// Starts this command again, detached, and returns once the mount
@@ -239,6 +267,7 @@ pub async fn check_bucket(cluster: &ClusterClient, bucket: &str, prefix: &str) -
 
 /// Mounts and serves until SIGINT/SIGTERM or an external unmount.
 pub async fn serve(fs: Arc<Fs>, options: &MountOptions) -> Result<()> {
+    let fs_tier = fs.local_tier().cloned();
     let mut mounted = lakecache_fuse::mount(fs, tokio::runtime::Handle::current(), options)
         .context("mounting (needs /dev/fuse and fusermount3 from the fuse3 package)")?;
     println!(
@@ -254,5 +283,15 @@ pub async fn serve(fs: Arc<Fs>, options: &MountOptions) -> Result<()> {
         }
     }
     mounted.unmount().await.context("unmounting")?;
+    flush_local_tier(&fs_tier);
     Ok(())
+}
+
+/// Records partially filled objects so a remount keeps their blocks.
+pub fn flush_local_tier(tier: &Option<Arc<lakecache_fuse::local_tier::LocalTier>>) {
+    if let Some(tier) = tier {
+        if let Err(e) = tier.flush() {
+            tracing::warn!(error = %e, "recording the local tier's partial objects failed");
+        }
+    }
 }

@@ -10,6 +10,7 @@ use lakecache_worker::Metrics;
 use crate::mount_cmd::FuseArgs;
 use crate::units::ByteSize;
 use crate::worker_config::WorkerSettings;
+use lakecache_fuse::local_tier::LocalTier;
 
 #[derive(Args)]
 pub struct UpCmd {
@@ -144,11 +145,15 @@ impl UpCmd {
             keys_path.display()
         );
         println!("  data          {}", dir.display());
+        let mut local_tier = None;
         let mounted = if self.no_mount {
             None
         } else {
             match self.mount_bucket(&addrs, &token).await {
-                Ok(m) => Some(m),
+                Ok((m, tier)) => {
+                    local_tier = tier;
+                    Some(m)
+                }
                 Err(e) => {
                     for w in workers {
                         w.shutdown().await;
@@ -205,6 +210,7 @@ impl UpCmd {
                 eprintln!("warning: unmounting failed: {e}");
             }
         }
+        crate::mount_cmd::flush_local_tier(&local_tier);
         for w in workers {
             w.shutdown().await;
         }
@@ -247,7 +253,7 @@ impl UpCmd {
         &self,
         workers: &[String],
         token: &str,
-    ) -> Result<lakecache_fuse::Mounted> {
+    ) -> Result<(lakecache_fuse::Mounted, Option<Arc<LocalTier>>)> {
         let membership = Arc::new(lakecache_registry::StaticMembership::new(workers));
         let cluster = lakecache_registry::ClusterClient::new(
             membership,
@@ -259,12 +265,18 @@ impl UpCmd {
         );
         let mut config = self.fuse.fs_config(&self.bucket, "")?;
         config.write_scopes = Some(vec![format!("s3://{}/", self.bucket)]);
-        let fs = Arc::new(lakecache_fuse::Fs::new(cluster, config));
-        lakecache_fuse::mount(
+        // `up` keeps a node-local tier by default, beside its data.
+        let mut fs = lakecache_fuse::Fs::new(cluster, config);
+        let tier = self.fuse.local_tier(Some(&self.dir.join("local-cache")))?;
+        if let Some(tier) = &tier {
+            fs = fs.with_local_tier(tier.clone());
+        }
+        let fs = Arc::new(fs);
+        let mounted = lakecache_fuse::mount(
             fs,
             tokio::runtime::Handle::current(),
             &self.fuse.mount_options(&self.mount),
-        )
-        .map_err(anyhow::Error::from)
+        )?;
+        Ok((mounted, tier))
     }
 }

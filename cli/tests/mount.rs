@@ -971,3 +971,51 @@ fn a_mount_can_do_what_its_token_allows_and_nothing_else() {
     );
     assert_eq!(env.s3_get("elsewhere.bin"), None);
 }
+
+#[test]
+fn a_second_read_comes_from_the_node_local_tier_with_the_workers_gone() {
+    let mut env = Env::start(1);
+    let data = pattern((20 << 20) + 4321, 7);
+    let want = Sha256::digest(&data).to_vec();
+    env.put("shard.bin", Bytes::from(data));
+    let tier = env.dir.path().join("local-tier");
+    let log = File::create(env.dir.path().join("mount.log")).unwrap();
+    let child = env
+        .mount_command()
+        .arg("--local-cache")
+        .arg(&tier)
+        .args(["--local-cache-size", "1GiB", "--no-s3-fallback"])
+        .stdout(Stdio::null())
+        .stderr(log)
+        .spawn()
+        .unwrap();
+    env.mount = Some(Proc(child));
+    wait_mounted(&env.mountpoint(), true);
+    let file = env.mountpoint().join("shard.bin");
+    assert_eq!(
+        sha_file(&file).unwrap().1,
+        want,
+        "first read, through the worker"
+    );
+    // The fill runs off the read path; its metadata appears once whole.
+    let deadline = Instant::now() + Duration::from_secs(20);
+    while !fs::read_dir(&tier)
+        .unwrap()
+        .flatten()
+        .any(|e| e.path().extension().is_some_and(|x| x == "meta"))
+    {
+        assert!(Instant::now() < deadline, "the tier never held the file");
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    // No worker, no S3 fallback, no page cache (names stay cached: a
+    // lookup still asks a worker once its TTL is over): only the node's
+    // disk can serve the bytes.
+    env.workers[0].1.kill9();
+    fs::write("/proc/sys/vm/drop_caches", "1").unwrap();
+    let second = sha_file(&file);
+    assert!(
+        second.as_ref().is_ok_and(|(_, sha)| *sha == want),
+        "second read without workers: {second:?}; mount log:\n{}",
+        env.log()
+    );
+}

@@ -63,6 +63,8 @@ pub struct Fs {
     listings: ListingCache,
     forgets: AtomicU64,
     memory: Arc<MemoryBudget>,
+    /// The node-local cache tier, when the mount has one.
+    tier: Option<Arc<crate::local_tier::LocalTier>>,
 }
 
 /// Entries one `readdir` call prepares; the kernel's buffer takes fewer.
@@ -109,6 +111,38 @@ impl Fs {
             next_fh: AtomicU64::new(1),
             forgets: AtomicU64::new(0),
             memory,
+            tier: None,
+        }
+    }
+
+    /// Serves reads from (and fills) a node-local tier.
+    pub fn with_local_tier(mut self, tier: Arc<crate::local_tier::LocalTier>) -> Self {
+        self.tier = Some(tier);
+        self
+    }
+
+    pub fn local_tier(&self) -> Option<&Arc<crate::local_tier::LocalTier>> {
+        self.tier.as_ref()
+    }
+
+    /// This version's object in the local tier (created empty if new);
+    /// `None` without a tier, or when the tier cannot take it.
+    async fn tier_object(
+        &self,
+        uri: &ObjectUri,
+        etag: &str,
+        size: u64,
+    ) -> Option<Arc<crate::local_tier::TierObject>> {
+        let tier = self.tier.clone()?;
+        let (uri, etag) = (uri.to_string(), etag.to_string());
+        let made = tokio::task::spawn_blocking(move || tier.get_or_create(&uri, &etag, size)).await;
+        match made {
+            Ok(Ok(object)) => Some(object),
+            Ok(Err(e)) => {
+                tracing::debug!(error = %e, "not using the local tier for this file");
+                None
+            }
+            Err(_) => None,
         }
     }
 
@@ -484,9 +518,11 @@ impl Fs {
         let keep_cache = node.page_cache_etag.as_deref() == Some(etag.as_str());
         self.inodes
             .update(ino, |n| n.page_cache_etag = Some(etag.clone()));
+        let uri = self.uri(&node.key)?;
+        let tier_object = self.tier_object(&uri, &etag, node.meta.size).await;
         let reader = FileReader::new(
             self.data.clone(),
-            self.uri(&node.key)?,
+            uri,
             etag,
             node.meta.size,
             ReadaheadPolicy {
@@ -495,7 +531,8 @@ impl Fs {
                 chunk: self.config.readahead_chunk,
             },
             self.memory.clone(),
-        );
+        )
+        .with_tier(tier_object);
         let fh = self.add_handle(Handle::Read {
             reader: Arc::new(AsyncMutex::new(reader)),
             ino,

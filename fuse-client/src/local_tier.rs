@@ -41,8 +41,8 @@ pub enum TierError {
     Format(PathBuf),
     #[error("{size} bytes do not fit in a local tier of {capacity} bytes")]
     TooLarge { size: u64, capacity: u64 },
-    #[error("a fill at {offset} of {len} bytes is not a whole block of a {size}-byte object")]
-    Unaligned { offset: u64, len: u64, size: u64 },
+    #[error("a fill at {offset} of {len} bytes is outside a {size}-byte object")]
+    OutOfRange { offset: u64, len: u64, size: u64 },
 }
 
 fn io(path: &Path) -> impl Fn(std::io::Error) -> TierError + '_ {
@@ -90,6 +90,23 @@ pub struct TierObject {
     meta_path: PathBuf,
     file: File,
     meta: Mutex<Meta>,
+    /// Byte ranges filled so far in blocks not yet whole (not persisted:
+    /// after a restart they are simply fetched again).
+    partial: Mutex<HashMap<usize, Vec<std::ops::Range<u64>>>>,
+}
+
+/// Adds `new` to sorted, disjoint `ranges`, merging what touches.
+fn add_range(ranges: &mut Vec<std::ops::Range<u64>>, new: std::ops::Range<u64>) {
+    ranges.push(new);
+    ranges.sort_by_key(|r| r.start);
+    let mut merged: Vec<std::ops::Range<u64>> = Vec::with_capacity(ranges.len());
+    for r in ranges.drain(..) {
+        match merged.last_mut() {
+            Some(last) if r.start <= last.end => last.end = last.end.max(r.end),
+            _ => merged.push(r),
+        }
+    }
+    *ranges = merged;
 }
 
 impl std::fmt::Debug for TierObject {
@@ -170,24 +187,51 @@ impl TierObject {
         Ok(Some(out.freeze()))
     }
 
-    /// Stores whole blocks starting at a block boundary (the object's
-    /// last block may be short). Completing the object records its
-    /// metadata at once.
+    /// Stores `data` at `offset` (any range inside the object). A block
+    /// counts as filled, with its CRC taken from what is on disk, once
+    /// fills have covered all of it; returns whether the object is now
+    /// complete, in which case its metadata is recorded at once.
     pub fn fill(&self, offset: u64, data: &[u8]) -> Result<bool, TierError> {
         let size = self.size();
         let len = data.len() as u64;
-        let ends_a_block = (offset + len).is_multiple_of(BLOCK) || offset + len == size;
-        if !offset.is_multiple_of(BLOCK) || !ends_a_block || offset + len > size || len == 0 {
-            return Err(TierError::Unaligned { offset, len, size });
+        if len == 0 || offset.checked_add(len).is_none_or(|end| end > size) {
+            return Err(TierError::OutOfRange { offset, len, size });
         }
         self.file
             .write_all_at(data, offset)
             .map_err(io(&self.data_path))?;
+        let end = offset + len;
+        let mut covered_now = Vec::new();
+        {
+            let mut partial = self.partial.lock().unwrap_or_else(|e| e.into_inner());
+            let meta = self.lock();
+            for i in (offset / BLOCK) as usize..=((end - 1) / BLOCK) as usize {
+                if meta.crcs[i].is_some() {
+                    continue;
+                }
+                let start = i as u64 * BLOCK;
+                let block_end = start + block_len(size, i);
+                let ranges = partial.entry(i).or_default();
+                add_range(ranges, offset.max(start)..end.min(block_end));
+                if ranges.len() == 1 && ranges[0] == (start..block_end) {
+                    partial.remove(&i);
+                    covered_now.push(i);
+                }
+            }
+        }
+        // CRCs of what is on disk, computed outside the locks.
+        let mut crcs = Vec::with_capacity(covered_now.len());
+        for i in covered_now {
+            let mut buf = vec![0u8; block_len(size, i) as usize];
+            self.file
+                .read_exact_at(&mut buf, i as u64 * BLOCK)
+                .map_err(io(&self.data_path))?;
+            crcs.push((i, crc32c::crc32c(&buf)));
+        }
         let complete = {
             let mut meta = self.lock();
-            for (n, chunk) in data.chunks(BLOCK as usize).enumerate() {
-                let i = (offset / BLOCK) as usize + n;
-                meta.crcs[i] = Some(crc32c::crc32c(chunk));
+            for (i, crc) in crcs {
+                meta.crcs[i] = Some(crc);
             }
             meta.crcs.iter().all(Option::is_some)
         };
@@ -379,6 +423,7 @@ impl LocalTier {
             meta_path,
             file: data,
             meta: Mutex::new(meta),
+            partial: Mutex::default(),
         }))
     }
 
@@ -440,6 +485,7 @@ impl LocalTier {
                 block: BLOCK,
                 crcs: vec![None; blocks(size)],
             }),
+            partial: Mutex::default(),
         });
         if size == 0 {
             object.persist()?;

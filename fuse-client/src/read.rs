@@ -11,6 +11,7 @@ use tokio::task::JoinHandle;
 
 use crate::data_plane::{read_exact, DataPlane};
 use crate::error::FsError;
+use crate::local_tier::TierObject;
 use crate::memory::{MemoryBudget, Reservation};
 
 /// How far behind the last read a request may land and still count as
@@ -65,6 +66,9 @@ pub struct FileReader {
     budget: Arc<MemoryBudget>,
     /// Whether any byte was returned through this reader.
     served: bool,
+    /// This version's copy in the node-local tier: read first, filled
+    /// from what comes back from the workers.
+    tier: Option<Arc<TierObject>>,
 }
 
 impl FileReader {
@@ -87,7 +91,14 @@ impl FileReader {
             chunks: VecDeque::new(),
             budget,
             served: false,
+            tier: None,
         }
+    }
+
+    /// Reads and fills `object` (the same URI and ETag) in the local tier.
+    pub fn with_tier(mut self, object: Option<Arc<TierObject>>) -> Self {
+        self.tier = object;
+        self
     }
 
     pub fn uri(&self) -> &ObjectUri {
@@ -106,6 +117,8 @@ impl FileReader {
         self.next_offset = 0;
         self.etag = etag;
         self.size = size;
+        // The tier copy is of the old version.
+        self.tier = None;
     }
 
     pub fn size(&self) -> u64 {
@@ -123,6 +136,23 @@ impl FileReader {
         let end = offset.saturating_add(len).min(self.size);
         if offset >= end {
             return Ok(Bytes::new());
+        }
+        if let Some(object) = self.tier.clone() {
+            let local = tokio::task::spawn_blocking(move || object.read(offset, end - offset))
+                .await
+                .map_err(FsError::Task)?;
+            match local {
+                Ok(Some(bytes)) => {
+                    self.next_offset = self.next_offset.max(end);
+                    return Ok(bytes);
+                }
+                Ok(None) => {}
+                Err(e) => {
+                    // A failing local disk costs speed, not the read.
+                    tracing::warn!(error = %e, "local tier read failed; reading from the workers");
+                    self.tier = None;
+                }
+            }
         }
         let buffered = match (self.chunks.front(), self.chunks.back()) {
             (Some(f), Some(b)) => f.range.start <= offset && offset < b.range.end,
@@ -220,11 +250,16 @@ impl FileReader {
             let uri = self.uri.clone();
             let etag = self.etag.clone();
             let r = range.clone();
+            let tier = self.tier.clone();
             // read_exact: a chunk is whole or an error, never short.
             let fetch = tokio::spawn(async move {
-                read_exact(data.as_ref(), &uri, r, &etag)
+                let bytes = read_exact(data.as_ref(), &uri, r.clone(), &etag)
                     .await
-                    .map_err(FsError::from)
+                    .map_err(FsError::from)?;
+                if let Some(object) = tier {
+                    fill_tier(object, r.start, bytes.clone());
+                }
+                Ok(bytes)
             });
             self.chunks.push_back(Chunk {
                 range,
@@ -239,6 +274,19 @@ impl FileReader {
     async fn fetch(&self, range: Range<u64>) -> Result<Bytes, FsError> {
         Ok(read_exact(self.data.as_ref(), &self.uri, range, &self.etag).await?)
     }
+}
+
+/// Writes what a worker returned to the local tier, off the read path
+/// (the reader already has its bytes).
+fn fill_tier(object: Arc<TierObject>, start: u64, bytes: Bytes) {
+    if bytes.is_empty() {
+        return;
+    }
+    tokio::task::spawn_blocking(move || {
+        if let Err(e) = object.fill(start, &bytes) {
+            tracing::warn!(error = %e, "filling the local tier failed");
+        }
+    });
 }
 
 #[cfg(test)]
@@ -278,6 +326,86 @@ mod tests {
             budget,
         );
         (rec, reader, body)
+    }
+
+    async fn read_all(r: &mut FileReader, len: u64) -> Vec<u8> {
+        let mut out = Vec::new();
+        let mut off = 0;
+        while off < len {
+            let got = r.read(off, 128 * KIB).await.unwrap();
+            off += got.len() as u64;
+            out.extend_from_slice(&got);
+        }
+        out
+    }
+
+    async fn wait_complete(object: &TierObject) {
+        for _ in 0..500 {
+            if object.is_complete() {
+                return;
+            }
+            tokio::time::sleep(std::time::Duration::from_millis(10)).await;
+        }
+        panic!("the local tier never completed");
+    }
+
+    #[tokio::test]
+    async fn a_second_read_comes_from_the_local_tier_and_damage_is_refetched() {
+        use crate::local_tier::LocalTier;
+        use std::os::unix::fs::FileExt;
+        let len = 5 * MIB + 123;
+        let (rec, reader, body) = setup(len);
+        let dir = tempfile::tempdir().unwrap();
+        let tier = LocalTier::open(dir.path(), 64 * MIB).unwrap();
+        let object = tier
+            .get_or_create("s3://bkt/obj", &reader.etag, len)
+            .unwrap();
+        let mut first = reader.with_tier(Some(object.clone()));
+        assert_eq!(read_all(&mut first, len).await, body);
+        wait_complete(&object).await;
+        let fetched = rec.read_ranges().len();
+
+        // A new reader of the same version: no request leaves the node.
+        let mut second = FileReader::new(
+            rec.clone(),
+            first.uri.clone(),
+            first.etag.clone(),
+            len,
+            first.policy,
+            MemoryBudget::new(1 << 30),
+        )
+        .with_tier(tier.get("s3://bkt/obj", &first.etag));
+        assert_eq!(read_all(&mut second, len).await, body);
+        assert_eq!(
+            rec.read_ranges().len(),
+            fetched,
+            "the warm read went to a worker"
+        );
+
+        // A flipped byte on disk is caught, and those bytes come from the
+        // workers instead (and are filled again).
+        let f = std::fs::OpenOptions::new()
+            .write(true)
+            .open(object.backing_path())
+            .unwrap();
+        f.write_all_at(&[body[3 * MIB as usize] ^ 0xff], 3 * MIB)
+            .unwrap();
+        let mut third = FileReader::new(
+            rec.clone(),
+            first.uri.clone(),
+            first.etag.clone(),
+            len,
+            first.policy,
+            MemoryBudget::new(1 << 30),
+        )
+        .with_tier(tier.get("s3://bkt/obj", &first.etag));
+        assert_eq!(read_all(&mut third, len).await, body);
+        assert!(
+            rec.read_ranges().len() > fetched,
+            "the damaged block was refetched"
+        );
+        wait_complete(&object).await;
+        assert!(object.verify().unwrap());
     }
 
     fn expect(body: &[u8], off: u64, len: u64) -> &[u8] {

@@ -43,16 +43,25 @@ fn filled_blocks_read_back_and_missing_ones_say_so() {
 }
 
 #[test]
-fn fills_must_be_whole_blocks() {
+fn pieces_complete_a_block_once_they_cover_it() {
     let dir = tempfile::tempdir().unwrap();
     let tier = LocalTier::open(dir.path(), 64 << 20).unwrap();
+    let body = data(MIB + 10, 9);
     let o = tier
-        .get_or_create("s3://b/k", "e1", 3 * MIB as u64)
+        .get_or_create("s3://b/k", "e1", body.len() as u64)
         .unwrap();
-    for (offset, len) in [(1u64, MIB), (0, MIB - 1), (2 * MIB as u64, 2 * MIB), (0, 0)] {
+    // Overlapping, out-of-order pieces, as read-ahead chunks arrive.
+    o.fill(300_000, &body[300_000..700_000]).unwrap();
+    o.fill(0, &body[..400_000]).unwrap();
+    assert_eq!(o.read(0, 10).unwrap(), None, "block 0 is not whole yet");
+    assert!(!o.fill(650_000, &body[650_000..MIB]).unwrap());
+    assert_eq!(o.read(0, MIB as u64).unwrap().unwrap(), &body[..MIB]);
+    assert!(o.fill(MIB as u64, &body[MIB..]).unwrap(), "complete");
+    assert!(o.verify().unwrap());
+    for (offset, len) in [(MIB as u64, 11usize), (0, 0), (u64::MAX, 1)] {
         assert!(matches!(
             o.fill(offset, &vec![0; len]),
-            Err(TierError::Unaligned { .. })
+            Err(TierError::OutOfRange { .. })
         ));
     }
     assert!(matches!(
