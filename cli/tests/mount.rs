@@ -1019,3 +1019,50 @@ fn a_second_read_comes_from_the_node_local_tier_with_the_workers_gone() {
         env.log()
     );
 }
+
+#[test]
+fn a_file_whole_in_the_local_tier_is_read_by_the_kernel_through_passthrough() {
+    let mut env = Env::start(1);
+    let data = pattern((12 << 20) + 77, 8);
+    let want = Sha256::digest(&data).to_vec();
+    env.put("pass.bin", Bytes::from(data));
+    let tier = env.dir.path().join("local-tier");
+    let log = File::create(env.dir.path().join("mount.log")).unwrap();
+    let child = env
+        .mount_command()
+        .arg("--local-cache")
+        .arg(&tier)
+        .args(["--log", "lakecache_fuse=trace,info"])
+        .stdout(Stdio::null())
+        .stderr(log)
+        .spawn()
+        .unwrap();
+    env.mount = Some(Proc(child));
+    wait_mounted(&env.mountpoint(), true);
+    let file = env.mountpoint().join("pass.bin");
+    assert_eq!(sha_file(&file).unwrap().1, want, "first read, by the mount");
+    let deadline = Instant::now() + Duration::from_secs(20);
+    while !fs::read_dir(&tier)
+        .unwrap()
+        .flatten()
+        .any(|e| e.path().extension().is_some_and(|x| x == "meta"))
+    {
+        assert!(Instant::now() < deadline, "the tier never held the file");
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    // Let the kernel's RELEASE of the first handle arrive: an inode the
+    // mount still serves gets no passthrough handle beside it.
+    std::thread::sleep(Duration::from_millis(300));
+    let reads = |log: &str| log.matches("fuse read").count();
+    let before = reads(&env.log());
+    assert!(before > 0, "the first read went through the mount");
+    fs::write("/proc/sys/vm/drop_caches", "1").unwrap();
+    assert_eq!(sha_file(&file).unwrap().1, want, "second read");
+    let log = env.log();
+    assert!(log.contains("opened with passthrough"), "{log}");
+    assert_eq!(
+        reads(&log),
+        before,
+        "READs reached the mount on a passthrough handle"
+    );
+}

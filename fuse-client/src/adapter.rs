@@ -17,6 +17,7 @@ use fuser::{
 use crate::error::{Chain, FsError};
 use crate::fs::{Fs, SetAttr};
 use crate::inode::{Inode, Kind};
+use crate::passthrough::Passthrough;
 
 /// Largest single read or write the kernel sends.
 pub const MAX_IO_BYTES: u32 = 1 << 20;
@@ -27,6 +28,7 @@ const BLOCK_SIZE: u32 = 1 << 20;
 pub struct KernelAdapter {
     fs: Arc<Fs>,
     runtime: tokio::runtime::Handle,
+    passthrough: Arc<Passthrough>,
 }
 
 fn errno(e: &FsError) -> Errno {
@@ -53,7 +55,13 @@ fn log_refusal(op: &'static str, e: &FsError) {
 impl KernelAdapter {
     pub fn new(fs: Arc<Fs>, runtime: tokio::runtime::Handle) -> Self {
         runtime.spawn(Fs::housekeeping(Arc::downgrade(&fs)));
-        Self { fs, runtime }
+        // Passthrough only has files to hand over with a local tier.
+        let passthrough = Arc::new(Passthrough::new(fs.local_tier().is_some()));
+        Self {
+            fs,
+            runtime,
+            passthrough,
+        }
     }
 
     fn attr(&self, node: &Inode) -> FileAttr {
@@ -122,6 +130,15 @@ impl Filesystem for KernelAdapter {
         for flag in wanted.iter() {
             if config.add_capabilities(flag).is_err() {
                 tracing::info!(?flag, "kernel lacks a FUSE capability");
+            }
+        }
+        if self.passthrough.enabled() {
+            // Depth 2: the tier's files may sit on overlayfs (containers).
+            let granted = config.add_capabilities(InitFlags::FUSE_PASSTHROUGH).is_ok()
+                && config.set_max_stack_depth(2).is_ok();
+            if !granted {
+                self.passthrough
+                    .disable("the kernel does not offer FUSE_PASSTHROUGH");
             }
         }
         let _ = config.set_max_write(MAX_IO_BYTES);
@@ -337,18 +354,29 @@ impl Filesystem for KernelAdapter {
 
     fn open(&self, req: &Request, ino: INodeNo, flags: OpenFlags, reply: ReplyOpen) {
         let pid = req.pid();
+        let passthrough = self.passthrough.clone();
+        let read_only = flags.0 & libc::O_ACCMODE == libc::O_RDONLY;
+        let wants_file = passthrough.enabled() && read_only;
         self.spawn(
             "open",
             ino.0,
-            move |fs| async move { fs.open(ino.0, flags.0, pid).await },
+            move |fs| async move {
+                let (fh, keep_cache) = fs.open(ino.0, flags.0, pid).await?;
+                let file = if wants_file {
+                    fs.passthrough_file(fh).await
+                } else {
+                    None
+                };
+                Ok((fh, keep_cache, file))
+            },
             move |r| match r {
-                Ok((fh, keep_cache)) => {
+                Ok((fh, keep_cache, file)) => {
                     let flags = if keep_cache {
                         FopenFlags::FOPEN_KEEP_CACHE
                     } else {
                         FopenFlags::empty()
                     };
-                    reply.opened(FileHandle(fh), flags)
+                    passthrough.reply_open(reply, ino.0, fh, flags, file)
                 }
                 Err(e) => reply.error(errno(&e)),
             },
@@ -366,6 +394,7 @@ impl Filesystem for KernelAdapter {
         _lock_owner: Option<LockOwner>,
         reply: ReplyData,
     ) {
+        tracing::trace!(ino = ino.0, offset, size, "fuse read");
         self.spawn(
             "read",
             ino.0,
@@ -429,6 +458,7 @@ impl Filesystem for KernelAdapter {
         _flush: bool,
         reply: ReplyEmpty,
     ) {
+        self.passthrough.released(fh.0);
         self.spawn(
             "release",
             ino.0,

@@ -121,6 +121,21 @@ impl Fs {
         self
     }
 
+    /// For a read handle whose object is whole (and checked) in the local
+    /// tier: that file, opened, for the kernel to read directly.
+    pub async fn passthrough_file(&self, fh: u64) -> Option<std::fs::File> {
+        let Ok(Handle::Read { reader, .. }) = self.handle(fh) else {
+            return None;
+        };
+        let object = reader.lock().await.tier_object()?;
+        let ready = tokio::task::spawn_blocking(move || match object.ready_for_passthrough() {
+            Ok(true) => std::fs::File::open(object.backing_path()).ok(),
+            _ => None,
+        })
+        .await;
+        ready.ok().flatten()
+    }
+
     pub fn local_tier(&self) -> Option<&Arc<crate::local_tier::LocalTier>> {
         self.tier.as_ref()
     }

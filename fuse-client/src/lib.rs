@@ -14,6 +14,7 @@ pub mod inode;
 pub mod local_tier;
 pub mod memory;
 pub mod mount;
+mod passthrough;
 pub mod read;
 pub mod write;
 

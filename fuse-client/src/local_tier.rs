@@ -93,6 +93,8 @@ pub struct TierObject {
     /// Byte ranges filled so far in blocks not yet whole (not persisted:
     /// after a restart they are simply fetched again).
     partial: Mutex<HashMap<usize, Vec<std::ops::Range<u64>>>>,
+    /// Whether a full [`TierObject::verify`] passed since it completed.
+    verified: std::sync::atomic::AtomicBool,
 }
 
 /// Adds `new` to sorted, disjoint `ranges`, merging what touches.
@@ -270,6 +272,21 @@ impl TierObject {
         Ok(ok)
     }
 
+    /// Complete and checked end to end, once per process: the kernel
+    /// reads a passthrough file without our CRCs.
+    pub fn ready_for_passthrough(&self) -> Result<bool, TierError> {
+        use std::sync::atomic::Ordering;
+        if !self.is_complete() {
+            return Ok(false);
+        }
+        if self.verified.load(Ordering::Acquire) {
+            return Ok(true);
+        }
+        let ok = self.verify()?;
+        self.verified.store(ok, Ordering::Release);
+        Ok(ok)
+    }
+
     /// Writes the metadata file (atomically: temp file, then rename).
     pub fn persist(&self) -> Result<(), TierError> {
         let meta = self.lock().clone();
@@ -424,6 +441,7 @@ impl LocalTier {
             file: data,
             meta: Mutex::new(meta),
             partial: Mutex::default(),
+            verified: Default::default(),
         }))
     }
 
@@ -486,6 +504,7 @@ impl LocalTier {
                 crcs: vec![None; blocks(size)],
             }),
             partial: Mutex::default(),
+            verified: Default::default(),
         });
         if size == 0 {
             object.persist()?;

@@ -95,6 +95,10 @@ impl FileReader {
         }
     }
 
+    pub fn tier_object(&self) -> Option<Arc<TierObject>> {
+        self.tier.clone()
+    }
+
     /// Reads and fills `object` (the same URI and ETag) in the local tier.
     pub fn with_tier(mut self, object: Option<Arc<TierObject>>) -> Self {
         self.tier = object;
