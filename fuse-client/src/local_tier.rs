@@ -326,6 +326,7 @@ pub struct LocalTier {
     dir: PathBuf,
     capacity: u64,
     state: Mutex<State>,
+    creating: Mutex<()>,
 }
 
 impl LocalTier {
@@ -351,6 +352,7 @@ impl LocalTier {
                 used: 0,
                 clock: 0,
             }),
+            creating: Mutex::new(()),
         };
         tier.recover()?;
         Ok(tier)
@@ -469,6 +471,9 @@ impl LocalTier {
         etag: &str,
         size: u64,
     ) -> Result<Arc<TierObject>, TierError> {
+        // One creation at a time: two opens of a new file must end up
+        // with the same object, not one each.
+        let _creating = self.creating.lock().unwrap_or_else(|e| e.into_inner());
         if let Some(object) = self.get(uri, etag) {
             return Ok(object);
         }
@@ -478,7 +483,7 @@ impl LocalTier {
                 capacity: self.capacity,
             });
         }
-        self.forget_uri(uri);
+        self.forget_other_versions(uri, etag);
         self.evict_to(size);
         let id = object_id(uri, etag);
         let data_path = self.dir.join(format!("{id}.data"));
@@ -525,11 +530,19 @@ impl LocalTier {
 
     /// Drops every version of `uri` (its object changed in S3).
     pub fn forget_uri(&self, uri: &str) {
+        self.forget_other_versions(uri, "");
+    }
+
+    /// Drops the versions of `uri` other than `etag`.
+    fn forget_other_versions(&self, uri: &str, etag: &str) {
         let doomed: Vec<String> = self
             .lock()
             .slots
             .iter()
-            .filter(|(_, s)| s.object.lock().uri == uri)
+            .filter(|(_, s)| {
+                let meta = s.object.lock();
+                meta.uri == uri && meta.etag != etag
+            })
             .map(|(id, _)| id.clone())
             .collect();
         for id in doomed {

@@ -224,3 +224,36 @@ fn a_directory_of_another_format_is_refused() {
         Err(TierError::Format(_))
     ));
 }
+
+#[test]
+fn concurrent_opens_of_a_new_file_share_one_object() {
+    let dir = tempfile::tempdir().unwrap();
+    let tier = Arc::new(LocalTier::open(dir.path(), 64 << 20).unwrap());
+    let objects: Vec<Arc<TierObject>> = std::thread::scope(|scope| {
+        let handles: Vec<_> = (0..8)
+            .map(|_| {
+                let tier = tier.clone();
+                scope.spawn(move || {
+                    tier.get_or_create("s3://b/new", "e1", 2 * MIB as u64)
+                        .unwrap()
+                })
+            })
+            .collect();
+        handles.into_iter().map(|h| h.join().unwrap()).collect()
+    });
+    assert!(objects.iter().all(|o| Arc::ptr_eq(o, &objects[0])));
+    let body = data(2 * MIB, 6);
+    assert!(objects[3].fill(0, &body).unwrap());
+    assert!(
+        objects[0].backing_path().exists(),
+        "nobody unlinked the shared files"
+    );
+    assert_eq!(
+        tier.get("s3://b/new", "e1")
+            .unwrap()
+            .read(0, 8)
+            .unwrap()
+            .unwrap(),
+        &body[..8]
+    );
+}

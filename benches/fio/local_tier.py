@@ -1,0 +1,130 @@
+#!/usr/bin/env python3
+"""The node-local tier (L1) with FUSE passthrough against local disk, in
+one session on one machine: local disk, mount cold (empty worker cache and
+tier), L2-warm (worker cache warm, tier off) and L1-warm (tier whole,
+page cache dropped); writes benches/results/local-tier.md.
+
+Usage (as root, release binary built):
+    python3 benches/fio/local_tier.py --bin target/release/lakecache
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import shutil
+import sys
+import time
+from pathlib import Path
+
+from run import HERE, Cluster, drop_caches, fio
+
+
+def wait_tier(tier: Path, objects: int) -> None:
+    deadline = time.time() + 120
+    while len(list(tier.glob("*.meta"))) < objects:
+        if time.time() > deadline:
+            raise SystemExit(f"the local tier in {tier} never held {objects} objects")
+        time.sleep(0.2)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--bin", required=True)
+    ap.add_argument("--work", default="/var/tmp/lakecache-l1")
+    ap.add_argument("--size", default="512M", help="per file, 4 files")
+    ap.add_argument("--runtime", default="15")
+    ap.add_argument("--out", default=str(HERE.parent / "results" / "local-tier.md"))
+    a = ap.parse_args()
+    work = Path(a.work)
+    if work.exists():
+        shutil.rmtree(work)
+    (work / "local").mkdir(parents=True)
+    tier = work / "tier"
+    plain = ("--insecure-http", "--no-auth")
+    with_tier = ("--local-cache", str(tier), "--local-cache-size", "8GiB")
+    tests = [
+        (
+            "seq read 256 KiB, 1 job",
+            "seq-read.fio",
+            {"size": a.size, "jobs": "1"},
+            "mib_s",
+        ),
+        (
+            "seq read 256 KiB, 4 jobs",
+            "seq-read.fio",
+            {"size": a.size, "jobs": "4"},
+            "mib_s",
+        ),
+        (
+            "rand read 4 KiB, 4 jobs",
+            "rand-read.fio",
+            {"size": a.size, "jobs": "4", "runtime": a.runtime},
+            "iops",
+        ),
+    ]
+    c = Cluster(a.bin, work)
+    rows = []
+    try:
+        c.start_worker(fresh=True, worker_flags=plain)
+        for d in (work / "local", c.mnt):
+            fio("seq-read.fio", d, size=a.size, jobs="4")  # lays the files out
+        c.stop_worker()
+        for name, job, env, unit in tests:
+            drop_caches()
+            local = fio(job, work / "local", **env)
+            shutil.rmtree(tier, ignore_errors=True)
+            c.start_worker(fresh=True, worker_flags=plain, mount_flags=with_tier)
+            drop_caches()
+            cold = fio("seq-read.fio", c.mnt, size=a.size, jobs="4")
+            wait_tier(tier, 4)
+            c.stop_worker()
+            # L2-warm: the worker's cache only.
+            c.start_worker(fresh=False, worker_flags=plain)
+            drop_caches()
+            l2 = fio(job, c.mnt, **env)
+            c.stop_worker()
+            # L1-warm: a new mount over the whole tier, passthrough.
+            c.start_worker(fresh=False, worker_flags=plain, mount_flags=with_tier)
+            drop_caches()
+            l1 = fio(job, c.mnt, **env)
+            c.stop_worker()
+            rows.append(
+                (name, unit, local, cold if job == "seq-read.fio" else None, l2, l1)
+            )
+            print(name, unit, local[unit], l2[unit], l1[unit], flush=True)
+    finally:
+        c.close()
+    lines = [
+        "# Node-local tier (L1, FUSE passthrough) vs local disk",
+        "",
+        (
+            f"Command: `python3 benches/fio/local_tier.py --bin {a.bin} --size {a.size} "
+            f"--runtime {a.runtime}` (as root)."
+        ),
+        (
+            f"Machine: {os.cpu_count()} cores, `uname -r` {os.uname().release}. One s3-server, "
+            "one worker (plain HTTP, no tokens) and one mount on this machine; 4 files of "
+            f"{a.size}. Page cache dropped before every run. cold = empty worker cache and "
+            "tier (the 4-job sequential read that fills the tier); L2-warm = worker cache "
+            "warm, mount without a tier; L1-warm = a new mount over the whole tier, so "
+            "opens get FUSE passthrough."
+        ),
+        "",
+        "| test | unit | local disk | mount cold | L2-warm | L1-warm | L2/local | L1/local |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
+    for name, unit, local, cold, l2, l1 in rows:
+        u = "MiB/s" if unit == "mib_s" else "IOPS"
+        cold_cell = f"{cold[unit]:.0f}" if cold else "–"
+        lines.append(
+            f"| {name} | {u} | {local[unit]:.0f} | {cold_cell} | {l2[unit]:.0f} | "
+            f"{l1[unit]:.0f} | {l2[unit] / local[unit]:.2f} | {l1[unit] / local[unit]:.2f} |"
+        )
+    lines += ["", "mount cold is the 4-job sequential fill in every row."]
+    Path(a.out).write_text("\n".join(lines) + "\n")
+    print(f"wrote {a.out}")
+
+
+if __name__ == "__main__":
+    sys.exit(main())
