@@ -276,7 +276,14 @@ impl FileReader {
     }
 
     async fn fetch(&self, range: Range<u64>) -> Result<Bytes, FsError> {
-        Ok(read_exact(self.data.as_ref(), &self.uri, range, &self.etag).await?)
+        let start = range.start;
+        let bytes = read_exact(self.data.as_ref(), &self.uri, range, &self.etag).await?;
+        // Out-of-order and random reads fill too, or a file read by
+        // several jobs at once would keep holes.
+        if let Some(object) = &self.tier {
+            fill_tier(object.clone(), start, bytes.clone());
+        }
+        Ok(bytes)
     }
 }
 
