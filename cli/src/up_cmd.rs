@@ -265,9 +265,11 @@ impl UpCmd {
         );
         let mut config = self.fuse.fs_config(&self.bucket, "")?;
         config.write_scopes = Some(vec![format!("s3://{}/", self.bucket)]);
-        // `up` keeps a node-local tier by default, beside its data.
         let mut fs = lakecache_fuse::Fs::new(cluster, config);
-        let tier = self.fuse.local_tier(Some(&self.dir.join("local-cache")))?;
+        // Opt-in for now (`--local-cache DIR`): on this one-disk machine
+        // filling it costs cold reads more than half their speed
+        // (benches/results/local-tier.md).
+        let tier = self.fuse.local_tier(None)?;
         if let Some(tier) = &tier {
             fs = fs.with_local_tier(tier.clone());
         }
