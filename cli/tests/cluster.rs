@@ -238,6 +238,52 @@ impl Cluster {
         }
     }
 
+    /// Starts worker `id` with the cluster's security flags plus `extra`
+    /// (etcd credentials), registered under `id`.
+    fn add_worker_with(&mut self, id: &str, extra: &[String]) {
+        let port = free_port();
+        let worker = Command::new(BIN)
+            .args([
+                "worker",
+                "--listen",
+                &format!("127.0.0.1:{port}"),
+                "--cache-dir",
+            ])
+            .arg(self.dir.path().join(format!("cache-{id}")))
+            .args(self.worker_security())
+            .args(["--registry", &self.registry(), "--worker-id", id])
+            .args(extra)
+            .envs(self.env())
+            .stdout(Stdio::null())
+            .stderr(worker_log())
+            .spawn()
+            .unwrap();
+        wait_for_port(port, "worker");
+        self.workers.push((id.to_string(), port, Proc(worker)));
+    }
+
+    /// Waits until `status` run with `extra` lists `id`.
+    fn wait_listed(&self, id: &str, extra: &[String]) {
+        let registry = self.registry();
+        let mut args = vec!["status", "--json", "--registry", &registry];
+        args.extend(extra.iter().map(String::as_str));
+        let deadline = Instant::now() + Duration::from_secs(15);
+        loop {
+            let out = self.cli(&args);
+            if out.status.success()
+                && String::from_utf8_lossy(&out.stdout).contains(&format!("\"{id}\""))
+            {
+                return;
+            }
+            assert!(
+                Instant::now() < deadline,
+                "{id} never listed: {}",
+                String::from_utf8_lossy(&out.stderr)
+            );
+            std::thread::sleep(Duration::from_millis(200));
+        }
+    }
+
     fn worker_mut(&mut self, id: &str) -> &mut Proc {
         &mut self.workers.iter_mut().find(|(w, _, _)| w == id).unwrap().2
     }
@@ -957,42 +1003,8 @@ fn etcd_with_auth_works_with_credentials_and_fails_clearly_without() {
     );
 
     // With them it registers; clients with them see it, without them fail.
-    let port = free_port();
-    let worker = Command::new(BIN)
-        .args([
-            "worker",
-            "--listen",
-            &format!("127.0.0.1:{port}"),
-            "--cache-dir",
-        ])
-        .arg(c.dir.path().join("cache-w0"))
-        .args(c.worker_security())
-        .args(["--registry", &c.registry(), "--worker-id", "w0"])
-        .args(&creds)
-        .envs(c.env())
-        .stdout(Stdio::null())
-        .stderr(Stdio::null())
-        .spawn()
-        .unwrap();
-    wait_for_port(port, "worker");
-    c.workers.push(("w0".into(), port, Proc(worker)));
-    let deadline = Instant::now() + Duration::from_secs(15);
-    loop {
-        let mut args = vec!["status", "--json", "--registry"];
-        let registry = c.registry();
-        args.push(&registry);
-        args.extend(creds.iter().map(String::as_str));
-        let out = c.cli(&args);
-        if out.status.success() && String::from_utf8_lossy(&out.stdout).contains("\"w0\"") {
-            break;
-        }
-        assert!(
-            Instant::now() < deadline,
-            "w0 never listed: {}",
-            String::from_utf8_lossy(&out.stderr)
-        );
-        std::thread::sleep(Duration::from_millis(200));
-    }
+    c.add_worker_with("w0", &creds);
+    c.wait_listed("w0", &creds);
     let anonymous = c.cli(&["status", "--registry", &c.registry()]);
     assert_eq!(anonymous.status.code(), Some(1));
     let err = String::from_utf8_lossy(&anonymous.stderr);
@@ -1059,41 +1071,9 @@ fn etcd_over_tls_with_client_certificates() {
         "--etcd-key".into(),
         pki.key.display().to_string(),
     ];
-    let port = free_port();
-    let worker = Command::new(BIN)
-        .args([
-            "worker",
-            "--listen",
-            &format!("127.0.0.1:{port}"),
-            "--cache-dir",
-        ])
-        .arg(c.dir.path().join("cache-w0"))
-        .args(c.worker_security())
-        .args(["--registry", &c.registry(), "--worker-id", "w0"])
-        .args(&tls)
-        .envs(c.env())
-        .stdout(Stdio::null())
-        .stderr(worker_log())
-        .spawn()
-        .unwrap();
-    wait_for_port(port, "worker");
-    c.workers.push(("w0".into(), port, Proc(worker)));
+    c.add_worker_with("w0", &tls);
+    c.wait_listed("w0", &tls);
     let registry = c.registry();
-    let mut status = vec!["status", "--json", "--registry", &registry];
-    status.extend(tls.iter().map(String::as_str));
-    let deadline = Instant::now() + Duration::from_secs(15);
-    loop {
-        let out = c.cli(&status);
-        if out.status.success() && String::from_utf8_lossy(&out.stdout).contains("\"w0\"") {
-            break;
-        }
-        assert!(
-            Instant::now() < deadline,
-            "w0 never listed over TLS: {}",
-            String::from_utf8_lossy(&out.stderr)
-        );
-        std::thread::sleep(Duration::from_millis(200));
-    }
     // Without the client certificate (and CA), etcd is unreachable, clearly.
     let plain = c.cli(&["status", "--registry", &registry]);
     assert_eq!(plain.status.code(), Some(1));

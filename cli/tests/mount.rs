@@ -972,34 +972,29 @@ fn a_mount_can_do_what_its_token_allows_and_nothing_else() {
     assert_eq!(env.s3_get("elsewhere.bin"), None);
 }
 
-#[test]
-fn a_second_read_comes_from_the_node_local_tier_with_the_workers_gone() {
-    let mut env = Env::start(1);
-    let data = pattern((20 << 20) + 4321, 7);
-    let want = Sha256::digest(&data).to_vec();
-    env.put("shard.bin", Bytes::from(data));
+/// Mounts with a node-local tier in the test's directory; returns it.
+fn mount_with_tier(env: &mut Env, extra: &[&str]) -> PathBuf {
     let tier = env.dir.path().join("local-tier");
     let log = File::create(env.dir.path().join("mount.log")).unwrap();
     let child = env
         .mount_command()
         .arg("--local-cache")
         .arg(&tier)
-        .args(["--local-cache-size", "1GiB", "--no-s3-fallback"])
+        .args(extra)
         .stdout(Stdio::null())
         .stderr(log)
         .spawn()
         .unwrap();
     env.mount = Some(Proc(child));
     wait_mounted(&env.mountpoint(), true);
-    let file = env.mountpoint().join("shard.bin");
-    assert_eq!(
-        sha_file(&file).unwrap().1,
-        want,
-        "first read, through the worker"
-    );
-    // The fill runs off the read path; its metadata appears once whole.
+    tier
+}
+
+/// Waits until the tier records a whole object (fills run off the read
+/// path; an object's metadata appears once it is complete).
+fn wait_for_tier(tier: &Path) {
     let deadline = Instant::now() + Duration::from_secs(20);
-    while !fs::read_dir(&tier)
+    while !fs::read_dir(tier)
         .unwrap()
         .flatten()
         .any(|e| e.path().extension().is_some_and(|x| x == "meta"))
@@ -1007,6 +1002,25 @@ fn a_second_read_comes_from_the_node_local_tier_with_the_workers_gone() {
         assert!(Instant::now() < deadline, "the tier never held the file");
         std::thread::sleep(Duration::from_millis(50));
     }
+}
+
+#[test]
+fn a_second_read_comes_from_the_node_local_tier_with_the_workers_gone() {
+    let mut env = Env::start(1);
+    let data = pattern((20 << 20) + 4321, 7);
+    let want = Sha256::digest(&data).to_vec();
+    env.put("shard.bin", Bytes::from(data));
+    let tier = mount_with_tier(
+        &mut env,
+        &["--local-cache-size", "1GiB", "--no-s3-fallback"],
+    );
+    let file = env.mountpoint().join("shard.bin");
+    assert_eq!(
+        sha_file(&file).unwrap().1,
+        want,
+        "first read, through the worker"
+    );
+    wait_for_tier(&tier);
     // No worker, no S3 fallback, no page cache (names stay cached: a
     // lookup still asks a worker once its TTL is over): only the node's
     // disk can serve the bytes.
@@ -1026,30 +1040,10 @@ fn a_file_whole_in_the_local_tier_is_read_by_the_kernel_through_passthrough() {
     let data = pattern((12 << 20) + 77, 8);
     let want = Sha256::digest(&data).to_vec();
     env.put("pass.bin", Bytes::from(data));
-    let tier = env.dir.path().join("local-tier");
-    let log = File::create(env.dir.path().join("mount.log")).unwrap();
-    let child = env
-        .mount_command()
-        .arg("--local-cache")
-        .arg(&tier)
-        .args(["--log", "lakecache_fuse=trace,info"])
-        .stdout(Stdio::null())
-        .stderr(log)
-        .spawn()
-        .unwrap();
-    env.mount = Some(Proc(child));
-    wait_mounted(&env.mountpoint(), true);
+    let tier = mount_with_tier(&mut env, &["--log", "lakecache_fuse=trace,info"]);
     let file = env.mountpoint().join("pass.bin");
     assert_eq!(sha_file(&file).unwrap().1, want, "first read, by the mount");
-    let deadline = Instant::now() + Duration::from_secs(20);
-    while !fs::read_dir(&tier)
-        .unwrap()
-        .flatten()
-        .any(|e| e.path().extension().is_some_and(|x| x == "meta"))
-    {
-        assert!(Instant::now() < deadline, "the tier never held the file");
-        std::thread::sleep(Duration::from_millis(50));
-    }
+    wait_for_tier(&tier);
     // Let the kernel's RELEASE of the first handle arrive: an inode the
     // mount still serves gets no passthrough handle beside it.
     std::thread::sleep(Duration::from_millis(300));
