@@ -837,40 +837,38 @@ fn a_registration_not_signed_by_the_cluster_key_never_joins_the_ring() {
     let rt = tokio::runtime::Runtime::new().unwrap();
     rt.block_on(async {
         let endpoint = vec![format!("http://127.0.0.1:{}", c.etcd_port)];
-        let rogue = |id: &str| lakecache_registry::Member {
-            id: id.into(),
-            address: "127.0.0.1:1".into(),
-            capacity: 1 << 40,
+        // What anyone with etcd write access can do: register a member.
+        let register = |id: &str, signer: Option<&lakecache_protocol::member_sig::MemberSigner>| {
+            let member = lakecache_registry::Member {
+                id: format!("rogue-{id}"),
+                address: "127.0.0.1:1".into(),
+                capacity: 1 << 40,
+            };
+            let signer = signer.cloned();
+            let endpoint = endpoint.clone();
+            async move {
+                lakecache_registry::EtcdRegistration::start(
+                    endpoint,
+                    PREFIX.into(),
+                    Default::default(),
+                    member,
+                    signer.as_ref(),
+                    Duration::from_secs(30),
+                    Duration::from_secs(5),
+                )
+                .await
+                .unwrap()
+            }
         };
         // Anyone who can write to etcd: an unsigned record, and one
         // signed with another cluster's keys.
-        let unsigned = lakecache_registry::EtcdRegistration::start(
-            endpoint.clone(),
-            PREFIX.into(),
-            Default::default(),
-            rogue("rogue-unsigned"),
-            None,
-            Duration::from_secs(30),
-            Duration::from_secs(5),
-        )
-        .await
-        .unwrap();
+        let unsigned = register("unsigned", None).await;
         let other_keys = lakecache_protocol::token::KeyRing::new(
             lakecache_protocol::token::SigningKey::generate("k-other"),
             None,
         );
         let signer = lakecache_protocol::member_sig::MemberSigner::new(&other_keys);
-        let foreign = lakecache_registry::EtcdRegistration::start(
-            endpoint.clone(),
-            PREFIX.into(),
-            Default::default(),
-            rogue("rogue-foreign"),
-            Some(&signer),
-            Duration::from_secs(30),
-            Duration::from_secs(5),
-        )
-        .await
-        .unwrap();
+        let foreign = register("foreign", Some(&signer)).await;
 
         // A client that trusts everything sees them: they are in etcd.
         let open = EtcdMembership::connect(
@@ -889,17 +887,7 @@ fn a_registration_not_signed_by_the_cluster_key_never_joins_the_ring() {
         // at start and as records arrive.
         let trusting = c.etcd_membership().await;
         assert_eq!(ids(&trusting.subscribe().borrow()), ["w0", "w1"]);
-        let late = lakecache_registry::EtcdRegistration::start(
-            endpoint.clone(),
-            PREFIX.into(),
-            Default::default(),
-            rogue("rogue-late"),
-            None,
-            Duration::from_secs(30),
-            Duration::from_secs(5),
-        )
-        .await
-        .unwrap();
+        let late = register("late", None).await;
         tokio::time::sleep(Duration::from_millis(500)).await;
         assert_eq!(ids(&trusting.subscribe().borrow()), ["w0", "w1"]);
         for r in [unsigned, foreign, late] {

@@ -148,6 +148,19 @@ impl TierObject {
             .sum()
     }
 
+    /// Whether every block `offset..offset+len` touches is filled (no
+    /// I/O: lets a reader skip the blocking read of a miss).
+    pub fn covers(&self, offset: u64, len: u64) -> bool {
+        let meta = self.lock();
+        let end = (offset.saturating_add(len)).min(meta.size);
+        if offset >= end {
+            return true;
+        }
+        let first = (offset / BLOCK) as usize;
+        let last = ((end - 1) / BLOCK) as usize;
+        meta.crcs[first..=last].iter().all(Option::is_some)
+    }
+
     /// `offset..offset+len` if every block it touches is filled and
     /// checks out; `None` when some block is missing or failed its CRC
     /// (a failed block is forgotten, so the next fill replaces it).

@@ -141,7 +141,8 @@ impl FileReader {
         if offset >= end {
             return Ok(Bytes::new());
         }
-        if let Some(object) = self.tier.clone() {
+        // A miss is known without I/O; only hits pay the blocking read.
+        if let Some(object) = self.tier.clone().filter(|o| o.covers(offset, end - offset)) {
             let local = tokio::task::spawn_blocking(move || object.read(offset, end - offset))
                 .await
                 .map_err(FsError::Task)?;
@@ -376,16 +377,20 @@ mod tests {
         wait_complete(&object).await;
         let fetched = rec.read_ranges().len();
 
+        // Another open of the same version, with the tier's object.
+        let reopen = |r: &FileReader| {
+            FileReader::new(
+                rec.clone(),
+                r.uri.clone(),
+                r.etag.clone(),
+                len,
+                r.policy,
+                MemoryBudget::new(1 << 30),
+            )
+            .with_tier(tier.get("s3://bkt/obj", &r.etag))
+        };
         // A new reader of the same version: no request leaves the node.
-        let mut second = FileReader::new(
-            rec.clone(),
-            first.uri.clone(),
-            first.etag.clone(),
-            len,
-            first.policy,
-            MemoryBudget::new(1 << 30),
-        )
-        .with_tier(tier.get("s3://bkt/obj", &first.etag));
+        let mut second = reopen(&first);
         assert_eq!(read_all(&mut second, len).await, body);
         assert_eq!(
             rec.read_ranges().len(),
@@ -401,15 +406,7 @@ mod tests {
             .unwrap();
         f.write_all_at(&[body[3 * MIB as usize] ^ 0xff], 3 * MIB)
             .unwrap();
-        let mut third = FileReader::new(
-            rec.clone(),
-            first.uri.clone(),
-            first.etag.clone(),
-            len,
-            first.policy,
-            MemoryBudget::new(1 << 30),
-        )
-        .with_tier(tier.get("s3://bkt/obj", &first.etag));
+        let mut third = reopen(&first);
         assert_eq!(read_all(&mut third, len).await, body);
         assert!(
             rec.read_ranges().len() > fetched,
