@@ -91,6 +91,8 @@ pub struct Cache {
     /// Totals for `/v1/health` (the same counts feed the metrics).
     hit_bytes: AtomicU64,
     miss_bytes: AtomicU64,
+    /// Which random misses fetch whole blocks and which exactly.
+    random_admission: crate::admission::RandomAdmission,
 }
 
 const MAX_TRACKED_STREAMS: usize = 16_384;
@@ -150,6 +152,7 @@ impl Cache {
             peers: Default::default(),
             hit_bytes: AtomicU64::new(0),
             miss_bytes: AtomicU64::new(0),
+            random_admission: Default::default(),
         });
         tokio::spawn(evictor(Arc::downgrade(&cache), cache.evict.clone()));
         cache.evict.notify_one();
@@ -371,6 +374,9 @@ impl Cache {
             self.fetch_page(uri, meta, idx, key, id)
                 .await
                 .map(|page| slice_within(&page, &sub))
+        } else if !sequential && !self.random_admission.admit(key, &sub, CHECK_BLOCK, id.len) {
+            self.fetch_exact(uri, meta, id.offset + sub.start..id.offset + sub.end)
+                .await
         } else {
             self.fetch_blocks(uri, meta, key, id, &sub).await
         };
@@ -466,6 +472,28 @@ impl Cache {
                 Ok(data)
             })
             .await
+    }
+
+    /// `range` of the object straight from S3, kept nowhere: a random
+    /// read of part of a block (see [`crate::admission`]).
+    async fn fetch_exact(
+        &self,
+        uri: &ObjectUri,
+        meta: &ObjectMeta,
+        range: Range<u64>,
+    ) -> Result<Bytes, CacheError> {
+        let _permit = self
+            .fetch_permits
+            .acquire()
+            .await
+            .map_err(|e| CacheError::Local(e.to_string()))?;
+        let want = range.end - range.start;
+        let _memory = self.memory.reserve(want).await;
+        let data = self.store.get_range(uri, range, &meta.etag).await?;
+        if data.len() as u64 != want {
+            return Err(short_body(want, data.len()));
+        }
+        Ok(data)
     }
 
     /// The blocks of page `id` that `sub` touches, from S3, written into

@@ -1,6 +1,7 @@
 //! The lakecache cache worker: reads S3 on demand, keeps fixed-size pages
 //! on local disk with a RocksDB index, and serves byte ranges over HTTP.
 
+mod admission;
 pub mod cache;
 mod cache_dir;
 mod flight;

@@ -293,5 +293,15 @@ pub fn flush_local_tier(tier: &Option<Arc<lakecache_fuse::local_tier::LocalTier>
         if let Err(e) = tier.flush() {
             tracing::warn!(error = %e, "recording the local tier's partial objects failed");
         }
+        let stats = tier.fill_stats();
+        tracing::info!(
+            filled_bytes = stats
+                .filled_bytes
+                .load(std::sync::atomic::Ordering::Relaxed),
+            skipped_bytes = stats
+                .dropped_bytes
+                .load(std::sync::atomic::Ordering::Relaxed),
+            "local tier fills (skipped: the fill thread was behind)"
+        );
     }
 }

@@ -39,6 +39,10 @@ pub struct UpCmd {
     /// Do not mount; serve S3 and the worker API only
     #[arg(long, conflicts_with = "mount")]
     no_mount: bool,
+    /// Mount without the node-local tier (on by default for up, in
+    /// <dir>/local-cache)
+    #[arg(long, conflicts_with = "local_cache")]
+    no_local_cache: bool,
     #[command(flatten)]
     fuse: FuseArgs,
 }
@@ -149,7 +153,7 @@ impl UpCmd {
         let mounted = if self.no_mount {
             None
         } else {
-            match self.mount_bucket(&addrs, &token).await {
+            match self.mount_bucket(&addrs, &token, &dir).await {
                 Ok((m, tier)) => {
                     local_tier = tier;
                     Some(m)
@@ -169,6 +173,14 @@ impl UpCmd {
                 m.mountpoint().display(),
                 self.bucket
             );
+            match &local_tier {
+                Some(tier) => println!(
+                    "  local cache   {}  ({} bytes; --no-local-cache to run without)",
+                    tier.dir().display(),
+                    tier.capacity()
+                ),
+                None => println!("  local cache   off"),
+            }
         }
         let token_flag = format!("--token-file {}", token_path.display());
         println!("try:");
@@ -253,6 +265,7 @@ impl UpCmd {
         &self,
         workers: &[String],
         token: &str,
+        dir: &std::path::Path,
     ) -> Result<(lakecache_fuse::Mounted, Option<Arc<LocalTier>>)> {
         let membership = Arc::new(lakecache_registry::StaticMembership::new(workers));
         let cluster = lakecache_registry::ClusterClient::new(
@@ -266,10 +279,12 @@ impl UpCmd {
         let mut config = self.fuse.fs_config(&self.bucket, "")?;
         config.write_scopes = Some(vec![format!("s3://{}/", self.bucket)]);
         let mut fs = lakecache_fuse::Fs::new(cluster, config);
-        // Opt-in for now (`--local-cache DIR`): on this one-disk machine
-        // filling it costs cold reads more than half their speed
-        // (benches/results/local-tier.md).
-        let tier = self.fuse.local_tier(None)?;
+        let default_tier = dir.join("local-cache");
+        let tier = if self.no_local_cache {
+            None
+        } else {
+            self.fuse.local_tier(Some(&default_tier))?
+        };
         if let Some(tier) = &tier {
             fs = fs.with_local_tier(tier.clone());
         }

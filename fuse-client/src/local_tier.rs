@@ -24,6 +24,11 @@ use bytes::{Bytes, BytesMut};
 use serde::{Deserialize, Serialize};
 use sha2::{Digest, Sha256};
 
+mod direct;
+mod filler;
+use filler::FillQueue;
+pub use filler::FillStats;
+
 const FORMAT: &str = "lakecache-local-tier-v1";
 /// Filled and checked in blocks of this size (the last may be shorter).
 pub const BLOCK: u64 = 1 << 20;
@@ -89,12 +94,15 @@ pub struct TierObject {
     data_path: PathBuf,
     meta_path: PathBuf,
     file: File,
+    /// The data file opened with `O_DIRECT`, where the filesystem allows.
+    direct: Mutex<Option<File>>,
     meta: Mutex<Meta>,
     /// Byte ranges filled so far in blocks not yet whole (not persisted:
     /// after a restart they are simply fetched again).
     partial: Mutex<HashMap<usize, Vec<std::ops::Range<u64>>>>,
     /// Whether a full [`TierObject::verify`] passed since it completed.
     verified: std::sync::atomic::AtomicBool,
+    fills: FillQueue,
 }
 
 /// Adds `new` to sorted, disjoint `ranges`, merging what touches.
@@ -165,6 +173,18 @@ impl TierObject {
     /// checks out; `None` when some block is missing or failed its CRC
     /// (a failed block is forgotten, so the next fill replaces it).
     pub fn read(&self, offset: u64, len: u64) -> Result<Option<Bytes>, TierError> {
+        self.read_checked(offset, len, &mut CheckedBlocks::default())
+    }
+
+    /// [`Self::read`] for a reader that remembers which blocks it has
+    /// checked: those are read as asked, without the whole block and its
+    /// CRC again (each open checks what it reads once).
+    pub fn read_checked(
+        &self,
+        offset: u64,
+        len: u64,
+        checked: &mut CheckedBlocks,
+    ) -> Result<Option<Bytes>, TierError> {
         let (size, wanted) = {
             let meta = self.lock();
             let end = (offset + len).min(meta.size);
@@ -183,9 +203,18 @@ impl TierObject {
             (meta.size, wanted)
         };
         let end = (offset + len).min(size);
-        let mut out = BytesMut::with_capacity((end - offset) as usize);
+        let mut out = BytesMut::zeroed((end - offset) as usize);
         for (i, crc) in wanted {
             let start = i as u64 * BLOCK;
+            let from = offset.max(start);
+            let to = end.min(start + block_len(size, i));
+            let dest = &mut out[(from - offset) as usize..(to - offset) as usize];
+            if checked.contains(i) {
+                self.file
+                    .read_exact_at(dest, from)
+                    .map_err(io(&self.data_path))?;
+                continue;
+            }
             let mut buf = vec![0u8; block_len(size, i) as usize];
             self.file
                 .read_exact_at(&mut buf, start)
@@ -195,11 +224,25 @@ impl TierObject {
                 self.lock().crcs[i] = None;
                 return Ok(None);
             }
-            let from = offset.max(start) - start;
-            let to = end.min(start + buf.len() as u64) - start;
-            out.extend_from_slice(&buf[from as usize..to as usize]);
+            checked.insert(i);
+            dest.copy_from_slice(&buf[(from - start) as usize..(to - start) as usize]);
         }
         Ok(Some(out.freeze()))
+    }
+
+    /// Queues `data` for [`Self::fill`] on the tier's fill thread; dropped
+    /// (and fetched again by a later read) when the filler is behind.
+    /// `memory` is the data's share of the mount's budget, held until
+    /// written.
+    pub fn fill_later(
+        self: &Arc<Self>,
+        offset: u64,
+        data: Bytes,
+        memory: crate::memory::Reservation,
+    ) {
+        if !data.is_empty() {
+            self.fills.submit(self.clone(), offset, data, memory);
+        }
     }
 
     /// Stores `data` at `offset` (any range inside the object). A block
@@ -212,9 +255,7 @@ impl TierObject {
         if len == 0 || offset.checked_add(len).is_none_or(|end| end > size) {
             return Err(TierError::OutOfRange { offset, len, size });
         }
-        self.file
-            .write_all_at(data, offset)
-            .map_err(io(&self.data_path))?;
+        self.write_data(offset, data).map_err(io(&self.data_path))?;
         let end = offset + len;
         let mut covered_now = Vec::new();
         let mut whole = Vec::new();
@@ -269,6 +310,31 @@ impl TierObject {
                 .store(true, std::sync::atomic::Ordering::Release);
         }
         Ok(complete)
+    }
+
+    /// Writes the aligned middle of `data` with `O_DIRECT` and its ends
+    /// through the page cache; all of it through the page cache where
+    /// direct I/O is refused.
+    fn write_data(&self, offset: u64, data: &[u8]) -> std::io::Result<()> {
+        let end = offset + data.len() as u64;
+        let (a0, a1) = (
+            offset.next_multiple_of(direct::ALIGN),
+            end / direct::ALIGN * direct::ALIGN,
+        );
+        let mut direct = self.direct.lock().unwrap_or_else(|e| e.into_inner());
+        let Some(fd) = direct.as_ref().filter(|_| a1 > a0) else {
+            return self.file.write_all_at(data, offset);
+        };
+        let middle = &data[(a0 - offset) as usize..(a1 - offset) as usize];
+        if let Err(e) = direct::write_aligned(fd, middle, a0) {
+            tracing::debug!(error = %e, "direct writes refused; the local tier writes through the page cache");
+            *direct = None;
+            return self.file.write_all_at(data, offset);
+        }
+        drop(direct);
+        self.file
+            .write_all_at(&data[..(a0 - offset) as usize], offset)?;
+        self.file.write_all_at(&data[(a1 - offset) as usize..], a1)
     }
 
     /// Reads every block and checks its CRC (before handing the file to
@@ -338,6 +404,32 @@ impl TierObject {
     }
 }
 
+fn open_direct(path: &Path) -> Option<File> {
+    use std::os::unix::fs::OpenOptionsExt;
+    OpenOptions::new()
+        .write(true)
+        .custom_flags(libc::O_DIRECT)
+        .open(path)
+        .ok()
+}
+
+/// Blocks one reader has checked against their CRCs.
+#[derive(Debug, Default, Clone)]
+pub struct CheckedBlocks(Vec<u64>);
+
+impl CheckedBlocks {
+    fn contains(&self, i: usize) -> bool {
+        self.0.get(i / 64).is_some_and(|w| w & (1 << (i % 64)) != 0)
+    }
+
+    fn insert(&mut self, i: usize) {
+        if self.0.len() <= i / 64 {
+            self.0.resize(i / 64 + 1, 0);
+        }
+        self.0[i / 64] |= 1 << (i % 64);
+    }
+}
+
 fn block_len(size: u64, i: usize) -> u64 {
     (size - i as u64 * BLOCK).min(BLOCK)
 }
@@ -361,6 +453,7 @@ pub struct LocalTier {
     capacity: u64,
     state: Mutex<State>,
     creating: Mutex<()>,
+    fills: FillQueue,
 }
 
 impl LocalTier {
@@ -387,6 +480,7 @@ impl LocalTier {
                 clock: 0,
             }),
             creating: Mutex::new(()),
+            fills: FillQueue::start(),
         };
         tier.recover()?;
         Ok(tier)
@@ -471,6 +565,7 @@ impl LocalTier {
             return None;
         }
         Some(Arc::new(TierObject {
+            direct: Mutex::new(open_direct(&data_path)),
             id: id.to_string(),
             data_path,
             meta_path,
@@ -478,6 +573,7 @@ impl LocalTier {
             meta: Mutex::new(meta),
             partial: Mutex::default(),
             verified: Default::default(),
+            fills: self.fills.clone(),
         }))
     }
 
@@ -530,6 +626,7 @@ impl LocalTier {
             .map_err(io(&data_path))?;
         file.set_len(size).map_err(io(&data_path))?;
         let object = Arc::new(TierObject {
+            direct: Mutex::new(open_direct(&data_path)),
             id: id.clone(),
             meta_path: self.dir.join(format!("{id}.meta")),
             data_path,
@@ -544,6 +641,7 @@ impl LocalTier {
             }),
             partial: Mutex::default(),
             verified: Default::default(),
+            fills: self.fills.clone(),
         });
         if size == 0 {
             object.persist()?;
@@ -616,14 +714,37 @@ impl LocalTier {
         }
     }
 
+    pub fn dir(&self) -> &Path {
+        &self.dir
+    }
+
+    pub fn capacity(&self) -> u64 {
+        self.capacity
+    }
+
     /// Bytes reserved by the objects held.
     pub fn used(&self) -> u64 {
         self.lock().used
     }
 
-    /// Records the filled blocks of every partial object (complete ones
-    /// were recorded when they completed).
+    /// Bytes written by the fill thread, and dropped because it was behind.
+    pub fn fill_stats(&self) -> &FillStats {
+        self.fills.stats()
+    }
+
+    /// Waits (at most `limit`) for queued fills to reach the disk.
+    pub fn drain_fills(&self, limit: std::time::Duration) -> bool {
+        self.fills.drain(limit)
+    }
+
+    /// Writes queued fills, then records the filled blocks of every
+    /// partial object (complete ones were recorded when they completed).
     pub fn flush(&self) -> Result<(), TierError> {
+        if !self.drain_fills(std::time::Duration::from_secs(30)) {
+            tracing::warn!(
+                "local tier fills still queued at flush; their blocks will be fetched again"
+            );
+        }
         let objects: Vec<Arc<TierObject>> = self
             .lock()
             .slots

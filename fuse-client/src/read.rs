@@ -11,7 +11,7 @@ use tokio::task::JoinHandle;
 
 use crate::data_plane::{read_exact, DataPlane};
 use crate::error::FsError;
-use crate::local_tier::TierObject;
+use crate::local_tier::{CheckedBlocks, TierObject};
 use crate::memory::{MemoryBudget, Reservation};
 
 /// How far behind the last read a request may land and still count as
@@ -69,6 +69,8 @@ pub struct FileReader {
     /// This version's copy in the node-local tier: read first, filled
     /// from what comes back from the workers.
     tier: Option<Arc<TierObject>>,
+    /// Tier blocks this reader has checked against their CRCs.
+    tier_checked: CheckedBlocks,
 }
 
 impl FileReader {
@@ -92,6 +94,7 @@ impl FileReader {
             budget,
             served: false,
             tier: None,
+            tier_checked: CheckedBlocks::default(),
         }
     }
 
@@ -123,6 +126,7 @@ impl FileReader {
         self.size = size;
         // The tier copy is of the old version.
         self.tier = None;
+        self.tier_checked = CheckedBlocks::default();
     }
 
     pub fn size(&self) -> u64 {
@@ -141,12 +145,26 @@ impl FileReader {
         if offset >= end {
             return Ok(Bytes::new());
         }
-        // A miss is known without I/O; only hits pay the blocking read.
-        if let Some(object) = self.tier.clone().filter(|o| o.covers(offset, end - offset)) {
-            let local = tokio::task::spawn_blocking(move || object.read(offset, end - offset))
-                .await
-                .map_err(FsError::Task)?;
-            match local {
+        let buffered = match (self.chunks.front(), self.chunks.back()) {
+            (Some(f), Some(b)) => f.range.start <= offset && offset < b.range.end,
+            _ => false,
+        };
+        // Bytes already fetched (or on their way) are served from memory;
+        // otherwise the tier, where a miss is known without I/O.
+        if let Some(object) = self
+            .tier
+            .clone()
+            .filter(|o| !buffered && o.covers(offset, end - offset))
+        {
+            let mut checked = std::mem::take(&mut self.tier_checked);
+            let local = tokio::task::spawn_blocking(move || {
+                let got = object.read_checked(offset, end - offset, &mut checked);
+                (got, checked)
+            })
+            .await
+            .map_err(FsError::Task)?;
+            self.tier_checked = local.1;
+            match local.0 {
                 Ok(Some(bytes)) => {
                     self.next_offset = self.next_offset.max(end);
                     return Ok(bytes);
@@ -159,12 +177,15 @@ impl FileReader {
                 }
             }
         }
-        let buffered = match (self.chunks.front(), self.chunks.back()) {
-            (Some(f), Some(b)) => f.range.start <= offset && offset < b.range.end,
-            _ => false,
+        // A reader in random mode (no window) turns sequential only by
+        // continuing exactly where it stopped; a streaming one may skip
+        // ahead a little (the kernel's read-ahead arrives out of order).
+        let slack = if self.window == 0 {
+            0
+        } else {
+            self.window.max(REORDER_SLACK)
         };
-        let forward = offset >= self.next_offset
-            && offset - self.next_offset <= self.window.max(REORDER_SLACK);
+        let forward = offset >= self.next_offset && offset - self.next_offset <= slack;
         let sequential = buffered || (forward && (offset == 0 || self.next_offset > 0));
         if !sequential {
             let behind = offset < self.next_offset && self.next_offset - offset <= REORDER_SLACK;
@@ -256,13 +277,14 @@ impl FileReader {
             let etag = self.etag.clone();
             let r = range.clone();
             let tier = self.tier.clone();
+            let budget = self.budget.clone();
             // read_exact: a chunk is whole or an error, never short.
             let fetch = tokio::spawn(async move {
                 let bytes = read_exact(data.as_ref(), &uri, r.clone(), &etag)
                     .await
                     .map_err(FsError::from)?;
                 if let Some(object) = tier {
-                    fill_tier(object, r.start, bytes.clone());
+                    fill_tier(&object, &budget, r.start, &bytes);
                 }
                 Ok(bytes)
             });
@@ -282,23 +304,19 @@ impl FileReader {
         // Out-of-order and random reads fill too, or a file read by
         // several jobs at once would keep holes.
         if let Some(object) = &self.tier {
-            fill_tier(object.clone(), start, bytes.clone());
+            fill_tier(object, &self.budget, start, &bytes);
         }
         Ok(bytes)
     }
 }
 
-/// Writes what a worker returned to the local tier, off the read path
-/// (the reader already has its bytes).
-fn fill_tier(object: Arc<TierObject>, start: u64, bytes: Bytes) {
-    if bytes.is_empty() {
-        return;
+/// Hands what a worker returned to the local tier's fill thread (the
+/// reader already has its bytes). The copy counts against the mount's
+/// memory while queued; with none to spare the fill is skipped.
+fn fill_tier(object: &Arc<TierObject>, budget: &MemoryBudget, start: u64, bytes: &Bytes) {
+    if let Some(memory) = budget.try_reserve(bytes.len() as u64) {
+        object.fill_later(start, bytes.clone(), memory);
     }
-    tokio::task::spawn_blocking(move || {
-        if let Err(e) = object.fill(start, &bytes) {
-            tracing::warn!(error = %e, "filling the local tier failed");
-        }
-    });
 }
 
 #[cfg(test)]

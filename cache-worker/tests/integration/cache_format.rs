@@ -114,40 +114,52 @@ async fn a_second_worker_on_a_live_cache_dir_fails_before_touching_it() {
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
-async fn a_cold_random_read_fetches_its_blocks_not_the_page() {
+async fn random_reads_fetch_what_they_ask_until_their_block_is_worth_keeping() {
     // 4 MiB pages; a 4 KiB read in the middle of an object is random.
     let h = Harness::with(|o| o.cache.page_size = 4 * MIB).await;
     let body = crate::harness::data((8 * MIB) as usize, 77);
     h.put_direct("random.bin", &body).await;
-    let at = 5 * MIB + 300 * 1024;
-    let got = h
-        .client
-        .read(&uri("random.bin"), Some(at..at + 4096))
-        .await
-        .unwrap();
-    assert_eq!(&got[..], &body[at as usize..at as usize + 4096]);
     let s3_bytes = |m: &str| metric_value(m, "lakecache_s3_transferred_bytes_total");
-    let fetched = s3_bytes(&h.client.metrics().await.unwrap());
-    assert!(
-        fetched > 0.0 && fetched <= 256.0 * 1024.0,
-        "a 4 KiB random read pulled {fetched} bytes from S3"
+    let block = 256 * 1024;
+    let base = 5 * MIB + block;
+    let mut asked = 0.0;
+    let mut fetched = 0.0;
+    // Reads scattered over one check block: each costs what it asks,
+    // until they have cost as much as the block, which is then kept.
+    for i in 0..64u64 {
+        let at = base + (i * 37 % 64) * 4096;
+        h.faults().reset_counts();
+        let got = h
+            .client
+            .read(&uri("random.bin"), Some(at..at + 4096))
+            .await
+            .unwrap();
+        assert_eq!(&got[..], &body[at as usize..at as usize + 4096]);
+        asked += 4096.0;
+        assert_eq!(h.gets(), 1, "read {i}: one S3 request per random miss");
+        fetched = s3_bytes(&h.client.metrics().await.unwrap());
+        assert!(
+            fetched <= 2.0 * asked,
+            "read {i}: {fetched} S3 bytes for {asked} asked"
+        );
+    }
+    assert_eq!(
+        fetched,
+        63.0 * 4096.0 + block as f64,
+        "the block was bought once"
     );
-    // Another read in the same block is a hit; one in the next block
-    // fills that block too; the whole object then reads right.
+    // The kept block now serves any read in it without S3.
     h.faults().reset_counts();
-    h.client
-        .read(&uri("random.bin"), Some(at + 8192..at + 9000))
-        .await
-        .unwrap();
-    assert_eq!(h.gets(), 0, "the filled block is served from disk");
-    let next = at + 256 * 1024;
     let got = h
         .client
-        .read(&uri("random.bin"), Some(next..next + 100))
+        .read(&uri("random.bin"), Some(base + 100..base + 9000))
         .await
         .unwrap();
-    assert_eq!(&got[..], &body[next as usize..next as usize + 100]);
-    assert_eq!(h.gets(), 1);
+    assert_eq!(
+        &got[..],
+        &body[(base + 100) as usize..(base + 9000) as usize]
+    );
+    assert_eq!(h.gets(), 0, "the kept block is served from disk");
     let all = h.client.read(&uri("random.bin"), None).await.unwrap();
     assert!(all == body, "a partly filled page served wrong bytes");
 }

@@ -1,0 +1,287 @@
+//! The node-local tier (L1) and the random-read path, through the kernel:
+//! fills, passthrough, new versions, damage, eviction, a deleted tier
+//! directory, and what a cold random read costs the worker and S3.
+
+use super::*;
+
+/// Mounts with a node-local tier in the test's directory; returns it.
+fn mount_with_tier(env: &mut Env, extra: &[&str]) -> PathBuf {
+    let tier = env.dir.path().join("local-tier");
+    let log = File::create(env.dir.path().join("mount.log")).unwrap();
+    let child = env
+        .mount_command()
+        .arg("--local-cache")
+        .arg(&tier)
+        .args(extra)
+        .stdout(Stdio::null())
+        .stderr(log)
+        .spawn()
+        .unwrap();
+    env.mount = Some(Proc(child));
+    wait_mounted(&env.mountpoint(), true);
+    tier
+}
+
+/// Waits until the tier records a whole object (fills run off the read
+/// path; an object's metadata appears once it is complete).
+fn wait_for_tier(tier: &Path) {
+    let deadline = Instant::now() + Duration::from_secs(20);
+    while !fs::read_dir(tier)
+        .unwrap()
+        .flatten()
+        .any(|e| e.path().extension().is_some_and(|x| x == "meta"))
+    {
+        assert!(Instant::now() < deadline, "the tier never held the file");
+        std::thread::sleep(Duration::from_millis(50));
+    }
+}
+
+#[test]
+fn a_second_read_comes_from_the_node_local_tier_with_the_workers_gone() {
+    let mut env = Env::start(1);
+    let data = pattern((20 << 20) + 4321, 7);
+    let want = Sha256::digest(&data).to_vec();
+    env.put("shard.bin", Bytes::from(data));
+    let tier = mount_with_tier(
+        &mut env,
+        &["--local-cache-size", "1GiB", "--no-s3-fallback"],
+    );
+    let file = env.mountpoint().join("shard.bin");
+    assert_eq!(
+        sha_file(&file).unwrap().1,
+        want,
+        "first read, through the worker"
+    );
+    wait_for_tier(&tier);
+    // No worker, no S3 fallback, no page cache (names stay cached: a
+    // lookup still asks a worker once its TTL is over): only the node's
+    // disk can serve the bytes.
+    env.workers[0].1.kill9();
+    fs::write("/proc/sys/vm/drop_caches", "1").unwrap();
+    let second = sha_file(&file);
+    assert!(
+        second.as_ref().is_ok_and(|(_, sha)| *sha == want),
+        "second read without workers: {second:?}; mount log:\n{}",
+        env.log()
+    );
+}
+
+#[test]
+fn a_file_whole_in_the_local_tier_is_read_by_the_kernel_through_passthrough() {
+    let mut env = Env::start(1);
+    let data = pattern((12 << 20) + 77, 8);
+    let want = Sha256::digest(&data).to_vec();
+    env.put("pass.bin", Bytes::from(data));
+    let tier = mount_with_tier(&mut env, &["--log", "lakecache_fuse=trace,info"]);
+    let file = env.mountpoint().join("pass.bin");
+    assert_eq!(sha_file(&file).unwrap().1, want, "first read, by the mount");
+    wait_for_tier(&tier);
+    // Let the kernel's RELEASE of the first handle arrive: an inode the
+    // mount still serves gets no passthrough handle beside it.
+    std::thread::sleep(Duration::from_millis(300));
+    let reads = |log: &str| log.matches("fuse read").count();
+    let before = reads(&env.log());
+    assert!(before > 0, "the first read went through the mount");
+    fs::write("/proc/sys/vm/drop_caches", "1").unwrap();
+    assert_eq!(sha_file(&file).unwrap().1, want, "second read");
+    let log = env.log();
+    assert!(log.contains("opened with passthrough"), "{log}");
+    assert_eq!(
+        reads(&log),
+        before,
+        "READs reached the mount on a passthrough handle"
+    );
+}
+
+/// The tier's files with this extension.
+fn tier_files(tier: &Path, ext: &str) -> Vec<PathBuf> {
+    fs::read_dir(tier)
+        .map(|d| {
+            d.flatten()
+                .map(|e| e.path())
+                .filter(|p| p.extension().is_some_and(|x| x == ext))
+                .collect()
+        })
+        .unwrap_or_default()
+}
+
+fn wait_until(what: &str, mut done: impl FnMut() -> bool) {
+    let deadline = Instant::now() + Duration::from_secs(20);
+    while !done() {
+        assert!(Instant::now() < deadline, "timed out waiting: {what}");
+        std::thread::sleep(Duration::from_millis(50));
+    }
+}
+
+#[test]
+fn a_replaced_object_is_read_anew_and_its_old_local_copy_dropped() {
+    let mut env = Env::start_full(1, &[], &["--metadata-ttl", "1"]);
+    let old = pattern((3 << 20) + 11, 21);
+    env.put("model.bin", Bytes::from(old.clone()));
+    let tier = mount_with_tier(&mut env, &["--attr-ttl", "1", "--entry-ttl", "1"]);
+    let file = env.mountpoint().join("model.bin");
+    assert_eq!(sha_file(&file).unwrap().1, Sha256::digest(&old).to_vec());
+    wait_for_tier(&tier);
+    let old_copy = tier_files(&tier, "data");
+    assert_eq!(old_copy.len(), 1, "{old_copy:?}");
+    std::thread::sleep(Duration::from_millis(300));
+    // A passthrough open of the old version, then S3 gets a new one.
+    assert_eq!(sha_file(&file).unwrap().1, Sha256::digest(&old).to_vec());
+    let new = pattern((3 << 20) + 5000, 22);
+    env.put("model.bin", Bytes::from(new.clone()));
+    std::thread::sleep(Duration::from_millis(2200));
+    fs::write("/proc/sys/vm/drop_caches", "1").unwrap();
+    assert_eq!(
+        sha_file(&file).unwrap().1,
+        Sha256::digest(&new).to_vec(),
+        "the open after the TTL read the new version; mount log:\n{}",
+        env.log()
+    );
+    wait_until("the old version's local copy is dropped", || {
+        !old_copy[0].exists()
+    });
+    wait_for_tier(&tier);
+    assert_eq!(
+        sha_file(&file).unwrap().1,
+        Sha256::digest(&new).to_vec(),
+        "a later open, from the tier"
+    );
+}
+
+#[test]
+fn a_damaged_local_copy_is_caught_at_open_and_fetched_again() {
+    let mut env = Env::start(1);
+    let data = pattern((6 << 20) + 99, 31);
+    let want = Sha256::digest(&data).to_vec();
+    env.put("damaged.bin", Bytes::from(data.clone()));
+    let tier = mount_with_tier(&mut env, &[]);
+    let file = env.mountpoint().join("damaged.bin");
+    assert_eq!(sha_file(&file).unwrap().1, want);
+    wait_for_tier(&tier);
+    env.mount.take().unwrap().term();
+    wait_mounted(&env.mountpoint(), false);
+    // One flipped byte in the middle of the local copy.
+    let copy = tier_files(&tier, "data").remove(0);
+    let f = OpenOptions::new().write(true).open(&copy).unwrap();
+    let at = (4 << 20) + 12345;
+    f.write_all_at(&[data[at] ^ 0x5a], at as u64).unwrap();
+    drop(f);
+    mount_with_tier(&mut env, &[]);
+    fs::write("/proc/sys/vm/drop_caches", "1").unwrap();
+    assert_eq!(sha_file(&file).unwrap().1, want, "read after the damage");
+    let log = env.log();
+    assert!(
+        log.contains("failed its CRC"),
+        "damage went unnoticed:\n{log}"
+    );
+    // The block was fetched again and the copy mended.
+    wait_until("the damaged block is filled again", || {
+        fs::read(&copy).is_ok_and(|b| b == data)
+    });
+}
+
+#[test]
+fn a_full_local_tier_evicts_and_every_read_stays_right() {
+    let mut env = Env::start(1);
+    let files: Vec<Vec<u8>> = (0..5).map(|i| pattern(6 << 20, 40 + i)).collect();
+    for (i, body) in files.iter().enumerate() {
+        env.put(&format!("f{i}"), Bytes::from(body.clone()));
+    }
+    let tier = mount_with_tier(&mut env, &["--local-cache-size", "16MiB"]);
+    for round in 0..3 {
+        for (i, body) in files.iter().enumerate() {
+            fs::write("/proc/sys/vm/drop_caches", "1").unwrap();
+            let got = sha_file(&env.mountpoint().join(format!("f{i}"))).unwrap();
+            assert_eq!(got.1, Sha256::digest(body).to_vec(), "round {round}, f{i}");
+            let held: u64 = tier_files(&tier, "data")
+                .iter()
+                .filter_map(|p| p.metadata().ok())
+                .map(|m| m.len())
+                .sum();
+            assert!(held <= 16 << 20, "the tier holds {held} bytes");
+        }
+    }
+}
+
+#[test]
+fn reads_go_to_the_workers_when_the_local_tier_directory_is_deleted() {
+    let mut env = Env::start(1);
+    let a = pattern((2 << 20) + 1, 51);
+    let b = pattern((2 << 20) + 2, 52);
+    env.put("a.bin", Bytes::from(a.clone()));
+    env.put("b.bin", Bytes::from(b.clone()));
+    let tier = mount_with_tier(&mut env, &[]);
+    let mnt = env.mountpoint();
+    assert_eq!(
+        sha_file(&mnt.join("a.bin")).unwrap().1,
+        Sha256::digest(&a).to_vec()
+    );
+    wait_for_tier(&tier);
+    fs::remove_dir_all(&tier).unwrap();
+    fs::write("/proc/sys/vm/drop_caches", "1").unwrap();
+    for (name, body) in [("a.bin", &a), ("b.bin", &b), ("a.bin", &a)] {
+        let got = sha_file(&mnt.join(name));
+        assert!(
+            got.as_ref()
+                .is_ok_and(|(_, sha)| *sha == Sha256::digest(body).to_vec()),
+            "{name} with the tier gone: {got:?}; mount log:\n{}",
+            env.log()
+        );
+    }
+}
+
+/// Sums every sample of a Prometheus metric whose line starts with `name`
+/// and contains `label`.
+fn worker_metric(port: u16, name: &str, label: &str) -> f64 {
+    reqwest_like_get(port, "/metrics")
+        .lines()
+        .filter(|l| l.starts_with(name) && l.contains(label))
+        .filter_map(|l| l.rsplit(' ').next()?.parse::<f64>().ok())
+        .sum()
+}
+
+#[test]
+fn a_cold_random_read_costs_one_worker_request_and_about_its_own_bytes_from_s3() {
+    let mut env = Env::start(1);
+    let len: u64 = 256 << 20;
+    env.put("random.bin", Bytes::from(pattern(len as usize, 61)));
+    env.mount();
+    let port = env.workers[0].0;
+    let file = File::open(env.mountpoint().join("random.bin")).unwrap();
+    let s3_before = worker_metric(port, "lakecache_s3_transferred", "");
+    let reads_before = worker_metric(
+        port,
+        "lakecache_request_duration_seconds_count",
+        "op=\"read\"",
+    );
+    let mut x = 0x2545_f491_4f6c_dd1d_u64;
+    let n = 400;
+    let mut buf = vec![0u8; 4096];
+    for _ in 0..n {
+        x ^= x << 13;
+        x ^= x >> 7;
+        x ^= x << 17;
+        let at = (x % (len / 4096)) * 4096;
+        file.read_exact_at(&mut buf, at).unwrap();
+    }
+    let asked = (n * 4096) as f64;
+    let s3 = worker_metric(port, "lakecache_s3_transferred", "") - s3_before;
+    let reads = worker_metric(
+        port,
+        "lakecache_request_duration_seconds_count",
+        "op=\"read\"",
+    ) - reads_before;
+    println!(
+        "{n} random 4 KiB reads: {reads} worker reads, {s3} S3 bytes ({:.2} x)",
+        s3 / asked
+    );
+    assert!(
+        reads <= n as f64,
+        "{reads} worker reads for {n} random reads"
+    );
+    assert!(
+        s3 <= 2.0 * asked,
+        "{s3} S3 bytes for {asked} read ({:.1} x)",
+        s3 / asked
+    );
+}
