@@ -652,19 +652,59 @@ impl Cache {
     /// listings are strongly consistent, and a cache here would be
     /// invalidated only on the worker that saw a write, so another worker
     /// could serve a listing without it. Mounts cache listings themselves
-    /// and drop their cache on their own writes.
+    /// and drop their cache on their own writes. The objects' metadata is
+    /// recorded, as a HEAD would, so that reading the files just listed
+    /// costs no HEAD each.
     pub async fn list(
-        &self,
+        self: &Arc<Self>,
         bucket: &str,
         prefix: &str,
         delimiter: Option<&str>,
         token: Option<&str>,
         max_keys: u32,
     ) -> Result<ListResponse, CacheError> {
-        Ok(self
+        let listing = self
             .store
             .list(bucket, prefix, delimiter, token, max_keys)
-            .await?)
+            .await?;
+        let listed: Vec<(String, ObjectMeta)> = listing
+            .objects
+            .iter()
+            // Stores that list without ETags leave it to the HEAD.
+            .filter(|e| !e.etag.is_empty())
+            .filter_map(|e| {
+                let uri = ObjectUri::new(bucket, &e.key).ok()?;
+                let meta = ObjectMeta {
+                    size: e.size,
+                    etag: e.etag.clone(),
+                    last_modified_ms: e.last_modified_ms,
+                };
+                Some((uri.to_string(), meta))
+            })
+            .collect();
+        if !listed.is_empty() {
+            let this = self.clone();
+            let replaced = tokio::task::spawn_blocking(move || {
+                let mut replaced = Vec::new();
+                for (key, meta) in listed {
+                    let old = this.index.get_object(&key).ok().flatten();
+                    if let Err(e) = this.record_meta(&key, &meta) {
+                        tracing::debug!(%key, error = %e, "recording listed metadata failed");
+                        continue;
+                    }
+                    if let Some(old) = old.filter(|o| o.etag != meta.etag) {
+                        replaced.push((key, old.etag, old.size));
+                    }
+                }
+                replaced
+            })
+            .await
+            .map_err(join_failed)?;
+            for (key, etag, size) in replaced {
+                self.reclaim_version(&key, &etag, size);
+            }
+        }
+        Ok(listing)
     }
 
     pub async fn delete(self: &Arc<Self>, uri: &ObjectUri) -> Result<(), CacheError> {

@@ -285,3 +285,70 @@ fn a_cold_random_read_costs_one_worker_request_and_about_its_own_bytes_from_s3()
         s3 / asked
     );
 }
+
+#[test]
+fn small_files_read_once_cost_one_worker_request_each_after_the_listing() {
+    let mut env = Env::start(1);
+    let n = 300;
+    for i in 0..n {
+        env.put(
+            &format!("small/f{i:04}"),
+            Bytes::from(pattern(100 << 10, i)),
+        );
+    }
+    env.mount();
+    let port = env.workers[0].0;
+    let dir = env.mountpoint().join("small");
+    // `ls -l`: the listing, with attributes (readdirplus).
+    let names: Vec<PathBuf> = fs::read_dir(&dir)
+        .unwrap()
+        .map(|e| {
+            let e = e.unwrap();
+            assert_eq!(e.metadata().unwrap().len(), 100 << 10);
+            e.path()
+        })
+        .collect();
+    assert_eq!(names.len(), n as usize);
+    let count = |op: &str| {
+        worker_metric(
+            port,
+            "lakecache_request_duration_seconds_count",
+            &format!("op=\"{op}\""),
+        )
+    };
+    let s3 = |op: &str| {
+        worker_metric(
+            port,
+            "lakecache_s3_requests",
+            &format!("op=\"{op}_object\""),
+        )
+    };
+    let ops = ["read", "head", "stat", "list"];
+    let before: Vec<f64> = ops.iter().map(|op| count(op)).collect();
+    let s3_heads = s3("head");
+    for (i, path) in names.iter().enumerate() {
+        let got = fs::read(path).unwrap();
+        assert_eq!(got.len(), 100 << 10, "{i}");
+    }
+    let after: Vec<f64> = ops.iter().map(|op| count(op)).collect();
+    let delta: Vec<f64> = before.iter().zip(&after).map(|(b, a)| a - b).collect();
+    println!(
+        "{n} small files after ls -l: worker requests {ops:?} = {delta:?}, S3 HEADs {}",
+        s3("head") - s3_heads
+    );
+    assert!(
+        delta[0] <= n as f64,
+        "{} worker reads for {n} files",
+        delta[0]
+    );
+    assert_eq!(
+        delta[1] + delta[2],
+        0.0,
+        "a stat per file after the listing"
+    );
+    assert_eq!(
+        s3("head") - s3_heads,
+        0.0,
+        "S3 HEADs per file after the listing"
+    );
+}
