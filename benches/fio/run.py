@@ -127,7 +127,7 @@ def fio(job: str, directory: Path, **env: str) -> dict:
     job0 = doc["jobs"][0]
     kind = "write" if job.startswith("seq-write") else "read"
     side = job0[kind]
-    return {"mib_s": side["bw_bytes"] / 2**20, "iops": side["iops"]}
+    return {"mib_s": side["bw_bytes"] / 2**20, "iops": side["iops"], "bytes": side["io_bytes"]}
 
 
 def main() -> None:

@@ -66,6 +66,35 @@ struct Meta {
     block: u64,
     /// CRC32C of each block; `None` where the block was never filled.
     crcs: Vec<Option<u32>>,
+    /// The data file as it was when every block was known to match its
+    /// CRC (synced to disk first): while it still looks the same, a new
+    /// mount may hand it to the kernel without reading it all again.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    checked_as: Option<FileStamp>,
+}
+
+/// What changes when anyone writes a file: its inode, length, and
+/// modification and change times.
+#[derive(Debug, Clone, Copy, Serialize, Deserialize, PartialEq, Eq)]
+struct FileStamp {
+    ino: u64,
+    len: u64,
+    mtime_ns: i128,
+    ctime_ns: i128,
+}
+
+impl FileStamp {
+    fn of(file: &File) -> std::io::Result<Self> {
+        use std::os::unix::fs::MetadataExt;
+        let m = file.metadata()?;
+        let ns = |s: i64, n: i64| i128::from(s) * 1_000_000_000 + i128::from(n);
+        Ok(Self {
+            ino: m.ino(),
+            len: m.len(),
+            mtime_ns: ns(m.mtime(), m.mtime_nsec()),
+            ctime_ns: ns(m.ctime(), m.ctime_nsec()),
+        })
+    }
 }
 
 #[derive(Serialize, Deserialize)]
@@ -100,8 +129,6 @@ pub struct TierObject {
     /// Byte ranges filled so far in blocks not yet whole (not persisted:
     /// after a restart they are simply fetched again).
     partial: Mutex<HashMap<usize, Vec<std::ops::Range<u64>>>>,
-    /// Whether a full [`TierObject::verify`] passed since it completed.
-    verified: std::sync::atomic::AtomicBool,
     fills: FillQueue,
 }
 
@@ -255,6 +282,11 @@ impl TierObject {
         if len == 0 || offset.checked_add(len).is_none_or(|end| end > size) {
             return Err(TierError::OutOfRange { offset, len, size });
         }
+        if self.covers(offset, len) {
+            // Already there: rewriting it would only change the file's
+            // times (and cost a full check at the next mount).
+            return Ok(self.is_complete());
+        }
         self.write_data(offset, data).map_err(io(&self.data_path))?;
         let end = offset + len;
         let mut covered_now = Vec::new();
@@ -302,12 +334,12 @@ impl TierObject {
             meta.crcs.iter().all(Option::is_some)
         };
         if complete {
-            // No fsync of the data: a torn write after a crash fails its
-            // CRC and is fetched again. The metadata is synced.
+            // The data reaches the disk before the metadata that vouches
+            // for it: a later mount trusts the stamp instead of re-reading.
+            self.file.sync_data().map_err(io(&self.data_path))?;
+            let stamp = FileStamp::of(&self.file).map_err(io(&self.data_path))?;
+            self.lock().checked_as = Some(stamp);
             self.persist()?;
-            // Every CRC was just taken from what is on disk.
-            self.verified
-                .store(true, std::sync::atomic::Ordering::Release);
         }
         Ok(complete)
     }
@@ -359,24 +391,25 @@ impl TierObject {
                 ok = false;
             }
         }
-        if !ok {
-            self.persist()?;
-        }
+        let stamp = FileStamp::of(&self.file).map_err(io(&self.data_path))?;
+        self.lock().checked_as = ok.then_some(stamp);
+        self.persist()?;
         Ok(ok)
     }
 
-    /// Complete and checked end to end, once per process: the kernel
-    /// reads a passthrough file without our CRCs.
+    /// Complete and known to match its CRCs: the kernel reads a
+    /// passthrough file without them. A file untouched since it was last
+    /// known good (same inode, length and times) is not read again; any
+    /// other is checked end to end first.
     pub fn ready_for_passthrough(&self) -> Result<bool, TierError> {
-        use std::sync::atomic::Ordering;
         if !self.is_complete() {
             return Ok(false);
         }
-        if self.verified.load(Ordering::Acquire) {
+        let stamp = FileStamp::of(&self.file).map_err(io(&self.data_path))?;
+        if self.lock().checked_as == Some(stamp) {
             return Ok(true);
         }
         let ok = self.verify()?;
-        self.verified.store(ok, Ordering::Release);
         // The check read the whole file; leave the page cache as it was
         // rather than filling it with an object nobody asked for yet.
         // SAFETY: fadvise only drops clean cached pages of our own fd.
@@ -572,7 +605,6 @@ impl LocalTier {
             file: data,
             meta: Mutex::new(meta),
             partial: Mutex::default(),
-            verified: Default::default(),
             fills: self.fills.clone(),
         }))
     }
@@ -638,9 +670,9 @@ impl LocalTier {
                 size,
                 block: BLOCK,
                 crcs: vec![None; blocks(size)],
+                checked_as: None,
             }),
             partial: Mutex::default(),
-            verified: Default::default(),
             fills: self.fills.clone(),
         });
         if size == 0 {

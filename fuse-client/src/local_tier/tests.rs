@@ -257,3 +257,48 @@ fn concurrent_opens_of_a_new_file_share_one_object() {
         &body[..8]
     );
 }
+
+#[test]
+fn a_remounted_whole_object_is_trusted_only_while_its_file_is_untouched() {
+    let dir = tempfile::tempdir().unwrap();
+    let body = data(3 * MIB + 7, 9);
+    let path = {
+        let tier = LocalTier::open(dir.path(), 64 << 20).unwrap();
+        let o = tier
+            .get_or_create("s3://b/k", "e1", body.len() as u64)
+            .unwrap();
+        assert!(o.fill(0, &body).unwrap());
+        assert!(o.ready_for_passthrough().unwrap());
+        // A repeated fill of what is there writes nothing.
+        let before = std::fs::metadata(o.backing_path())
+            .unwrap()
+            .modified()
+            .unwrap();
+        std::thread::sleep(std::time::Duration::from_millis(20));
+        assert!(o.fill(MIB as u64, &body[MIB..2 * MIB]).unwrap());
+        let after = std::fs::metadata(o.backing_path())
+            .unwrap()
+            .modified()
+            .unwrap();
+        assert_eq!(before, after, "a duplicate fill rewrote the file");
+        o.backing_path().to_path_buf()
+    };
+    // Untouched: the next mount trusts the stamp.
+    {
+        let tier = LocalTier::open(dir.path(), 64 << 20).unwrap();
+        let o = tier.get("s3://b/k", "e1").unwrap();
+        assert!(o.ready_for_passthrough().unwrap());
+    }
+    // Written behind our back (same bytes or not, the times change): the
+    // next mount checks it end to end and finds the damage.
+    std::thread::sleep(std::time::Duration::from_millis(20));
+    let f = std::fs::OpenOptions::new().write(true).open(&path).unwrap();
+    f.write_all_at(&[body[2 * MIB + 5] ^ 1], 2 * MIB as u64 + 5)
+        .unwrap();
+    drop(f);
+    let tier = LocalTier::open(dir.path(), 64 << 20).unwrap();
+    let o = tier.get("s3://b/k", "e1").unwrap();
+    assert!(!o.ready_for_passthrough().unwrap(), "damage went unnoticed");
+    assert!(!o.is_complete(), "the damaged block is forgotten");
+    assert_eq!(o.read(0, MIB as u64).unwrap().unwrap(), &body[..MIB]);
+}

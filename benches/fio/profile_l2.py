@@ -1,0 +1,95 @@
+#!/usr/bin/env python3
+"""Where the CPU goes on the L2-warm path: a whole-system `perf` profile of
+one sequential fio job through the mount (TLS and tokens on, worker cache
+warm, no local tier, page cache dropped); writes
+benches/results/read-path-profile.md.
+
+Usage (as root; release binaries built, perf installed):
+    python3 benches/fio/profile_l2.py --bin target/release/lakecache \
+        --proxy target/release/delay-proxy
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+from read_path import Setup
+from run import HERE, drop_caches, fio
+
+
+def report(data: Path, sort: str, limit: int) -> list[str]:
+    out = subprocess.run(
+        ["perf", "report", "-i", str(data), "--no-children", "--sort", sort, "--stdio",
+         "--percent-limit", "1"],
+        capture_output=True, text=True, check=False,
+    ).stdout
+    rows = [ln for ln in out.splitlines() if ln.strip() and not ln.startswith("#")]
+    return rows[:limit]
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--bin", required=True)
+    ap.add_argument("--proxy", required=True)
+    ap.add_argument("--work", default="/var/tmp/lakecache-profile")
+    ap.add_argument("--size", default="1G")
+    ap.add_argument("--out", default=str(HERE.parent / "results" / "read-path-profile.md"))
+    a = ap.parse_args()
+    work = Path(a.work)
+    if work.exists():
+        shutil.rmtree(work)
+    work.mkdir(parents=True)
+    s = Setup(a, work, True, 0)
+    try:
+        s.start_worker(fresh=True)
+        s.start_mount(tier=False)
+        fio("seq-read.fio", s.mnt, size=a.size, jobs="1")  # lays the file out
+        fio("seq-read.fio", s.mnt, size=a.size, jobs="1")  # warms the worker
+        s.stop_mount()
+        s.start_mount(tier=False)
+        drop_caches()
+        data = work / "perf.data"
+        perf = subprocess.Popen(
+            ["perf", "record", "-a", "-F", "999", "-g", "-o", str(data)],
+            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+        )
+        result = fio("seq-read.fio", s.mnt, size=a.size, jobs="1")
+        perf.send_signal(2)
+        perf.wait(timeout=120)
+    finally:
+        s.close()
+    by_comm = report(data, "comm", 12)
+    by_sym = report(data, "comm,sym", 30)
+    lines = [
+        "# L2-warm read path: where the CPU goes",
+        "",
+        f"Command: `python3 benches/fio/profile_l2.py --bin {a.bin} --proxy {a.proxy} "
+        f"--size {a.size}` (as root).",
+        f"Machine: {os.cpu_count()} cores, `uname -r` {os.uname().release}. One fio job, "
+        "sequential 256 KiB reads of one file through the mount; HTTPS and tokens between "
+        "mount and worker; worker cache warm; no local tier; page cache dropped. "
+        f"`perf record -a -F 999 -g` over the run: {result['mib_s']:.0f} MiB/s.",
+        "",
+        "## By process (share of all samples, both cores)",
+        "",
+        "```",
+        *by_comm,
+        "```",
+        "",
+        "## By process and symbol (top entries)",
+        "",
+        "```",
+        *by_sym,
+        "```",
+    ]
+    Path(a.out).write_text("\n".join(lines) + "\n")
+    print(f"wrote {a.out}")
+
+
+if __name__ == "__main__":
+    sys.exit(main())
