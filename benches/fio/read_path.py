@@ -179,6 +179,7 @@ def layout(directory: Path, size: str) -> None:
 def fill_tier(setup: Setup, files: list[Path]) -> None:
     """Reads the files through a tier mount until the tier holds them."""
     for _ in range(4):
+        drop_caches()  # or the kernel serves the pass and the mount sees nothing
         for p in files:
             with open(p, "rb", buffering=0) as f:
                 while f.read(8 << 20):
@@ -250,6 +251,9 @@ def main() -> None:
     ap.add_argument("--runtime", default="10", help="seconds per random job")
     ap.add_argument("--rtt-ms", type=int, default=10)
     ap.add_argument("--out", default=str(HERE.parent / "results" / "read-path.md"))
+    ap.add_argument("--parts", default="tls,plain,far",
+                    help="which runs: tls (cold, L2, L1), plain (cold, L2), far (cold at RTT); "
+                    "results of parts not run now come from the last run in --work")
     ap.add_argument("--reuse", action="store_true",
                     help="keep the datasets a previous run laid out in --work")
     a = ap.parse_args()
@@ -287,25 +291,34 @@ def main() -> None:
     for t in tests:
         drop_caches()
         local[t[0]] = run_test(t, work / "local")
-    runs = {
-        "tls": bench(a, work, True, 0, tests, ("L2", "L1"), local),
-        "plain": bench(a, work, False, 0, tests, ("L2",), local),
-        "tls-rtt": bench(a, work, True, a.rtt_ms, tests, (), local),
-    }
-    write(a, tests, local, runs, time.time() - started)
+    saved = work / "results.json"
+    runs = json.loads(saved.read_text()) if saved.exists() else {}
+    plans = {"tls": (True, 0, ("L2", "L1")), "plain": (False, 0, ("L2",)),
+             "far": (True, a.rtt_ms, ())}
+    for part in a.parts.split(","):
+        secure, rtt, states = plans[part]
+        out, rss = bench(a, work, secure, rtt, tests, states, local)
+        runs[part] = {"results": {f"{n}|{st}": r for (n, st), r in out.items()}, "rss": rss,
+                      "local": local, "when": time.strftime("%Y-%m-%d %H:%M")}
+        saved.write_text(json.dumps(runs))
+    write(a, tests, runs, time.time() - started)
 
 
-def write(a, tests, local, runs, elapsed) -> None:
-    tls, _ = runs["tls"]
-    plain, _ = runs["plain"]
-    far, _ = runs["tls-rtt"]
+def write(a, tests, runs, elapsed) -> None:
+    def results(part: str) -> dict:
+        raw = runs[part]["results"]
+        return {tuple(k.split("|")): v for k, v in raw.items()}
+
+    tls, plain, far = results("tls"), results("plain"), results("far")
+    local, local_far = runs["tls"]["local"], runs["far"]["local"]
     unit = {"mib_s": "MiB/s", "iops": "IOPS"}
     lines = [
         "# Read path: local disk vs lakecache cold, L2-warm and L1-warm",
         "",
         f"Command: `python3 benches/fio/read_path.py --bin {a.bin} --proxy {a.proxy} "
         f"--size {a.size} --runtime {a.runtime} --rtt-ms {a.rtt_ms}` (as root; "
-        f"{elapsed / 60:.0f} min).",
+        f"{elapsed / 60:.0f} min for the last invocation; parts and when they ran: "
+        + ", ".join(f"{p} {runs[p]['when']}" for p in ("tls", "plain", "far")) + ").",
         f"Machine: {os.cpu_count()} cores, `uname -r` {os.uname().release}; s3-server, "
         "worker, mount and fio on this one machine. Page cache dropped before every run. "
         "cold = empty worker cache and empty local tier (the tier on, filling, as `up` "
@@ -333,7 +346,7 @@ def write(a, tests, local, runs, elapsed) -> None:
         "|---|---|---|---|---|---|",
     ]
     for name, _, _, u, _ in tests:
-        lo, c, f = local[name][u], tls[(name, "cold")][u], far[(name, "cold")][u]
+        lo, c, f = local_far[name][u], tls[(name, "cold")][u], far[(name, "cold")][u]
         lines.append(f"| {name} | {unit[u]} | {lo:.0f} | {c:.0f} | {f:.0f} | {f / lo:.2f} |")
     lines += [
         "",
@@ -352,7 +365,7 @@ def write(a, tests, local, runs, elapsed) -> None:
     for name, _, _, _, _ in tests:
         lines.append(f"| {name} | {tls[(name, 'cold')]['s3_per_byte']:.2f} | "
                      f"{far[(name, 'cold')]['s3_per_byte']:.2f} |")
-    peak = max(r[1] for r in runs.values())
+    peak = max(runs[p]["rss"] for p in ("tls", "plain", "far"))
     lines += ["", f"Mount peak RSS (VmHWM) over every run: {peak / 2**20:.0f} MiB, "
               f"--memory-limit {MEMORY_LIMIT >> 20} MiB."]
     med = statistics.median(local[n][u] for n, _, _, u, _ in tests if u == "mib_s")

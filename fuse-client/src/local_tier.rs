@@ -122,14 +122,25 @@ pub struct TierObject {
     id: String,
     data_path: PathBuf,
     meta_path: PathBuf,
-    file: File,
-    /// The data file opened with `O_DIRECT`, where the filesystem allows.
-    direct: Mutex<Option<File>>,
+    /// The data file, open while the object is in use (a tier of many
+    /// small objects must not hold a descriptor for each).
+    files: Mutex<Option<OpenFiles>>,
+    /// Whether the filesystem refused `O_DIRECT`.
+    no_direct: std::sync::atomic::AtomicBool,
+    /// Objects of the tier with files open.
+    open_count: Arc<std::sync::atomic::AtomicUsize>,
     meta: Mutex<Meta>,
     /// Byte ranges filled so far in blocks not yet whole (not persisted:
     /// after a restart they are simply fetched again).
     partial: Mutex<HashMap<usize, Vec<std::ops::Range<u64>>>>,
     fills: FillQueue,
+}
+
+/// An object's data file, opened for reads and buffered writes, and with
+/// `O_DIRECT` for the aligned middle of fills where allowed.
+struct OpenFiles {
+    file: Arc<File>,
+    direct: Option<Arc<File>>,
 }
 
 /// Adds `new` to sorted, disjoint `ranges`, merging what touches.
@@ -237,13 +248,13 @@ impl TierObject {
             let to = end.min(start + block_len(size, i));
             let dest = &mut out[(from - offset) as usize..(to - offset) as usize];
             if checked.contains(i) {
-                self.file
+                self.file()?
                     .read_exact_at(dest, from)
                     .map_err(io(&self.data_path))?;
                 continue;
             }
             let mut buf = vec![0u8; block_len(size, i) as usize];
-            self.file
+            self.file()?
                 .read_exact_at(&mut buf, start)
                 .map_err(io(&self.data_path))?;
             if crc32c::crc32c(&buf) != crc {
@@ -321,7 +332,7 @@ impl TierObject {
         let mut crcs = whole;
         for i in covered_now {
             let mut buf = vec![0u8; block_len(size, i) as usize];
-            self.file
+            self.file()?
                 .read_exact_at(&mut buf, i as u64 * BLOCK)
                 .map_err(io(&self.data_path))?;
             crcs.push((i, crc32c::crc32c(&buf)));
@@ -336,8 +347,9 @@ impl TierObject {
         if complete {
             // The data reaches the disk before the metadata that vouches
             // for it: a later mount trusts the stamp instead of re-reading.
-            self.file.sync_data().map_err(io(&self.data_path))?;
-            let stamp = FileStamp::of(&self.file).map_err(io(&self.data_path))?;
+            let file = self.file()?;
+            file.sync_data().map_err(io(&self.data_path))?;
+            let stamp = FileStamp::of(&file).map_err(io(&self.data_path))?;
             self.lock().checked_as = Some(stamp);
             self.persist()?;
         }
@@ -353,20 +365,58 @@ impl TierObject {
             offset.next_multiple_of(direct::ALIGN),
             end / direct::ALIGN * direct::ALIGN,
         );
-        let mut direct = self.direct.lock().unwrap_or_else(|e| e.into_inner());
-        let Some(fd) = direct.as_ref().filter(|_| a1 > a0) else {
-            return self.file.write_all_at(data, offset);
+        let (file, direct) = self.open_files()?;
+        let Some(fd) = direct.filter(|_| a1 > a0) else {
+            return file.write_all_at(data, offset);
         };
         let middle = &data[(a0 - offset) as usize..(a1 - offset) as usize];
-        if let Err(e) = direct::write_aligned(fd, middle, a0) {
+        if let Err(e) = direct::write_aligned(&fd, middle, a0) {
             tracing::debug!(error = %e, "direct writes refused; the local tier writes through the page cache");
-            *direct = None;
-            return self.file.write_all_at(data, offset);
+            self.no_direct
+                .store(true, std::sync::atomic::Ordering::Relaxed);
+            return file.write_all_at(data, offset);
         }
-        drop(direct);
-        self.file
-            .write_all_at(&data[..(a0 - offset) as usize], offset)?;
-        self.file.write_all_at(&data[(a1 - offset) as usize..], a1)
+        file.write_all_at(&data[..(a0 - offset) as usize], offset)?;
+        file.write_all_at(&data[(a1 - offset) as usize..], a1)
+    }
+
+    /// The data file, opened if it is not.
+    fn file(&self) -> Result<Arc<File>, TierError> {
+        self.open_files()
+            .map(|(file, _)| file)
+            .map_err(io(&self.data_path))
+    }
+
+    fn open_files(&self) -> std::io::Result<(Arc<File>, Option<Arc<File>>)> {
+        let mut files = self.files.lock().unwrap_or_else(|e| e.into_inner());
+        if files.is_none() {
+            let file = OpenOptions::new()
+                .read(true)
+                .write(true)
+                .open(&self.data_path)?;
+            let direct = open_direct(&self.data_path);
+            *files = Some(OpenFiles {
+                file: Arc::new(file),
+                direct: direct.map(Arc::new),
+            });
+            self.open_count
+                .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+        }
+        let open = files.as_ref().expect("opened above");
+        let direct = open
+            .direct
+            .clone()
+            .filter(|_| !self.no_direct.load(std::sync::atomic::Ordering::Relaxed));
+        Ok((open.file.clone(), direct))
+    }
+
+    /// Closes the data file (reopened on the next use).
+    fn close_files(&self) {
+        let mut files = self.files.lock().unwrap_or_else(|e| e.into_inner());
+        if files.take().is_some() {
+            self.open_count
+                .fetch_sub(1, std::sync::atomic::Ordering::Relaxed);
+        }
     }
 
     /// Reads every block and checks its CRC (before handing the file to
@@ -382,7 +432,7 @@ impl TierObject {
                 continue;
             };
             let len = block_len(size, i) as usize;
-            self.file
+            self.file()?
                 .read_exact_at(&mut buf[..len], i as u64 * BLOCK)
                 .map_err(io(&self.data_path))?;
             if crc32c::crc32c(&buf[..len]) != crc {
@@ -391,7 +441,7 @@ impl TierObject {
                 ok = false;
             }
         }
-        let stamp = FileStamp::of(&self.file).map_err(io(&self.data_path))?;
+        let stamp = FileStamp::of(&*self.file()?).map_err(io(&self.data_path))?;
         self.lock().checked_as = ok.then_some(stamp);
         self.persist()?;
         Ok(ok)
@@ -405,7 +455,7 @@ impl TierObject {
         if !self.is_complete() {
             return Ok(false);
         }
-        let stamp = FileStamp::of(&self.file).map_err(io(&self.data_path))?;
+        let stamp = FileStamp::of(&*self.file()?).map_err(io(&self.data_path))?;
         if self.lock().checked_as == Some(stamp) {
             return Ok(true);
         }
@@ -415,7 +465,7 @@ impl TierObject {
         // SAFETY: fadvise only drops clean cached pages of our own fd.
         unsafe {
             use std::os::fd::AsRawFd;
-            libc::posix_fadvise(self.file.as_raw_fd(), 0, 0, libc::POSIX_FADV_DONTNEED);
+            libc::posix_fadvise(self.file()?.as_raw_fd(), 0, 0, libc::POSIX_FADV_DONTNEED);
         }
         Ok(ok)
     }
@@ -487,7 +537,13 @@ pub struct LocalTier {
     state: Mutex<State>,
     creating: Mutex<()>,
     fills: FillQueue,
+    /// Objects with their data file open, across the tier.
+    open_count: Arc<std::sync::atomic::AtomicUsize>,
 }
+
+/// Objects whose files stay open beyond those in use: past it, files of
+/// objects nobody holds are closed.
+const MAX_OPEN_OBJECTS: usize = 256;
 
 impl LocalTier {
     /// Opens (or creates) the tier in `dir` and takes stock of what a
@@ -514,6 +570,7 @@ impl LocalTier {
             }),
             creating: Mutex::new(()),
             fills: FillQueue::start(),
+            open_count: Default::default(),
         };
         tier.recover()?;
         Ok(tier)
@@ -589,20 +646,16 @@ impl LocalTier {
             && meta.block == BLOCK
             && meta.crcs.len() == blocks(meta.size)
             && object_id(&meta.uri, &meta.etag) == id;
-        let data = OpenOptions::new()
-            .read(true)
-            .write(true)
-            .open(&data_path)
-            .ok()?;
-        if !sane || data.metadata().ok()?.len() != meta.size {
+        if !sane || std::fs::metadata(&data_path).ok()?.len() != meta.size {
             return None;
         }
         Some(Arc::new(TierObject {
-            direct: Mutex::new(open_direct(&data_path)),
+            files: Mutex::new(None),
+            no_direct: Default::default(),
+            open_count: self.open_count.clone(),
             id: id.to_string(),
             data_path,
             meta_path,
-            file: data,
             meta: Mutex::new(meta),
             partial: Mutex::default(),
             fills: self.fills.clone(),
@@ -621,7 +674,29 @@ impl LocalTier {
         let now = state.clock;
         let slot = state.slots.get_mut(&id)?;
         slot.last_use = now;
-        Some(slot.object.clone())
+        let object = slot.object.clone();
+        drop(state);
+        self.close_idle_files();
+        Some(object)
+    }
+
+    /// Past [`MAX_OPEN_OBJECTS`] open, closes the files of objects that
+    /// nobody but the tier holds.
+    fn close_idle_files(&self) {
+        use std::sync::atomic::Ordering;
+        if self.open_count.load(Ordering::Relaxed) <= MAX_OPEN_OBJECTS {
+            return;
+        }
+        let idle: Vec<Arc<TierObject>> = self
+            .lock()
+            .slots
+            .values()
+            .filter(|s| Arc::strong_count(&s.object) == 1)
+            .map(|s| s.object.clone())
+            .collect();
+        for object in idle {
+            object.close_files();
+        }
     }
 
     /// The object for this version, created empty (a sparse file of its
@@ -657,12 +732,14 @@ impl LocalTier {
             .open(&data_path)
             .map_err(io(&data_path))?;
         file.set_len(size).map_err(io(&data_path))?;
+        drop(file);
         let object = Arc::new(TierObject {
-            direct: Mutex::new(open_direct(&data_path)),
+            files: Mutex::new(None),
+            no_direct: Default::default(),
+            open_count: self.open_count.clone(),
             id: id.clone(),
             meta_path: self.dir.join(format!("{id}.meta")),
             data_path,
-            file,
             meta: Mutex::new(Meta {
                 format: FORMAT.into(),
                 uri: uri.into(),
@@ -689,6 +766,8 @@ impl LocalTier {
                 last_use,
             },
         );
+        drop(state);
+        self.close_idle_files();
         Ok(object)
     }
 

@@ -352,3 +352,32 @@ fn small_files_read_once_cost_one_worker_request_each_after_the_listing() {
         "S3 HEADs per file after the listing"
     );
 }
+
+#[test]
+fn a_mount_killed_while_filling_its_tier_reads_right_after_a_remount() {
+    let mut env = Env::start(1);
+    let data = pattern((48 << 20) + 333, 71);
+    let want = Sha256::digest(&data).to_vec();
+    env.put("big.bin", Bytes::from(data));
+    let tier = mount_with_tier(&mut env, &[]);
+    let file = env.mountpoint().join("big.bin");
+    // Read part of the file, so the tier holds some blocks, then kill -9
+    // the mount while fills may still be queued or half written.
+    {
+        let mut f = File::open(&file).unwrap();
+        let mut buf = vec![0u8; 1 << 20];
+        for _ in 0..20 {
+            f.read_exact(&mut buf).unwrap();
+        }
+    }
+    env.mount.take().unwrap().kill9();
+    let _ = lakecache_fuse::mount::force_unmount(&env.mountpoint());
+    wait_mounted(&env.mountpoint(), false);
+    // The remount adopts what checks out and fetches the rest.
+    mount_with_tier(&mut env, &[]);
+    fs::write("/proc/sys/vm/drop_caches", "1").unwrap();
+    assert_eq!(sha_file(&file).unwrap().1, want, "read after kill -9");
+    wait_for_tier(&tier);
+    fs::write("/proc/sys/vm/drop_caches", "1").unwrap();
+    assert_eq!(sha_file(&file).unwrap().1, want, "read from the whole tier");
+}

@@ -302,3 +302,26 @@ fn a_remounted_whole_object_is_trusted_only_while_its_file_is_untouched() {
     assert!(!o.is_complete(), "the damaged block is forgotten");
     assert_eq!(o.read(0, MIB as u64).unwrap().unwrap(), &body[..MIB]);
 }
+
+#[test]
+fn a_tier_of_many_objects_keeps_few_files_open() {
+    use std::sync::atomic::Ordering;
+    let dir = tempfile::tempdir().unwrap();
+    let n = 3 * MAX_OPEN_OBJECTS;
+    {
+        let tier = LocalTier::open(dir.path(), 64 << 20).unwrap();
+        for i in 0..n {
+            let o = tier
+                .get_or_create(&format!("s3://b/small-{i}"), "e", 1000)
+                .unwrap();
+            assert!(o.fill(0, &data(1000, i as u8)).unwrap());
+            assert!(tier.open_count.load(Ordering::Relaxed) <= MAX_OPEN_OBJECTS + 1);
+        }
+    }
+    // A remount over all of them opens none until they are read.
+    let tier = LocalTier::open(dir.path(), 64 << 20).unwrap();
+    assert_eq!(tier.open_count.load(Ordering::Relaxed), 0);
+    let o = tier.get("s3://b/small-7", "e").unwrap();
+    assert_eq!(o.read(0, 1000).unwrap().unwrap(), data(1000, 7));
+    assert_eq!(tier.open_count.load(Ordering::Relaxed), 1);
+}
