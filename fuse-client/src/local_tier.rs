@@ -85,15 +85,23 @@ struct FileStamp {
 
 impl FileStamp {
     fn of(file: &File) -> std::io::Result<Self> {
+        Ok(Self::from(&file.metadata()?))
+    }
+
+    /// By path: checking a stamp needs no descriptor.
+    fn of_path(path: &Path) -> std::io::Result<Self> {
+        Ok(Self::from(&std::fs::metadata(path)?))
+    }
+
+    fn from(m: &std::fs::Metadata) -> Self {
         use std::os::unix::fs::MetadataExt;
-        let m = file.metadata()?;
         let ns = |s: i64, n: i64| i128::from(s) * 1_000_000_000 + i128::from(n);
-        Ok(Self {
+        Self {
             ino: m.ino(),
             len: m.len(),
             mtime_ns: ns(m.mtime(), m.mtime_nsec()),
             ctime_ns: ns(m.ctime(), m.ctime_nsec()),
-        })
+        }
     }
 }
 
@@ -455,7 +463,7 @@ impl TierObject {
         if !self.is_complete() {
             return Ok(false);
         }
-        let stamp = FileStamp::of(&*self.file()?).map_err(io(&self.data_path))?;
+        let stamp = FileStamp::of_path(&self.data_path).map_err(io(&self.data_path))?;
         if self.lock().checked_as == Some(stamp) {
             return Ok(true);
         }
