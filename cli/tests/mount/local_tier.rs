@@ -36,17 +36,28 @@ fn wait_for_tier(tier: &Path) {
     }
 }
 
+/// Puts `len` pattern bytes at `key`, mounts with a tier (and `extra`
+/// flags); returns the tier, the file's path, its bytes and their sha256.
+fn put_and_mount_with_tier(
+    env: &mut Env,
+    key: &str,
+    len: usize,
+    seed: u64,
+    extra: &[&str],
+) -> (PathBuf, PathBuf, Vec<u8>, Vec<u8>) {
+    let data = pattern(len, seed);
+    let want = Sha256::digest(&data).to_vec();
+    env.put(key, Bytes::from(data.clone()));
+    let tier = mount_with_tier(env, extra);
+    (tier, env.mountpoint().join(key), data, want)
+}
+
 #[test]
 fn a_second_read_comes_from_the_node_local_tier_with_the_workers_gone() {
     let mut env = Env::start(1);
-    let data = pattern((20 << 20) + 4321, 7);
-    let want = Sha256::digest(&data).to_vec();
-    env.put("shard.bin", Bytes::from(data));
-    let tier = mount_with_tier(
-        &mut env,
-        &["--local-cache-size", "1GiB", "--no-s3-fallback"],
-    );
-    let file = env.mountpoint().join("shard.bin");
+    let flags = ["--local-cache-size", "1GiB", "--no-s3-fallback"];
+    let (tier, file, _, want) =
+        put_and_mount_with_tier(&mut env, "shard.bin", (20 << 20) + 4321, 7, &flags);
     assert_eq!(
         sha_file(&file).unwrap().1,
         want,
@@ -69,11 +80,9 @@ fn a_second_read_comes_from_the_node_local_tier_with_the_workers_gone() {
 #[test]
 fn a_file_whole_in_the_local_tier_is_read_by_the_kernel_through_passthrough() {
     let mut env = Env::start(1);
-    let data = pattern((12 << 20) + 77, 8);
-    let want = Sha256::digest(&data).to_vec();
-    env.put("pass.bin", Bytes::from(data));
-    let tier = mount_with_tier(&mut env, &["--log", "lakecache_fuse=trace,info"]);
-    let file = env.mountpoint().join("pass.bin");
+    let flags = ["--log", "lakecache_fuse=trace,info"];
+    let (tier, file, _, want) =
+        put_and_mount_with_tier(&mut env, "pass.bin", (12 << 20) + 77, 8, &flags);
     assert_eq!(sha_file(&file).unwrap().1, want, "first read, by the mount");
     wait_for_tier(&tier);
     // Let the kernel's RELEASE of the first handle arrive: an inode the
@@ -151,11 +160,8 @@ fn a_replaced_object_is_read_anew_and_its_old_local_copy_dropped() {
 #[test]
 fn a_damaged_local_copy_is_caught_at_open_and_fetched_again() {
     let mut env = Env::start(1);
-    let data = pattern((6 << 20) + 99, 31);
-    let want = Sha256::digest(&data).to_vec();
-    env.put("damaged.bin", Bytes::from(data.clone()));
-    let tier = mount_with_tier(&mut env, &[]);
-    let file = env.mountpoint().join("damaged.bin");
+    let (tier, file, data, want) =
+        put_and_mount_with_tier(&mut env, "damaged.bin", (6 << 20) + 99, 31, &[]);
     assert_eq!(sha_file(&file).unwrap().1, want);
     wait_for_tier(&tier);
     env.mount.take().unwrap().term();
@@ -356,11 +362,8 @@ fn small_files_read_once_cost_one_worker_request_each_after_the_listing() {
 #[test]
 fn a_mount_killed_while_filling_its_tier_reads_right_after_a_remount() {
     let mut env = Env::start(1);
-    let data = pattern((48 << 20) + 333, 71);
-    let want = Sha256::digest(&data).to_vec();
-    env.put("big.bin", Bytes::from(data));
-    let tier = mount_with_tier(&mut env, &[]);
-    let file = env.mountpoint().join("big.bin");
+    let (tier, file, _, want) =
+        put_and_mount_with_tier(&mut env, "big.bin", (48 << 20) + 333, 71, &[]);
     // Read part of the file, so the tier holds some blocks, then kill -9
     // the mount while fills may still be queued or half written.
     {
