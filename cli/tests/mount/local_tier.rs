@@ -357,6 +357,21 @@ fn small_files_read_once_cost_one_worker_request_each_after_the_listing() {
         0.0,
         "S3 HEADs per file after the listing"
     );
+    // isatty() on an opened file (fio, Python and others ask): ENOTTY,
+    // and no warning per file in the mount's log.
+    let f = File::open(&names[0]).unwrap();
+    let mut termios = std::mem::MaybeUninit::<libc::termios>::uninit();
+    // SAFETY: TCGETS writes at most one termios into the buffer given.
+    let rc = unsafe {
+        use std::os::fd::AsRawFd;
+        libc::ioctl(f.as_raw_fd(), libc::TCGETS, termios.as_mut_ptr())
+    };
+    assert_eq!(rc, -1);
+    assert_eq!(
+        std::io::Error::last_os_error().raw_os_error(),
+        Some(libc::ENOTTY)
+    );
+    assert!(!env.log().contains("Not Implemented"), "{}", env.log());
 }
 
 #[test]
