@@ -95,6 +95,13 @@ pub struct Cache {
     random_admission: crate::admission::RandomAdmission,
 }
 
+/// What an S3 fetch holds while its bytes are in use: a fetch permit and
+/// the bytes' share of the memory budget.
+type FetchHeld<'a> = (
+    tokio::sync::SemaphorePermit<'a>,
+    lakecache_protocol::memory::Reservation,
+);
+
 const MAX_TRACKED_STREAMS: usize = 16_384;
 /// Largest piece a response stream holds at once, so memory per client
 /// stays small whatever the page and request sizes.
@@ -375,8 +382,10 @@ impl Cache {
                 .await
                 .map(|page| slice_within(&page, &sub))
         } else if !sequential && !self.random_admission.admit(key, &sub, CHECK_BLOCK, id.len) {
-            self.fetch_exact(uri, meta, id.offset + sub.start..id.offset + sub.end)
-                .await
+            // A random read of part of a block: fetched exactly, kept
+            // nowhere (see crate::admission).
+            let range = id.offset + sub.start..id.offset + sub.end;
+            self.get_exact(uri, meta, range).await.map(|(data, _)| data)
         } else {
             self.fetch_blocks(uri, meta, key, id, &sub).await
         };
@@ -449,17 +458,8 @@ impl Cache {
         let this = self.clone();
         self.page_flights
             .run(key, || async move {
-                let _permit = this
-                    .fetch_permits
-                    .acquire()
-                    .await
-                    .map_err(|e| CacheError::Local(e.to_string()))?;
-                let _memory = this.memory.reserve(id.len).await;
                 let range = id.offset..id.offset + id.len;
-                let data = this.store.get_range(uri, range, &meta.etag).await?;
-                if data.len() as u64 != id.len {
-                    return Err(short_body(id.len, data.len()));
-                }
+                let (data, _held) = this.get_exact(uri, meta, range).await?;
                 this.keep_page(
                     uri.to_string(),
                     meta.etag.clone(),
@@ -474,26 +474,27 @@ impl Cache {
             .await
     }
 
-    /// `range` of the object straight from S3, kept nowhere: a random
-    /// read of part of a block (see [`crate::admission`]).
-    async fn fetch_exact(
+    /// `range` of the object from S3, whole or an error, under a fetch
+    /// permit and the bytes' share of the memory budget; both are handed
+    /// back, so a caller that stores the bytes holds them until it is done.
+    async fn get_exact(
         &self,
         uri: &ObjectUri,
         meta: &ObjectMeta,
         range: Range<u64>,
-    ) -> Result<Bytes, CacheError> {
-        let _permit = self
+    ) -> Result<(Bytes, FetchHeld<'_>), CacheError> {
+        let permit = self
             .fetch_permits
             .acquire()
             .await
             .map_err(|e| CacheError::Local(e.to_string()))?;
         let want = range.end - range.start;
-        let _memory = self.memory.reserve(want).await;
+        let memory = self.memory.reserve(want).await;
         let data = self.store.get_range(uri, range, &meta.etag).await?;
         if data.len() as u64 != want {
             return Err(short_body(want, data.len()));
         }
-        Ok(data)
+        Ok((data, (permit, memory)))
     }
 
     /// The blocks of page `id` that `sub` touches, from S3, written into
@@ -512,19 +513,10 @@ impl Cache {
         let blocks = self
             .block_flights
             .run((key, first, last), || async move {
-                let _permit = this
-                    .fetch_permits
-                    .acquire()
-                    .await
-                    .map_err(|e| CacheError::Local(e.to_string()))?;
                 let start = first * CHECK_BLOCK;
                 let end = (last * CHECK_BLOCK).min(id.len);
-                let _memory = this.memory.reserve(end - start).await;
                 let range = id.offset + start..id.offset + end;
-                let data = this.store.get_range(uri, range, &meta.etag).await?;
-                if data.len() as u64 != end - start {
-                    return Err(short_body(end - start, data.len()));
-                }
+                let (data, _held) = this.get_exact(uri, meta, range).await?;
                 let (keeper, kept, entry) = (
                     this.clone(),
                     data.clone(),

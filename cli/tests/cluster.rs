@@ -147,39 +147,16 @@ impl Cluster {
     }
 
     fn add_worker(&mut self, id: &str, port: Option<u16>) -> u16 {
-        let port = port.unwrap_or_else(free_port);
-        let child = Command::new(BIN)
-            .args([
-                "worker",
-                "--listen",
-                &format!("127.0.0.1:{port}"),
-                "--cache-dir",
-            ])
-            .arg(self.dir.path().join(format!("cache-{id}")))
-            .args(self.worker_security())
-            .args([
-                "--cache-size",
-                "4GiB",
-                "--s3-endpoint",
-                &format!("http://127.0.0.1:{}", self.s3_port),
-                "--s3-path-style",
-            ])
-            .args([
-                "--registry",
-                &self.registry(),
-                "--worker-id",
-                id,
-                "--lease-ttl",
-                &format!("{TTL_SECS}s"),
-            ])
-            .envs(self.env())
-            .stdout(Stdio::null())
-            .stderr(worker_log())
-            .spawn()
-            .unwrap();
-        wait_for_port(port, "worker");
-        self.workers.push((id.to_string(), port, Proc(child)));
-        port
+        let extra = [
+            "--cache-size".to_string(),
+            "4GiB".into(),
+            "--s3-endpoint".into(),
+            format!("http://127.0.0.1:{}", self.s3_port),
+            "--s3-path-style".into(),
+            "--lease-ttl".into(),
+            format!("{TTL_SECS}s"),
+        ];
+        self.spawn_worker(id, port.unwrap_or_else(free_port), &extra)
     }
 
     /// Flags that make a worker production-like: keys, TLS, peer CA.
@@ -241,7 +218,12 @@ impl Cluster {
     /// Starts worker `id` with the cluster's security flags plus `extra`
     /// (etcd credentials), registered under `id`.
     fn add_worker_with(&mut self, id: &str, extra: &[String]) {
-        let port = free_port();
+        self.spawn_worker(id, free_port(), extra);
+    }
+
+    /// Starts worker `id` on `port` with the cluster's security flags and
+    /// registry plus `extra`; returns the port once it listens.
+    fn spawn_worker(&mut self, id: &str, port: u16, extra: &[String]) -> u16 {
         let worker = Command::new(BIN)
             .args([
                 "worker",
@@ -260,6 +242,7 @@ impl Cluster {
             .unwrap();
         wait_for_port(port, "worker");
         self.workers.push((id.to_string(), port, Proc(worker)));
+        port
     }
 
     /// Waits until `status` run with `extra` lists `id`.

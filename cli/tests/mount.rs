@@ -124,9 +124,15 @@ impl Env {
     }
 
     fn mount(&mut self) {
+        self.mount_with::<&str>(&[]);
+    }
+
+    /// Mounts with `extra` flags, logging to `mount.log`.
+    fn mount_with<S: AsRef<std::ffi::OsStr>>(&mut self, extra: &[S]) {
         let log = File::create(self.dir.path().join("mount.log")).unwrap();
         let child = self
             .mount_command()
+            .args(extra)
             .stdout(Stdio::null())
             .stderr(log)
             .spawn()

@@ -286,7 +286,9 @@ impl TierObject {
         data: Bytes,
         memory: crate::memory::Reservation,
     ) {
-        if !data.is_empty() {
+        // Nothing to queue for bytes already there (prefetches of a file
+        // read before, concurrent readers of one object).
+        if !data.is_empty() && !self.covers(offset, data.len() as u64) {
             self.fills.submit(self.clone(), offset, data, memory);
         }
     }

@@ -7,18 +7,12 @@ use super::*;
 /// Mounts with a node-local tier in the test's directory; returns it.
 fn mount_with_tier(env: &mut Env, extra: &[&str]) -> PathBuf {
     let tier = env.dir.path().join("local-tier");
-    let log = File::create(env.dir.path().join("mount.log")).unwrap();
-    let child = env
-        .mount_command()
-        .arg("--local-cache")
-        .arg(&tier)
-        .args(extra)
-        .stdout(Stdio::null())
-        .stderr(log)
-        .spawn()
-        .unwrap();
-    env.mount = Some(Proc(child));
-    wait_mounted(&env.mountpoint(), true);
+    let mut flags = vec![
+        std::ffi::OsString::from("--local-cache"),
+        tier.clone().into(),
+    ];
+    flags.extend(extra.iter().map(std::ffi::OsString::from));
+    env.mount_with(&flags);
     tier
 }
 

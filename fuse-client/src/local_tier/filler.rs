@@ -31,9 +31,8 @@ struct Job {
 pub struct FillStats {
     pub filled_bytes: AtomicU64,
     pub dropped_bytes: AtomicU64,
-    queued_bytes: AtomicU64,
-    /// Jobs queued or running.
-    pending: Mutex<usize>,
+    /// Bytes of fills queued or being written (fills are never empty).
+    pending: Mutex<u64>,
     idle: Condvar,
 }
 
@@ -66,13 +65,14 @@ impl FillQueue {
     /// Queues a fill, or drops it when the filler is behind.
     pub fn submit(&self, object: Arc<TierObject>, offset: u64, bytes: Bytes, memory: Reservation) {
         let len = bytes.len() as u64;
-        let queued = self.stats.queued_bytes.fetch_add(len, Ordering::AcqRel);
-        if queued + len > QUEUE_BYTES && queued > 0 {
-            self.stats.queued_bytes.fetch_sub(len, Ordering::AcqRel);
-            self.stats.dropped_bytes.fetch_add(len, Ordering::Relaxed);
-            return;
+        {
+            let mut pending = lock(&self.stats.pending);
+            if *pending > 0 && *pending + len > QUEUE_BYTES {
+                self.stats.dropped_bytes.fetch_add(len, Ordering::Relaxed);
+                return;
+            }
+            *pending += len;
         }
-        *lock(&self.stats.pending) += 1;
         let job = Job {
             object,
             offset,
@@ -103,9 +103,8 @@ impl FillQueue {
 
 impl FillStats {
     fn finish_one(&self, len: u64) {
-        self.queued_bytes.fetch_sub(len, Ordering::AcqRel);
         let mut pending = lock(&self.pending);
-        *pending = pending.saturating_sub(1);
+        *pending = pending.saturating_sub(len);
         if *pending == 0 {
             self.idle.notify_all();
         }
