@@ -325,3 +325,31 @@ fn a_tier_of_many_objects_keeps_few_files_open() {
     assert_eq!(o.read(0, 1000).unwrap().unwrap(), data(1000, 7));
     assert_eq!(tier.open_count.load(Ordering::Relaxed), 1);
 }
+
+#[test]
+fn a_remount_with_a_smaller_size_evicts_down_to_it() {
+    let dir = tempfile::tempdir().unwrap();
+    {
+        let tier = LocalTier::open(dir.path(), 64 << 20).unwrap();
+        for i in 0..4u8 {
+            let o = tier
+                .get_or_create(&format!("s3://b/k{i}"), "e", MIB as u64)
+                .unwrap();
+            assert!(o.fill(0, &data(MIB, i)).unwrap());
+        }
+        assert_eq!(tier.used(), 4 * MIB as u64);
+    }
+    // Restarted with --local-cache-size lowered below what is held.
+    let tier = LocalTier::open(dir.path(), 2 * MIB as u64).unwrap();
+    assert!(tier.used() <= 2 * MIB as u64, "holds {}", tier.used());
+    let kept: Vec<u8> = (0..4u8)
+        .filter(|i| tier.get(&format!("s3://b/k{i}"), "e").is_some())
+        .collect();
+    assert_eq!(kept.len(), 2, "{kept:?}");
+    for i in kept {
+        let o = tier.get(&format!("s3://b/k{i}"), "e").unwrap();
+        assert_eq!(o.read(0, MIB as u64).unwrap().unwrap(), data(MIB, i));
+    }
+    let files = std::fs::read_dir(dir.path()).unwrap().count();
+    assert_eq!(files, 1 + 2 * 2, "FORMAT and two objects' files remain");
+}
