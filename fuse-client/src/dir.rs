@@ -4,6 +4,7 @@
 //! dropped when this mount changes the directory.
 
 use std::collections::{HashMap, HashSet};
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
@@ -27,6 +28,8 @@ pub struct DirStream {
     pub listed: Vec<Listed>,
     /// When the listing started: attributes from it are this old.
     pub listed_at: Instant,
+    /// The listing cache's generation when the listing started.
+    pub generation: u64,
     seen: HashSet<String>,
     token: Option<String>,
     done: bool,
@@ -38,12 +41,13 @@ pub struct DirStream {
 const PAGE: u32 = 1000;
 
 impl DirStream {
-    pub fn new(bucket: &str, dir_key: &str, head: Vec<Listed>) -> Self {
+    pub fn new(bucket: &str, dir_key: &str, head: Vec<Listed>, generation: u64) -> Self {
         let seen = head.iter().map(|l| l.name.clone()).collect();
         Self {
             head,
             listed: Vec::new(),
             listed_at: Instant::now(),
+            generation,
             seen,
             token: None,
             done: false,
@@ -156,6 +160,14 @@ impl DirStream {
 pub struct CachedListing {
     pub at: Instant,
     pub entries: Arc<Vec<Listed>>,
+    /// Position of each name in `entries`, for lookups.
+    index: Arc<HashMap<String, usize>>,
+}
+
+impl CachedListing {
+    pub fn find(&self, name: &str) -> Option<&Listed> {
+        self.index.get(name).and_then(|&i| self.entries.get(i))
+    }
 }
 
 /// Complete listings by directory key, for the metadata TTL, bounded in
@@ -164,6 +176,9 @@ pub struct ListingCache {
     ttl: Duration,
     max_entries: usize,
     inner: Mutex<HashMap<String, CachedListing>>,
+    /// Bumped by every invalidation: a listing that started before one
+    /// may miss this mount's change and is not kept.
+    generation: AtomicU64,
 }
 
 impl ListingCache {
@@ -172,6 +187,7 @@ impl ListingCache {
             ttl,
             max_entries,
             inner: Mutex::default(),
+            generation: AtomicU64::new(0),
         }
     }
 
@@ -185,14 +201,30 @@ impl ListingCache {
         (hit.at.elapsed() < self.ttl).then(|| CachedListing {
             at: hit.at,
             entries: hit.entries.clone(),
+            index: hit.index.clone(),
         })
     }
 
-    pub fn put(&self, dir_key: &str, at: Instant, entries: Vec<Listed>) {
+    /// The generation to pass to [`Self::put`] for a listing starting now.
+    pub fn generation(&self) -> u64 {
+        self.generation.load(Ordering::SeqCst)
+    }
+
+    /// Keeps a complete listing unless this mount changed a directory
+    /// since `generation` was read.
+    pub fn put(&self, dir_key: &str, generation: u64, at: Instant, entries: Vec<Listed>) {
         if self.ttl.is_zero() || entries.len() > self.max_entries {
             return;
         }
+        let index = entries
+            .iter()
+            .enumerate()
+            .map(|(i, l)| (l.name.clone(), i))
+            .collect();
         let mut map = self.lock();
+        if self.generation() != generation {
+            return;
+        }
         map.retain(|_, c| c.at.elapsed() < self.ttl);
         let mut total: usize = map.values().map(|c| c.entries.len()).sum();
         while total + entries.len() > self.max_entries {
@@ -208,13 +240,16 @@ impl ListingCache {
             CachedListing {
                 at,
                 entries: Arc::new(entries),
+                index: Arc::new(index),
             },
         );
     }
 
     /// This mount changed the directory: its next listing goes to S3.
     pub fn invalidate(&self, dir_key: &str) {
-        self.lock().remove(dir_key);
+        let mut map = self.lock();
+        self.generation.fetch_add(1, Ordering::SeqCst);
+        map.remove(dir_key);
     }
 
     /// Drops expired listings; returns how many entries were freed.

@@ -60,7 +60,9 @@ pub struct Fs {
     inodes: InodeTable,
     handles: Mutex<HashMap<u64, Handle>>,
     next_fh: AtomicU64,
-    listings: ListingCache,
+    listings: Arc<ListingCache>,
+    /// Directories whose names lookups asked S3 for one by one.
+    lookup_misses: Mutex<HashMap<String, LookupMisses>>,
     forgets: AtomicU64,
     memory: Arc<MemoryBudget>,
     /// The node-local cache tier, when the mount has one.
@@ -71,6 +73,21 @@ pub struct Fs {
 const READDIR_BATCH: usize = 512;
 /// Names kept in complete listings across all directories.
 const MAX_CACHED_NAMES: usize = 1_000_000;
+/// A directory whose names are looked up this often without a listing
+/// is listed in the background, so the rest of the lookups (a tool
+/// `stat`ing every file by name) are answered without a HEAD each.
+const LOOKUPS_BEFORE_LISTING: u32 = 2;
+/// Largest directory listed for lookups (in entries); a bigger one keeps
+/// costing a HEAD per name.
+const LOOKUP_LISTING_MAX: usize = 100_000;
+/// Directories tracked for lookup misses before the table is reset.
+const MAX_TRACKED_DIRS: usize = 4096;
+
+struct LookupMisses {
+    count: u32,
+    /// When a background listing of the directory started.
+    listed: Option<std::time::Instant>,
+}
 
 fn meta_of(stat: &ObjectStat) -> Meta {
     Meta {
@@ -104,7 +121,8 @@ impl Fs {
         let memory = MemoryBudget::new(config.memory_limit);
         Self {
             data,
-            listings: ListingCache::new(config.entry_ttl, MAX_CACHED_NAMES),
+            listings: Arc::new(ListingCache::new(config.entry_ttl, MAX_CACHED_NAMES)),
+            lookup_misses: Mutex::default(),
             config,
             inodes,
             handles: Mutex::new(HashMap::new()),
@@ -226,6 +244,22 @@ impl Fs {
                 return Ok(node);
             }
         }
+        if let Some(cached) = self.listings.get(&p.key) {
+            // Only names the listing has: one created elsewhere since the
+            // listing is still found by asking S3 below.
+            if let Some(entry) = cached.find(name) {
+                return Ok(self.inodes.upsert_at(
+                    parent,
+                    name,
+                    entry.kind,
+                    entry.key.clone(),
+                    entry.meta.clone(),
+                    cached.at,
+                ));
+            }
+        } else {
+            self.note_lookup_miss(&p.key);
+        }
         let dir_key = format!("{file_key}/");
         let file_uri = self.uri(&file_key)?;
         let (stat, listing) = tokio::join!(
@@ -250,6 +284,56 @@ impl Fs {
             }
             Err(e) => Err(e),
         }
+    }
+
+    /// Counts a lookup in a directory without a cached listing; the
+    /// [`LOOKUPS_BEFORE_LISTING`]th starts listing it in the background.
+    fn note_lookup_miss(&self, dir_key: &str) {
+        let ttl = self.config.entry_ttl;
+        if ttl.is_zero() {
+            return;
+        }
+        {
+            let mut misses = self.lookup_misses.lock().unwrap_or_else(|p| p.into_inner());
+            if misses.len() >= MAX_TRACKED_DIRS && !misses.contains_key(dir_key) {
+                misses.clear();
+            }
+            let entry = misses.entry(dir_key.to_string()).or_insert(LookupMisses {
+                count: 0,
+                listed: None,
+            });
+            if entry.listed.is_some_and(|at| at.elapsed() < ttl) {
+                return;
+            }
+            entry.count += 1;
+            if entry.count < LOOKUPS_BEFORE_LISTING {
+                return;
+            }
+            *entry = LookupMisses {
+                count: 0,
+                listed: Some(std::time::Instant::now()),
+            };
+        }
+        let data = self.data.clone();
+        let listings = self.listings.clone();
+        let mut stream = DirStream::new(
+            &self.config.bucket,
+            dir_key,
+            Vec::new(),
+            listings.generation(),
+        );
+        let dir_key = dir_key.to_string();
+        tokio::spawn(async move {
+            match stream.fill_to(data.as_ref(), LOOKUP_LISTING_MAX + 1).await {
+                Ok(()) if stream.is_done() => {
+                    let count = stream.listed.len();
+                    listings.put(&dir_key, stream.generation, stream.listed_at, stream.listed);
+                    tracing::debug!(dir = %dir_key, count, "listed a directory for lookups");
+                }
+                Ok(()) => tracing::debug!(dir = %dir_key, "too many names to list for lookups"),
+                Err(e) => tracing::debug!(dir = %dir_key, error = %e, "listing for lookups failed"),
+            }
+        });
     }
 
     /// The kernel's LOOKUP: resolves and counts a reference.
@@ -419,7 +503,12 @@ impl Fs {
                 meta: local.meta,
             });
         }
-        let mut stream = DirStream::new(&self.config.bucket, &dir.key, head);
+        let mut stream = DirStream::new(
+            &self.config.bucket,
+            &dir.key,
+            head,
+            self.listings.generation(),
+        );
         match self.listings.get(&dir.key) {
             Some(cached) => stream = stream.from_cache(&cached),
             None => stream.fill_to(self.data.as_ref(), stream.len() + 1).await?,
@@ -449,8 +538,12 @@ impl Fs {
         stream.fill_to(self.data.as_ref(), end).await?;
         if stream.is_done() && !was_done {
             let dir_key = self.dir(ino)?.key;
-            self.listings
-                .put(&dir_key, stream.listed_at, stream.listed.clone());
+            self.listings.put(
+                &dir_key,
+                stream.generation,
+                stream.listed_at,
+                stream.listed.clone(),
+            );
         }
         let at = stream.listed_at;
         let mut out = Vec::new();
@@ -854,9 +947,27 @@ impl Fs {
         no_replace: bool,
         pid: u32,
     ) -> Result<(), FsError> {
+        let result = self
+            .rename_objects(parent, name, new_parent, new_name, no_replace, pid)
+            .await;
+        // Whatever happened, both listings may have changed, and one
+        // taken while the objects moved may have seen half of it.
+        self.dir_changed(parent);
+        self.dir_changed(new_parent);
+        result
+    }
+
+    async fn rename_objects(
+        &self,
+        parent: u64,
+        name: &str,
+        new_parent: u64,
+        new_name: &str,
+        no_replace: bool,
+        pid: u32,
+    ) -> Result<(), FsError> {
         let src = self.resolve(parent, name).await?;
         let np = self.dir(new_parent)?;
-        // Whatever happens below, both listings may have changed.
         self.dir_changed(parent);
         self.dir_changed(new_parent);
         let dst = match self.resolve(new_parent, new_name).await {

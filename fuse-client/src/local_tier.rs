@@ -142,6 +142,9 @@ pub struct TierObject {
     /// after a restart they are simply fetched again).
     partial: Mutex<HashMap<usize, Vec<std::ops::Range<u64>>>>,
     fills: FillQueue,
+    /// One metadata write at a time: concurrent writers would share the
+    /// temporary file, and an older snapshot could land last.
+    persisting: Mutex<()>,
 }
 
 /// An object's data file, opened for reads and buffered writes, and with
@@ -482,6 +485,7 @@ impl TierObject {
 
     /// Writes the metadata file (atomically: temp file, then rename).
     pub fn persist(&self) -> Result<(), TierError> {
+        let _one_writer = self.persisting.lock().unwrap_or_else(|p| p.into_inner());
         let meta = self.lock().clone();
         let body = serde_json::to_vec(&meta).unwrap_or_default();
         let file = MetaFile {
@@ -669,6 +673,7 @@ impl LocalTier {
             meta: Mutex::new(meta),
             partial: Mutex::default(),
             fills: self.fills.clone(),
+            persisting: Mutex::default(),
         }))
     }
 
@@ -761,6 +766,7 @@ impl LocalTier {
             }),
             partial: Mutex::default(),
             fills: self.fills.clone(),
+            persisting: Mutex::default(),
         });
         if size == 0 {
             object.persist()?;

@@ -168,3 +168,43 @@ async fn two_opens_for_writing_one_name_exactly_one_wins() {
         fs.release(won[0]).await.unwrap();
     }
 }
+
+#[tokio::test]
+async fn names_looked_up_one_by_one_are_answered_from_a_background_listing() {
+    let (fs, plane) = setup(3_000, Duration::from_secs(60));
+    let big = fs.lookup(ROOT_INO, "big").await.unwrap().ino;
+    // Two lookups by name (as `fio` or a data loader stat each file)...
+    for name in ["f0000000", "f0000001"] {
+        fs.lookup(big, name).await.unwrap();
+    }
+    // ...start a listing of the directory; let it finish.
+    for _ in 0..100 {
+        tokio::time::sleep(Duration::from_millis(10)).await;
+        if plane.calls(DataOp::List) >= 2 + 3 {
+            break;
+        }
+    }
+    let (stats, lists) = (plane.calls(DataOp::Stat), plane.calls(DataOp::List));
+    for i in 2..3_000 {
+        let node = fs.lookup(big, &format!("f{i:07}")).await.unwrap();
+        assert_eq!(node.meta.size, (i % 7) as u64);
+        assert!(node.meta.etag.is_some());
+    }
+    assert_eq!(plane.calls(DataOp::Stat), stats, "no HEAD per name");
+    assert_eq!(plane.calls(DataOp::List), lists);
+
+    // A name the listing does not have is still asked for: an object
+    // created elsewhere after the listing is found...
+    plane.inner().insert(BUCKET, "big/late", b"late".to_vec());
+    assert_eq!(fs.lookup(big, "late").await.unwrap().meta.size, 4);
+    assert!(matches!(
+        fs.lookup(big, "never").await,
+        Err(FsError::NotFound)
+    ));
+    // ...and one this mount deleted is gone, not served from the listing.
+    fs.unlink(big, "f0000005").await.unwrap();
+    assert!(matches!(
+        fs.lookup(big, "f0000005").await,
+        Err(FsError::NotFound)
+    ));
+}
