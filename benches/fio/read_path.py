@@ -256,6 +256,9 @@ def main() -> None:
                     "results of parts not run now come from the last run in --work")
     ap.add_argument("--reuse", action="store_true",
                     help="keep the datasets a previous run laid out in --work")
+    ap.add_argument("--only", default="",
+                    help="run only tests whose name contains this; the others keep their "
+                    "results from the last run in --work")
     a = ap.parse_args()
     work = Path(a.work)
     reuse = a.reuse and (work / "laid-out").exists()
@@ -287,8 +290,9 @@ def main() -> None:
         finally:
             s.close()
         (work / "laid-out").write_text(f"{sz}\n")
+    chosen = [t for t in tests if a.only in t[0]]
     local: dict = {}
-    for t in tests:
+    for t in chosen:
         drop_caches()
         local[t[0]] = run_test(t, work / "local")
     saved = work / "results.json"
@@ -297,9 +301,15 @@ def main() -> None:
              "far": (True, a.rtt_ms, ())}
     for part in a.parts.split(","):
         secure, rtt, states = plans[part]
-        out, rss = bench(a, work, secure, rtt, tests, states, local)
-        runs[part] = {"results": {f"{n}|{st}": r for (n, st), r in out.items()}, "rss": rss,
-                      "local": local, "when": time.strftime("%Y-%m-%d %H:%M")}
+        out, rss = bench(a, work, secure, rtt, chosen, states, local)
+        old = runs.get(part, {}) if a.only else {}
+        runs[part] = {
+            "results": {**old.get("results", {}),
+                        **{f"{n}|{st}": r for (n, st), r in out.items()}},
+            "rss": max(rss, old.get("rss", 0)),
+            "local": {**old.get("local", {}), **local},
+            "when": time.strftime("%Y-%m-%d %H:%M"),
+        }
         saved.write_text(json.dumps(runs))
     write(a, tests, runs, time.time() - started)
 

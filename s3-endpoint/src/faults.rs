@@ -2,6 +2,8 @@
 //! layer tests use to make the endpoint misbehave the way S3 does.
 
 use std::collections::HashMap;
+use std::fmt::Write as _;
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Mutex;
 
 /// The S3 operation a request names, as far as routing needs to know.
@@ -69,10 +71,12 @@ struct Rule {
     remaining: u32,
 }
 
-/// Counts requests per operation and hands out injected faults.
+/// Counts requests per operation and body bytes sent, and hands out
+/// injected faults.
 #[derive(Debug, Default)]
 pub struct FaultInjector {
     counts: Mutex<HashMap<S3Op, u64>>,
+    sent_bytes: AtomicU64,
     rules: Mutex<Vec<Rule>>,
 }
 
@@ -97,7 +101,39 @@ impl FaultInjector {
         counts.get(&op).copied().unwrap_or(0)
     }
 
+    /// Response body bytes sent so far (object data of GETs, listings).
+    pub fn sent_bytes(&self) -> u64 {
+        self.sent_bytes.load(Ordering::Relaxed)
+    }
+
+    pub(crate) fn add_sent(&self, n: usize) {
+        self.sent_bytes.fetch_add(n as u64, Ordering::Relaxed);
+    }
+
+    /// The counters in Prometheus' text format, for `GET /_lakecache/stats`
+    /// (no bucket name can start with `_`, so no S3 request has this path).
+    pub fn render(&self) -> String {
+        let mut out = String::from("# TYPE lakecache_s3_endpoint_requests_total counter\n");
+        let counts = self.counts.lock().unwrap_or_else(|p| p.into_inner());
+        let mut ops: Vec<_> = counts.iter().collect();
+        ops.sort_by_key(|(op, _)| format!("{op:?}"));
+        for (op, n) in ops {
+            let _ = writeln!(
+                out,
+                "lakecache_s3_endpoint_requests_total{{op=\"{op:?}\"}} {n}"
+            );
+        }
+        let _ = write!(
+            out,
+            "# TYPE lakecache_s3_endpoint_sent_bytes_total counter\n\
+             lakecache_s3_endpoint_sent_bytes_total {}\n",
+            self.sent_bytes()
+        );
+        out
+    }
+
     pub fn reset_counts(&self) {
+        self.sent_bytes.store(0, Ordering::Relaxed);
         self.counts
             .lock()
             .unwrap_or_else(|p| p.into_inner())

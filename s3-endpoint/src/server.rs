@@ -75,11 +75,49 @@ impl HttpBody for TruncatedBody {
     }
 }
 
+/// Counts the data bytes of a response body as they are sent.
+struct CountedBody {
+    inner: ResponseBody,
+    faults: Arc<FaultInjector>,
+}
+
+impl HttpBody for CountedBody {
+    type Data = Bytes;
+    type Error = BoxError;
+
+    fn poll_frame(
+        mut self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+    ) -> Poll<Option<Result<Frame<Bytes>, BoxError>>> {
+        let polled = Pin::new(&mut self.inner).poll_frame(cx);
+        if let Poll::Ready(Some(Ok(frame))) = &polled {
+            if let Some(data) = frame.data_ref() {
+                self.faults.add_sent(data.len());
+            }
+        }
+        polled
+    }
+
+    fn size_hint(&self) -> http_body::SizeHint {
+        self.inner.size_hint()
+    }
+
+    fn is_end_stream(&self) -> bool {
+        self.inner.is_end_stream()
+    }
+}
+
 async fn handle(
     service: S3Service,
     faults: Arc<FaultInjector>,
     req: http::Request<Incoming>,
 ) -> Result<http::Response<ResponseBody>, Infallible> {
+    if req.method() == http::Method::GET && req.uri().path() == "/_lakecache/stats" {
+        let body = Full::new(Bytes::from(faults.render()))
+            .map_err(|e| match e {})
+            .boxed();
+        return Ok(http::Response::new(body));
+    }
     let op = S3Op::classify(req.method(), req.uri());
     let fault = faults.on_request(op);
     match fault {
@@ -119,6 +157,11 @@ async fn handle(
         .boxed(),
         _ => body.map_err(|e| -> BoxError { e }).boxed(),
     };
+    let body = CountedBody {
+        inner: body,
+        faults,
+    }
+    .boxed();
     Ok(http::Response::from_parts(parts, body))
 }
 

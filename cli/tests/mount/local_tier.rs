@@ -240,6 +240,21 @@ fn worker_metric(port: u16, name: &str, label: &str) -> f64 {
         .sum()
 }
 
+/// (body bytes sent, GET requests) as the S3 endpoint counted them.
+fn endpoint_stats(s3_port: u16) -> (f64, f64) {
+    let text = reqwest_like_get(s3_port, "/_lakecache/stats");
+    let value = |prefix: &str| {
+        text.lines()
+            .find(|l| l.starts_with(prefix))
+            .and_then(|l| l.rsplit(' ').next()?.parse::<f64>().ok())
+            .unwrap_or(0.0)
+    };
+    (
+        value("lakecache_s3_endpoint_sent_bytes_total "),
+        value("lakecache_s3_endpoint_requests_total{op=\"GetObject\"}"),
+    )
+}
+
 #[test]
 fn a_cold_random_read_costs_one_worker_request_and_about_its_own_bytes_from_s3() {
     let mut env = Env::start(1);
@@ -249,6 +264,7 @@ fn a_cold_random_read_costs_one_worker_request_and_about_its_own_bytes_from_s3()
     let port = env.workers[0].0;
     let file = File::open(env.mountpoint().join("random.bin")).unwrap();
     let s3_before = worker_metric(port, "lakecache_s3_transferred", "");
+    let endpoint_before = endpoint_stats(env.s3_port);
     let reads_before = worker_metric(
         port,
         "lakecache_request_duration_seconds_count",
@@ -271,9 +287,20 @@ fn a_cold_random_read_costs_one_worker_request_and_about_its_own_bytes_from_s3()
         "lakecache_request_duration_seconds_count",
         "op=\"read\"",
     ) - reads_before;
+    let endpoint = endpoint_stats(env.s3_port);
+    let (sent, gets) = (
+        endpoint.0 - endpoint_before.0,
+        endpoint.1 - endpoint_before.1,
+    );
     println!(
-        "{n} random 4 KiB reads: {reads} worker reads, {s3} S3 bytes ({:.2} x)",
+        "{n} random 4 KiB reads: {reads} worker reads, {s3} S3 bytes ({:.2} x); \
+         the endpoint sent {sent} bytes in {gets} GETs",
         s3 / asked
+    );
+    // The store's own count, not only the worker's: nothing else fetched.
+    assert!(
+        sent <= 2.0 * asked && gets <= n as f64,
+        "the S3 endpoint sent {sent} bytes in {gets} GETs for {asked} bytes read"
     );
     assert!(
         reads <= n as f64,
@@ -291,10 +318,12 @@ fn small_files_read_once_cost_one_worker_request_each_after_the_listing() {
     let mut env = Env::start(1);
     let n = 300;
     for i in 0..n {
-        env.put(
-            &format!("small/f{i:04}"),
-            Bytes::from(pattern(100 << 10, i)),
-        );
+        for dir in ["small", "named"] {
+            env.put(
+                &format!("{dir}/f{i:04}"),
+                Bytes::from(pattern(100 << 10, i)),
+            );
+        }
     }
     env.mount();
     let port = env.workers[0].0;
@@ -366,6 +395,24 @@ fn small_files_read_once_cost_one_worker_request_each_after_the_listing() {
         Some(libc::ENOTTY)
     );
     assert!(!env.log().contains("Not Implemented"), "{}", env.log());
+
+    // Without `ls`: every file looked up by name (as fio and data loaders
+    // do) then read. The lookups list the directory once instead of a
+    // stat per name.
+    let before: Vec<f64> = ops.iter().map(|op| count(op)).collect();
+    for i in 0..n {
+        let path = env.mountpoint().join(format!("named/f{i:04}"));
+        assert_eq!(fs::metadata(&path).unwrap().len(), 100 << 10);
+        assert_eq!(fs::read(&path).unwrap(), pattern(100 << 10, i));
+    }
+    let after: Vec<f64> = ops.iter().map(|op| count(op)).collect();
+    let delta: Vec<f64> = before.iter().zip(&after).map(|(b, a)| a - b).collect();
+    println!("{n} files looked up by name: worker requests {ops:?} = {delta:?}");
+    assert!(
+        delta[1] + delta[2] <= 20.0,
+        "{} stats for {n} names looked up",
+        delta[1] + delta[2]
+    );
 }
 
 #[test]
