@@ -3,7 +3,7 @@
 use std::ops::Range;
 use std::time::Duration;
 
-use bytes::{Bytes, BytesMut};
+use bytes::Bytes;
 use http_body_util::{combinators::BoxBody, BodyExt, Empty, Full};
 use hyper::body::Body as _;
 use hyper::body::Incoming;
@@ -310,13 +310,13 @@ impl WorkerClient {
         // multi-MiB ranges several times into freshly mapped pages.
         let hint = body.size_hint();
         let capacity = hint.exact().unwrap_or(hint.lower()).min(MAX_PRESIZE);
-        let mut out = BytesMut::with_capacity(capacity as usize);
+        let mut out = crate::buffer_pool::take(capacity as usize);
         loop {
             let frame = tokio::time::timeout(progress, body.frame())
                 .await
                 .map_err(|_| self.timed_out(progress))?;
             match frame {
-                None => return Ok(out.freeze()),
+                None => return Ok(crate::buffer_pool::freeze(out)),
                 Some(Err(e)) => return Err(self.transport(e)),
                 Some(Ok(frame)) => {
                     if let Ok(data) = frame.into_data() {

@@ -3,6 +3,7 @@
 //! Every layer above the worker (CLI, cluster client, FUSE) speaks to it
 //! through this crate, so the validation rules live here once.
 
+pub mod buffer_pool;
 mod buffered;
 mod chain;
 mod client;
