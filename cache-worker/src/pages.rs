@@ -380,7 +380,10 @@ impl PageStore {
             let upto = (missing..last).find(|b| header.valid[*b]).unwrap_or(last);
             return Err(PageReadError::Unfilled(missing..upto));
         }
-        let mut buf = BytesMut::zeroed((end - start) as usize);
+        // A reused buffer: a fresh multi-MiB one costs a page fault and
+        // a page clear per 4 KiB before the read even starts.
+        let mut buf = lakecache_protocol::buffer_pool::take((end - start) as usize);
+        buf.resize((end - start) as usize, 0);
         read_exact(&file, &mut buf, HEADER_LEN + start)?;
         for (i, chunk) in buf.chunks(CHECK_BLOCK as usize).enumerate() {
             let block = first + i;
@@ -390,7 +393,7 @@ impl PageStore {
                 )));
             }
         }
-        let buf = buf.freeze();
+        let buf = lakecache_protocol::buffer_pool::freeze(buf);
         Ok(buf.slice((range.start - start) as usize..(range.end - start) as usize))
     }
 

@@ -15,7 +15,7 @@ use aws_sdk_s3::primitives::ByteStream;
 use aws_sdk_s3::types::{CompletedMultipartUpload, CompletedPart};
 use aws_smithy_runtime_api::client::orchestrator::Metadata;
 use aws_smithy_runtime_api::client::retries::RequestAttempts;
-use bytes::{Bytes, BytesMut};
+use bytes::Bytes;
 use lakecache_protocol::{ListEntry, ListResponse, ObjectUri};
 
 use crate::{unquote_etag, ObjectMeta, ObjectStore, StoreError, StoreMetrics};
@@ -230,7 +230,7 @@ impl ObjectStore for S3Store {
         etag: &str,
     ) -> Result<Bytes, StoreError> {
         let want = (range.end - range.start) as usize;
-        let mut buf = BytesMut::with_capacity(want);
+        let mut buf = lakecache_protocol::buffer_pool::take(want);
         let mut resumes = 0u32;
         while buf.len() < want {
             let start = range.start + buf.len() as u64;
@@ -279,7 +279,7 @@ impl ObjectStore for S3Store {
                 }
             }
         }
-        Ok(buf.freeze())
+        Ok(lakecache_protocol::buffer_pool::freeze(buf))
     }
 
     async fn list(
