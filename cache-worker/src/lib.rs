@@ -7,6 +7,7 @@ mod cache_dir;
 mod flight;
 pub mod http;
 mod index;
+pub mod journal;
 mod lru;
 pub mod metrics;
 pub mod pages;
