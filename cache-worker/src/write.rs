@@ -17,7 +17,7 @@ use tokio::task::JoinHandle;
 use crate::cache::{Cache, CacheError};
 use crate::index::PageEntry;
 use crate::pages::{PageId, PageKey, Staged};
-use crate::store::{ObjectMeta, StoreError, MAX_COPY_BYTES};
+use crate::store::{ObjectMeta, PartReceipt, StoreError, MAX_COPY_BYTES};
 use lakecache_protocol::memory::Reservation;
 
 /// Part uploads in flight per write: bounds memory at this many parts.
@@ -33,8 +33,8 @@ struct StagedPage {
 struct Upload {
     id: String,
     next_part: i32,
-    in_flight: VecDeque<JoinHandle<Result<(i32, String), StoreError>>>,
-    done: Vec<(i32, String)>,
+    in_flight: VecDeque<JoinHandle<Result<(i32, PartReceipt), StoreError>>>,
+    done: Vec<(i32, PartReceipt)>,
 }
 
 impl Cache {
@@ -237,7 +237,7 @@ impl Cache {
             store
                 .upload_part(&uri, &id, number, data)
                 .await
-                .map(|etag| (number, etag))
+                .map(|part| (number, part))
         }));
         Ok(())
     }
@@ -344,8 +344,8 @@ impl Cache {
 }
 
 async fn join_part(
-    task: JoinHandle<Result<(i32, String), StoreError>>,
-) -> Result<(i32, String), CacheError> {
+    task: JoinHandle<Result<(i32, PartReceipt), StoreError>>,
+) -> Result<(i32, PartReceipt), CacheError> {
     match task.await {
         Ok(r) => r.map_err(CacheError::from),
         Err(e) => Err(CacheError::Local(format!("part upload task failed: {e}"))),

@@ -99,6 +99,11 @@ pub struct WorkerSettings {
     /// Resumptions of a GET whose body breaks mid-stream [default: 3]
     #[arg(long, env = "LAKECACHE_S3_MAX_RESUMES")]
     pub s3_max_resumes: Option<u32>,
+    /// Send a CRC32C with every upload (`x-amz-checksum-crc32c`) for the
+    /// store to check; `false` for S3-compatible stores that refuse the
+    /// header [default: true]
+    #[arg(long, env = "LAKECACHE_S3_CHECKSUMS", num_args = 0..=1, default_missing_value = "true")]
+    pub s3_checksums: Option<bool>,
     /// Cluster registry to join: etcd://HOST:PORT[/prefix] registers this
     /// worker under a lease; static:/file: lists need no registration
     #[arg(long, env = "LAKECACHE_REGISTRY")]
@@ -232,6 +237,7 @@ impl WorkerSettings {
                 s3_retry_mode,
                 s3_max_attempts,
                 s3_max_resumes,
+                s3_checksums,
                 registry,
                 advertise,
                 segment_size,
@@ -416,6 +422,7 @@ impl WorkerSettings {
             retry_mode: self.s3_retry_mode.unwrap_or(RetryMode::Standard),
             max_attempts,
             max_resumes: self.s3_max_resumes.unwrap_or(3),
+            checksums: self.s3_checksums.unwrap_or(true),
             ..S3Config::default()
         };
         Ok((options, s3))

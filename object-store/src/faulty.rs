@@ -5,7 +5,7 @@ use std::sync::{Arc, Mutex};
 use bytes::Bytes;
 use lakecache_protocol::{ListResponse, ObjectUri};
 
-use crate::{ObjectMeta, ObjectStore, StoreError};
+use crate::{ObjectMeta, ObjectStore, PartReceipt, StoreError};
 
 /// A fault the next matching call returns instead of reaching the store.
 #[derive(Debug, Clone)]
@@ -109,7 +109,7 @@ impl<S: ObjectStore> ObjectStore for FaultyStore<S> {
         upload_id: &str,
         part_number: i32,
         data: Bytes,
-    ) -> Result<String, StoreError> {
+    ) -> Result<PartReceipt, StoreError> {
         if let Some(e) = self.take_write() {
             return Err(e);
         }
@@ -122,7 +122,7 @@ impl<S: ObjectStore> ObjectStore for FaultyStore<S> {
         &self,
         uri: &ObjectUri,
         upload_id: &str,
-        parts: Vec<(i32, String)>,
+        parts: Vec<(i32, PartReceipt)>,
     ) -> Result<String, StoreError> {
         if let Some(e) = self.take_write() {
             return Err(e);

@@ -65,6 +65,21 @@ pub enum StoreError {
 
 /// One call per S3 operation the cache needs. Implementations are real
 /// (S3) or wrappers (metering, fault injection).
+/// What the store returned for one uploaded part: what completing the
+/// upload must name again.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct PartReceipt {
+    pub etag: String,
+    /// The part's CRC32C (base64, big-endian), when it was sent with one.
+    pub crc32c: Option<String>,
+}
+
+/// CRC32C of `data` as S3's `x-amz-checksum-crc32c` header carries it.
+pub fn crc32c_header(data: &[u8]) -> String {
+    use base64::Engine as _;
+    base64::engine::general_purpose::STANDARD.encode(crc32c::crc32c(data).to_be_bytes())
+}
+
 #[async_trait::async_trait]
 pub trait ObjectStore: Send + Sync + 'static {
     async fn head(&self, uri: &ObjectUri) -> Result<ObjectMeta, StoreError>;
@@ -99,14 +114,15 @@ pub trait ObjectStore: Send + Sync + 'static {
         upload_id: &str,
         part_number: i32,
         data: Bytes,
-    ) -> Result<String, StoreError>;
+    ) -> Result<PartReceipt, StoreError>;
 
-    /// Completes an upload from `(part number, part ETag)`; returns the ETag.
+    /// Completes an upload from its parts' receipts in order; returns the
+    /// ETag.
     async fn complete_multipart(
         &self,
         uri: &ObjectUri,
         upload_id: &str,
-        parts: Vec<(i32, String)>,
+        parts: Vec<(i32, PartReceipt)>,
     ) -> Result<String, StoreError>;
 
     async fn abort_multipart(&self, uri: &ObjectUri, upload_id: &str) -> Result<(), StoreError>;

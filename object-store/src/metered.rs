@@ -5,7 +5,7 @@ use std::time::Instant;
 use bytes::Bytes;
 use lakecache_protocol::{ListResponse, ObjectUri};
 
-use crate::{ObjectMeta, ObjectStore, StoreError, StoreMetrics};
+use crate::{ObjectMeta, ObjectStore, PartReceipt, StoreError, StoreMetrics};
 
 /// Records requests, bytes and latency of every call to the inner store.
 pub struct MeteredStore<S> {
@@ -96,7 +96,7 @@ impl<S: ObjectStore> ObjectStore for MeteredStore<S> {
         upload_id: &str,
         part_number: i32,
         data: Bytes,
-    ) -> Result<String, StoreError> {
+    ) -> Result<PartReceipt, StoreError> {
         let (t, n) = (Instant::now(), data.len() as u64);
         let r = self
             .inner
@@ -110,7 +110,7 @@ impl<S: ObjectStore> ObjectStore for MeteredStore<S> {
         &self,
         uri: &ObjectUri,
         upload_id: &str,
-        parts: Vec<(i32, String)>,
+        parts: Vec<(i32, PartReceipt)>,
     ) -> Result<String, StoreError> {
         let t = Instant::now();
         let r = self.inner.complete_multipart(uri, upload_id, parts).await;

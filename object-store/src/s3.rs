@@ -12,13 +12,15 @@ use aws_sdk_s3::config::{
 };
 use aws_sdk_s3::error::{ProvideErrorMetadata, SdkError};
 use aws_sdk_s3::primitives::ByteStream;
-use aws_sdk_s3::types::{CompletedMultipartUpload, CompletedPart};
+use aws_sdk_s3::types::{ChecksumAlgorithm, CompletedMultipartUpload, CompletedPart};
 use aws_smithy_runtime_api::client::orchestrator::Metadata;
 use aws_smithy_runtime_api::client::retries::RequestAttempts;
 use bytes::Bytes;
 use lakecache_protocol::{ListEntry, ListResponse, ObjectUri};
 
-use crate::{unquote_etag, ObjectMeta, ObjectStore, StoreError, StoreMetrics};
+use crate::{
+    crc32c_header, unquote_etag, ObjectMeta, ObjectStore, PartReceipt, StoreError, StoreMetrics,
+};
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Deserialize)]
 #[serde(rename_all = "lowercase")]
@@ -54,6 +56,9 @@ pub struct S3Config {
     pub connect_timeout: Duration,
     pub attempt_timeout: Duration,
     pub static_credentials: Option<(String, String)>,
+    /// CRC32C on every upload for the store to check (S3 answers
+    /// BadDigest when the bytes it got differ from what was sent).
+    pub checksums: bool,
 }
 
 impl fmt::Debug for S3Config {
@@ -66,6 +71,7 @@ impl fmt::Debug for S3Config {
             .field("retry_mode", &self.retry_mode)
             .field("max_attempts", &self.max_attempts)
             .field("max_resumes", &self.max_resumes)
+            .field("checksums", &self.checksums)
             .field(
                 "static_credentials",
                 &self.static_credentials.as_ref().map(|_| "<redacted>"),
@@ -86,6 +92,7 @@ impl Default for S3Config {
             connect_timeout: Duration::from_secs(5),
             attempt_timeout: Duration::from_secs(60),
             static_credentials: None,
+            checksums: true,
         }
     }
 }
@@ -123,6 +130,7 @@ impl Intercept for RetryCounter {
 pub struct S3Store {
     client: aws_sdk_s3::Client,
     max_resumes: u32,
+    checksums: bool,
     metrics: Arc<dyn StoreMetrics>,
 }
 
@@ -163,6 +171,7 @@ impl S3Store {
         Self {
             client: aws_sdk_s3::Client::from_conf(builder.build()),
             max_resumes: config.max_resumes,
+            checksums: config.checksums,
             metrics,
         }
     }
@@ -336,6 +345,7 @@ impl ObjectStore for S3Store {
             .bucket(uri.bucket())
             .key(uri.key())
             .content_length(len)
+            .set_checksum_crc32_c(self.checksums.then(|| crc32c_header(&data)))
             .body(ByteStream::from(data))
             .send()
             .await
@@ -351,6 +361,7 @@ impl ObjectStore for S3Store {
             .create_multipart_upload()
             .bucket(uri.bucket())
             .key(uri.key())
+            .set_checksum_algorithm(self.checksums.then_some(ChecksumAlgorithm::Crc32C))
             .send()
             .await
             .map_err(map_sdk_error)?;
@@ -365,8 +376,11 @@ impl ObjectStore for S3Store {
         upload_id: &str,
         part_number: i32,
         data: Bytes,
-    ) -> Result<String, StoreError> {
+    ) -> Result<PartReceipt, StoreError> {
         let len = data.len() as i64;
+        // The store checks the part against it: a byte flipped on the way
+        // fails the part instead of landing in the object.
+        let crc = self.checksums.then(|| crc32c_header(&data));
         let out = self
             .client
             .upload_part()
@@ -375,24 +389,33 @@ impl ObjectStore for S3Store {
             .upload_id(upload_id)
             .part_number(part_number)
             .content_length(len)
+            .set_checksum_crc32_c(crc.clone())
             .body(ByteStream::from(data))
             .send()
             .await
             .map_err(map_sdk_error)?;
-        out.e_tag()
+        let etag = out
+            .e_tag()
             .map(str::to_string)
-            .ok_or_else(|| StoreError::InvalidResponse("part without ETag".into()))
+            .ok_or_else(|| StoreError::InvalidResponse("part without ETag".into()))?;
+        Ok(PartReceipt { etag, crc32c: crc })
     }
 
     async fn complete_multipart(
         &self,
         uri: &ObjectUri,
         upload_id: &str,
-        parts: Vec<(i32, String)>,
+        parts: Vec<(i32, PartReceipt)>,
     ) -> Result<String, StoreError> {
         let parts = parts
             .into_iter()
-            .map(|(n, etag)| CompletedPart::builder().part_number(n).e_tag(etag).build())
+            .map(|(n, part)| {
+                CompletedPart::builder()
+                    .part_number(n)
+                    .e_tag(part.etag)
+                    .set_checksum_crc32_c(part.crc32c)
+                    .build()
+            })
             .collect();
         let out = self
             .client

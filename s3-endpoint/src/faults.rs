@@ -62,6 +62,9 @@ pub enum Fault {
     InternalError,
     /// Serve the response but cut the body after this many bytes.
     TruncateBody { after: usize },
+    /// Flip a bit of the request body on its way in (a NIC or proxy that
+    /// damages data): a checksum the client sent must catch it.
+    CorruptRequestBody,
 }
 
 #[derive(Debug)]
@@ -77,6 +80,7 @@ struct Rule {
 pub struct FaultInjector {
     counts: Mutex<HashMap<S3Op, u64>>,
     sent_bytes: AtomicU64,
+    checksums_verified: AtomicU64,
     rules: Mutex<Vec<Rule>>,
 }
 
@@ -106,6 +110,15 @@ impl FaultInjector {
         self.sent_bytes.load(Ordering::Relaxed)
     }
 
+    /// Request bodies whose `x-amz-checksum-crc32c` was checked and matched.
+    pub fn checksums_verified(&self) -> u64 {
+        self.checksums_verified.load(Ordering::Relaxed)
+    }
+
+    pub(crate) fn checksum_verified(&self) {
+        self.checksums_verified.fetch_add(1, Ordering::Relaxed);
+    }
+
     pub(crate) fn add_sent(&self, n: usize) {
         self.sent_bytes.fetch_add(n as u64, Ordering::Relaxed);
     }
@@ -126,8 +139,11 @@ impl FaultInjector {
         let _ = write!(
             out,
             "# TYPE lakecache_s3_endpoint_sent_bytes_total counter\n\
-             lakecache_s3_endpoint_sent_bytes_total {}\n",
-            self.sent_bytes()
+             lakecache_s3_endpoint_sent_bytes_total {}\n\
+             # TYPE lakecache_s3_endpoint_checksums_verified_total counter\n\
+             lakecache_s3_endpoint_checksums_verified_total {}\n",
+            self.sent_bytes(),
+            self.checksums_verified()
         );
         out
     }

@@ -133,14 +133,17 @@ pub async fn start(config: EndpointConfig) -> Result<RunningEndpoint, EndpointEr
             addr: config.listen,
             source,
         })?;
-    let mut builder =
-        s3s::service::S3ServiceBuilder::new(s3api::EmbeddedS3::new(db, config.list_without_etags));
+    let faults = Arc::new(FaultInjector::default());
+    let mut builder = s3s::service::S3ServiceBuilder::new(s3api::EmbeddedS3::new(
+        db,
+        config.list_without_etags,
+        faults.clone(),
+    ));
     builder.set_auth(s3s::auth::SimpleAuth::from_single(
         config.access_key.clone(),
         config.secret_key.clone(),
     ));
     let service = builder.build();
-    let faults = Arc::new(FaultInjector::default());
     let (stop_tx, stop_rx) = tokio::sync::oneshot::channel::<()>();
     let task = tokio::spawn(server::serve(
         listener,

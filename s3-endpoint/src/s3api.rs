@@ -12,6 +12,7 @@ use tokio::io::{AsyncReadExt, AsyncSeekExt, AsyncWriteExt};
 use tokio_util::io::ReaderStream;
 
 use crate::db::{cursor_is_valid, DbError, ObjectDb, ObjectRecord, UploadRecord};
+use crate::faults::FaultInjector;
 
 /// Large reads matter: 4 KiB reads cap a stream near 130 MB/s.
 const READ_CHUNK: usize = 1 << 20;
@@ -23,13 +24,16 @@ const MAX_KEYS: i32 = 1000;
 pub struct EmbeddedS3 {
     db: Arc<ObjectDb>,
     list_without_etags: bool,
+    /// Counters (checksums verified) shared with the HTTP layer.
+    faults: Arc<FaultInjector>,
 }
 
 impl EmbeddedS3 {
-    pub fn new(db: Arc<ObjectDb>, list_without_etags: bool) -> Self {
+    pub fn new(db: Arc<ObjectDb>, list_without_etags: bool, faults: Arc<FaultInjector>) -> Self {
         Self {
             db,
             list_without_etags,
+            faults,
         }
     }
 
@@ -83,19 +87,33 @@ fn check_if_match(cond: Option<&IfMatch>, record: &ObjectRecord) -> S3Result<()>
 
 /// Streams `body` into a new temp file, returning (size, md5). The file is
 /// fsynced: an acknowledged PUT survives a crash.
+/// A received body: its length, MD5 (the ETag) and CRC32C (base64, as
+/// `x-amz-checksum-crc32c` carries it).
+struct Received {
+    size: u64,
+    md5: [u8; 16],
+    crc32c: String,
+}
+
+/// Stores a request body in `path`, checked against the length and the
+/// CRC32C the client sent, if any (S3 answers BadDigest on a mismatch).
 async fn receive_body(
     path: &Path,
     body: Option<StreamingBlob>,
     expected_len: Option<i64>,
-) -> S3Result<(u64, [u8; 16])> {
+    expected_crc32c: Option<&str>,
+    faults: &FaultInjector,
+) -> S3Result<Received> {
     let mut file = tokio::fs::File::create(path).await.map_err(io_internal)?;
     let mut hasher = Md5::new();
+    let mut crc = 0u32;
     let mut size = 0u64;
     if let Some(mut body) = body {
         while let Some(chunk) = body.next().await {
             let chunk = chunk
                 .map_err(|e| S3Error::with_message(S3ErrorCode::IncompleteBody, e.to_string()))?;
             hasher.update(&chunk);
+            crc = crc32c::crc32c_append(crc, &chunk);
             size += chunk.len() as u64;
             file.write_all(&chunk).await.map_err(io_internal)?;
         }
@@ -105,8 +123,25 @@ async fn receive_body(
             return Err(s3_error!(IncompleteBody, "received {size} of {len} bytes"));
         }
     }
+    let crc32c = {
+        use base64::Engine as _;
+        base64::engine::general_purpose::STANDARD.encode(crc.to_be_bytes())
+    };
+    if let Some(want) = expected_crc32c {
+        if want != crc32c {
+            return Err(s3_error!(
+                BadDigest,
+                "The CRC32C you specified did not match the calculated checksum."
+            ));
+        }
+        faults.checksum_verified();
+    }
     file.sync_all().await.map_err(io_internal)?;
-    Ok((size, hasher.finalize().into()))
+    Ok(Received {
+        size,
+        md5: hasher.finalize().into(),
+        crc32c,
+    })
 }
 
 fn strong(etag: &str) -> ETag {
@@ -224,8 +259,17 @@ impl S3 for EmbeddedS3 {
         let input = req.input;
         self.require_bucket(&input.bucket).await?;
         let tmp = self.db.tmp_path();
-        let received = receive_body(&tmp, input.body, input.content_length).await;
-        let (size, md5) = match received {
+        let received = receive_body(
+            &tmp,
+            input.body,
+            input.content_length,
+            input.checksum_crc32c.as_deref(),
+            &self.faults,
+        )
+        .await;
+        let Received {
+            size, md5, crc32c, ..
+        } = match received {
             Ok(v) => v,
             Err(e) => {
                 let _ = tokio::fs::remove_file(&tmp).await;
@@ -240,6 +284,7 @@ impl S3 for EmbeddedS3 {
         let record = commit?;
         Ok(S3Response::new(PutObjectOutput {
             e_tag: Some(strong(&record.etag)),
+            checksum_crc32c: Some(crc32c),
             ..Default::default()
         }))
     }
@@ -402,7 +447,15 @@ impl S3 for EmbeddedS3 {
             input.part_number,
             uuid::Uuid::new_v4().simple()
         ));
-        let (_, md5) = match receive_body(&tmp, input.body, input.content_length).await {
+        let received = receive_body(
+            &tmp,
+            input.body,
+            input.content_length,
+            input.checksum_crc32c.as_deref(),
+            &self.faults,
+        )
+        .await;
+        let Received { md5, crc32c, .. } = match received {
             Ok(v) => v,
             Err(e) => {
                 let _ = tokio::fs::remove_file(&tmp).await;
@@ -414,6 +467,7 @@ impl S3 for EmbeddedS3 {
         tokio::fs::rename(&tmp, &dest).await.map_err(io_internal)?;
         Ok(S3Response::new(UploadPartOutput {
             e_tag: Some(strong(&etag)),
+            checksum_crc32c: Some(crc32c),
             ..Default::default()
         }))
     }
@@ -531,4 +585,52 @@ pub fn error_xml(code: &str, message: &str) -> Bytes {
     Bytes::from(format!(
         "<?xml version=\"1.0\" encoding=\"UTF-8\"?>\n<Error><Code>{code}</Code><Message>{message}</Message></Error>"
     ))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn blob(data: &'static [u8]) -> Option<StreamingBlob> {
+        let chunks = vec![
+            Ok::<_, std::io::Error>(Bytes::from_static(&data[..3])),
+            Ok(Bytes::from_static(&data[3..])),
+        ];
+        Some(StreamingBlob::wrap(futures::stream::iter(chunks)))
+    }
+
+    #[tokio::test]
+    async fn a_body_not_matching_its_crc32c_is_bad_digest() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("body");
+        let faults = FaultInjector::default();
+        let data = b"checkpoint shard";
+        let right = {
+            use base64::Engine as _;
+            base64::engine::general_purpose::STANDARD.encode(crc32c::crc32c(data).to_be_bytes())
+        };
+        let got = receive_body(&path, blob(data), Some(16), Some(&right), &faults)
+            .await
+            .unwrap();
+        assert_eq!((got.size, got.crc32c.as_str()), (16, right.as_str()));
+        assert_eq!(faults.checksums_verified(), 1);
+        // Without a checksum the body is still taken (most clients send none).
+        receive_body(&path, blob(data), Some(16), None, &faults)
+            .await
+            .unwrap();
+        // One flipped bit in what arrived, as the client's CRC describes
+        // the bytes it sent.
+        let err = receive_body(
+            &path,
+            blob(b"checkpoint shard"),
+            Some(16),
+            Some("AAAAAA=="),
+            &faults,
+        )
+        .await
+        .err()
+        .unwrap();
+        assert_eq!(*err.code(), S3ErrorCode::BadDigest);
+        assert_eq!(faults.checksums_verified(), 1);
+    }
 }

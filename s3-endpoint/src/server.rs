@@ -75,6 +75,41 @@ impl HttpBody for TruncatedBody {
     }
 }
 
+/// A request body whose first data byte arrives flipped.
+struct CorruptedBody {
+    inner: Incoming,
+    done: bool,
+}
+
+impl HttpBody for CorruptedBody {
+    type Data = Bytes;
+    type Error = hyper::Error;
+
+    fn poll_frame(
+        mut self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+    ) -> Poll<Option<Result<Frame<Bytes>, hyper::Error>>> {
+        let polled = Pin::new(&mut self.inner).poll_frame(cx);
+        match polled {
+            Poll::Ready(Some(Ok(frame))) if !self.done => match frame.into_data() {
+                Ok(data) if !data.is_empty() => {
+                    self.done = true;
+                    let mut flipped = data.to_vec();
+                    flipped[0] ^= 0x01;
+                    Poll::Ready(Some(Ok(Frame::data(Bytes::from(flipped)))))
+                }
+                Ok(data) => Poll::Ready(Some(Ok(Frame::data(data)))),
+                Err(frame) => Poll::Ready(Some(Ok(frame))),
+            },
+            other => other,
+        }
+    }
+
+    fn size_hint(&self) -> http_body::SizeHint {
+        self.inner.size_hint()
+    }
+}
+
 /// Counts the data bytes of a response body as they are sent.
 struct CountedBody {
     inner: ResponseBody,
@@ -137,7 +172,13 @@ async fn handle(
         }
         _ => {}
     }
-    let resp = match service.call(req.map(s3s::Body::from)).await {
+    let req = match fault {
+        Some(Fault::CorruptRequestBody) => {
+            req.map(|inner| s3s::Body::http_body(CorruptedBody { inner, done: false }))
+        }
+        _ => req.map(s3s::Body::from),
+    };
+    let resp = match service.call(req).await {
         Ok(resp) => resp,
         Err(err) => {
             tracing::error!(?err, "s3 service failed");

@@ -125,3 +125,85 @@ async fn listing_pages_through_many_keys_and_common_prefixes() {
         (0..5).map(|d| format!("many/sub{d}/")).collect::<Vec<_>>()
     );
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn uploads_carry_crc32c_and_a_body_damaged_on_the_way_is_refused() {
+    use lakecache_s3_endpoint::{Fault, S3Op};
+    let h = Harness::start().await;
+    let faults = h.s3.faults();
+    // Every part and single PUT the worker's store sends is checked.
+    let before = faults.checksums_verified();
+    h.put_direct("small.bin", b"hello").await;
+    let u = uri("big.bin");
+    let body: Vec<u8> = (0..(11u32 << 20)).map(|i| (i % 251) as u8).collect();
+    let id = h.direct.create_multipart(&u).await.unwrap();
+    let p1 = h
+        .direct
+        .upload_part(&u, &id, 1, Bytes::copy_from_slice(&body[..6 << 20]))
+        .await
+        .unwrap();
+    assert!(p1.crc32c.is_some());
+    let p2 = h
+        .direct
+        .upload_part(&u, &id, 2, Bytes::copy_from_slice(&body[6 << 20..]))
+        .await
+        .unwrap();
+    h.direct
+        .complete_multipart(&u, &id, vec![(1, p1), (2, p2)])
+        .await
+        .unwrap();
+    assert_eq!(faults.checksums_verified() - before, 3);
+    let etag = h.direct.head(&u).await.unwrap().etag;
+    let got = h
+        .direct
+        .get_range(&u, 0..body.len() as u64, &etag)
+        .await
+        .unwrap();
+    assert!(got[..] == body[..]);
+    // A store told not to send checksums (for S3-compatible stores that
+    // refuse the header) sends none.
+    let plain = lakecache_worker::s3_store(
+        &lakecache_worker::S3Config {
+            checksums: false,
+            ..h.s3_config.clone()
+        },
+        std::sync::Arc::new(lakecache_worker::Metrics::new().unwrap()),
+    )
+    .await;
+    let verified = faults.checksums_verified();
+    plain
+        .put(&uri("plain.bin"), Bytes::from_static(b"x"))
+        .await
+        .unwrap();
+    assert_eq!(faults.checksums_verified(), verified);
+
+    // A flipped bit on the way in: the store refuses the body and keeps
+    // nothing under the name. Over plain HTTP the SDK also signs the
+    // payload's SHA-256, which catches it first; over HTTPS the payload is
+    // unsigned and the CRC32C is what catches it (the endpoint's unit test
+    // `a_body_not_matching_its_crc32c_is_bad_digest`).
+    let refused = |err: &StoreError| {
+        let text = format!("{err:?}");
+        text.contains("BadDigest") || text.contains("Sha256Mismatch")
+    };
+    faults.inject(S3Op::PutObject, Fault::CorruptRequestBody, 1);
+    let err = h
+        .direct
+        .put(&uri("damaged.bin"), Bytes::from_static(b"precious bytes"))
+        .await
+        .unwrap_err();
+    assert!(refused(&err), "{err:?}");
+    assert_eq!(
+        h.direct.head(&uri("damaged.bin")).await,
+        Err(StoreError::NotFound)
+    );
+    faults.inject(S3Op::UploadPart, Fault::CorruptRequestBody, 1);
+    let u = uri("damaged-mp.bin");
+    let id = h.direct.create_multipart(&u).await.unwrap();
+    let err = h
+        .direct
+        .upload_part(&u, &id, 1, Bytes::from(vec![7u8; 1000]))
+        .await
+        .unwrap_err();
+    assert!(refused(&err), "{err:?}");
+}
