@@ -33,7 +33,14 @@ impl S3Op {
                 .any(|p| p == name || p.starts_with(&format!("{name}=")))
         };
         if !has_key {
-            return if method == http::Method::GET && has("list-type") {
+            // GET /bucket lists it (v2 with list-type=2, v1 without);
+            // other bucket subresources (?location, ?uploads) do not.
+            let lists = has("list-type")
+                || query.is_empty()
+                || ["prefix", "marker", "delimiter", "max-keys"]
+                    .iter()
+                    .any(|q| has(q));
+            return if method == http::Method::GET && !path.is_empty() && lists {
                 S3Op::ListObjects
             } else {
                 S3Op::Bucket

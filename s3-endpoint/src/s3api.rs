@@ -29,6 +29,30 @@ pub struct EmbeddedS3 {
 }
 
 impl EmbeddedS3 {
+    /// A listing page as S3 objects and common prefixes.
+    fn listed(&self, page: crate::db::ListPage) -> (Vec<Object>, Vec<CommonPrefix>) {
+        let contents = page
+            .objects
+            .into_iter()
+            .map(|(key, r)| Object {
+                key: Some(key),
+                size: Some(r.size as i64),
+                e_tag: (!self.list_without_etags).then(|| strong(&r.etag)),
+                last_modified: Some(Timestamp::from(r.last_modified())),
+                storage_class: Some(ObjectStorageClass::from_static(
+                    ObjectStorageClass::STANDARD,
+                )),
+                ..Default::default()
+            })
+            .collect();
+        let prefixes = page
+            .common_prefixes
+            .into_iter()
+            .map(|p| CommonPrefix { prefix: Some(p) })
+            .collect();
+        (contents, prefixes)
+    }
+
     pub fn new(db: Arc<ObjectDb>, list_without_etags: bool, faults: Arc<FaultInjector>) -> Self {
         Self {
             db,
@@ -371,25 +395,8 @@ impl S3 for EmbeddedS3 {
                 )
             })
             .await?;
-        let contents: Vec<Object> = page
-            .objects
-            .into_iter()
-            .map(|(key, r)| Object {
-                key: Some(key),
-                size: Some(r.size as i64),
-                e_tag: (!self.list_without_etags).then(|| strong(&r.etag)),
-                last_modified: Some(Timestamp::from(r.last_modified())),
-                storage_class: Some(ObjectStorageClass::from_static(
-                    ObjectStorageClass::STANDARD,
-                )),
-                ..Default::default()
-            })
-            .collect();
-        let prefixes: Vec<CommonPrefix> = page
-            .common_prefixes
-            .into_iter()
-            .map(|p| CommonPrefix { prefix: Some(p) })
-            .collect();
+        let next = page.next.clone();
+        let (contents, prefixes) = self.listed(page);
         let key_count = (contents.len() + prefixes.len()) as i32;
         Ok(S3Response::new(ListObjectsV2Output {
             name: Some(input.bucket),
@@ -399,8 +406,62 @@ impl S3 for EmbeddedS3 {
             key_count: Some(key_count),
             continuation_token: input.continuation_token,
             start_after: input.start_after,
-            is_truncated: Some(page.next.is_some()),
-            next_continuation_token: page.next,
+            is_truncated: Some(next.is_some()),
+            next_continuation_token: next,
+            contents: Some(contents),
+            common_prefixes: Some(prefixes),
+            ..Default::default()
+        }))
+    }
+
+    /// ListObjects (v1), for clients that still use it (s3fs by default):
+    /// the marker is a key; one inside a common prefix skips that prefix.
+    async fn list_objects(
+        &self,
+        req: S3Request<ListObjectsInput>,
+    ) -> S3Result<S3Response<ListObjectsOutput>> {
+        let input = req.input;
+        self.require_bucket(&input.bucket).await?;
+        let max_keys = input.max_keys.unwrap_or(MAX_KEYS).clamp(0, MAX_KEYS);
+        let prefix = input.prefix.clone().unwrap_or_default();
+        let delimiter = input.delimiter.clone().filter(|d| !d.is_empty());
+        let cursor = input.marker.as_ref().map(|marker| {
+            let rest = marker.strip_prefix(prefix.as_str());
+            match (rest, &delimiter) {
+                (Some(rest), Some(d)) if rest.contains(d.as_str()) => {
+                    let end = rest.find(d.as_str()).unwrap_or(0) + d.len();
+                    format!("p{}", hex::encode(format!("{prefix}{}", &rest[..end])))
+                }
+                _ => format!("k{}", hex::encode(marker.as_bytes())),
+            }
+        });
+        let (bucket, d) = (input.bucket.clone(), delimiter.clone());
+        let page = self
+            .blocking(move |db| {
+                db.list(
+                    &bucket,
+                    &prefix,
+                    d.as_deref(),
+                    cursor.as_deref(),
+                    max_keys as usize,
+                )
+            })
+            .await?;
+        // The cursor names the last key or prefix returned: that is the
+        // next marker.
+        let next_marker = page.next.as_ref().and_then(|c| {
+            let bytes = hex::decode(c.get(1..)?).ok()?;
+            String::from_utf8(bytes).ok()
+        });
+        let (contents, prefixes) = self.listed(page);
+        Ok(S3Response::new(ListObjectsOutput {
+            name: Some(input.bucket),
+            prefix: input.prefix,
+            delimiter: input.delimiter,
+            marker: input.marker,
+            max_keys: Some(max_keys),
+            is_truncated: Some(next_marker.is_some()),
+            next_marker,
             contents: Some(contents),
             common_prefixes: Some(prefixes),
             ..Default::default()
@@ -597,6 +658,76 @@ mod tests {
             Ok(Bytes::from_static(&data[3..])),
         ];
         Some(StreamingBlob::wrap(futures::stream::iter(chunks)))
+    }
+
+    fn request<T>(input: T) -> S3Request<T> {
+        S3Request {
+            input,
+            method: http::Method::GET,
+            uri: http::Uri::default(),
+            headers: http::HeaderMap::new(),
+            extensions: http::Extensions::new(),
+            credentials: None,
+            region: None,
+            service: None,
+            trailing_headers: None,
+        }
+    }
+
+    /// Every page of a v1 listing: (keys and prefixes in order, markers).
+    async fn list_v1(
+        s3: &EmbeddedS3,
+        delimiter: Option<&str>,
+        marker: Option<&str>,
+    ) -> Vec<String> {
+        let mut out = Vec::new();
+        let mut marker = marker.map(str::to_string);
+        loop {
+            let input = ListObjectsInput {
+                bucket: "b".into(),
+                delimiter: delimiter.map(str::to_string),
+                marker: marker.clone(),
+                max_keys: Some(2),
+                ..Default::default()
+            };
+            let page = s3.list_objects(request(input)).await.unwrap().output;
+            for o in page.contents.unwrap_or_default() {
+                out.push(o.key.unwrap());
+            }
+            for p in page.common_prefixes.unwrap_or_default() {
+                out.push(p.prefix.unwrap());
+            }
+            if page.is_truncated != Some(true) {
+                return out;
+            }
+            marker = page.next_marker;
+            assert!(marker.is_some(), "a truncated page names its next marker");
+        }
+    }
+
+    #[tokio::test]
+    async fn v1_listings_page_by_marker_and_skip_a_common_prefix_named_as_marker() {
+        let dir = tempfile::tempdir().unwrap();
+        let db = Arc::new(ObjectDb::open(dir.path()).unwrap());
+        db.create_bucket("b").unwrap();
+        for key in ["a", "b", "dir/x", "dir/y", "e", "f"] {
+            let tmp = db.tmp_path();
+            std::fs::write(&tmp, key).unwrap();
+            db.commit("b", key, &tmp, key.len() as u64, key.into(), None)
+                .unwrap();
+        }
+        let s3 = EmbeddedS3::new(db, false, Arc::new(FaultInjector::default()));
+        let mut with_delimiter = list_v1(&s3, Some("/"), None).await;
+        with_delimiter.sort();
+        assert_eq!(with_delimiter, ["a", "b", "dir/", "e", "f"]);
+        assert_eq!(
+            list_v1(&s3, None, None).await,
+            ["a", "b", "dir/x", "dir/y", "e", "f"]
+        );
+        // A marker that is (or lies in) a common prefix skips all of it.
+        assert_eq!(list_v1(&s3, Some("/"), Some("dir/")).await, ["e", "f"]);
+        assert_eq!(list_v1(&s3, Some("/"), Some("dir/x")).await, ["e", "f"]);
+        assert_eq!(list_v1(&s3, None, Some("dir/x")).await, ["dir/y", "e", "f"]);
     }
 
     #[tokio::test]
