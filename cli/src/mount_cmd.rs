@@ -92,13 +92,7 @@ impl FuseArgs {
             }
             config.memory_limit = limit.0;
         }
-        // Idle read buffers kept for reuse are outside the budget: a
-        // small share of it.
-        lakecache_protocol::buffer_pool::set_idle_limit(
-            usize::try_from(config.memory_limit / 8)
-                .unwrap_or(usize::MAX)
-                .min(64 << 20),
-        );
+        lakecache_protocol::buffer_pool::limit_idle_to_share_of(config.memory_limit);
         if let Some(uid) = self.uid {
             config.uid = uid;
         }

@@ -338,12 +338,7 @@ impl WorkerSettings {
                 2 * part_size.max(page_size)
             );
         }
-        // Idle body buffers kept for reuse sit outside the budget.
-        lakecache_protocol::buffer_pool::set_idle_limit(
-            usize::try_from(memory_limit / 8)
-                .unwrap_or(usize::MAX)
-                .min(64 << 20),
-        );
+        lakecache_protocol::buffer_pool::limit_idle_to_share_of(memory_limit);
         let fetch_concurrency = self.fetch_concurrency.unwrap_or(32);
         if !(1..=1024).contains(&fetch_concurrency) {
             bail!("--fetch-concurrency must be 1..=1024, got {fetch_concurrency}");

@@ -32,6 +32,16 @@ pub fn set_idle_limit(bytes: usize) {
     }
 }
 
+/// Keeps idle buffers to a small share of a process's memory budget
+/// (1/8, at most 64 MiB): they sit outside the budget.
+pub fn limit_idle_to_share_of(budget: u64) {
+    set_idle_limit(
+        usize::try_from(budget / 8)
+            .unwrap_or(usize::MAX)
+            .min(64 << 20),
+    );
+}
+
 /// Frees every idle buffer (a process going quiet hands memory back).
 pub fn release_idle() {
     idle().clear();
@@ -79,12 +89,19 @@ impl AsRef<[u8]> for Pooled {
 
 impl Drop for Pooled {
     fn drop(&mut self) {
-        let buf = std::mem::take(&mut self.0);
-        let limit = IDLE_LIMIT.load(Ordering::Relaxed);
-        let mut pool = idle();
-        if pool.iter().map(Vec::capacity).sum::<usize>() + buf.capacity() <= limit {
-            pool.push(buf);
-        }
+        give_back(std::mem::take(&mut self.0));
+    }
+}
+
+/// Returns a buffer to the idle pool if it is pooled-size and fits.
+fn give_back(buf: Vec<u8>) {
+    if buf.capacity() < MIN_POOLED {
+        return;
+    }
+    let limit = IDLE_LIMIT.load(Ordering::Relaxed);
+    let mut pool = idle();
+    if pool.iter().map(Vec::capacity).sum::<usize>() + buf.capacity() <= limit {
+        pool.push(buf);
     }
 }
 

@@ -310,20 +310,23 @@ impl WorkerClient {
         // multi-MiB ranges several times into freshly mapped pages.
         let hint = body.size_hint();
         let capacity = hint.exact().unwrap_or(hint.lower()).min(MAX_PRESIZE);
-        let mut out = crate::buffer_pool::take(capacity as usize);
+        // Taken only once a second frame is coming: a body of one frame
+        // is handed over as it is.
+        let mut out: Option<Vec<u8>> = None;
         loop {
             let frame = tokio::time::timeout(progress, body.frame())
                 .await
                 .map_err(|_| self.timed_out(progress))?;
             match frame {
-                None => return Ok(crate::buffer_pool::freeze(out)),
+                None => return Ok(out.map(crate::buffer_pool::freeze).unwrap_or_default()),
                 Some(Err(e)) => return Err(self.transport(e)),
                 Some(Ok(frame)) => {
                     if let Ok(data) = frame.into_data() {
-                        if out.is_empty() && body.is_end_stream() {
+                        if out.is_none() && body.is_end_stream() {
                             return Ok(data);
                         }
-                        out.extend_from_slice(&data);
+                        out.get_or_insert_with(|| crate::buffer_pool::take(capacity as usize))
+                            .extend_from_slice(&data);
                     }
                 }
             }

@@ -29,8 +29,29 @@ pub struct EmbeddedS3 {
 }
 
 impl EmbeddedS3 {
-    /// A listing page as S3 objects and common prefixes.
-    fn listed(&self, page: crate::db::ListPage) -> (Vec<Object>, Vec<CommonPrefix>) {
+    /// One page of a listing (v1 or v2) as S3 objects and common
+    /// prefixes, with the cursor of the last entry when more follow.
+    async fn list_page(
+        &self,
+        bucket: &str,
+        prefix: &str,
+        delimiter: Option<&str>,
+        cursor: Option<String>,
+        max_keys: i32,
+    ) -> S3Result<(Vec<Object>, Vec<CommonPrefix>, Option<String>)> {
+        let (bucket, prefix) = (bucket.to_string(), prefix.to_string());
+        let delimiter = delimiter.map(str::to_string);
+        let page = self
+            .blocking(move |db| {
+                db.list(
+                    &bucket,
+                    &prefix,
+                    delimiter.as_deref(),
+                    cursor.as_deref(),
+                    max_keys as usize,
+                )
+            })
+            .await?;
         let contents = page
             .objects
             .into_iter()
@@ -50,7 +71,7 @@ impl EmbeddedS3 {
             .into_iter()
             .map(|p| CommonPrefix { prefix: Some(p) })
             .collect();
-        (contents, prefixes)
+        Ok((contents, prefixes, page.next))
     }
 
     pub fn new(db: Arc<ObjectDb>, list_without_etags: bool, faults: Arc<FaultInjector>) -> Self {
@@ -121,7 +142,28 @@ struct Received {
 
 /// Stores a request body in `path`, checked against the length and the
 /// CRC32C the client sent, if any (S3 answers BadDigest on a mismatch).
+/// A body refused leaves no file behind.
 async fn receive_body(
+    path: &Path,
+    body: Option<StreamingBlob>,
+    expected_len: Option<i64>,
+    expected_crc32c: Option<&str>,
+    faults: &FaultInjector,
+) -> S3Result<Received> {
+    let received = write_body(path, body, expected_len, expected_crc32c, faults).await;
+    if received.is_err() {
+        let _ = tokio::fs::remove_file(path).await;
+    }
+    received
+}
+
+/// CRC32C as the `x-amz-checksum-crc32c` header carries it.
+fn crc32c_base64(crc: u32) -> String {
+    use base64::Engine as _;
+    base64::engine::general_purpose::STANDARD.encode(crc.to_be_bytes())
+}
+
+async fn write_body(
     path: &Path,
     body: Option<StreamingBlob>,
     expected_len: Option<i64>,
@@ -147,10 +189,7 @@ async fn receive_body(
             return Err(s3_error!(IncompleteBody, "received {size} of {len} bytes"));
         }
     }
-    let crc32c = {
-        use base64::Engine as _;
-        base64::engine::general_purpose::STANDARD.encode(crc.to_be_bytes())
-    };
+    let crc32c = crc32c_base64(crc);
     if let Some(want) = expected_crc32c {
         if want != crc32c {
             return Err(s3_error!(
@@ -291,15 +330,7 @@ impl S3 for EmbeddedS3 {
             &self.faults,
         )
         .await;
-        let Received {
-            size, md5, crc32c, ..
-        } = match received {
-            Ok(v) => v,
-            Err(e) => {
-                let _ = tokio::fs::remove_file(&tmp).await;
-                return Err(e);
-            }
-        };
+        let Received { size, md5, crc32c } = received?;
         let etag = hex::encode(md5);
         let (bucket, key, ct, tag) = (input.bucket, input.key, input.content_type, etag.clone());
         let commit = self
@@ -383,20 +414,15 @@ impl S3 for EmbeddedS3 {
                 .map(|k| format!("k{}", hex::encode(k.as_bytes())))
         });
         let prefix = input.prefix.clone().unwrap_or_default();
-        let (bucket, delimiter) = (input.bucket.clone(), input.delimiter.clone());
-        let page = self
-            .blocking(move |db| {
-                db.list(
-                    &bucket,
-                    &prefix,
-                    delimiter.as_deref(),
-                    cursor.as_deref(),
-                    max_keys as usize,
-                )
-            })
+        let (contents, prefixes, next) = self
+            .list_page(
+                &input.bucket,
+                &prefix,
+                input.delimiter.as_deref(),
+                cursor,
+                max_keys,
+            )
             .await?;
-        let next = page.next.clone();
-        let (contents, prefixes) = self.listed(page);
         let key_count = (contents.len() + prefixes.len()) as i32;
         Ok(S3Response::new(ListObjectsV2Output {
             name: Some(input.bucket),
@@ -435,25 +461,21 @@ impl S3 for EmbeddedS3 {
                 _ => format!("k{}", hex::encode(marker.as_bytes())),
             }
         });
-        let (bucket, d) = (input.bucket.clone(), delimiter.clone());
-        let page = self
-            .blocking(move |db| {
-                db.list(
-                    &bucket,
-                    &prefix,
-                    d.as_deref(),
-                    cursor.as_deref(),
-                    max_keys as usize,
-                )
-            })
+        let (contents, prefixes, next) = self
+            .list_page(
+                &input.bucket,
+                &prefix,
+                delimiter.as_deref(),
+                cursor,
+                max_keys,
+            )
             .await?;
         // The cursor names the last key or prefix returned: that is the
         // next marker.
-        let next_marker = page.next.as_ref().and_then(|c| {
+        let next_marker = next.as_ref().and_then(|c| {
             let bytes = hex::decode(c.get(1..)?).ok()?;
             String::from_utf8(bytes).ok()
         });
-        let (contents, prefixes) = self.listed(page);
         Ok(S3Response::new(ListObjectsOutput {
             name: Some(input.bucket),
             prefix: input.prefix,
@@ -516,13 +538,7 @@ impl S3 for EmbeddedS3 {
             &self.faults,
         )
         .await;
-        let Received { md5, crc32c, .. } = match received {
-            Ok(v) => v,
-            Err(e) => {
-                let _ = tokio::fs::remove_file(&tmp).await;
-                return Err(e);
-            }
-        };
+        let Received { md5, crc32c, .. } = received?;
         let etag = hex::encode(md5);
         let dest = dir.join(format!("{}-{}", input.part_number, etag));
         tokio::fs::rename(&tmp, &dest).await.map_err(io_internal)?;
@@ -736,10 +752,7 @@ mod tests {
         let path = dir.path().join("body");
         let faults = FaultInjector::default();
         let data = b"checkpoint shard";
-        let right = {
-            use base64::Engine as _;
-            base64::engine::general_purpose::STANDARD.encode(crc32c::crc32c(data).to_be_bytes())
-        };
+        let right = crc32c_base64(crc32c::crc32c(data));
         let got = receive_body(&path, blob(data), Some(16), Some(&right), &faults)
             .await
             .unwrap();
