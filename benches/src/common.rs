@@ -62,6 +62,7 @@ pub fn worker_options(cache_dir: PathBuf, capacity: u64) -> Result<WorkerOptions
             fetch_concurrency: 32,
             part_size: 16 * MIB,
             segment_size: None,
+            writeback: Default::default(),
             memory_limit: 1 << 30,
         },
         limits: HttpLimits::default(),

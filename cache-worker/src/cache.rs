@@ -36,6 +36,8 @@ pub struct CacheConfig {
     /// The ring's segment size, when the worker is in a ring: read-ahead
     /// stops at the end of the segment being read.
     pub segment_size: Option<u64>,
+    /// Write-back staging and uploads.
+    pub writeback: crate::writeback::WriteBackConfig,
     /// Memory for upload parts and pages being fetched, all requests
     /// together; work beyond it waits.
     pub memory_limit: u64,
@@ -59,6 +61,10 @@ pub enum CacheError {
     ShuttingDown,
     #[error("invalid request: {0}")]
     Invalid(String),
+    #[error("checksum mismatch: {0}")]
+    ChecksumMismatch(String),
+    #[error("{0}")]
+    StagingFull(String),
 }
 
 impl From<crate::index::IndexError> for CacheError {
@@ -88,11 +94,15 @@ pub struct Cache {
     last_read_end: Mutex<HashMap<String, u64>>,
     pub(crate) evict: Arc<Notify>,
     pub(crate) peers: crate::placement::Peers,
+    /// Acknowledged writes not yet in S3 (`None`: write-back is off).
+    pub(crate) writeback: Option<Arc<crate::writeback::WriteBack>>,
     /// Totals for `/v1/health` (the same counts feed the metrics).
     hit_bytes: AtomicU64,
     miss_bytes: AtomicU64,
     /// Which random misses fetch whole blocks and which exactly.
     random_admission: crate::admission::RandomAdmission,
+    /// Fails metadata calls fast while S3 is unreachable.
+    pub(crate) s3_down: crate::outage::OutageBreaker,
 }
 
 /// What an S3 fetch holds while its bytes are in use: a fetch permit and
@@ -139,7 +149,11 @@ impl Cache {
         );
         lru.restore(index.load_pages()?);
         let readahead = (config.fetch_concurrency / 2).max(1);
+        let writeback = crate::writeback::WriteBack::open(dir, config.writeback.clone())
+            .map_err(|e| CacheError::Local(e.to_string()))?;
+        let writeback = Some(Arc::new(writeback));
         let cache = Arc::new(Self {
+            writeback,
             _dir_lock: dir_lock,
             memory: MemoryBudget::new(config.memory_limit),
             closing: tokio::sync::watch::Sender::new(false),
@@ -160,8 +174,16 @@ impl Cache {
             hit_bytes: AtomicU64::new(0),
             miss_bytes: AtomicU64::new(0),
             random_admission: Default::default(),
+            s3_down: Default::default(),
         });
         tokio::spawn(evictor(Arc::downgrade(&cache), cache.evict.clone()));
+        if let Some(wb) = &cache.writeback {
+            let _ = cache.metrics.writeback.set(Arc::downgrade(wb));
+            tokio::spawn(crate::writeback::uploader(
+                Arc::downgrade(&cache),
+                wb.clone(),
+            ));
+        }
         cache.evict.notify_one();
         Ok(cache)
     }
@@ -172,6 +194,9 @@ impl Cache {
 
     /// Object metadata, from the index while younger than the TTL.
     pub async fn stat(self: &Arc<Self>, uri: &ObjectUri) -> Result<ObjectMeta, CacheError> {
+        if let Some(meta) = self.pending_meta(uri)? {
+            return Ok(meta);
+        }
         let (this, key) = (self.clone(), uri.to_string());
         let rec = tokio::task::spawn_blocking(move || this.index.get_object(&key))
             .await
@@ -192,11 +217,28 @@ impl Cache {
     /// HEADs the object (one HEAD for concurrent callers) and records the
     /// answer; a new ETag makes the old version's pages unreachable.
     pub async fn revalidate(self: &Arc<Self>, uri: &ObjectUri) -> Result<ObjectMeta, CacheError> {
+        if let Some(meta) = self.pending_meta(uri)? {
+            return Ok(meta);
+        }
         let key = uri.to_string();
         let this = self.clone();
         self.head_flights
             .run(key.clone(), || async move {
-                match this.store.head(uri).await {
+                // In its own task: a client giving up must not cancel the
+                // call whose outcome opens or closes the breaker.
+                let headed = match this.s3_down.check() {
+                    Err(e) => Err(e),
+                    Ok(()) => {
+                        let (probe, target) = (this.clone(), uri.clone());
+                        tokio::spawn(async move {
+                            let r = probe.store.head(&target).await;
+                            probe.s3_down.observe(r)
+                        })
+                        .await
+                        .unwrap_or_else(|e| Err(StoreError::Other(format!("HEAD task: {e}"))))
+                    }
+                };
+                match headed {
                     Ok(meta) => {
                         this.replace_meta(&key, Some(&meta)).await?;
                         Ok(meta)
@@ -204,6 +246,17 @@ impl Cache {
                     Err(StoreError::NotFound) => {
                         this.replace_meta(&key, None).await?;
                         Err(StoreError::NotFound.into())
+                    }
+                    // S3 unreachable: what this worker last knew of the
+                    // object beats no answer (stale-if-error).
+                    Err(e @ (StoreError::Unavailable(_) | StoreError::Throttled(_))) => {
+                        match this.known_meta(&key).await {
+                            Some(meta) => {
+                                tracing::debug!(uri = %key, error = %e, "S3 unavailable; answering from recorded metadata");
+                                Ok(meta)
+                            }
+                            None => Err(e.into()),
+                        }
                     }
                     Err(e) => Err(e.into()),
                 }
@@ -235,6 +288,20 @@ impl Cache {
             self.reclaim_version(key, &old.etag, old.size);
         }
         Ok(())
+    }
+
+    /// Metadata recorded for `key`, however old.
+    async fn known_meta(self: &Arc<Self>, key: &str) -> Option<ObjectMeta> {
+        let (this, key) = (self.clone(), key.to_string());
+        let rec = tokio::task::spawn_blocking(move || this.index.get_object(&key))
+            .await
+            .ok()?
+            .ok()??;
+        Some(ObjectMeta {
+            size: rec.size,
+            etag: rec.etag,
+            last_modified_ms: rec.last_modified_ms,
+        })
     }
 
     pub(crate) fn record_meta(&self, key: &str, meta: &ObjectMeta) -> Result<(), CacheError> {
@@ -281,7 +348,8 @@ impl Cache {
         meta: &ObjectMeta,
         range: Range<u64>,
     ) -> Result<impl Stream<Item = Result<Bytes, CacheError>> + Send + 'static, CacheError> {
-        let seq = self.maybe_read_ahead(uri, meta, &range);
+        let dirty = crate::writeback::is_cache_version(&meta.etag);
+        let seq = !dirty && self.maybe_read_ahead(uri, meta, &range);
         let first = if range.is_empty() {
             None
         } else {
@@ -324,6 +392,21 @@ impl Cache {
     /// Bytes from `pos` towards `end`: at most [`MAX_PIECE`], never across
     /// a page boundary.
     async fn next_piece(
+        self: &Arc<Self>,
+        uri: &ObjectUri,
+        meta: &ObjectMeta,
+        pos: u64,
+        end: u64,
+        sequential: bool,
+    ) -> Result<Bytes, CacheError> {
+        if crate::writeback::is_cache_version(&meta.etag) {
+            return self.dirty_piece(uri, meta, pos, end).await;
+        }
+        self.clean_piece_of(uri, meta, pos, end, sequential).await
+    }
+
+    /// Bytes of a version S3 has (from pages or S3).
+    pub(crate) async fn clean_piece_of(
         self: &Arc<Self>,
         uri: &ObjectUri,
         meta: &ObjectMeta,
@@ -655,10 +738,16 @@ impl Cache {
         token: Option<&str>,
         max_keys: u32,
     ) -> Result<ListResponse, CacheError> {
-        let listing = self
+        // Our tokens carry the last key of the page they follow, so pending
+        // writes land in exactly one page (store tokens are opaque).
+        let (after, token) = crate::writeback::split_list_token(token);
+        self.s3_down.check()?;
+        let listed = self
             .store
             .list(bucket, prefix, delimiter, token, max_keys)
-            .await?;
+            .await;
+        let mut listing = self.s3_down.observe(listed)?;
+        self.merge_pending(bucket, prefix, delimiter, after.as_deref(), &mut listing);
         let listed: Vec<(String, ObjectMeta)> = listing
             .objects
             .iter()
@@ -700,6 +789,9 @@ impl Cache {
     }
 
     pub async fn delete(self: &Arc<Self>, uri: &ObjectUri) -> Result<(), CacheError> {
+        if self.delete_in_order(uri).await? {
+            return Ok(());
+        }
         self.store.delete(uri).await?;
         self.replace_meta(&uri.to_string(), None).await
     }

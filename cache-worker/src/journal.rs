@@ -65,6 +65,14 @@ pub struct PendingObject {
     /// CRC32C of each part as the client computed it.
     pub part_crcs: Vec<u32>,
     pub acked_ms: i64,
+    /// Page size the object's dirty pages were written with (a restart
+    /// with another `--page-size` still finds them).
+    #[serde(default)]
+    pub page_size: u64,
+    /// A delete acknowledged after earlier pending writes of the same
+    /// object: S3 gets it in order, after them.
+    #[serde(default)]
+    pub delete: bool,
 }
 
 #[derive(Debug, Serialize, Deserialize)]
@@ -269,6 +277,14 @@ impl Journal {
     /// Pending objects in the order they were acknowledged.
     pub fn pending(&self) -> impl Iterator<Item = &PendingObject> {
         self.pending.values()
+    }
+
+    pub fn first_pending(&self) -> Option<&PendingObject> {
+        self.pending.values().next()
+    }
+
+    pub fn is_pending(&self, seq: u64) -> bool {
+        self.pending.contains_key(&seq)
     }
 
     pub fn pending_bytes(&self) -> u64 {

@@ -10,9 +10,11 @@ mod index;
 pub mod journal;
 mod lru;
 pub mod metrics;
+mod outage;
 pub mod pages;
 mod placement;
 mod write;
+pub mod writeback;
 
 use std::net::SocketAddr;
 use std::path::PathBuf;
@@ -74,6 +76,41 @@ impl RunningWorker {
 
     pub fn cache(&self) -> &Arc<Cache> {
         &self.cache
+    }
+
+    /// Waits (up to `limit`, or until `give_up` resolves) for this
+    /// worker's write-back journal to reach S3, still serving requests;
+    /// returns the backlog left. What is left stays in the journal and
+    /// resumes at the next start.
+    pub async fn drain_writeback(
+        &self,
+        limit: Duration,
+        give_up: impl std::future::Future<Output = ()>,
+    ) -> lakecache_protocol::WriteBackStatus {
+        let Some(wb) = self.cache.writeback.clone() else {
+            return Default::default();
+        };
+        let deadline = tokio::time::Instant::now() + limit;
+        let mut give_up = std::pin::pin!(give_up);
+        let mut said = false;
+        loop {
+            let status = wb.status("");
+            if status.pending_objects == 0 || tokio::time::Instant::now() >= deadline {
+                return status;
+            }
+            if !said {
+                tracing::info!(
+                    objects = status.pending_objects,
+                    bytes = status.pending_bytes,
+                    "uploading the write-back backlog before stopping (signal again to stop now)"
+                );
+                said = true;
+            }
+            tokio::select! {
+                () = &mut give_up => return wb.status(""),
+                () = tokio::time::sleep(Duration::from_millis(100)) => {}
+            }
+        }
     }
 
     /// Stops accepting, drains requests in flight, and waits until the

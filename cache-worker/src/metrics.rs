@@ -31,6 +31,11 @@ pub struct Metrics {
     corrupt_pages: Counter<u64>,
     discarded_pages: Counter<u64>,
     handed_off_pages: Counter<u64>,
+    writeback_uploaded_objects: Counter<u64>,
+    writeback_uploaded_bytes: Counter<u64>,
+    writeback_failures: Counter<u64>,
+    /// The write-back state the backlog gauges read, once the cache opened.
+    pub writeback: Arc<std::sync::OnceLock<std::sync::Weak<crate::writeback::WriteBack>>>,
     /// Read by the gauges at scrape time.
     pub cache_used_bytes: Arc<AtomicU64>,
     pub cache_capacity_bytes: Arc<AtomicU64>,
@@ -91,7 +96,68 @@ impl Metrics {
             .with_description("Configured cache size")
             .with_callback(move |o| o.observe(cap.load(Ordering::Relaxed), &[]))
             .build();
+        let writeback: Arc<std::sync::OnceLock<std::sync::Weak<crate::writeback::WriteBack>>> =
+            Arc::default();
+        type Pick = fn(&lakecache_protocol::WriteBackStatus) -> u64;
+        let backlog: [(&'static str, &'static str, &'static str, Pick); 4] = [
+            (
+                "lakecache_writeback_pending_objects",
+                "",
+                "Acknowledged objects (and deletes) not yet in S3",
+                |s| s.pending_objects,
+            ),
+            (
+                "lakecache_writeback_pending",
+                "By",
+                "Bytes acknowledged and not yet in S3",
+                |s| s.pending_bytes,
+            ),
+            (
+                "lakecache_writeback_oldest_pending_age",
+                "ms",
+                "Age of the oldest acknowledgement not yet in S3",
+                |s| s.oldest_pending_ms,
+            ),
+            (
+                "lakecache_writeback_staging_limit",
+                "By",
+                "Dirty bytes held before writes wait",
+                |s| s.staging_limit_bytes,
+            ),
+        ];
+        for (name, unit, help, pick) in backlog {
+            let wb = writeback.clone();
+            meter
+                .u64_observable_gauge(name)
+                .with_unit(unit)
+                .with_description(help)
+                .with_callback(move |o| {
+                    if let Some(wb) = wb.get().and_then(std::sync::Weak::upgrade) {
+                        o.observe(pick(&wb.status("")), &[]);
+                    }
+                })
+                .build();
+        }
         Ok(Self {
+            writeback,
+            writeback_uploaded_objects: counter(
+                &meter,
+                "lakecache_writeback_uploaded_objects",
+                "",
+                "Write-back entries that reached S3",
+            ),
+            writeback_uploaded_bytes: counter(
+                &meter,
+                "lakecache_writeback_uploaded",
+                "By",
+                "Write-back bytes that reached S3",
+            ),
+            writeback_failures: counter(
+                &meter,
+                "lakecache_writeback_upload_failures",
+                "",
+                "Write-back upload attempts that failed (each is retried)",
+            ),
             requests: counter(
                 &meter,
                 "lakecache_requests",
@@ -225,6 +291,15 @@ impl Metrics {
 
     pub fn handed_off_pages(&self, pages: u64) {
         self.handed_off_pages.add(pages, &[]);
+    }
+
+    pub fn writeback_uploaded(&self, bytes: u64) {
+        self.writeback_uploaded_objects.add(1, &[]);
+        self.writeback_uploaded_bytes.add(bytes, &[]);
+    }
+
+    pub fn writeback_failure(&self) {
+        self.writeback_failures.add(1, &[]);
     }
 
     pub fn corrupt_page(&self) {

@@ -299,6 +299,86 @@ impl PageStore {
         fs::rename(&staged.path, dest)
     }
 
+    /// Like `commit`, with the page's bytes and header synced before the
+    /// rename; returns the directory the page landed in, which the caller
+    /// syncs (once for many pages) before calling the page durable.
+    pub fn commit_synced(&self, staged: Staged, key: &PageKey, id: &PageId) -> io::Result<PathBuf> {
+        let done = fs::OpenOptions::new()
+            .write(true)
+            .open(&staged.path)
+            .and_then(|f| f.sync_data())
+            .and_then(|()| self.label_and_move(&staged, key, id));
+        match done {
+            Ok(()) => {
+                let dest = self.path(key);
+                // The header was written after the data sync: sync again.
+                fs::OpenOptions::new()
+                    .write(true)
+                    .open(&dest)?
+                    .sync_data()?;
+                Ok(dest.parent().map(Path::to_path_buf).unwrap_or_default())
+            }
+            Err(e) => {
+                self.discard_staged(staged);
+                Err(e)
+            }
+        }
+    }
+
+    /// Syncs page directories (and the store's root, which may have
+    /// gained them), so renames into them survive a power loss.
+    pub fn sync_dirs<'a>(&self, dirs: impl IntoIterator<Item = &'a PathBuf>) -> io::Result<()> {
+        for dir in dirs {
+            fs::File::open(dir)?.sync_all()?;
+        }
+        fs::File::open(&self.pages)?.sync_all()
+    }
+
+    /// Moves a whole page into `to` under a new identity (a written
+    /// object's page once S3 named its version): the header is checked
+    /// against `from_id`, rewritten for `to_id`, and the file renamed.
+    pub fn move_to(
+        &self,
+        from_key: &PageKey,
+        from_id: &PageId,
+        to: &PageStore,
+        to_key: &PageKey,
+        to_id: &PageId,
+    ) -> Result<(), PageReadError> {
+        let path = self.path(from_key);
+        let file = match fs::OpenOptions::new().read(true).write(true).open(&path) {
+            Ok(f) => f,
+            Err(e) if e.kind() == io::ErrorKind::NotFound => return Err(PageReadError::Missing),
+            Err(e) => return Err(e.into()),
+        };
+        let mut raw = vec![0u8; HEADER_LEN as usize];
+        read_exact(&file, &mut raw, 0)?;
+        let mut header = Header::decode(&raw, from_id)?;
+        if to_id.len != from_id.len {
+            return Err(PageReadError::Corrupt("page length differs".into()));
+        }
+        header.id = *to_id;
+        file.write_all_at(&header.encode(), 0)?;
+        let dest = to.path(to_key);
+        if let Some(parent) = dest.parent() {
+            mkdir_private(parent)?;
+        }
+        fs::rename(&path, dest)?;
+        Ok(())
+    }
+
+    /// Every page file's path (dirty pages left by writes never acknowledged).
+    pub fn all_pages(&self) -> Vec<PathBuf> {
+        let Ok(shards) = fs::read_dir(&self.pages) else {
+            return Vec::new();
+        };
+        shards
+            .flatten()
+            .filter_map(|s| fs::read_dir(s.path()).ok())
+            .flat_map(|files| files.flatten().map(|f| f.path()))
+            .collect()
+    }
+
     /// Stage + commit: the page appears whole or not at all.
     pub fn write(&self, key: &PageKey, id: &PageId, data: &[u8]) -> io::Result<()> {
         let staged = self.stage(data)?;

@@ -331,8 +331,17 @@ impl Cache {
         to: &ObjectUri,
     ) -> Result<ObjectMeta, CacheError> {
         let source = self.revalidate(from).await?;
-        if etag.is_some_and(|e| e != source.etag) {
+        let named_other = etag.is_some_and(|e| {
+            e != source.etag && self.uploaded_as(from, e).as_deref() != Some(&source.etag)
+        });
+        if named_other {
             return Err(StoreError::PreconditionFailed.into());
+        }
+        if crate::writeback::is_cache_version(&source.etag)
+            || self.pending_meta(to).is_err()
+            || self.pending_meta(to).is_ok_and(|p| p.is_some())
+        {
+            return self.copy_through_cache(from, &source, to).await;
         }
         if source.size > MAX_COPY_BYTES {
             return Err(CacheError::CopyTooLarge(source.size));

@@ -22,8 +22,9 @@ pub struct ClusterArgs {
     #[arg(long, env = "LAKECACHE_WORKER", default_value = "127.0.0.1:9500")]
     pub worker: String,
     /// Timeout of whole uploads and copies towards a worker, in seconds
-    #[arg(long, default_value_t = 60)]
-    pub timeout: u64,
+    /// [default: 60]; for `sync`, how long to wait for S3 [default: 3600]
+    #[arg(long)]
+    pub timeout: Option<u64>,
     /// A worker that sends nothing for this long during a read, stat or
     /// listing is skipped for the next replica or S3 (a hung worker costs
     /// this much), e.g. 2s or 500ms
@@ -137,7 +138,7 @@ impl ClusterArgs {
                 vnodes: self.vnodes.unwrap_or(lakecache_registry::DEFAULT_VNODES),
                 ..RingOptions::default()
             },
-            timeout: Duration::from_secs(self.timeout),
+            timeout: Duration::from_secs(self.timeout.unwrap_or(60)),
             progress_timeout: self.progress_timeout.0,
             connect_timeout: self.connect_timeout.0,
             s3_fallback: !self.no_s3_fallback,

@@ -8,6 +8,7 @@ mod mount_cmd;
 mod ring_cmd;
 mod s3_cmd;
 mod status_cmd;
+mod sync_cmd;
 mod token_cmd;
 mod units;
 mod up_cmd;
@@ -50,8 +51,10 @@ enum Command {
     Put(client_cmds::PutCmd),
     /// List objects and prefixes under s3://bucket/prefix through the cache
     Ls(client_cmds::LsCmd),
-    /// Show cluster members, liveness, cache usage and hit ratio
+    /// Show cluster members, liveness, cache usage, hit ratio and write-back backlog
     Status(status_cmd::StatusCmd),
+    /// Wait until everything written back under s3://bucket/prefix is in S3
+    Sync(sync_cmd::SyncCmd),
     /// Print the owner of each of N keys (placement check across machines)
     Ring(ring_cmd::RingCmd),
     /// Signing keys and access tokens (keygen, create)
@@ -105,6 +108,7 @@ fn main() {
             Command::Put(cmd) => cmd.run().await,
             Command::Ls(cmd) => cmd.run().await,
             Command::Status(cmd) => cmd.run().await,
+            Command::Sync(cmd) => cmd.run().await,
             Command::Ring(cmd) => cmd.run().await,
             Command::Token(cmd) => cmd.run(),
             Command::Mount(cmd) => cmd.run().await,
@@ -117,6 +121,23 @@ fn main() {
 }
 
 /// Resolves on Ctrl-C or SIGTERM.
+/// How long a stopping worker keeps uploading its write-back backlog.
+const DRAIN_LIMIT: std::time::Duration = std::time::Duration::from_secs(120);
+
+/// Uploads a stopping worker's write-back backlog (up to [`DRAIN_LIMIT`]
+/// or a second signal); whatever is left stays journaled for the next start.
+pub async fn drain_before_stop(worker: &lakecache_worker::RunningWorker) {
+    let left = worker.drain_writeback(DRAIN_LIMIT, shutdown_signal()).await;
+    if left.pending_objects > 0 {
+        tracing::warn!(
+            objects = left.pending_objects,
+            bytes = left.pending_bytes,
+            last_error = left.last_error.as_deref().unwrap_or(""),
+            "stopping with write-back uploads pending; they stay staged and resume at the next start"
+        );
+    }
+}
+
 pub async fn shutdown_signal() {
     let term = async {
         match tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate()) {

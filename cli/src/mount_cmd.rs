@@ -64,6 +64,17 @@ pub struct FuseArgs {
     /// Disk space of the node-local tier
     #[arg(long, env = "LAKECACHE_LOCAL_CACHE_SIZE", default_value = "20GiB")]
     pub local_cache_size: ByteSize,
+    /// How files are written: `through` (close returns once S3 has the
+    /// file) or `back` (close returns once the file is durable in the
+    /// cache; S3 gets it in the background, in close order)
+    /// [default: through; `up`: through, with checkpoints/ written back]
+    #[arg(long, env = "LAKECACHE_WRITE_MODE")]
+    pub write_mode: Option<lakecache_protocol::WriteMode>,
+    /// Write files under this directory of the mount back, whatever
+    /// --write-mode says (repeat for several; comma-separated in the
+    /// environment), e.g. checkpoints/
+    #[arg(long, env = "LAKECACHE_WRITE_BACK_PREFIXES", value_delimiter = ',')]
+    pub write_back_prefix: Vec<String>,
 }
 
 fn parse_mode(s: &str) -> Result<u16, String> {
@@ -101,6 +112,21 @@ impl FuseArgs {
         }
         config.file_mode = self.file_mode;
         config.dir_mode = self.dir_mode;
+        config.write_mode = self.write_mode.unwrap_or_default();
+        for p in &self.write_back_prefix {
+            let p = p.trim_start_matches('/');
+            if p.is_empty() || p.split('/').any(|c| c == "..") {
+                bail!("--write-back-prefix {p:?} must name a directory inside the mount, like checkpoints/");
+            }
+            let dir = if p.ends_with('/') {
+                p.to_string()
+            } else {
+                format!("{p}/")
+            };
+            config
+                .write_back_prefixes
+                .push(format!("{}{dir}", config.prefix));
+        }
         Ok(config)
     }
 

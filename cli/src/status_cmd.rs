@@ -27,6 +27,8 @@ struct Row {
     cache_used_bytes: Option<u64>,
     cache_capacity_bytes: Option<u64>,
     hit_ratio: Option<f64>,
+    /// Write-back backlog: acknowledged, not yet in S3.
+    writeback: Option<lakecache_protocol::WriteBackStatus>,
     error: Option<String>,
 }
 
@@ -48,12 +50,14 @@ impl StatusCmd {
                 tls.as_ref(),
             )
             .and_then(|c| c.with_token(token.as_deref()));
-            let health = match client {
-                Ok(c) => c
-                    .health()
-                    .await
-                    .map_err(|e| lakecache_protocol::Chain(&e).to_string()),
-                Err(e) => Err(e.to_string()),
+            let (health, writeback) = match client {
+                Ok(c) => (
+                    c.health()
+                        .await
+                        .map_err(|e| lakecache_protocol::Chain(&e).to_string()),
+                    c.writeback_status(None).await.ok(),
+                ),
+                Err(e) => (Err(e.to_string()), None),
             };
             match health {
                 Ok(h) => {
@@ -65,6 +69,7 @@ impl StatusCmd {
                         cache_used_bytes: Some(h.cache_used_bytes),
                         cache_capacity_bytes: Some(h.cache_capacity_bytes),
                         hit_ratio: (total > 0).then(|| h.hit_bytes as f64 / total as f64),
+                        writeback,
                         error: None,
                     }
                 }
@@ -75,6 +80,7 @@ impl StatusCmd {
                     cache_used_bytes: None,
                     cache_capacity_bytes: None,
                     hit_ratio: None,
+                    writeback: None,
                     error: Some(e),
                 },
             }
@@ -96,13 +102,14 @@ impl StatusCmd {
             rows.len()
         );
         println!(
-            "{:<24} {:<22} {:<5} {:>10} {:>10} {:>6}",
-            "ID", "ADDRESS", "LIVE", "USED", "CAPACITY", "HIT%"
+            "{:<24} {:<22} {:<5} {:>10} {:>10} {:>6} {:>8} {:>10} {:>8}",
+            "ID", "ADDRESS", "LIVE", "USED", "CAPACITY", "HIT%", "PENDING", "PEND-SIZE", "OLDEST"
         );
         let size = |v: Option<u64>| v.map_or("-".to_string(), |b| ByteSize(b).human());
         for r in &rows {
+            let wb = r.writeback.as_ref();
             println!(
-                "{:<24} {:<22} {:<5} {:>10} {:>10} {:>6}",
+                "{:<24} {:<22} {:<5} {:>10} {:>10} {:>6} {:>8} {:>10} {:>8}",
                 r.id,
                 r.address,
                 if r.live { "yes" } else { "NO" },
@@ -110,7 +117,18 @@ impl StatusCmd {
                 size(r.cache_capacity_bytes),
                 r.hit_ratio
                     .map_or("-".to_string(), |h| format!("{:.1}", h * 100.0)),
+                wb.map_or("-".to_string(), |w| w.pending_objects.to_string()),
+                size(wb.map(|w| w.pending_bytes)),
+                wb.map_or("-".to_string(), |w| format!(
+                    "{:.0}s",
+                    w.oldest_pending_ms as f64 / 1000.0
+                )),
             );
+        }
+        for r in &rows {
+            if let Some(e) = r.writeback.as_ref().and_then(|w| w.last_error.as_ref()) {
+                eprintln!("{}: write-back uploads failing: {e}", r.id);
+            }
         }
         for r in rows.iter().filter(|r| !r.live) {
             eprintln!("{}: {}", r.id, r.error.as_deref().unwrap_or("unreachable"));

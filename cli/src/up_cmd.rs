@@ -8,6 +8,9 @@ use lakecache_s3_endpoint::EndpointConfig;
 use lakecache_worker::Metrics;
 
 use crate::mount_cmd::FuseArgs;
+
+/// What `up` writes back by default: checkpoints, where a stall idles GPUs.
+const DEFAULT_WRITE_BACK_PREFIX: &str = "checkpoints/";
 use crate::units::ByteSize;
 use crate::worker_config::WorkerSettings;
 use lakecache_fuse::local_tier::LocalTier;
@@ -181,6 +184,20 @@ impl UpCmd {
                 ),
                 None => println!("  local cache   off"),
             }
+            let back = &self.fuse.write_back_prefix;
+            let mode = self.fuse.write_mode.unwrap_or_default();
+            if mode == lakecache_protocol::WriteMode::Back {
+                println!("  writes        back (close returns once durable in the cache; lakecache sync waits for S3)");
+            } else if back.is_empty() && self.fuse.write_mode.is_none() {
+                println!("  writes        {DEFAULT_WRITE_BACK_PREFIX} written back, the rest through to S3 (--write-mode, --write-back-prefix)");
+            } else if !back.is_empty() {
+                println!(
+                    "  writes        {} written back, the rest through to S3",
+                    back.join(", ")
+                );
+            } else {
+                println!("  writes        through to S3");
+            }
         }
         let token_flag = format!("--token-file {}", token_path.display());
         println!("try:");
@@ -223,6 +240,10 @@ impl UpCmd {
             }
         }
         crate::mount_cmd::flush_local_tier(&local_tier);
+        // The embedded endpoint is S3 here: the backlog goes there first.
+        for w in &workers {
+            crate::drain_before_stop(w).await;
+        }
         for w in workers {
             w.shutdown().await;
         }
@@ -277,6 +298,12 @@ impl UpCmd {
             None,
         );
         let mut config = self.fuse.fs_config(&self.bucket, "")?;
+        // Checkpoints are written back unless the user chose otherwise.
+        if self.fuse.write_mode.is_none() && self.fuse.write_back_prefix.is_empty() {
+            config
+                .write_back_prefixes
+                .push(DEFAULT_WRITE_BACK_PREFIX.into());
+        }
         config.write_scopes = Some(vec![format!("s3://{}/", self.bucket)]);
         let mut fs = lakecache_fuse::Fs::new(cluster, config);
         let default_tier = dir.join("local-cache");

@@ -73,6 +73,7 @@ impl WorkerCmd {
         };
         crate::shutdown_signal().await;
         tracing::info!("shutting down");
+        crate::drain_before_stop(&worker).await;
         if let Some(registration) = joined {
             // Leave the ring first so clients stop routing here.
             registration.stop().await;

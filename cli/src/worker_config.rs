@@ -58,6 +58,15 @@ pub struct WorkerSettings {
     /// 1,000 parts so 10,000 parts reach 5TiB [default: 16MiB]
     #[arg(long, env = "LAKECACHE_PART_SIZE")]
     pub part_size: Option<ByteSize>,
+    /// Dirty (acknowledged, not yet uploaded) write-back bytes this worker
+    /// holds on disk before new write-back writes wait for uploads
+    /// [default: half of --cache-size]
+    #[arg(long, env = "LAKECACHE_WRITE_STAGING_LIMIT")]
+    pub write_staging_limit: Option<ByteSize>,
+    /// A write-back write waiting this long for staging space fails (the
+    /// client sees EIO); what was acknowledged stays staged [default: 600s]
+    #[arg(long, env = "LAKECACHE_WRITE_STALL_TIMEOUT")]
+    pub write_stall_timeout: Option<Seconds>,
     /// Largest accepted upload body [default: 5TiB]
     #[arg(long, env = "LAKECACHE_MAX_BODY_SIZE")]
     pub max_body_size: Option<ByteSize>,
@@ -225,6 +234,8 @@ impl WorkerSettings {
                 low_watermark,
                 part_size,
                 memory_limit,
+                write_staging_limit,
+                write_stall_timeout,
                 max_body_size,
                 max_uri_bytes,
                 max_header_bytes,
@@ -404,6 +415,16 @@ impl WorkerSettings {
                 part_size,
                 segment_size: Some(segment_size),
                 memory_limit,
+                writeback: lakecache_worker::writeback::WriteBackConfig {
+                    staging_limit: self
+                        .write_staging_limit
+                        .map_or(capacity / 2, |s| s.0)
+                        .max(page_size),
+                    stall_timeout: self
+                        .write_stall_timeout
+                        .map_or(std::time::Duration::from_secs(600), |s| s.0),
+                    ..Default::default()
+                },
             },
             limits,
             access,

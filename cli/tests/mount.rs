@@ -71,28 +71,34 @@ impl Env {
         };
         for i in 0..workers {
             let port = free_port();
-            let child = Command::new(BIN)
-                .args(["worker", "--listen", &format!("127.0.0.1:{port}")])
-                .args(["--insecure-http"])
-                .args(if worker_flags.contains(&"--auth-keys") {
-                    &[][..]
-                } else {
-                    &["--no-auth"][..]
-                })
-                .arg("--cache-dir")
-                .arg(env.dir.path().join(format!("cache-{i}")))
-                .args(["--cache-size", "4GiB", "--s3-path-style", "--s3-endpoint"])
-                .arg(format!("http://127.0.0.1:{s3_port}"))
-                .args(worker_flags)
-                .envs(common::s3_env(ACCESS, SECRET, s3_port))
-                .stdout(Stdio::null())
-                .stderr(Stdio::null())
-                .spawn()
-                .unwrap();
-            wait_for_port(port, "worker");
-            env.workers.push((port, Proc(child)));
+            let child = env.spawn_worker(i, port, worker_flags);
+            env.workers.push((port, child));
         }
         env
+    }
+
+    /// `lakecache worker` number `i` (its cache dir is `cache-{i}`) on `port`.
+    fn spawn_worker(&self, i: usize, port: u16, worker_flags: &[&str]) -> Proc {
+        let child = Command::new(BIN)
+            .args(["worker", "--listen", &format!("127.0.0.1:{port}")])
+            .args(["--insecure-http"])
+            .args(if worker_flags.contains(&"--auth-keys") {
+                &[][..]
+            } else {
+                &["--no-auth"][..]
+            })
+            .arg("--cache-dir")
+            .arg(self.dir.path().join(format!("cache-{i}")))
+            .args(["--cache-size", "4GiB", "--s3-path-style", "--s3-endpoint"])
+            .arg(format!("http://127.0.0.1:{}", self.s3_port))
+            .args(worker_flags)
+            .envs(common::s3_env(ACCESS, SECRET, self.s3_port))
+            .stdout(Stdio::null())
+            .stderr(Stdio::null())
+            .spawn()
+            .unwrap();
+        wait_for_port(port, "worker");
+        Proc(child)
     }
 
     fn registry(&self) -> String {
@@ -980,3 +986,5 @@ fn a_mount_can_do_what_its_token_allows_and_nothing_else() {
 
 #[path = "mount/local_tier.rs"]
 mod local_tier;
+#[path = "mount/writeback.rs"]
+mod writeback;

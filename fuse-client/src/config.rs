@@ -2,6 +2,8 @@
 
 use std::time::Duration;
 
+use lakecache_protocol::WriteMode;
+
 #[derive(Debug, Clone)]
 pub struct FsConfig {
     pub bucket: String,
@@ -28,6 +30,10 @@ pub struct FsConfig {
     /// scopes): opening anything else for writing fails with EACCES at
     /// once instead of at close. `None`: no token, or no limit known.
     pub write_scopes: Option<Vec<String>>,
+    /// How files are written unless a prefix below says otherwise.
+    pub write_mode: WriteMode,
+    /// Keys (full S3 keys, e.g. `runs/checkpoints/`) written back.
+    pub write_back_prefixes: Vec<String>,
 }
 
 impl FsConfig {
@@ -53,6 +59,17 @@ impl FsConfig {
             upload_timeout: Duration::from_secs(6 * 3600),
             memory_limit: crate::memory::default_limit(),
             write_scopes: None,
+            write_mode: WriteMode::Through,
+            write_back_prefixes: Vec::new(),
+        }
+    }
+
+    /// The write mode of the object `key`.
+    pub fn write_mode_for(&self, key: &str) -> WriteMode {
+        if self.write_back_prefixes.iter().any(|p| key.starts_with(p)) {
+            WriteMode::Back
+        } else {
+            self.write_mode
         }
     }
 }

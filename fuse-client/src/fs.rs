@@ -7,11 +7,11 @@ use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use bytes::Bytes;
-use lakecache_protocol::{validate_key, ObjectStat, ObjectUri, MAX_KEY_BYTES};
+use lakecache_protocol::{validate_key, ObjectStat, ObjectUri, WriteMode, MAX_KEY_BYTES};
 use tokio::sync::Mutex as AsyncMutex;
 
 use crate::config::FsConfig;
-use crate::data_plane::DataPlane;
+use crate::data_plane::{DataError, DataPlane};
 use crate::dir::{DirStream, Listed, ListingCache};
 use crate::error::FsError;
 use crate::inode::{Inode, InodeTable, Kind, Meta};
@@ -267,6 +267,16 @@ impl Fs {
             self.data
                 .list(&self.config.bucket, &dir_key, Some("/"), None, Some(1))
         );
+        // S3 is down and this directory is written back: a name the cache
+        // does not know is taken as absent, so checkpoint writers can
+        // create files through an outage (O_EXCL cannot be promised then).
+        if self.config.write_mode_for(&file_key) == WriteMode::Back
+            && store_down(&listing)
+            && (store_down(&stat) || matches!(stat, Err(DataError::NotFound)))
+        {
+            tracing::debug!(key = %file_key, "S3 unavailable: lookup under a write-back prefix answers not found");
+            return Err(FsError::NotFound);
+        }
         let listing = listing.map_err(FsError::from)?;
         // A prefix shadows an object of the same name, as in `ls` of S3.
         if !listing.objects.is_empty() || !listing.common_prefixes.is_empty() {
@@ -464,7 +474,7 @@ impl Fs {
                 "truncating an object to a non-zero size",
             ));
         }
-        let stat = self.data.put(&self.uri(&node.key)?, Bytes::new()).await?;
+        let stat = self.put_empty(&node.key).await?;
         let meta = meta_of(&stat);
         self.inodes
             .update(ino, |n| {
@@ -700,6 +710,7 @@ impl Fs {
             uri,
             self.config.upload_timeout,
             self.memory.clone(),
+            self.config.write_mode_for(&node.key),
         );
         let mut handles = self.handles.lock().unwrap_or_else(|p| p.into_inner());
         handles.insert(
@@ -881,6 +892,22 @@ impl Fs {
         result.map(|_| ())
     }
 
+    /// An empty object (a directory marker, a truncated file) in the
+    /// key's write mode, so it is ordered with the writes around it.
+    async fn put_empty(&self, key: &str) -> Result<ObjectStat, FsError> {
+        let uri = self.uri(key)?;
+        let stat = match self.config.write_mode_for(key) {
+            WriteMode::Back => {
+                let empty: crate::data_plane::ByteStream = Box::pin(futures::stream::empty());
+                self.data
+                    .upload(&uri, empty, self.config.upload_timeout, WriteMode::Back)
+                    .await?
+            }
+            WriteMode::Through => self.data.put(&uri, Bytes::new()).await?,
+        };
+        Ok(stat)
+    }
+
     pub async fn mkdir(&self, parent: u64, name: &str) -> Result<Inode, FsError> {
         let p = self.dir(parent)?;
         let key = self.child_key(&p, name, Kind::Dir)?;
@@ -889,7 +916,7 @@ impl Fs {
             Err(FsError::NotFound) => {}
             Err(e) => return Err(e),
         }
-        self.data.put(&self.uri(&key)?, Bytes::new()).await?;
+        self.put_empty(&key).await?;
         self.dir_changed(parent);
         let node = self
             .inodes
@@ -1034,7 +1061,7 @@ impl Fs {
                     ));
                 }
                 let new_key = self.child_key(&np, new_name, Kind::Dir)?;
-                self.data.put(&self.uri(&new_key)?, Bytes::new()).await?;
+                self.put_empty(&new_key).await?;
                 self.data.delete(&self.uri(&src.key)?).await?;
                 self.inodes
                     .rename(src.ino, new_parent, new_name, new_key, Meta::default());
@@ -1049,4 +1076,8 @@ pub fn now_ms() -> i64 {
         .duration_since(std::time::UNIX_EPOCH)
         .map(|d| d.as_millis() as i64)
         .unwrap_or(0)
+}
+
+fn store_down<T>(r: &Result<T, DataError>) -> bool {
+    matches!(r, Err(DataError::StoreUnavailable(_)))
 }

@@ -5,7 +5,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use bytes::Bytes;
-use lakecache_protocol::{ObjectStat, ObjectUri};
+use lakecache_protocol::{ObjectStat, ObjectUri, WriteMode};
 use tokio::sync::mpsc;
 use tokio::task::JoinHandle;
 
@@ -35,6 +35,7 @@ pub struct FileWriter {
     /// Set once the upload ended; repeated flushes report the same.
     outcome: Option<Result<ObjectStat, DataError>>,
     budget: Arc<MemoryBudget>,
+    mode: WriteMode,
 }
 
 impl FileWriter {
@@ -43,12 +44,14 @@ impl FileWriter {
         uri: ObjectUri,
         timeout: Duration,
         budget: Arc<MemoryBudget>,
+        mode: WriteMode,
     ) -> Self {
         Self {
             data,
             uri,
             timeout,
             budget,
+            mode,
             written: 0,
             fill_to: 0,
             upload: None,
@@ -102,8 +105,9 @@ impl FileWriter {
     fn start(&self) -> Upload {
         let (sender, receiver) = mpsc::channel::<(Bytes, Reservation)>(QUEUED_WRITES);
         let body: ByteStream = Box::pin(stream_from(receiver));
-        let (data, uri, timeout) = (self.data.clone(), self.uri.clone(), self.timeout);
-        let task = tokio::spawn(async move { data.upload(&uri, body, timeout).await });
+        let (data, uri, timeout, mode) =
+            (self.data.clone(), self.uri.clone(), self.timeout, self.mode);
+        let task = tokio::spawn(async move { data.upload(&uri, body, timeout, mode).await });
         Upload { sender, task }
     }
 
@@ -155,6 +159,12 @@ impl FileWriter {
                 }
             }
             // Nothing written: the object is empty.
+            None if self.mode == WriteMode::Back => {
+                let empty: ByteStream = Box::pin(futures::stream::empty());
+                self.data
+                    .upload(&self.uri, empty, self.timeout, self.mode)
+                    .await
+            }
             None => self.data.put(&self.uri, Bytes::new()).await,
         };
         let result = result.and_then(|stat| {

@@ -52,6 +52,12 @@ impl ClientError {
     /// True when another worker (or S3) might answer where this one failed.
     pub fn is_retryable(&self) -> bool {
         match self {
+            // The worker is fine and S3 is not: every other worker (and
+            // the client's own S3 fallback) would meet the same S3.
+            ClientError::Api {
+                code: ErrorCode::UpstreamUnavailable | ErrorCode::UpstreamThrottled,
+                ..
+            } => false,
             ClientError::Api { status, .. } => *status >= 500,
             ClientError::Transport { .. }
             | ClientError::Timeout { .. }
@@ -478,6 +484,57 @@ impl WorkerClient {
         let resp = self.send(req).await?;
         let body = self.collect(resp.into_body()).await?;
         serde_json::from_slice(&body).map_err(|e| ClientError::Decode(e.to_string()))
+    }
+
+    /// Writes `body` back: returns once the object is durable in the
+    /// worker's cache (S3 gets it later). The body's CRC32C follows it as
+    /// a trailer; the worker refuses the write if its bytes differ.
+    pub async fn put_back<S>(&self, uri: &ObjectUri, body: S) -> Result<ObjectStat, ClientError>
+    where
+        S: futures::Stream<Item = Bytes> + Send + Sync + 'static,
+    {
+        use futures::StreamExt as _;
+        use std::sync::atomic::{AtomicU32, Ordering};
+        use std::sync::Arc;
+        let crc = Arc::new(AtomicU32::new(0));
+        let running = crc.clone();
+        let data = body.map(move |b| {
+            let now = crc32c::crc32c_append(running.load(Ordering::Relaxed), &b);
+            running.store(now, Ordering::Relaxed);
+            Ok::<_, BoxError>(hyper::body::Frame::data(b))
+        });
+        let trailer = futures::stream::once(async move {
+            let mut trailers = http::HeaderMap::new();
+            let value = crc.load(Ordering::Relaxed).to_string();
+            if let Ok(v) = http::HeaderValue::from_str(&value) {
+                trailers.insert(crate::BODY_CRC32C_TRAILER, v);
+            }
+            Ok::<_, BoxError>(hyper::body::Frame::trailers(trailers))
+        });
+        let body: RequestBody =
+            BodyExt::boxed(http_body_util::StreamBody::new(data.chain(trailer)));
+        let req = self
+            .request(http::Method::PUT, &uri.api_path("objects"))
+            .header(crate::WRITE_MODE_HEADER, "back")
+            .header(http::header::TRAILER, crate::BODY_CRC32C_TRAILER)
+            .body(body)
+            .map_err(|e| ClientError::Decode(e.to_string()))?;
+        let resp = self.send(req).await?;
+        let body = self.collect(resp.into_body()).await?;
+        serde_json::from_slice(&body).map_err(|e| ClientError::Decode(e.to_string()))
+    }
+
+    /// One worker's write-back backlog (under `prefix`, an
+    /// `s3://bucket/prefix` URI, when given).
+    pub async fn writeback_status(
+        &self,
+        prefix: Option<&str>,
+    ) -> Result<crate::WriteBackStatus, ClientError> {
+        let path = match prefix {
+            Some(p) => format!("/v1/writeback?{}", form_urlencoded(&[("prefix", p)])),
+            None => "/v1/writeback".to_string(),
+        };
+        self.get_json(&path).await
     }
 
     pub async fn put_bytes(&self, uri: &ObjectUri, data: Bytes) -> Result<ObjectStat, ClientError> {

@@ -15,6 +15,7 @@ pub mod tls;
 pub mod token;
 mod types;
 mod uri;
+mod writeback;
 
 pub use chain::Chain;
 pub use client::{
@@ -23,3 +24,7 @@ pub use client::{
 };
 pub use types::{ErrorBody, ErrorCode, ErrorDetail, Health, ListEntry, ListResponse, ObjectStat};
 pub use uri::{validate_bucket, validate_key, InvalidUri, ObjectUri, MAX_KEY_BYTES};
+pub use writeback::{
+    is_cache_version, WriteBackStatus, WriteMode, BODY_CRC32C_TRAILER, CACHE_VERSION_PREFIX,
+    WRITE_MODE_HEADER,
+};

@@ -58,6 +58,10 @@ pub enum ErrorCode {
     BodyTimeout,
     UpstreamThrottled,
     UpstreamUnavailable,
+    /// A write-back body whose checksum does not match what the client sent.
+    ChecksumMismatch,
+    /// Write-back staging stayed full for longer than the stall timeout.
+    StagingFull,
     UpstreamError,
     Internal,
     /// A code this client version does not know.
@@ -71,7 +75,9 @@ impl ErrorCode {
             ErrorCode::BadRequest
             | ErrorCode::InvalidPath
             | ErrorCode::InvalidRange
-            | ErrorCode::CopyTooLarge => 400,
+            | ErrorCode::CopyTooLarge
+            | ErrorCode::ChecksumMismatch => 400,
+            ErrorCode::StagingFull => 507,
             ErrorCode::RangeNotSatisfiable => 416,
             ErrorCode::NotFound | ErrorCode::RouteNotFound => 404,
             ErrorCode::MethodNotAllowed => 405,

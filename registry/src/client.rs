@@ -335,9 +335,13 @@ impl ClusterClient {
             pieces.push((seg, pos..end));
             pos = end;
         }
-        let reads = pieces
-            .into_iter()
-            .map(|(seg, r)| self.read_segment(uri, seg, r, etag));
+        // A version not yet in S3 lives only on the worker that took the
+        // write (the owner of segment 0): every piece goes there.
+        let pending = etag.is_some_and(lakecache_protocol::is_cache_version);
+        let reads = pieces.into_iter().map(|(seg, r)| {
+            let seg = if pending { 0 } else { seg };
+            self.read_segment(uri, seg, r, etag)
+        });
         let mut parts = futures::future::try_join_all(reads).await?;
         let expected = etag.map(str::to_string).or_else(|| parts[0].1.clone());
         for (_, got) in &parts {

@@ -63,6 +63,8 @@ pub fn cache_error(e: &CacheError) -> Response {
         CacheError::BodyTooLarge(_) => ErrorCode::BodyTooLarge,
         CacheError::BodyIdle(_) => ErrorCode::BodyTimeout,
         CacheError::CopyTooLarge(_) => ErrorCode::CopyTooLarge,
+        CacheError::ChecksumMismatch(_) => ErrorCode::ChecksumMismatch,
+        CacheError::StagingFull(_) => ErrorCode::StagingFull,
         CacheError::ShuttingDown => ErrorCode::UpstreamUnavailable,
     };
     error(code, e.to_string())

@@ -1,6 +1,6 @@
 //! Request routing and the handlers of the `/v1` API.
 
-use std::sync::Arc;
+use std::sync::{Arc, OnceLock};
 
 use bytes::Bytes;
 use futures::StreamExt;
@@ -9,8 +9,9 @@ use http_body::Frame;
 use http_body_util::{BodyExt, BodyStream, StreamBody};
 use hyper::body::Incoming;
 use lakecache_protocol::{
-    validate_bucket, ErrorCode, Health, ListResponse, ObjectStat, ObjectUri, COPY_SOURCE_HEADER,
-    FROM_HEADER, MAX_KEY_BYTES, OFFSET_HEADER,
+    validate_bucket, ErrorCode, Health, ListResponse, ObjectStat, ObjectUri, WriteBackStatus,
+    WriteMode, BODY_CRC32C_TRAILER, COPY_SOURCE_HEADER, FROM_HEADER, MAX_KEY_BYTES, OFFSET_HEADER,
+    WRITE_MODE_HEADER,
 };
 
 use super::auth::{Access, AccessPolicy};
@@ -72,11 +73,11 @@ pub async fn route(state: &AppState, req: http::Request<Incoming>) -> (&'static 
     }
     let path = req.uri().path().to_string();
     let method = req.method().clone();
-    if path == "/v1/health" || path == "/metrics" {
+    if path == "/v1/health" || path == "/metrics" || path == "/v1/writeback" {
         if let Err(denied) = Access::operator_endpoint(&state.access, req.headers()) {
             return ("denied", *denied);
         }
-        return operator_route(state, &method, &path);
+        return operator_route(state, &method, &path, req.uri().query().unwrap_or(""));
     }
     let access = match state.access.authenticate(req.headers()) {
         Ok(a) => a,
@@ -140,9 +141,15 @@ async fn object_route(
     )
 }
 
-fn operator_route(state: &AppState, method: &Method, path: &str) -> (&'static str, Response) {
+fn operator_route(
+    state: &AppState,
+    method: &Method,
+    path: &str,
+    query: &str,
+) -> (&'static str, Response) {
     match (method, path) {
         (&Method::GET, "/v1/health") => ("health", health(state)),
+        (&Method::GET, "/v1/writeback") => ("writeback", writeback_status(state, query)),
         (&Method::GET, _) => {
             let mut resp = http::Response::new(full(state.metrics.render()));
             resp.headers_mut().insert(
@@ -194,6 +201,35 @@ fn health(state: &AppState) -> Response {
     )
 }
 
+/// `?prefix=s3://bucket/prefix` narrows the backlog to one prefix.
+fn writeback_status(state: &AppState, query: &str) -> Response {
+    let mut prefix = String::new();
+    for pair in query.split('&').filter(|p| !p.is_empty()) {
+        match pair.split_once('=') {
+            Some(("prefix", v)) => match percent_encoding::percent_decode_str(v).decode_utf8() {
+                Ok(v) => prefix = v.into_owned(),
+                Err(_) => return error(ErrorCode::BadRequest, "prefix is not valid UTF-8"),
+            },
+            _ => {
+                return error(
+                    ErrorCode::BadRequest,
+                    format!("unknown query parameter in {pair:?}; only prefix=s3://bucket/prefix"),
+                )
+            }
+        }
+    }
+    if !prefix.is_empty() && !prefix.starts_with("s3://") {
+        return error(
+            ErrorCode::BadRequest,
+            "prefix must be an s3://bucket/prefix URI",
+        );
+    }
+    match &state.cache.writeback {
+        Some(wb) => json(StatusCode::OK, &wb.status(&prefix)),
+        None => json(StatusCode::OK, &WriteBackStatus::default()),
+    }
+}
+
 async fn stat(state: &AppState, access: &Access<'_>, rest: &str) -> Response {
     let uri = match parse_uri(rest) {
         Ok(u) => u,
@@ -242,18 +278,28 @@ async fn read(
     // A read that finds the object changed under its cached ETag starts
     // over once against the new version.
     for attempt in 0..2 {
+        // A reader holding the cache version of a since-uploaded write
+        // gets the same bytes under the version it asked for.
+        let mut served_as = None;
         let mut meta = match state.cache.stat(&uri).await {
             Ok(m) => m,
             Err(e) => return cache_error(&e),
         };
         if let Some(want) = if_match.as_deref().filter(|w| *w != "*") {
-            if want != meta.etag {
+            let uploaded = state.cache.uploaded_as(&uri, want);
+            if uploaded.as_deref() == Some(&meta.etag) {
+                served_as = Some(want.to_string());
+            }
+            if want != meta.etag && uploaded.as_deref() != Some(&meta.etag) {
                 // Our metadata may be stale: ask S3 before refusing.
                 meta = match state.cache.revalidate(&uri).await {
                     Ok(m) => m,
                     Err(e) => return cache_error(&e),
                 };
-                if want != meta.etag {
+                if uploaded.as_deref() == Some(&meta.etag) {
+                    served_as = Some(want.to_string());
+                }
+                if want != meta.etag && uploaded.as_deref() != Some(&meta.etag) {
                     return error(
                         ErrorCode::PreconditionFailed,
                         format!("object has ETag {}, not {want}", meta.etag),
@@ -315,7 +361,8 @@ async fn read(
             header::CONTENT_LENGTH,
             (range.end - range.start).to_string(),
         );
-        set_header(&mut resp, header::ETAG, format!("\"{}\"", meta.etag));
+        let etag = served_as.as_deref().unwrap_or(&meta.etag);
+        set_header(&mut resp, header::ETAG, format!("\"{etag}\""));
         resp.headers_mut()
             .insert(header::ACCEPT_RANGES, HeaderValue::from_static("bytes"));
         resp.headers_mut().insert(
@@ -328,6 +375,22 @@ async fn read(
         ErrorCode::PreconditionFailed,
         "object kept changing during the read; retry",
     )
+}
+
+/// The client's CRC32C of the whole body, from the trailers.
+fn trailer_crc(trailers: &http::HeaderMap) -> Result<Option<u32>, CacheError> {
+    let Some(v) = trailers.get(BODY_CRC32C_TRAILER) else {
+        return Ok(None);
+    };
+    v.to_str()
+        .ok()
+        .and_then(|s| s.trim().parse::<u32>().ok())
+        .map(Some)
+        .ok_or_else(|| {
+            CacheError::Invalid(format!(
+                "trailer {BODY_CRC32C_TRAILER} must be a decimal CRC32C"
+            ))
+        })
 }
 
 fn if_match(req: &http::Request<Incoming>) -> Option<String> {
@@ -371,7 +434,23 @@ async fn write(
             ),
         );
     }
+    let mode = match req.headers().get(WRITE_MODE_HEADER).map(|v| v.to_str()) {
+        None => WriteMode::Through,
+        Some(Ok(v)) => match v.parse::<WriteMode>() {
+            Ok(m) => m,
+            Err(e) => return error(ErrorCode::BadRequest, e),
+        },
+        Some(Err(_)) => return error(ErrorCode::BadRequest, "write mode is not ASCII"),
+    };
+    // A write-through behind pending write-backs of the same object would
+    // reach S3 before them and be overwritten: it queues behind them.
+    let mode = match state.cache.pending_meta(&uri) {
+        Ok(Some(_)) | Err(_) => WriteMode::Back,
+        Ok(None) => mode,
+    };
     let mut received = 0u64;
+    let client_crc = Arc::new(OnceLock::new());
+    let crc_slot = client_crc.clone();
     let body = IdleTimeoutBody::new(req.into_body(), state.limits.body_idle_timeout);
     let body = BodyStream::new(body).filter_map(move |frame| {
         let item = match frame {
@@ -384,12 +463,32 @@ async fn write(
                         Some(Ok(data))
                     }
                 }
-                Err(_) => None,
+                Err(frame) => match frame.into_trailers().ok().map(|t| trailer_crc(&t)) {
+                    Some(Err(e)) => Some(Err(e)),
+                    Some(Ok(Some(crc))) => {
+                        let _ = crc_slot.set(crc);
+                        None
+                    }
+                    _ => None,
+                },
             },
             Err(e) => Some(Err(body_error(e))),
         };
         std::future::ready(item)
     });
+    if mode == WriteMode::Back {
+        let (cache, task_uri) = (state.cache.clone(), uri.clone());
+        let taken = tokio::spawn(async move {
+            cache
+                .write_back(&task_uri, Box::pin(body), client_crc)
+                .await
+        });
+        return match taken.await {
+            Ok(Ok(meta)) => json(StatusCode::OK, &stat_body(&uri, &meta)),
+            Ok(Err(e)) => cache_error(&e),
+            Err(e) => cache_error(&CacheError::Local(format!("write-back task failed: {e}"))),
+        };
+    }
     // The upload runs in its own task: if the client goes away, hyper
     // drops this handler, but the task sees the body end in an error and
     // aborts the multipart upload and frees its staged pages.

@@ -10,6 +10,8 @@ fn object(uri: &str, size: u64) -> PendingObject {
         part_size: 8 << 20,
         part_crcs: vec![0xdead_beef; size.div_ceil(8 << 20) as usize],
         acked_ms: 1,
+        page_size: 4 << 20,
+        delete: false,
     }
 }
 

@@ -41,6 +41,7 @@ pub fn default_options(cache_dir: PathBuf) -> WorkerOptions {
             fetch_concurrency: 16,
             part_size: 5 * MIB,
             segment_size: None,
+            writeback: Default::default(),
             memory_limit: 1 << 30,
         },
         limits: HttpLimits::default(),

@@ -13,4 +13,5 @@ mod limits;
 mod reads;
 mod store_faults;
 mod tls;
+mod writeback;
 mod writes;

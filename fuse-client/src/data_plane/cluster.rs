@@ -8,7 +8,7 @@ use futures::StreamExt;
 use http_body::Frame;
 use http_body_util::{BodyExt, StreamBody};
 use lakecache_protocol::{
-    ClientError, ErrorCode, ListResponse, ObjectStat, ObjectUri, RequestBody,
+    ClientError, ErrorCode, ListResponse, ObjectStat, ObjectUri, RequestBody, WriteMode,
 };
 use lakecache_registry::{ClusterClient, ClusterError};
 use lakecache_store::StoreError;
@@ -27,6 +27,9 @@ impl From<ClusterError> for DataError {
                     }
                 }
                 ErrorCode::CopyTooLarge => return DataError::CopyTooLarge,
+                ErrorCode::UpstreamUnavailable | ErrorCode::UpstreamThrottled => {
+                    return DataError::StoreUnavailable(e.to_string())
+                }
                 ErrorCode::Unauthenticated | ErrorCode::OutOfScope => {
                     if let ClusterError::Worker(ClientError::Api { message, .. }) = &e {
                         return DataError::Denied(message.clone());
@@ -40,7 +43,14 @@ impl From<ClusterError> for DataError {
                     got: *got,
                 }
             }
+            ClusterError::Unavailable(ClientError::Api {
+                code: ErrorCode::UpstreamUnavailable | ErrorCode::UpstreamThrottled,
+                ..
+            }) => return DataError::StoreUnavailable(e.to_string()),
             ClusterError::S3(StoreError::NotFound) => return DataError::NotFound,
+            ClusterError::S3(StoreError::Unavailable(_) | StoreError::Throttled(_)) => {
+                return DataError::StoreUnavailable(e.to_string())
+            }
             ClusterError::S3(StoreError::PreconditionFailed) => {
                 return DataError::Changed {
                     expected: None,
@@ -94,15 +104,19 @@ impl DataPlane for ClusterClient {
         uri: &ObjectUri,
         body: ByteStream,
         timeout: Duration,
+        mode: WriteMode,
     ) -> Result<ObjectStat, DataError> {
         // A stream cannot be replayed on a replica: one worker takes it.
         let worker = self.writer_for(uri)?.with_timeout(timeout);
-        let frames = body.map(|b| Ok(Frame::data(b)));
-        let body: RequestBody = BodyExt::boxed(StreamBody::new(frames));
-        worker
-            .put(uri, body)
-            .await
-            .map_err(|e| DataError::from(ClusterError::Worker(e)))
+        let result = match mode {
+            WriteMode::Through => {
+                let frames = body.map(|b| Ok(Frame::data(b)));
+                let body: RequestBody = BodyExt::boxed(StreamBody::new(frames));
+                worker.put(uri, body).await
+            }
+            WriteMode::Back => worker.put_back(uri, body).await,
+        };
+        result.map_err(|e| DataError::from(ClusterError::Worker(e)))
     }
 
     async fn delete(&self, uri: &ObjectUri) -> Result<(), DataError> {

@@ -196,9 +196,10 @@ impl<D: DataPlane> DataPlane for FaultyDataPlane<D> {
         uri: &ObjectUri,
         body: ByteStream,
         timeout: Duration,
+        mode: lakecache_protocol::WriteMode,
     ) -> Result<ObjectStat, DataError> {
         let Some(keep) = self.before(DataOp::Upload).await? else {
-            return self.inner.upload(uri, body, timeout).await;
+            return self.inner.upload(uri, body, timeout, mode).await;
         };
         // Read the body up to the cut, then fail as a broken stream does;
         // the inner plane never sees a partial object.

@@ -271,6 +271,7 @@ impl DataPlane for MemoryDataPlane {
         uri: &ObjectUri,
         mut body: ByteStream,
         _timeout: Duration,
+        _mode: lakecache_protocol::WriteMode,
     ) -> Result<ObjectStat, DataError> {
         self.delay().await;
         let mut buf = BytesMut::new();

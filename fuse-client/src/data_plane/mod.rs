@@ -15,7 +15,7 @@ use std::time::Duration;
 
 use bytes::Bytes;
 use futures::Stream;
-use lakecache_protocol::{ListResponse, ObjectStat, ObjectUri};
+use lakecache_protocol::{ListResponse, ObjectStat, ObjectUri, WriteMode};
 
 pub use faulty::{DataFault, DataOp, FaultyDataPlane};
 pub use memory::{MemoryDataPlane, Quirks};
@@ -50,6 +50,10 @@ pub enum DataError {
     /// The store kept a different number of bytes than were sent.
     #[error("the store holds {stored} bytes but {sent} were sent")]
     SizeMismatch { stored: u64, sent: u64 },
+    /// S3 (behind the workers, or directly) cannot be reached or is
+    /// throttling: the answer is unknown, not "no".
+    #[error("the object store is unavailable: {0}")]
+    StoreUnavailable(String),
     /// An upload whose body the store stopped reading before the end.
     #[error("the upload ended before all its data was sent")]
     UploadCut,
@@ -98,12 +102,14 @@ pub trait DataPlane: Send + Sync + 'static {
     /// Stores `data` as the object's whole content.
     async fn put(&self, uri: &ObjectUri, data: Bytes) -> Result<ObjectStat, DataError>;
 
-    /// Streams the object's new content; returns once it is stored.
+    /// Streams the object's new content; returns once it is stored (in
+    /// S3 for `through`, durable in the cache for `back`).
     async fn upload(
         &self,
         uri: &ObjectUri,
         body: ByteStream,
         timeout: Duration,
+        mode: WriteMode,
     ) -> Result<ObjectStat, DataError>;
 
     async fn delete(&self, uri: &ObjectUri) -> Result<(), DataError>;

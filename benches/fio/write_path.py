@@ -1,0 +1,192 @@
+#!/usr/bin/env python3
+"""Checkpoint writes: local disk vs a lakecache mount writing `through`
+(close returns once S3 has the file) vs `back` (close returns once the
+file is durable in the cache), in one session on one machine; writes
+benches/results/write-path.md.
+
+Usage (as root, release binary built):
+    python3 benches/fio/write_path.py --bin target/release/lakecache
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+from run import BUCKET, Cluster, drop_caches
+
+HERE = Path(__file__).resolve().parent
+
+
+def fio_write(directory: Path, size: str, jobs: int) -> float:
+    """MiB/s of fio's sequential 1 MiB write with fsync at the end."""
+    env = {
+        **os.environ,
+        "LAKECACHE_FIO_DIR": str(directory),
+        "LAKECACHE_FIO_SIZE": size,
+        "LAKECACHE_FIO_JOBS": str(jobs),
+    }
+    out = subprocess.run(
+        ["fio", "--output-format=json", str(HERE / "seq-write-jobs.fio")],
+        env=env,
+        capture_output=True,
+        text=True,
+        check=False,
+    )
+    if out.returncode != 0:
+        raise SystemExit(f"fio in {directory} failed:\n{out.stdout}\n{out.stderr}")
+    doc = json.loads(out.stdout[out.stdout.index("{") :])
+    return doc["jobs"][0]["write"]["bw_bytes"] / 2**20
+
+
+def checkpoint(directory: Path, writers: int, size: int) -> float:
+    """DeepSpeed-shaped save: `writers` files written at once (1 MiB
+    blocks, fsync, close), then `latest` written to a temp name and
+    renamed into place. Returns seconds until the last close returned."""
+    directory.mkdir(parents=True, exist_ok=True)
+    block = os.urandom(1 << 20)
+    errors: list[BaseException] = []
+
+    def one(i: int) -> None:
+        try:
+            with open(directory / f"rank{i}_model_states.pt", "wb") as f:
+                for _ in range(size >> 20):
+                    f.write(block)
+                f.flush()
+                os.fsync(f.fileno())
+        except BaseException as e:  # noqa: BLE001 - reported below
+            errors.append(e)
+
+    start = time.monotonic()
+    threads = [threading.Thread(target=one, args=(i,)) for i in range(writers)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    if errors:
+        raise SystemExit(f"checkpoint write failed: {errors[0]}")
+    tmp = directory.parent / "latest.tmp"
+    tmp.write_text(directory.name)
+    os.replace(tmp, directory.parent / "latest")
+    return time.monotonic() - start
+
+
+def sync_seconds(binary: str, port: int, prefix: str) -> float:
+    start = time.monotonic()
+    subprocess.run(
+        [
+            binary,
+            "sync",
+            f"s3://{BUCKET}/{prefix}",
+            "--worker",
+            f"127.0.0.1:{port}",
+            "--timeout",
+            "1800",
+        ],
+        check=True,
+        stdout=subprocess.DEVNULL,
+    )
+    return time.monotonic() - start
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--bin", required=True)
+    ap.add_argument("--work", default="/var/tmp/lakecache-writes")
+    ap.add_argument("--size", default="1G", help="fio file size per job")
+    ap.add_argument("--ckpt-writers", type=int, default=8)
+    ap.add_argument("--ckpt-size", default="512", help="MiB per checkpoint writer")
+    ap.add_argument("--out", default=str(HERE.parent / "results" / "write-path.md"))
+    a = ap.parse_args()
+    work = Path(a.work)
+    if work.exists():
+        shutil.rmtree(work)
+    (work / "local").mkdir(parents=True)
+    ckpt_bytes = int(a.ckpt_size) << 20
+    rows: dict[str, dict[str, float]] = {}
+    started = time.strftime("%Y-%m-%d %H:%M:%S")
+    c = Cluster(a.bin, work)
+    try:
+        for mode in ("local", "through", "back"):
+            if mode == "local":
+                target = work / "local"
+            else:
+                c.start_worker(fresh=True, mount_flags=("--write-mode", mode))
+                target = c.mnt
+            r: dict[str, float] = {}
+            for jobs in (1, 4):
+                d = target / f"fio{jobs}"
+                d.mkdir(exist_ok=True)
+                drop_caches()
+                r[f"fio{jobs}"] = fio_write(d, a.size, jobs)
+                print(mode, "fio", jobs, f"{r[f'fio{jobs}']:.0f} MiB/s", flush=True)
+                if mode == "back":
+                    # Each fio run starts from an empty backlog.
+                    sync_seconds(a.bin, c.worker_port, "")
+            drop_caches()
+            r["ckpt"] = checkpoint(target / "ckpt" / "step100", a.ckpt_writers, ckpt_bytes)
+            if mode == "local":
+                subprocess.run(["sync"], check=True)
+                r["ckpt_s3"] = float("nan")
+            else:
+                r["ckpt_s3"] = r["ckpt"] + sync_seconds(a.bin, c.worker_port, "ckpt/")
+            print(mode, "checkpoint", f"{r['ckpt']:.2f}s", f"S3 {r['ckpt_s3']:.2f}s", flush=True)
+            rows[mode] = r
+            if mode != "local":
+                c.stop_worker()
+    finally:
+        c.close()
+    write(a, rows, started, ckpt_bytes)
+
+
+def write(a: argparse.Namespace, rows: dict, started: str, ckpt_bytes: int) -> None:
+    local = rows["local"]
+    total = a.ckpt_writers * ckpt_bytes / 2**20
+    lines = [
+        "# Writes: local disk vs lakecache `through` vs `back`",
+        "",
+        f"Command: `python3 benches/fio/write_path.py --bin {a.bin} --size {a.size} "
+        f"--ckpt-writers {a.ckpt_writers} --ckpt-size {a.ckpt_size}` (as root), started {started}.",
+        f"Machine: {os.cpu_count()} cores, kernel {os.uname().release}; s3-server, one worker "
+        "(plain HTTP, no tokens) and the mount on this machine, all on the same disk as "
+        "`local`. The page cache is dropped before every run.",
+        "",
+        "## fio: sequential write, 1 MiB blocks, fsync at the end of each file",
+        "",
+        "| writers | local disk MiB/s | through MiB/s | back MiB/s | through/local | back/local |",
+        "|---|---|---|---|---|---|",
+    ]
+    for jobs in (1, 4):
+        k = f"fio{jobs}"
+        lines.append(
+            f"| {jobs} x {a.size} | {local[k]:.0f} | {rows['through'][k]:.0f} | "
+            f"{rows['back'][k]:.0f} | {rows['through'][k] / local[k]:.2f} | "
+            f"{rows['back'][k] / local[k]:.2f} |"
+        )
+    lines += [
+        "",
+        f"## Checkpoint: {a.ckpt_writers} writers x {a.ckpt_size} MiB at once ({total:.0f} MiB), "
+        "then `latest` renamed into place",
+        "",
+        "Durable = every close returned (local: plus `sync`); in S3 = `lakecache sync` returned.",
+        "",
+        "| mode | durable (s) | in S3 (s) | durable/local |",
+        "|---|---|---|---|",
+    ]
+    for mode in ("local", "through", "back"):
+        r = rows[mode]
+        s3 = "-" if mode == "local" else f"{r['ckpt_s3']:.1f}"
+        lines.append(f"| {mode} | {r['ckpt']:.1f} | {s3} | {r['ckpt'] / local['ckpt']:.2f} |")
+    Path(a.out).write_text("\n".join(lines) + "\n")
+    print(f"wrote {a.out}")
+
+
+if __name__ == "__main__":
+    sys.exit(main())

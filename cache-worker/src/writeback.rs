@@ -1,0 +1,356 @@
+//! Write-back state of one worker: the journal of acknowledged objects
+//! not yet in S3, the dirty pages that hold their bytes, and the overlay
+//! that lets stat, read and list see them before S3 does.
+//!
+//! Dirty pages live in `<cache>/writeback/`, apart from clean pages: they
+//! are never evicted, and a restart that discards clean pages (another
+//! page size or format) leaves them alone. They become clean pages, keyed
+//! by the S3 ETag, once their object is uploaded (`upload.rs`).
+
+mod stage;
+mod upload;
+mod visible;
+
+pub(crate) use lakecache_protocol::is_cache_version;
+pub(crate) use upload::uploader;
+pub(crate) use visible::split_list_token;
+
+use std::collections::HashMap;
+use std::path::{Path, PathBuf};
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use lakecache_protocol::WriteBackStatus;
+use tokio::sync::Notify;
+
+use crate::journal::{Journal, JournalError, PendingObject};
+use crate::pages::{mkdir_private, PageId, PageKey, PageStore};
+
+/// Versions the cache gives acknowledged objects start with this, so
+/// they can never be mistaken for an S3 ETag.
+pub const VERSION_PREFIX: &str = lakecache_protocol::CACHE_VERSION_PREFIX;
+/// Uploaded versions remembered so readers holding one find the ETag.
+const MAX_ALIASES: usize = 65_536;
+
+#[derive(Debug, Clone)]
+pub struct WriteBackConfig {
+    /// Dirty bytes held before new writes wait for uploads.
+    pub staging_limit: u64,
+    /// A write waiting longer than this for staging space fails.
+    pub stall_timeout: Duration,
+    /// Parts uploaded at once per object.
+    pub parts_in_flight: usize,
+}
+
+impl Default for WriteBackConfig {
+    fn default() -> Self {
+        Self {
+            staging_limit: 16 << 30,
+            stall_timeout: Duration::from_secs(600),
+            parts_in_flight: 4,
+        }
+    }
+}
+
+/// The newest acknowledged state of one object that S3 does not have yet.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Pending {
+    Written {
+        seq: u64,
+        version: String,
+        size: u64,
+        acked_ms: i64,
+        page_size: u64,
+    },
+    Deleted {
+        seq: u64,
+    },
+}
+
+#[derive(Default)]
+struct Overlay {
+    latest: HashMap<String, Pending>,
+    /// (uri, cache version) → S3 ETag, for uploaded objects.
+    aliases: HashMap<(String, String), String>,
+}
+
+pub struct WriteBack {
+    pub(crate) config: WriteBackConfig,
+    pub(crate) pages: PageStore,
+    journal: Mutex<Journal>,
+    overlay: Mutex<Overlay>,
+    /// Dirty bytes held (pending objects plus bodies being staged).
+    dirty: AtomicU64,
+    pub(crate) wake: Notify,
+    /// Signalled after every upload, for writers waiting for space.
+    pub(crate) drained: Notify,
+    uploaded: AtomicU64,
+    last_error: Mutex<Option<String>>,
+}
+
+fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
+    m.lock().unwrap_or_else(|p| p.into_inner())
+}
+
+pub(crate) fn now_ms() -> i64 {
+    std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map(|d| d.as_millis() as i64)
+        .unwrap_or(0)
+}
+
+/// The directory's identity, made once: the journal is tied to it, so a
+/// journal copied into another worker's directory is refused.
+fn identity(dir: &Path) -> std::io::Result<String> {
+    let path = dir.join("ID");
+    match std::fs::read_to_string(&path) {
+        Ok(id) if !id.trim().is_empty() => Ok(id.trim().to_string()),
+        _ => {
+            let id = uuid::Uuid::new_v4().simple().to_string();
+            let tmp = dir.join(".ID.tmp");
+            std::fs::write(&tmp, &id)?;
+            std::fs::File::open(&tmp)?.sync_all()?;
+            std::fs::rename(&tmp, &path)?;
+            std::fs::File::open(dir)?.sync_all()?;
+            Ok(id)
+        }
+    }
+}
+
+impl WriteBack {
+    /// Opens `<cache_dir>/writeback` and replays its journal.
+    pub fn open(cache_dir: &Path, config: WriteBackConfig) -> Result<Self, JournalError> {
+        let dir = cache_dir.join("writeback");
+        let io = |source| JournalError::Io {
+            path: dir.clone(),
+            source,
+        };
+        mkdir_private(&dir).map_err(io)?;
+        let id = identity(&dir).map_err(io)?;
+        let journal = Journal::open(&dir, &id)?;
+        let pages = PageStore::open(&dir).map_err(io)?;
+        let mut overlay = Overlay::default();
+        let mut dirty = 0;
+        for p in journal.pending() {
+            overlay
+                .latest
+                .insert(p.uri.clone(), Pending::from_record(p));
+            dirty += p.size;
+        }
+        remove_orphans(&pages, &journal);
+        if journal.pending().next().is_some() {
+            tracing::info!(
+                objects = journal.pending().count(),
+                bytes = dirty,
+                "write-back journal has pending uploads; resuming them"
+            );
+        }
+        Ok(Self {
+            config,
+            pages,
+            journal: Mutex::new(journal),
+            overlay: Mutex::new(overlay),
+            dirty: AtomicU64::new(dirty),
+            wake: Notify::new(),
+            drained: Notify::new(),
+            uploaded: AtomicU64::new(0),
+            last_error: Mutex::new(None),
+        })
+    }
+
+    /// The pending state of `uri`, if S3 is behind what was acknowledged.
+    pub fn pending(&self, uri: &str) -> Option<Pending> {
+        lock(&self.overlay).latest.get(uri).cloned()
+    }
+
+    /// The S3 ETag an uploaded cache version became.
+    pub fn alias(&self, uri: &str, version: &str) -> Option<String> {
+        lock(&self.overlay)
+            .aliases
+            .get(&(uri.to_string(), version.to_string()))
+            .cloned()
+    }
+
+    /// Pending writes under `prefix` (an `s3://bucket/...` string), for
+    /// listings: (uri, state).
+    pub fn pending_under(&self, prefix: &str) -> Vec<(String, Pending)> {
+        lock(&self.overlay)
+            .latest
+            .iter()
+            .filter(|(uri, _)| uri.starts_with(prefix))
+            .map(|(u, p)| (u.clone(), p.clone()))
+            .collect()
+    }
+
+    /// Records an acknowledged write or delete; returns once the journal
+    /// has it on disk. Blocking.
+    pub(crate) fn record(&self, object: PendingObject) -> Result<u64, JournalError> {
+        let mut journal = lock(&self.journal);
+        let uri = object.uri.clone();
+        let seq = journal.add_pending(object.clone())?;
+        let mut object = object;
+        object.seq = seq;
+        lock(&self.overlay)
+            .latest
+            .insert(uri, Pending::from_record(&object));
+        drop(journal);
+        self.wake.notify_one();
+        Ok(seq)
+    }
+
+    /// The oldest pending entry, which the uploader handles next.
+    pub(crate) fn next_pending(&self) -> Option<PendingObject> {
+        lock(&self.journal).first_pending().cloned()
+    }
+
+    /// Whether a later acknowledged entry of the same object replaces
+    /// this one (its upload can be skipped: S3 ends the same).
+    pub(crate) fn superseded(&self, object: &PendingObject) -> bool {
+        lock(&self.overlay)
+            .latest
+            .get(&object.uri)
+            .is_some_and(|p| p.seq() > object.seq)
+    }
+
+    /// S3 has the entry (`etag` empty for deletes and skipped entries).
+    /// Blocking.
+    pub(crate) fn finished(&self, object: &PendingObject, etag: &str) -> Result<(), JournalError> {
+        lock(&self.journal).mark_uploaded(object.seq, etag)?;
+        let mut overlay = lock(&self.overlay);
+        if overlay
+            .latest
+            .get(&object.uri)
+            .is_some_and(|p| p.seq() == object.seq)
+        {
+            overlay.latest.remove(&object.uri);
+        }
+        if !object.delete && !etag.is_empty() {
+            if overlay.aliases.len() >= MAX_ALIASES {
+                overlay.aliases.clear();
+            }
+            overlay
+                .aliases
+                .insert((object.uri.clone(), object.version.clone()), etag.into());
+        }
+        drop(overlay);
+        self.uploaded.fetch_add(1, Ordering::Relaxed);
+        *lock(&self.last_error) = None;
+        Ok(())
+    }
+
+    pub(crate) fn set_error(&self, error: Option<String>) {
+        *lock(&self.last_error) = error;
+    }
+
+    /// Counts `len` dirty bytes if they fit under the staging limit.
+    pub(crate) fn try_reserve(&self, len: u64) -> bool {
+        self.dirty
+            .fetch_update(Ordering::AcqRel, Ordering::Acquire, |d| {
+                (d + len <= self.config.staging_limit).then_some(d + len)
+            })
+            .is_ok()
+    }
+
+    pub(crate) fn release(&self, len: u64) {
+        let _ = self
+            .dirty
+            .fetch_update(Ordering::AcqRel, Ordering::Acquire, |d| {
+                Some(d.saturating_sub(len))
+            });
+        self.drained.notify_waiters();
+    }
+
+    pub fn dirty_bytes(&self) -> u64 {
+        self.dirty.load(Ordering::Relaxed)
+    }
+
+    /// Backlog under `prefix` (all of it when empty).
+    pub fn status(&self, prefix: &str) -> WriteBackStatus {
+        let journal = lock(&self.journal);
+        let now = now_ms();
+        let mut status = WriteBackStatus {
+            staging_limit_bytes: self.config.staging_limit,
+            uploaded_objects: self.uploaded.load(Ordering::Relaxed),
+            last_error: lock(&self.last_error).clone(),
+            ..Default::default()
+        };
+        for p in journal.pending().filter(|p| p.uri.starts_with(prefix)) {
+            status.pending_objects += 1;
+            status.pending_bytes += p.size;
+            let age = now.saturating_sub(p.acked_ms).max(0) as u64;
+            status.oldest_pending_ms = status.oldest_pending_ms.max(age);
+        }
+        status
+    }
+
+    /// Where dirty page `index` of a pending version lives.
+    pub(crate) fn page_key(uri: &str, version: &str, index: u64) -> PageKey {
+        PageKey::new(uri, version, index)
+    }
+
+    pub(crate) fn page_id(object: &PendingObject, index: u64) -> PageId {
+        PageId::new(
+            &object.uri,
+            &object.version,
+            index,
+            object.page_size,
+            object.size,
+        )
+    }
+
+    pub fn dir(cache_dir: &Path) -> PathBuf {
+        cache_dir.join("writeback")
+    }
+}
+
+/// Dirty pages no pending entry names: a write that crashed before its
+/// journal record (never acknowledged), or an upload that finished
+/// before its pages moved. Removed at start.
+fn remove_orphans(pages: &PageStore, journal: &Journal) {
+    let wanted: std::collections::HashSet<PathBuf> = journal
+        .pending()
+        .filter(|p| !p.delete)
+        .flat_map(|p| {
+            (0..p.size.div_ceil(p.page_size.max(1)))
+                .map(move |i| pages.path(&WriteBack::page_key(&p.uri, &p.version, i)))
+        })
+        .collect();
+    let mut removed = 0u64;
+    for path in pages.all_pages() {
+        if !wanted.contains(&path) && std::fs::remove_file(&path).is_ok() {
+            removed += 1;
+        }
+    }
+    if removed > 0 {
+        tracing::info!(
+            pages = removed,
+            "removed dirty pages no pending write names"
+        );
+    }
+}
+
+impl Pending {
+    fn from_record(p: &PendingObject) -> Self {
+        if p.delete {
+            Pending::Deleted { seq: p.seq }
+        } else {
+            Pending::Written {
+                seq: p.seq,
+                version: p.version.clone(),
+                size: p.size,
+                acked_ms: p.acked_ms,
+                page_size: p.page_size,
+            }
+        }
+    }
+
+    pub fn seq(&self) -> u64 {
+        match self {
+            Pending::Written { seq, .. } | Pending::Deleted { seq } => *seq,
+        }
+    }
+}
+
+/// Shared handle, as the cache holds it.
+pub type SharedWriteBack = Arc<WriteBack>;

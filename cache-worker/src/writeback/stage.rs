@@ -1,0 +1,271 @@
+//! Taking a write-back body: pages to disk, synced, then one journal
+//! record. Only after that record is synced does the caller hear "ok".
+
+use std::collections::BTreeSet;
+use std::path::PathBuf;
+use std::sync::{Arc, OnceLock};
+use std::time::Instant;
+
+use bytes::{Bytes, BytesMut};
+use futures::{Stream, StreamExt};
+use lakecache_protocol::ObjectUri;
+
+use super::{now_ms, WriteBack, VERSION_PREFIX};
+use crate::cache::{join_failed, Cache, CacheError};
+use crate::journal::PendingObject;
+use crate::pages::Staged;
+use crate::store::ObjectMeta;
+
+/// S3 allows this many parts in one multipart upload.
+const MAX_PARTS: u64 = 10_000;
+
+/// What a body holds while it streams in.
+#[derive(Default)]
+struct Taken {
+    pages: Vec<Staged>,
+    reserved: u64,
+    size: u64,
+    whole_crc: u32,
+    part_crcs: Vec<u32>,
+    part_filled: u64,
+}
+
+impl Cache {
+    pub(crate) fn write_back_state(&self) -> Result<&Arc<WriteBack>, CacheError> {
+        self.writeback
+            .as_ref()
+            .ok_or_else(|| CacheError::Invalid("this worker has write-back turned off".into()))
+    }
+
+    /// Takes `body` as the new content of `uri` and returns once it is
+    /// durable in this worker's cache: dirty pages synced, journal record
+    /// synced. `client_crc` is the trailer the client sent after the body
+    /// (CRC32C of all of it), checked before anything is recorded.
+    pub async fn write_back<S>(
+        self: &Arc<Self>,
+        uri: &ObjectUri,
+        body: S,
+        client_crc: Arc<OnceLock<u32>>,
+    ) -> Result<ObjectMeta, CacheError>
+    where
+        S: Stream<Item = Result<Bytes, CacheError>> + Send + Unpin,
+    {
+        let wb = self.write_back_state()?.clone();
+        let mut taken = Taken::default();
+        let version = format!("{VERSION_PREFIX}{}", uuid::Uuid::new_v4().simple());
+        let result = self
+            .take_body(&wb, uri, &version, body, &client_crc, &mut taken)
+            .await;
+        match result {
+            Ok(meta) => Ok(meta),
+            Err(e) => {
+                let pages = std::mem::take(&mut taken.pages);
+                let wb2 = wb.clone();
+                let _ = tokio::task::spawn_blocking(move || {
+                    for page in pages {
+                        wb2.pages.discard_staged(page);
+                    }
+                })
+                .await;
+                wb.release(taken.reserved);
+                tracing::warn!(%uri, error = %e, "write-back failed; nothing was acknowledged");
+                Err(e)
+            }
+        }
+    }
+
+    async fn take_body<S>(
+        self: &Arc<Self>,
+        wb: &Arc<WriteBack>,
+        uri: &ObjectUri,
+        version: &str,
+        mut body: S,
+        client_crc: &OnceLock<u32>,
+        taken: &mut Taken,
+    ) -> Result<ObjectMeta, CacheError>
+    where
+        S: Stream<Item = Result<Bytes, CacheError>> + Send + Unpin,
+    {
+        let ps = self.config.page_size as usize;
+        let part_size = self.config.part_size.max(5 << 20);
+        let deadline = Instant::now() + wb.config.stall_timeout;
+        let mut page = BytesMut::with_capacity(ps);
+        let mut closing = self.closing.subscribe();
+        loop {
+            let chunk = tokio::select! {
+                chunk = body.next() => chunk,
+                _ = closing.wait_for(|c| *c) => return Err(CacheError::ShuttingDown),
+            };
+            let Some(chunk) = chunk else { break };
+            let chunk = chunk?;
+            taken.add_crcs(&chunk, part_size);
+            if taken.size.div_ceil(part_size) > MAX_PARTS {
+                return Err(CacheError::Invalid(format!(
+                    "write-back holds objects up to {} bytes ({MAX_PARTS} parts of {part_size}); write larger ones through",
+                    MAX_PARTS * part_size
+                )));
+            }
+            let mut rest = &chunk[..];
+            while !rest.is_empty() {
+                let take = (ps - page.len()).min(rest.len());
+                page.extend_from_slice(&rest[..take]);
+                rest = &rest[take..];
+                if page.len() == ps {
+                    let full = std::mem::replace(&mut page, BytesMut::with_capacity(ps)).freeze();
+                    self.stage_dirty(wb, full, deadline, taken).await?;
+                }
+            }
+        }
+        if !page.is_empty() {
+            self.stage_dirty(wb, page.freeze(), deadline, taken).await?;
+        }
+        if let Some(sent) = client_crc.get() {
+            if *sent != taken.whole_crc {
+                return Err(CacheError::ChecksumMismatch(format!(
+                    "the body's CRC32C is {:08x}, the client sent {sent:08x}; nothing was stored",
+                    taken.whole_crc
+                )));
+            }
+        }
+        let object = PendingObject {
+            seq: 0,
+            uri: uri.to_string(),
+            version: version.to_string(),
+            size: taken.size,
+            part_size,
+            part_crcs: std::mem::take(&mut taken.part_crcs),
+            acked_ms: now_ms(),
+            page_size: self.config.page_size,
+            delete: false,
+        };
+        let pages = std::mem::take(&mut taken.pages);
+        let (wb2, record) = (wb.clone(), object.clone());
+        tokio::task::spawn_blocking(move || -> Result<(), CacheError> {
+            let mut dirs = BTreeSet::<PathBuf>::new();
+            let mut pages = pages.into_iter().enumerate();
+            while let Some((index, staged)) = pages.next() {
+                let key = WriteBack::page_key(&record.uri, &record.version, index as u64);
+                let id = WriteBack::page_id(&record, index as u64);
+                match wb2.pages.commit_synced(staged, &key, &id) {
+                    Ok(dir) => {
+                        dirs.insert(dir);
+                    }
+                    Err(e) => {
+                        for (_, rest) in pages {
+                            wb2.pages.discard_staged(rest);
+                        }
+                        remove_pages(&wb2, &record, index as u64);
+                        return Err(CacheError::Local(format!("syncing a dirty page: {e}")));
+                    }
+                }
+            }
+            let durable = wb2
+                .pages
+                .sync_dirs(&dirs)
+                .map_err(|e| CacheError::Local(format!("syncing dirty page directories: {e}")))
+                .and_then(|()| {
+                    wb2.record(record.clone())
+                        .map_err(|e| CacheError::Local(e.to_string()))
+                });
+            if durable.is_err() {
+                remove_pages(&wb2, &record, record.size.div_ceil(record.page_size.max(1)));
+            }
+            durable.map(|_| ())
+        })
+        .await
+        .map_err(join_failed)??;
+        // The reservation now belongs to the pending object.
+        taken.reserved = 0;
+        Ok(ObjectMeta {
+            size: object.size,
+            etag: object.version,
+            last_modified_ms: object.acked_ms,
+        })
+    }
+
+    /// Writes one page of a body to a temp file, once there is room.
+    async fn stage_dirty(
+        self: &Arc<Self>,
+        wb: &Arc<WriteBack>,
+        data: Bytes,
+        deadline: Instant,
+        taken: &mut Taken,
+    ) -> Result<(), CacheError> {
+        let len = data.len() as u64;
+        while !wb.try_reserve(len) {
+            let waiting = wb.drained.notified();
+            if wb.try_reserve(len) {
+                break;
+            }
+            let left = deadline.saturating_duration_since(Instant::now());
+            if left.is_zero() {
+                return Err(CacheError::StagingFull(format!(
+                    "write-back staging stayed full ({} of {} bytes dirty) for the stall timeout of {:?}; the data acknowledged before stays staged",
+                    wb.dirty_bytes(),
+                    wb.config.staging_limit,
+                    wb.config.stall_timeout
+                )));
+            }
+            let _ =
+                tokio::time::timeout(left.min(std::time::Duration::from_secs(1)), waiting).await;
+        }
+        taken.reserved += len;
+        let wb2 = wb.clone();
+        let staged = tokio::task::spawn_blocking(move || wb2.pages.stage(&data))
+            .await
+            .map_err(join_failed)?
+            .map_err(|e| CacheError::Local(format!("staging a dirty page: {e}")))?;
+        taken.pages.push(staged);
+        Ok(())
+    }
+}
+
+impl Taken {
+    fn add_crcs(&mut self, chunk: &[u8], part_size: u64) {
+        self.whole_crc = crc32c::crc32c_append(self.whole_crc, chunk);
+        self.size += chunk.len() as u64;
+        let mut rest = chunk;
+        while !rest.is_empty() {
+            if self.part_filled == 0 || self.part_filled == part_size {
+                self.part_crcs.push(0);
+                self.part_filled = 0;
+            }
+            let take = ((part_size - self.part_filled) as usize).min(rest.len());
+            if let Some(last) = self.part_crcs.last_mut() {
+                *last = crc32c::crc32c_append(*last, &rest[..take]);
+            }
+            self.part_filled += take as u64;
+            rest = &rest[take..];
+        }
+    }
+}
+
+/// Removes the first `count` committed dirty pages of an object whose
+/// write was not acknowledged.
+fn remove_pages(wb: &WriteBack, object: &PendingObject, count: u64) {
+    for index in 0..count {
+        wb.pages
+            .remove(&WriteBack::page_key(&object.uri, &object.version, index));
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn part_checksums_cover_fixed_parts_whatever_the_chunking() {
+        let data: Vec<u8> = (0..23_456u32).map(|i| (i * 7 % 251) as u8).collect();
+        let part = 5_000u64;
+        for chunk in [1usize, 999, 5_000, 7_777, 50_000] {
+            let mut t = Taken::default();
+            for c in data.chunks(chunk) {
+                t.add_crcs(c, part);
+            }
+            let want: Vec<u32> = data.chunks(part as usize).map(crc32c::crc32c).collect();
+            assert_eq!(t.part_crcs, want, "chunks of {chunk}");
+            assert_eq!(t.whole_crc, crc32c::crc32c(&data));
+            assert_eq!(t.size, data.len() as u64);
+        }
+    }
+}

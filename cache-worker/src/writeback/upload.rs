@@ -1,0 +1,269 @@
+//! The uploader: drains the journal to S3 in the order writes were
+//! acknowledged, one object at a time (its parts in parallel), so a
+//! `latest` pointer written after a checkpoint never reaches S3 first.
+//! Every part is read back from the dirty pages and checked against the
+//! CRC32C recorded at acknowledgement before it is sent; S3 checks it
+//! again (`x-amz-checksum-crc32c`).
+
+use std::sync::{Arc, Weak};
+use std::time::Duration;
+
+use bytes::{Bytes, BytesMut};
+use futures::StreamExt;
+use lakecache_protocol::ObjectUri;
+
+use super::{now_ms, WriteBack};
+use crate::cache::{join_failed, Cache, CacheError};
+use crate::index::PageEntry;
+use crate::journal::PendingObject;
+use crate::pages::{PageId, PageKey};
+use crate::store::{ObjectMeta, StoreError};
+
+const FIRST_RETRY: Duration = Duration::from_millis(200);
+const LAST_RETRY: Duration = Duration::from_secs(30);
+
+/// Runs until the cache is dropped or closes.
+pub(crate) async fn uploader(cache: Weak<Cache>, wb: Arc<WriteBack>) {
+    let mut retry = FIRST_RETRY;
+    loop {
+        let Some(next) = wb.next_pending() else {
+            let woken = wb.wake.notified();
+            if wb.next_pending().is_none() {
+                let _ = tokio::time::timeout(Duration::from_secs(1), woken).await;
+            }
+            if cache.strong_count() == 0 {
+                return;
+            }
+            continue;
+        };
+        let Some(cache) = cache.upgrade() else { return };
+        if *cache.closing.borrow() {
+            return;
+        }
+        // A stopping worker drops an upload in flight; the entry stays
+        // journaled and starts over at the next start.
+        let mut closing = cache.closing.subscribe();
+        let result = tokio::select! {
+            r = cache.upload_one(&wb, &next) => r,
+            _ = closing.wait_for(|c| *c) => return,
+        };
+        match result {
+            Ok(()) => {
+                retry = FIRST_RETRY;
+                let _ = cache.s3_down.observe(Ok(()));
+            }
+            Err(e) => {
+                if let CacheError::Store(s) = &e {
+                    let _ = cache.s3_down.observe::<()>(Err(s.clone()));
+                }
+                let permanent = matches!(
+                    e,
+                    CacheError::Store(StoreError::AccessDenied(_) | StoreError::NotFound)
+                );
+                let kind = if permanent { "permanent" } else { "transient" };
+                tracing::warn!(
+                    uri = %next.uri, seq = next.seq, error = %e, kind,
+                    retry_in = ?retry,
+                    "write-back upload failed; the data stays staged and the upload is retried"
+                );
+                wb.set_error(Some(format!("{}: {e}", next.uri)));
+                cache.metrics.writeback_failure();
+                drop(cache);
+                let woken = wb.wake.notified();
+                let _ = tokio::time::timeout(retry, woken).await;
+                retry = (retry * 2).min(LAST_RETRY);
+            }
+        }
+    }
+}
+
+impl Cache {
+    async fn upload_one(
+        self: &Arc<Self>,
+        wb: &Arc<WriteBack>,
+        object: &PendingObject,
+    ) -> Result<(), CacheError> {
+        let uri = super::visible::parse_uri(&object.uri)?;
+        let etag = if wb.superseded(object) {
+            // A later write or delete of the same object replaces this
+            // one; S3 ends the same without it.
+            String::new()
+        } else if object.delete {
+            match self.store.delete(&uri).await {
+                Ok(()) | Err(StoreError::NotFound) => String::new(),
+                Err(e) => return Err(e.into()),
+            }
+        } else {
+            self.upload_pending(wb, &uri, object).await?
+        };
+        let (wb2, record, tag) = (wb.clone(), object.clone(), etag.clone());
+        tokio::task::spawn_blocking(move || wb2.finished(&record, &tag))
+            .await
+            .map_err(join_failed)?
+            .map_err(|e| CacheError::Local(e.to_string()))?;
+        if !object.delete {
+            self.adopt_pages(wb, &uri, object, &etag).await;
+        }
+        wb.release(if object.delete { 0 } else { object.size });
+        self.metrics.writeback_uploaded(object.size);
+        tracing::debug!(uri = %object.uri, seq = object.seq, %etag, "write-back entry reached S3");
+        Ok(())
+    }
+
+    async fn upload_pending(
+        self: &Arc<Self>,
+        wb: &Arc<WriteBack>,
+        uri: &ObjectUri,
+        object: &PendingObject,
+    ) -> Result<String, CacheError> {
+        let parts = object.part_crcs.len();
+        if parts <= 1 {
+            let data = self.read_part(wb, object, 0).await?;
+            return Ok(self.store.put(uri, data).await?);
+        }
+        let id = self.store.create_multipart(uri).await?;
+        let this = self.clone();
+        let sent = futures::stream::iter(0..parts)
+            .map(|i| {
+                let (this, wb, id) = (this.clone(), wb.clone(), id.clone());
+                async move {
+                    let data = this.read_part(&wb, object, i).await?;
+                    let receipt = this.store.upload_part(uri, &id, i as i32 + 1, data).await?;
+                    Ok::<_, CacheError>((i as i32 + 1, receipt))
+                }
+            })
+            .buffered(wb.config.parts_in_flight.max(1))
+            .collect::<Vec<_>>()
+            .await;
+        let mut receipts = Vec::with_capacity(parts);
+        for part in sent {
+            match part {
+                Ok(r) => receipts.push(r),
+                Err(e) => {
+                    if let Err(abort) = self.store.abort_multipart(uri, &id).await {
+                        tracing::warn!(%uri, error = %abort, "aborting write-back multipart upload failed");
+                    }
+                    return Err(e);
+                }
+            }
+        }
+        Ok(self.store.complete_multipart(uri, &id, receipts).await?)
+    }
+
+    /// Part `i` of a pending object from its dirty pages, checked against
+    /// the CRC32C recorded when the write was acknowledged.
+    async fn read_part(
+        self: &Arc<Self>,
+        wb: &Arc<WriteBack>,
+        object: &PendingObject,
+        i: usize,
+    ) -> Result<Bytes, CacheError> {
+        let start = i as u64 * object.part_size;
+        let end = (start + object.part_size).min(object.size);
+        let memory = self.memory.reserve(end - start).await;
+        let (wb2, record) = (wb.clone(), object.clone());
+        let data = tokio::task::spawn_blocking(move || read_dirty_range(&wb2, &record, start..end))
+            .await
+            .map_err(join_failed)??;
+        drop(memory);
+        let want = object.part_crcs.get(i).copied().unwrap_or(0);
+        if crc32c::crc32c(&data) != want {
+            return Err(CacheError::Local(format!(
+                "dirty part {} of {} does not match the CRC32C recorded at acknowledgement",
+                i + 1,
+                object.uri
+            )));
+        }
+        Ok(data)
+    }
+
+    /// After upload: dirty pages become clean pages keyed by the ETag (no
+    /// refetch), unless a newer write replaced the object meanwhile.
+    async fn adopt_pages(
+        self: &Arc<Self>,
+        wb: &Arc<WriteBack>,
+        uri: &ObjectUri,
+        object: &PendingObject,
+        etag: &str,
+    ) {
+        let key = uri.to_string();
+        let current = wb.pending(&key).is_none();
+        let keep = current && !etag.is_empty() && object.page_size == self.config.page_size;
+        if current && !etag.is_empty() {
+            let meta = ObjectMeta {
+                size: object.size,
+                etag: etag.to_string(),
+                last_modified_ms: now_ms(),
+            };
+            if let Err(e) = self.replace_meta(&key, Some(&meta)).await {
+                tracing::warn!(%uri, error = %e, "recording metadata after write-back failed");
+            }
+            self.hand_off_segments(uri, &meta);
+        }
+        let (this, wb2, record, etag) =
+            (self.clone(), wb.clone(), object.clone(), etag.to_string());
+        let moved = tokio::task::spawn_blocking(move || {
+            let pages = record.size.div_ceil(record.page_size.max(1));
+            for index in 0..pages {
+                let from_key = WriteBack::page_key(&record.uri, &record.version, index);
+                if !keep {
+                    wb2.pages.remove(&from_key);
+                    continue;
+                }
+                let from_id = WriteBack::page_id(&record, index);
+                let to_key = PageKey::new(&record.uri, &etag, index);
+                let to_id = PageId::new(&record.uri, &etag, index, record.page_size, record.size);
+                match wb2.pages.move_to(&from_key, &from_id, &this.pages, &to_key, &to_id) {
+                    Ok(()) => this.index_page(
+                        to_key,
+                        PageEntry {
+                            uri: record.uri.clone(),
+                            etag: etag.clone(),
+                            index,
+                            len: to_id.len,
+                        },
+                    ),
+                    Err(e) => {
+                        tracing::warn!(uri = %record.uri, page = index, error = %e, "keeping an uploaded page failed; it will be read from S3");
+                        wb2.pages.remove(&from_key);
+                    }
+                }
+            }
+        })
+        .await;
+        if let Err(e) = moved {
+            tracing::warn!(%uri, error = %e, "adopting uploaded pages failed");
+        }
+        self.evict.notify_one();
+    }
+}
+
+/// `range` of a pending object, read from its dirty pages (blocking).
+pub(crate) fn read_dirty_range(
+    wb: &WriteBack,
+    object: &PendingObject,
+    range: std::ops::Range<u64>,
+) -> Result<Bytes, CacheError> {
+    let ps = object.page_size.max(1);
+    let mut out = BytesMut::with_capacity((range.end - range.start) as usize);
+    let mut pos = range.start;
+    while pos < range.end {
+        let index = pos / ps;
+        let page_start = index * ps;
+        let end = range.end.min(page_start + ps);
+        let key = WriteBack::page_key(&object.uri, &object.version, index);
+        let id = WriteBack::page_id(object, index);
+        let bytes = wb
+            .pages
+            .read(&key, &id, pos - page_start..end - page_start)
+            .map_err(|e| {
+                CacheError::Local(format!(
+                    "dirty page {index} of {} ({}): {e}",
+                    object.uri, object.version
+                ))
+            })?;
+        out.extend_from_slice(&bytes);
+        pos = end;
+    }
+    Ok(out.freeze())
+}

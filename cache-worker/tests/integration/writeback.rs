@@ -1,0 +1,260 @@
+//! Write-back through a real worker and the embedded S3 endpoint: the
+//! acknowledgement comes before S3 has the object, reads, stats and
+//! listings see it meanwhile, S3 receives objects in acknowledgement
+//! order, and nothing acknowledged is lost across a restart or an outage.
+
+use std::time::Duration;
+
+use bytes::Bytes;
+use lakecache_protocol::{ClientError, ErrorCode, WorkerClient};
+use lakecache_s3_endpoint::{Fault, S3Op};
+use lakecache_worker::store::StoreError;
+
+use crate::harness::*;
+
+async fn put_back(client: &WorkerClient, key: &str, body: &[u8]) -> lakecache_protocol::ObjectStat {
+    let chunks: Vec<Bytes> = body.chunks(300_000).map(Bytes::copy_from_slice).collect();
+    client
+        .put_back(&uri(key), futures::stream::iter(chunks))
+        .await
+        .unwrap()
+}
+
+/// Waits until the worker's backlog is empty; panics after `limit`.
+async fn drained(client: &WorkerClient, limit: Duration) {
+    let start = std::time::Instant::now();
+    loop {
+        let status = client.writeback_status(None).await.unwrap();
+        if status.pending_objects == 0 {
+            return;
+        }
+        assert!(
+            start.elapsed() < limit,
+            "backlog not drained after {limit:?}: {status:?}"
+        );
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+}
+
+async fn s3_sha(h: &Harness, key: &str) -> Option<String> {
+    let meta = match h.direct.head(&uri(key)).await {
+        Ok(m) => m,
+        Err(StoreError::NotFound) => return None,
+        Err(e) => panic!("HEAD {key}: {e}"),
+    };
+    let body = h
+        .direct
+        .get_range(&uri(key), 0..meta.size, &meta.etag)
+        .await
+        .unwrap();
+    Some(sha(&body))
+}
+
+#[tokio::test]
+async fn acknowledged_before_s3_visible_meanwhile_and_uploaded_in_order() {
+    let mut h = Harness::start().await;
+    // S3 cannot complete multipart uploads: the first (large) object
+    // cannot reach S3, and the small one acknowledged after it must wait.
+    h.faults()
+        .inject(S3Op::CompleteMultipartUpload, Fault::InternalError, 100_000);
+    let big = data((12 * MIB) as usize + 77, 1);
+    let small = b"step-000100".to_vec();
+    let big_stat = put_back(&h.client, "ckpt/step100/model.bin", &big).await;
+    let small_stat = put_back(&h.client, "ckpt/latest", &small).await;
+    assert!(big_stat.etag.starts_with("lc-"), "{big_stat:?}");
+    assert_eq!(big_stat.size, big.len() as u64);
+
+    // Read-your-writes: stat, ranged reads and listings see both.
+    let stat = h.client.stat(&uri("ckpt/latest")).await.unwrap();
+    assert_eq!(
+        (stat.size, stat.etag.clone()),
+        (small.len() as u64, small_stat.etag.clone())
+    );
+    let (mid, _) = h
+        .client
+        .read_checked(
+            &uri("ckpt/step100/model.bin"),
+            Some(5 * MIB..7 * MIB + 3),
+            Some(&big_stat.etag),
+        )
+        .await
+        .unwrap();
+    assert_eq!(&mid[..], &big[5 * MIB as usize..7 * MIB as usize + 3]);
+    let listing = h
+        .client
+        .list(BUCKET, "ckpt/", Some("/"), None, None)
+        .await
+        .unwrap();
+    assert_eq!(listing.common_prefixes, vec!["ckpt/step100/".to_string()]);
+    assert_eq!(listing.objects.len(), 1);
+    assert_eq!(listing.objects[0].key, "ckpt/latest");
+
+    // Order: the small object is not in S3 while the big one is stuck
+    // (once its upload has failed, the uploader retries it, not the next).
+    let start = std::time::Instant::now();
+    while h
+        .client
+        .writeback_status(None)
+        .await
+        .unwrap()
+        .last_error
+        .is_none()
+    {
+        assert!(
+            start.elapsed() < Duration::from_secs(60),
+            "the upload never failed"
+        );
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    assert_eq!(
+        s3_sha(&h, "ckpt/latest").await,
+        None,
+        "latest reached S3 before the checkpoint"
+    );
+    let status = h
+        .client
+        .writeback_status(Some("s3://data/ckpt/"))
+        .await
+        .unwrap();
+    assert_eq!(status.pending_objects, 2);
+    assert_eq!(status.pending_bytes, (big.len() + small.len()) as u64);
+    assert!(status.last_error.is_some(), "{status:?}");
+
+    // A restart (the journal replays) keeps both pending and visible.
+    h.restart_worker().await;
+    let stat = h.client.stat(&uri("ckpt/step100/model.bin")).await.unwrap();
+    assert_eq!(stat.etag, big_stat.etag);
+
+    h.faults().clear();
+    drained(&h.client, Duration::from_secs(60)).await;
+    assert_eq!(s3_sha(&h, "ckpt/step100/model.bin").await, Some(sha(&big)));
+    assert_eq!(s3_sha(&h, "ckpt/latest").await, Some(sha(&small)));
+
+    // The version a reader held still reads (same bytes, now S3's), and
+    // the pages were kept: no GET reaches S3.
+    let gets = h.gets();
+    let (all, served) = h
+        .client
+        .read_checked(&uri("ckpt/step100/model.bin"), None, Some(&big_stat.etag))
+        .await
+        .unwrap();
+    assert_eq!(sha(&all), sha(&big));
+    assert_eq!(served.as_deref(), Some(big_stat.etag.as_str()));
+    assert_eq!(h.gets(), gets, "uploaded pages were refetched");
+    let stat = h.client.stat(&uri("ckpt/step100/model.bin")).await.unwrap();
+    assert!(!stat.etag.starts_with("lc-"), "{stat:?}");
+}
+
+#[tokio::test]
+async fn deletes_and_renames_of_pending_objects_end_as_the_user_saw() {
+    let h = Harness::start().await;
+    h.faults()
+        .inject(S3Op::PutObject, Fault::InternalError, 100_000);
+    let a = data(300_000, 2);
+    put_back(&h.client, "tmp/gone", b"deleted before upload").await;
+    let src = put_back(&h.client, "tmp/latest.tmp", &a).await;
+    // Rename as the mount does it: copy of the version, then delete.
+    let copied = h
+        .client
+        .copy(&uri("tmp/latest.tmp"), Some(&src.etag), &uri("tmp/latest"))
+        .await
+        .unwrap();
+    assert_eq!(copied.size, a.len() as u64);
+    h.client.delete(&uri("tmp/latest.tmp")).await.unwrap();
+    h.client.delete(&uri("tmp/gone")).await.unwrap();
+    for key in ["tmp/gone", "tmp/latest.tmp"] {
+        let err = h.client.stat(&uri(key)).await.unwrap_err();
+        assert!(
+            matches!(
+                err,
+                ClientError::Api {
+                    code: ErrorCode::NotFound,
+                    ..
+                }
+            ),
+            "{key}: {err}"
+        );
+    }
+    let listing = h
+        .client
+        .list(BUCKET, "tmp/", None, None, None)
+        .await
+        .unwrap();
+    let keys: Vec<_> = listing.objects.iter().map(|o| o.key.as_str()).collect();
+    assert_eq!(keys, ["tmp/latest"]);
+
+    h.faults().clear();
+    drained(&h.client, Duration::from_secs(60)).await;
+    assert_eq!(s3_sha(&h, "tmp/latest").await, Some(sha(&a)));
+    assert_eq!(s3_sha(&h, "tmp/latest.tmp").await, None);
+    assert_eq!(s3_sha(&h, "tmp/gone").await, None);
+}
+
+#[tokio::test]
+async fn a_body_not_matching_the_client_checksum_is_refused_and_not_kept() {
+    let h = Harness::start().await;
+    let request =
+        b"PUT /v1/objects/data/bad HTTP/1.1\r\nhost: x\r\nx-lakecache-write-mode: back\r\n\
+trailer: x-lakecache-crc32c\r\ntransfer-encoding: chunked\r\n\r\n\
+5\r\nhello\r\n0\r\nx-lakecache-crc32c: 1234\r\n\r\n";
+    let (status, body) = raw_request(h.addr(), request).await;
+    assert_eq!(status, 400, "{body}");
+    assert!(body.contains("checksum_mismatch"), "{body}");
+    let err = h.client.stat(&uri("bad")).await.unwrap_err();
+    assert!(
+        matches!(
+            err,
+            ClientError::Api {
+                code: ErrorCode::NotFound,
+                ..
+            }
+        ),
+        "{err}"
+    );
+    let status = h.client.writeback_status(None).await.unwrap();
+    assert_eq!(status.pending_objects, 0);
+    let dirty = h.options.cache_dir.join("writeback/pages");
+    let files = std::fs::read_dir(&dirty).map_or(0, |d| d.flatten().count());
+    assert_eq!(files, 0, "a refused body left dirty pages");
+}
+
+#[tokio::test]
+async fn full_staging_blocks_then_fails_after_the_stall_timeout_and_keeps_what_was_acknowledged() {
+    let h = Harness::with(|o| {
+        o.cache.writeback.staging_limit = 2 * MIB;
+        o.cache.writeback.stall_timeout = Duration::from_secs(1);
+    })
+    .await;
+    h.faults()
+        .inject(S3Op::PutObject, Fault::InternalError, 100_000);
+    let first = data((2 * MIB) as usize, 3);
+    put_back(&h.client, "full/first", &first).await;
+    let started = std::time::Instant::now();
+    let err = h
+        .client
+        .put_back(
+            &uri("full/second"),
+            futures::stream::iter(vec![Bytes::from(data(MIB as usize, 4))]),
+        )
+        .await
+        .unwrap_err();
+    assert!(
+        matches!(
+            err,
+            ClientError::Api {
+                code: ErrorCode::StagingFull,
+                ..
+            }
+        ),
+        "{err}"
+    );
+    assert!(started.elapsed() >= Duration::from_secs(1));
+    let status = h.client.writeback_status(None).await.unwrap();
+    assert_eq!(status.pending_objects, 1);
+    // S3 returns: the backlog drains and writes are taken again.
+    h.faults().clear();
+    drained(&h.client, Duration::from_secs(60)).await;
+    assert_eq!(s3_sha(&h, "full/first").await, Some(sha(&first)));
+    put_back(&h.client, "full/second", &data(MIB as usize, 4)).await;
+    drained(&h.client, Duration::from_secs(60)).await;
+}
