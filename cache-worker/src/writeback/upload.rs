@@ -198,9 +198,8 @@ impl Cache {
             if let Err(e) = self.replace_meta(&key, Some(&meta)).await {
                 tracing::warn!(%uri, error = %e, "recording metadata after write-back failed");
             }
-            self.hand_off_segments(uri, &meta);
         }
-        let (this, wb2, record, etag) =
+        let (this, wb2, record, s3_etag) =
             (self.clone(), wb.clone(), object.clone(), etag.to_string());
         let moved = tokio::task::spawn_blocking(move || {
             let pages = record.size.div_ceil(record.page_size.max(1));
@@ -211,14 +210,14 @@ impl Cache {
                     continue;
                 }
                 let from_id = WriteBack::page_id(&record, index);
-                let to_key = PageKey::new(&record.uri, &etag, index);
-                let to_id = PageId::new(&record.uri, &etag, index, record.page_size, record.size);
+                let to_key = PageKey::new(&record.uri, &s3_etag, index);
+                let to_id = PageId::new(&record.uri, &s3_etag, index, record.page_size, record.size);
                 match wb2.pages.move_to(&from_key, &from_id, &this.pages, &to_key, &to_id) {
                     Ok(()) => this.index_page(
                         to_key,
                         PageEntry {
                             uri: record.uri.clone(),
-                            etag: etag.clone(),
+                            etag: s3_etag.clone(),
                             index,
                             len: to_id.len,
                         },
@@ -233,6 +232,15 @@ impl Cache {
         .await;
         if let Err(e) = moved {
             tracing::warn!(%uri, error = %e, "adopting uploaded pages failed");
+        }
+        // Segment owners get their pages once they are clean pages here.
+        if current && !etag.is_empty() {
+            let meta = ObjectMeta {
+                size: object.size,
+                etag: etag.to_string(),
+                last_modified_ms: now_ms(),
+            };
+            self.hand_off_segments(uri, &meta);
         }
         self.evict.notify_one();
     }
