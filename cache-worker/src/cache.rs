@@ -225,17 +225,22 @@ impl Cache {
         self.head_flights
             .run(key.clone(), || async move {
                 // In its own task: a client giving up must not cancel the
-                // call whose outcome opens or closes the breaker.
+                // call whose outcome opens or closes the breaker. A probe
+                // runs on without the caller, who gets the fast answer.
                 let headed = match this.s3_down.check() {
-                    Err(e) => Err(e),
-                    Ok(()) => {
+                    Err(crate::outage::Blocked::Open) => Err(crate::outage::OutageBreaker::unavailable()),
+                    allowed => {
                         let (probe, target) = (this.clone(), uri.clone());
-                        tokio::spawn(async move {
+                        let head = tokio::spawn(async move {
                             let r = probe.store.head(&target).await;
                             probe.s3_down.observe(r)
-                        })
-                        .await
-                        .unwrap_or_else(|e| Err(StoreError::Other(format!("HEAD task: {e}"))))
+                        });
+                        match allowed {
+                            Ok(()) => head.await.unwrap_or_else(|e| {
+                                Err(StoreError::Other(format!("HEAD task: {e}")))
+                            }),
+                            Err(_) => Err(crate::outage::OutageBreaker::unavailable()),
+                        }
                     }
                 };
                 match headed {
@@ -741,7 +746,20 @@ impl Cache {
         // Our tokens carry the last key of the page they follow, so pending
         // writes land in exactly one page (store tokens are opaque).
         let (after, token) = crate::writeback::split_list_token(token);
-        self.s3_down.check()?;
+        match self.s3_down.check() {
+            Ok(()) => {}
+            Err(blocked) => {
+                if blocked == crate::outage::Blocked::Probe {
+                    let this = self.clone();
+                    let (bucket, prefix) = (bucket.to_string(), prefix.to_string());
+                    tokio::spawn(async move {
+                        let r = this.store.list(&bucket, &prefix, None, None, 1).await;
+                        let _ = this.s3_down.observe(r);
+                    });
+                }
+                return Err(crate::outage::OutageBreaker::unavailable().into());
+            }
+        }
         let listed = self
             .store
             .list(bucket, prefix, delimiter, token, max_keys)

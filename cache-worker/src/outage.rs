@@ -14,6 +14,13 @@ const OPEN_MS: i64 = 5_000;
 /// before the breaker opens: one reset connection is not an outage.
 const FAILURES_TO_OPEN: u32 = 2;
 
+/// Why a call may not go to S3 now.
+#[derive(Debug, PartialEq, Eq)]
+pub enum Blocked {
+    Open,
+    Probe,
+}
+
 #[derive(Default)]
 pub struct OutageBreaker {
     /// Until when (ms since the epoch) calls fail fast; 0: closed.
@@ -22,24 +29,31 @@ pub struct OutageBreaker {
 }
 
 impl OutageBreaker {
-    pub fn check(&self) -> Result<(), StoreError> {
+    /// `Ok(())`: call S3. `Err(Probe)`: S3 was down and it is time to
+    /// look again; the caller starts that call in the background (so no
+    /// client waits out the SDK's retries) and fails this one fast.
+    /// `Err(Open)`: fail fast.
+    pub fn check(&self) -> Result<(), Blocked> {
         let until = self.open_until.load(Ordering::Relaxed);
         if until == 0 {
             return Ok(());
         }
         let now = crate::writeback::now_ms();
-        // Past the window: this caller probes S3, the next ones wait for it.
         if until <= now
             && self
                 .open_until
                 .compare_exchange(until, now + OPEN_MS, Ordering::AcqRel, Ordering::Relaxed)
                 .is_ok()
         {
-            return Ok(());
+            return Err(Blocked::Probe);
         }
-        Err(StoreError::Unavailable(
+        Err(Blocked::Open)
+    }
+
+    pub fn unavailable() -> StoreError {
+        StoreError::Unavailable(
             "S3 was unreachable moments ago; failing fast while the worker retries in the background".into(),
-        ))
+        )
     }
 
     /// Notes how a call to S3 went and passes its result on.
@@ -74,7 +88,11 @@ mod tests {
         let _ = b.observe::<()>(Err(StoreError::Unavailable("reset".into())));
         assert!(b.check().is_ok(), "one failure is not an outage");
         let _ = b.observe::<()>(Err(StoreError::Unavailable("refused".into())));
-        assert!(matches!(b.check(), Err(StoreError::Unavailable(_))));
+        assert_eq!(b.check(), Err(Blocked::Open));
+        // Once the window passed, one caller is told to probe.
+        b.open_until.store(1, Ordering::Relaxed);
+        assert_eq!(b.check(), Err(Blocked::Probe));
+        assert_eq!(b.check(), Err(Blocked::Open));
         let _ = b.observe(Ok(()));
         assert!(b.check().is_ok());
     }

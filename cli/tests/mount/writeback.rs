@@ -175,7 +175,13 @@ fn acknowledged_checkpoints_survive_worker_kills_an_s3_outage_and_a_killed_mount
     }
     let stop = Arc::new(AtomicBool::new(false));
     let w = writer(mnt.clone(), acked.clone(), stop.clone(), "outage");
-    std::thread::sleep(Duration::from_secs(4));
+    // 4 s in the test command; LAKECACHE_CRASH_OUTAGE_SECS=30 for the
+    // issue's longer outage.
+    let outage = std::env::var("LAKECACHE_CRASH_OUTAGE_SECS")
+        .ok()
+        .and_then(|s| s.parse().ok())
+        .unwrap_or(4);
+    std::thread::sleep(Duration::from_secs(outage));
     stop.store(true, Ordering::Relaxed);
     let (tried, failed) = w.join().unwrap();
     if failed > 0 {
@@ -192,7 +198,9 @@ fn acknowledged_checkpoints_survive_worker_kills_an_s3_outage_and_a_killed_mount
         during > 0 && tried > 0,
         "nothing was written during the outage"
     );
-    report.push(format!("S3 outage: {tried} writes acknowledged, 0 failed"));
+    report.push(format!(
+        "S3 outage of {outage} s: {tried} writes acknowledged, 0 failed"
+    ));
     let out = sync(&env, "1");
     assert!(!out.status.success(), "sync said done while S3 was down");
     let child = Command::new(BIN)
