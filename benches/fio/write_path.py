@@ -26,24 +26,33 @@ HERE = Path(__file__).resolve().parent
 
 
 def fio_write(directory: Path, size: str, jobs: int) -> float:
-    """MiB/s of fio's sequential 1 MiB write with fsync at the end."""
-    env = {
-        **os.environ,
-        "LAKECACHE_FIO_DIR": str(directory),
-        "LAKECACHE_FIO_SIZE": size,
-        "LAKECACHE_FIO_JOBS": str(jobs),
-    }
-    out = subprocess.run(
-        ["fio", "--output-format=json", str(HERE / "seq-write-jobs.fio")],
-        env=env,
-        capture_output=True,
-        text=True,
-        check=False,
-    )
-    if out.returncode != 0:
-        raise SystemExit(f"fio in {directory} failed:\n{out.stdout}\n{out.stderr}")
-    doc = json.loads(out.stdout[out.stdout.index("{") :])
-    return doc["jobs"][0]["write"]["bw_bytes"] / 2**20
+    """Aggregate MiB/s of `jobs` concurrent fio processes, each writing its
+    own file sequentially in 1 MiB blocks with fsync at the end (one per
+    rank, as checkpoint writers do). Separate processes, not numjobs: fio
+    lays out `filename_format` files before writing, which reopens them
+    without O_TRUNC, and the mount refuses that."""
+    procs = []
+    for j in range(jobs):
+        d = directory / f"job{j}"
+        d.mkdir(parents=True, exist_ok=True)
+        env = {**os.environ, "LAKECACHE_FIO_DIR": str(d), "LAKECACHE_FIO_SIZE": size}
+        procs.append(
+            subprocess.Popen(
+                ["fio", "--output-format=json", str(HERE / "seq-write.fio")],
+                env=env,
+                stdout=subprocess.PIPE,
+                stderr=subprocess.PIPE,
+                text=True,
+            )
+        )
+    total = 0.0
+    for p in procs:
+        out, err = p.communicate()
+        if p.returncode != 0:
+            raise SystemExit(f"fio in {directory} failed:\n{out}\n{err}")
+        doc = json.loads(out[out.index("{") :])
+        total += doc["jobs"][0]["write"]["bw_bytes"] / 2**20
+    return total
 
 
 def checkpoint(directory: Path, writers: int, size: int) -> float:
@@ -119,11 +128,14 @@ def main() -> None:
                 target = work / "local"
             else:
                 c.start_worker(fresh=True, mount_flags=("--write-mode", mode))
-                target = c.mnt
+                # The bucket outlives the worker: each mode writes its own
+                # directory (an existing object opened without O_TRUNC is
+                # read-only on the mount).
+                target = c.mnt / mode
             r: dict[str, float] = {}
             for jobs in (1, 4):
                 d = target / f"fio{jobs}"
-                d.mkdir(exist_ok=True)
+                d.mkdir(parents=True, exist_ok=True)
                 drop_caches()
                 r[f"fio{jobs}"] = fio_write(d, a.size, jobs)
                 print(mode, "fio", jobs, f"{r[f'fio{jobs}']:.0f} MiB/s", flush=True)
@@ -136,7 +148,7 @@ def main() -> None:
                 subprocess.run(["sync"], check=True)
                 r["ckpt_s3"] = float("nan")
             else:
-                r["ckpt_s3"] = r["ckpt"] + sync_seconds(a.bin, c.worker_port, "ckpt/")
+                r["ckpt_s3"] = r["ckpt"] + sync_seconds(a.bin, c.worker_port, f"{mode}/ckpt/")
             print(mode, "checkpoint", f"{r['ckpt']:.2f}s", f"S3 {r['ckpt_s3']:.2f}s", flush=True)
             rows[mode] = r
             if mode != "local":
@@ -158,7 +170,7 @@ def write(a: argparse.Namespace, rows: dict, started: str, ckpt_bytes: int) -> N
         "(plain HTTP, no tokens) and the mount on this machine, all on the same disk as "
         "`local`. The page cache is dropped before every run.",
         "",
-        "## fio: sequential write, 1 MiB blocks, fsync at the end of each file",
+        "## fio: sequential write, 1 MiB blocks, fsync at the end; one file per writer (separate fio processes, bandwidth summed)",
         "",
         "| writers | local disk MiB/s | through MiB/s | back MiB/s | through/local | back/local |",
         "|---|---|---|---|---|---|",
