@@ -269,14 +269,22 @@ impl PageStore {
     /// Writes the header of a staged page and moves it into place; on
     /// error the staged file is removed.
     pub fn commit(&self, staged: Staged, key: &PageKey, id: &PageId) -> io::Result<()> {
-        let done = self.label_and_move(&staged, key, id);
+        let done = self.label_and_move(&staged, key, id, false);
         if done.is_err() {
             self.discard_staged(staged);
         }
         done
     }
 
-    fn label_and_move(&self, staged: &Staged, key: &PageKey, id: &PageId) -> io::Result<()> {
+    /// Writes the header, syncs the file when asked (data and header in
+    /// one sync), and renames it into place.
+    fn label_and_move(
+        &self,
+        staged: &Staged,
+        key: &PageKey,
+        id: &PageId,
+        sync: bool,
+    ) -> io::Result<()> {
         if staged.len != id.len {
             return Err(io::Error::other(format!(
                 "page {} holds {} bytes, expected {}",
@@ -288,10 +296,11 @@ impl PageStore {
             crcs: staged.crcs.clone(),
             valid: vec![true; staged.crcs.len()],
         };
-        fs::OpenOptions::new()
-            .write(true)
-            .open(&staged.path)?
-            .write_all_at(&header.encode(), 0)?;
+        let file = fs::OpenOptions::new().write(true).open(&staged.path)?;
+        file.write_all_at(&header.encode(), 0)?;
+        if sync {
+            file.sync_data()?;
+        }
         let dest = self.path(key);
         if let Some(parent) = dest.parent() {
             mkdir_private(parent)?;
@@ -303,21 +312,12 @@ impl PageStore {
     /// rename; returns the directory the page landed in, which the caller
     /// syncs (once for many pages) before calling the page durable.
     pub fn commit_synced(&self, staged: Staged, key: &PageKey, id: &PageId) -> io::Result<PathBuf> {
-        let done = fs::OpenOptions::new()
-            .write(true)
-            .open(&staged.path)
-            .and_then(|f| f.sync_data())
-            .and_then(|()| self.label_and_move(&staged, key, id));
-        match done {
-            Ok(()) => {
-                let dest = self.path(key);
-                // The header was written after the data sync: sync again.
-                fs::OpenOptions::new()
-                    .write(true)
-                    .open(&dest)?
-                    .sync_data()?;
-                Ok(dest.parent().map(Path::to_path_buf).unwrap_or_default())
-            }
+        match self.label_and_move(&staged, key, id, true) {
+            Ok(()) => Ok(self
+                .path(key)
+                .parent()
+                .map(Path::to_path_buf)
+                .unwrap_or_default()),
             Err(e) => {
                 self.discard_staged(staged);
                 Err(e)

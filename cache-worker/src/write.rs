@@ -108,11 +108,7 @@ impl Cache {
             total += chunk.len() as u64;
             let mut rest = &chunk[..];
             while staging && !rest.is_empty() {
-                let take = (ps - page.len()).min(rest.len());
-                page.extend_from_slice(&rest[..take]);
-                rest = &rest[take..];
-                if page.len() == ps {
-                    let full = std::mem::replace(&mut page, BytesMut::with_capacity(ps)).freeze();
+                if let Some(full) = fill_page(&mut page, ps, &mut rest) {
                     staging = self.stage(&full, pages_seen, staged).await;
                     pages_seen += 1;
                 }
@@ -338,8 +334,7 @@ impl Cache {
             return Err(StoreError::PreconditionFailed.into());
         }
         if crate::writeback::is_cache_version(&source.etag)
-            || self.pending_meta(to).is_err()
-            || self.pending_meta(to).is_ok_and(|p| p.is_some())
+            || !matches!(self.pending_meta(to), Ok(None))
         {
             return self.copy_through_cache(from, &source, to).await;
         }
@@ -350,6 +345,15 @@ impl Cache {
         self.replace_meta(&to.to_string(), Some(&meta)).await?;
         Ok(meta)
     }
+}
+
+/// Moves bytes from `rest` into `page` (of `ps` bytes); returns the page
+/// once it is full, leaving an empty one in its place.
+pub(crate) fn fill_page(page: &mut BytesMut, ps: usize, rest: &mut &[u8]) -> Option<Bytes> {
+    let take = (ps - page.len()).min(rest.len());
+    page.extend_from_slice(&rest[..take]);
+    *rest = &rest[take..];
+    (page.len() == ps).then(|| std::mem::replace(page, BytesMut::with_capacity(ps)).freeze())
 }
 
 async fn join_part(
