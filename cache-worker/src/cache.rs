@@ -65,6 +65,8 @@ pub enum CacheError {
     ChecksumMismatch(String),
     #[error("{0}")]
     StagingFull(String),
+    #[error("{0}")]
+    ReplicasUnavailable(String),
 }
 
 impl From<crate::index::IndexError> for CacheError {
@@ -180,6 +182,10 @@ impl Cache {
         if let Some(wb) = &cache.writeback {
             let _ = cache.metrics.writeback.set(Arc::downgrade(wb));
             tokio::spawn(crate::writeback::uploader(
+                Arc::downgrade(&cache),
+                wb.clone(),
+            ));
+            tokio::spawn(crate::writeback::replica_watcher(
                 Arc::downgrade(&cache),
                 wb.clone(),
             ));

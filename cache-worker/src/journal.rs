@@ -18,8 +18,11 @@ use std::path::{Path, PathBuf};
 
 use serde::{Deserialize, Serialize};
 
-/// The format this build writes and the newest it reads.
-pub const JOURNAL_FORMAT: u32 = 1;
+/// The format this build writes and the newest it reads. Format 2 adds
+/// replica entries, which a format-1 build would mistake for its own
+/// uploads: such a build refuses a format-2 journal. A format-1 journal
+/// is read and rewritten as format 2.
+pub const JOURNAL_FORMAT: u32 = 2;
 const MAGIC: &[u8; 8] = b"LCJRNL\0\0";
 const FILE_NAME: &str = "writeback.journal";
 /// Frames longer than this are damage, not records (a record names one
@@ -73,6 +76,24 @@ pub struct PendingObject {
     /// object: S3 gets it in order, after them.
     #[serde(default)]
     pub delete: bool,
+    /// Set on a copy of another worker's write: that worker (the primary)
+    /// uploads it; this copy is uploaded here only if the primary's
+    /// journal is gone.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub replica_of: Option<ReplicaOf>,
+    /// On a primary's entry: the workers holding copies, told to drop
+    /// them once S3 has the object.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub replicas: Vec<String>,
+}
+
+/// The primary of a replica entry.
+#[derive(Debug, Clone, PartialEq, Eq, Hash, Serialize, Deserialize)]
+pub struct ReplicaOf {
+    /// The primary's journal identity when it sent the copy.
+    pub journal_id: String,
+    /// The primary's ring address.
+    pub addr: String,
 }
 
 #[derive(Debug, Serialize, Deserialize)]
@@ -199,6 +220,10 @@ impl Journal {
                     break;
                 }
             }
+        }
+        if format < JOURNAL_FORMAT {
+            // Records of this format may follow: the header must say so.
+            journal.compact()?;
         }
         Ok(journal)
     }

@@ -28,6 +28,17 @@ pub trait Placement: Send + Sync {
     /// The address of the worker owning `segment` of `uri`, or `None`
     /// when this worker owns it (or no ring is known).
     fn remote_owner(&self, uri: &ObjectUri, segment: u64) -> Option<String>;
+
+    /// Addresses of the other workers, in ring order from the owner of
+    /// `uri`'s first segment: where copies of a write taken here go.
+    fn replica_candidates(&self, _uri: &ObjectUri) -> Vec<String> {
+        Vec::new()
+    }
+
+    /// This worker's address in the ring.
+    fn me(&self) -> Option<String> {
+        None
+    }
 }
 
 /// The ring view and a pooled client per peer.
@@ -61,7 +72,11 @@ impl Default for Peers {
 }
 
 impl Peers {
-    fn client(&self, addr: &str) -> Result<WorkerClient, CacheError> {
+    pub(crate) fn placement(&self) -> Option<&Arc<dyn Placement>> {
+        self.placement.get()
+    }
+
+    pub(crate) fn client(&self, addr: &str) -> Result<WorkerClient, CacheError> {
         let pooled = {
             let mut clients = self.clients.lock().unwrap_or_else(|e| e.into_inner());
             match clients.get(addr) {

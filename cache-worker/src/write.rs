@@ -326,6 +326,15 @@ impl Cache {
         etag: Option<&str>,
         to: &ObjectUri,
     ) -> Result<ObjectMeta, CacheError> {
+        if let Some(version) = etag.filter(|e| crate::writeback::is_cache_version(e)) {
+            let here = matches!(self.pending_meta(from), Ok(Some(m)) if m.etag == version)
+                || self.uploaded_as(from, version).is_some();
+            if !here {
+                if let Some(meta) = self.copy_from_peer(from, version, to).await? {
+                    return Ok(meta);
+                }
+            }
+        }
         let source = self.revalidate(from).await?;
         let named_other = etag.is_some_and(|e| {
             e != source.etag && self.uploaded_as(from, e).as_deref() != Some(&source.etag)

@@ -7,24 +7,28 @@
 //! page size or format) leaves them alone. They become clean pages, keyed
 //! by the S3 ETag, once their object is uploaded (`upload.rs`).
 
+mod copies;
+mod replica;
 mod stage;
 mod upload;
 mod visible;
 
 pub(crate) use lakecache_protocol::is_cache_version;
+pub(crate) use replica::replica_watcher;
+pub use stage::WriteRole;
 pub(crate) use upload::uploader;
 pub(crate) use visible::split_list_token;
 
-use std::collections::HashMap;
+use std::collections::{HashMap, HashSet};
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
-use lakecache_protocol::WriteBackStatus;
+use lakecache_protocol::{EntryState, WriteBackStatus};
 use tokio::sync::Notify;
 
-use crate::journal::{Journal, JournalError, PendingObject};
+use crate::journal::{Journal, JournalError, PendingObject, ReplicaOf};
 use crate::pages::{mkdir_private, PageId, PageKey, PageStore};
 
 /// Versions the cache gives acknowledged objects start with this, so
@@ -41,6 +45,10 @@ pub struct WriteBackConfig {
     pub stall_timeout: Duration,
     /// Parts uploaded at once per object.
     pub parts_in_flight: usize,
+    /// Workers that hold an object before its write is acknowledged
+    /// (this one and the next ones on the ring). `None`: 2 when the ring
+    /// has at least 2 workers, else 1.
+    pub replicas: Option<usize>,
 }
 
 impl Default for WriteBackConfig {
@@ -49,6 +57,7 @@ impl Default for WriteBackConfig {
             staging_limit: 16 << 30,
             stall_timeout: Duration::from_secs(600),
             parts_in_flight: 4,
+            replicas: None,
         }
     }
 }
@@ -77,6 +86,14 @@ struct Overlay {
 
 pub struct WriteBack {
     pub(crate) config: WriteBackConfig,
+    /// The identity of this directory (and its journal).
+    pub(crate) id: String,
+    /// (uri, version) of bodies being taken: a replica asking about one
+    /// must hear "pending", not "settled", before its record is written.
+    in_flight: Mutex<HashSet<(String, String)>>,
+    /// Journals of primaries whose disk is gone: their replica entries
+    /// here are uploaded here.
+    taken_over: Mutex<HashSet<String>>,
     pub(crate) pages: PageStore,
     journal: Mutex<Journal>,
     overlay: Mutex<Overlay>,
@@ -148,6 +165,9 @@ impl WriteBack {
         }
         Ok(Self {
             config,
+            id,
+            in_flight: Mutex::default(),
+            taken_over: Mutex::default(),
             pages,
             journal: Mutex::new(journal),
             overlay: Mutex::new(overlay),
@@ -199,9 +219,88 @@ impl WriteBack {
         Ok(seq)
     }
 
-    /// The oldest pending entry, which the uploader handles next.
+    /// The oldest pending entry this worker uploads, which the uploader
+    /// handles next: its own, and copies of primaries that lost their disk.
     pub(crate) fn next_pending(&self) -> Option<PendingObject> {
-        lock(&self.journal).first_pending().cloned()
+        let taken_over = lock(&self.taken_over);
+        lock(&self.journal)
+            .pending()
+            .find(|p| {
+                p.replica_of
+                    .as_ref()
+                    .is_none_or(|r| taken_over.contains(&r.journal_id))
+            })
+            .cloned()
+    }
+
+    /// Copies of other workers' writes this worker is holding (not taken
+    /// over).
+    pub(crate) fn replica_entries(&self) -> Vec<PendingObject> {
+        let taken_over = lock(&self.taken_over);
+        lock(&self.journal)
+            .pending()
+            .filter(|p| {
+                p.replica_of
+                    .as_ref()
+                    .is_some_and(|r| !taken_over.contains(&r.journal_id))
+            })
+            .cloned()
+            .collect()
+    }
+
+    /// The primary with journal `journal_id` lost it: its copies here are
+    /// uploaded here, in the order they arrived.
+    pub(crate) fn take_over(&self, primary: &ReplicaOf) {
+        if lock(&self.taken_over).insert(primary.journal_id.clone()) {
+            tracing::warn!(
+                primary = %primary.addr,
+                journal = %primary.journal_id,
+                "a primary's write-back journal is gone; uploading the copies of its writes held here"
+            );
+            self.wake.notify_one();
+        }
+    }
+
+    /// Whether `copy` is a replica entry this worker now uploads.
+    pub(crate) fn is_taken_over(&self, copy: &PendingObject) -> bool {
+        copy.replica_of
+            .as_ref()
+            .is_some_and(|r| lock(&self.taken_over).contains(&r.journal_id))
+    }
+
+    /// Marks a body as being taken until the returned guard drops.
+    pub(crate) fn taking(self: &Arc<Self>, uri: &str, version: &str) -> InFlight {
+        let key = (uri.to_string(), version.to_string());
+        lock(&self.in_flight).insert(key.clone());
+        InFlight {
+            wb: self.clone(),
+            key,
+        }
+    }
+
+    /// What this worker knows of `version` of `uri`, for a replica.
+    pub fn entry_state(&self, uri: &str, version: &str) -> EntryState {
+        let key = (uri.to_string(), version.to_string());
+        if lock(&self.in_flight).contains(&key) {
+            return EntryState::Pending;
+        }
+        let journal = lock(&self.journal);
+        let pending = journal
+            .pending()
+            .any(|p| p.uri == uri && p.version == version && p.replica_of.is_none());
+        if pending {
+            EntryState::Pending
+        } else {
+            EntryState::Settled
+        }
+    }
+
+    /// The replica entry for `version` of `uri`, if this worker holds one.
+    pub(crate) fn replica_entry(&self, uri: &str, version: &str) -> Option<PendingObject> {
+        lock(&self.journal)
+            .pending()
+            .find(|p| p.uri == uri && p.version == version && p.replica_of.is_some())
+            .cloned()
     }
 
     /// Whether a later acknowledged entry of the same object replaces
@@ -275,7 +374,18 @@ impl WriteBack {
             last_error: lock(&self.last_error).clone(),
             ..Default::default()
         };
+        status.journal_id = self.id.clone();
+        let taken_over = lock(&self.taken_over);
         for p in journal.pending().filter(|p| p.uri.starts_with(prefix)) {
+            let held_for_primary = p
+                .replica_of
+                .as_ref()
+                .is_some_and(|r| !taken_over.contains(&r.journal_id));
+            if held_for_primary {
+                status.replica_objects += 1;
+                status.replica_bytes += p.size;
+                continue;
+            }
             status.pending_objects += 1;
             status.pending_bytes += p.size;
             let age = now.saturating_sub(p.acked_ms).max(0) as u64;
@@ -349,6 +459,18 @@ impl Pending {
         match self {
             Pending::Written { seq, .. } | Pending::Deleted { seq } => *seq,
         }
+    }
+}
+
+/// A body being taken (see [`WriteBack::taking`]).
+pub(crate) struct InFlight {
+    wb: Arc<WriteBack>,
+    key: (String, String),
+}
+
+impl Drop for InFlight {
+    fn drop(&mut self) {
+        lock(&self.wb.in_flight).remove(&self.key);
     }
 }
 

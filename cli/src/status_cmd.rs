@@ -102,14 +102,23 @@ impl StatusCmd {
             rows.len()
         );
         println!(
-            "{:<24} {:<22} {:<5} {:>10} {:>10} {:>6} {:>8} {:>10} {:>8}",
-            "ID", "ADDRESS", "LIVE", "USED", "CAPACITY", "HIT%", "PENDING", "PEND-SIZE", "OLDEST"
+            "{:<24} {:<22} {:<5} {:>10} {:>10} {:>6} {:>8} {:>10} {:>8} {:>7}",
+            "ID",
+            "ADDRESS",
+            "LIVE",
+            "USED",
+            "CAPACITY",
+            "HIT%",
+            "PENDING",
+            "PEND-SIZE",
+            "OLDEST",
+            "COPIES"
         );
         let size = |v: Option<u64>| v.map_or("-".to_string(), |b| ByteSize(b).human());
         for r in &rows {
             let wb = r.writeback.as_ref();
             println!(
-                "{:<24} {:<22} {:<5} {:>10} {:>10} {:>6} {:>8} {:>10} {:>8}",
+                "{:<24} {:<22} {:<5} {:>10} {:>10} {:>6} {:>8} {:>10} {:>8} {:>7}",
                 r.id,
                 r.address,
                 if r.live { "yes" } else { "NO" },
@@ -123,6 +132,8 @@ impl StatusCmd {
                     "{:.0}s",
                     w.oldest_pending_ms as f64 / 1000.0
                 )),
+                // Copies of other workers' pending writes held here.
+                wb.map_or("-".to_string(), |w| w.replica_objects.to_string()),
             );
         }
         for r in &rows {

@@ -60,6 +60,9 @@ impl SyncCmd {
                     Ok(s) => {
                         pending.pending_objects += s.pending_objects;
                         pending.pending_bytes += s.pending_bytes;
+                        // A copy still held is a write whose primary has not
+                        // confirmed its upload yet.
+                        pending.replica_objects += s.replica_objects;
                         pending.oldest_pending_ms =
                             pending.oldest_pending_ms.max(s.oldest_pending_ms);
                         if s.last_error.is_some() {
@@ -69,7 +72,10 @@ impl SyncCmd {
                     Err(e) => unreachable.push(format!("{} ({e})", m.id)),
                 }
             }
-            if pending.pending_objects == 0 && unreachable.is_empty() {
+            if pending.pending_objects == 0
+                && pending.replica_objects == 0
+                && unreachable.is_empty()
+            {
                 println!(
                     "{prefix}: everything acknowledged is in S3 (waited {:.1}s)",
                     start.elapsed().as_secs_f64()
@@ -83,6 +89,12 @@ impl SyncCmd {
                     ByteSize(pending.pending_bytes).human(),
                     pending.oldest_pending_ms as f64 / 1000.0
                 );
+                if pending.replica_objects > 0 {
+                    s.push_str(&format!(
+                        "; {} replica copies not yet confirmed by their primary",
+                        pending.replica_objects
+                    ));
+                }
                 if !unreachable.is_empty() {
                     s.push_str(&format!("; not answering: {}", unreachable.join(", ")));
                 }

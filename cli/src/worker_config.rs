@@ -67,6 +67,11 @@ pub struct WorkerSettings {
     /// client sees EIO); what was acknowledged stays staged [default: 600s]
     #[arg(long, env = "LAKECACHE_WRITE_STALL_TIMEOUT")]
     pub write_stall_timeout: Option<Seconds>,
+    /// Workers that hold a write-back object durably before its write is
+    /// acknowledged: this one and the next ones on the ring, 1..=8
+    /// [default: 2 when the ring has 2 or more workers, else 1]
+    #[arg(long, env = "LAKECACHE_WRITE_REPLICAS")]
+    pub write_replicas: Option<usize>,
     /// Largest accepted upload body [default: 5TiB]
     #[arg(long, env = "LAKECACHE_MAX_BODY_SIZE")]
     pub max_body_size: Option<ByteSize>,
@@ -236,6 +241,7 @@ impl WorkerSettings {
                 memory_limit,
                 write_staging_limit,
                 write_stall_timeout,
+                write_replicas,
                 max_body_size,
                 max_uri_bytes,
                 max_header_bytes,
@@ -354,6 +360,9 @@ impl WorkerSettings {
         if !(1..=1024).contains(&fetch_concurrency) {
             bail!("--fetch-concurrency must be 1..=1024, got {fetch_concurrency}");
         }
+        if let Some(n) = self.write_replicas.filter(|n| !(1..=8).contains(n)) {
+            bail!("--write-replicas must be 1..=8, got {n}");
+        }
         let max_attempts = self.s3_max_attempts.unwrap_or(5);
         if !(1..=20).contains(&max_attempts) {
             bail!("--s3-max-attempts must be 1..=20, got {max_attempts}");
@@ -423,6 +432,7 @@ impl WorkerSettings {
                     stall_timeout: self
                         .write_stall_timeout
                         .map_or(std::time::Duration::from_secs(600), |s| s.0),
+                    replicas: self.write_replicas,
                     ..Default::default()
                 },
             },

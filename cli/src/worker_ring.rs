@@ -65,4 +65,17 @@ impl Placement for RingPlacement {
         let owner = self.cluster.owner_of(uri, offset)?;
         (owner.address != self.me).then_some(owner.address)
     }
+
+    fn replica_candidates(&self, uri: &ObjectUri) -> Vec<String> {
+        self.cluster
+            .replicas_of(uri, 0, usize::MAX)
+            .into_iter()
+            .map(|m| m.address)
+            .filter(|a| *a != self.me)
+            .collect()
+    }
+
+    fn me(&self) -> Option<String> {
+        Some(self.me.clone())
+    }
 }

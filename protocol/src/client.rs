@@ -16,7 +16,7 @@ use crate::tls::ClientTls;
 use crate::types::{ErrorBody, ErrorCode, Health, ListResponse, ObjectStat};
 use crate::uri::ObjectUri;
 
-type BoxError = Box<dyn std::error::Error + Send + Sync>;
+pub type BoxError = Box<dyn std::error::Error + Send + Sync>;
 pub type RequestBody = BoxBody<Bytes, BoxError>;
 
 #[derive(Debug, thiserror::Error)]
@@ -494,11 +494,75 @@ impl WorkerClient {
         S: futures::Stream<Item = Bytes> + Send + Sync + 'static,
     {
         use futures::StreamExt as _;
+        self.put_back_with(uri, body.map(Ok), &[]).await
+    }
+
+    /// A worker's copy of a write-back body to a replica: same version,
+    /// and the primary's journal identity and address. An error item
+    /// aborts the body, so the replica records nothing.
+    pub async fn put_replica<S>(
+        &self,
+        uri: &ObjectUri,
+        version: &str,
+        replica_of: &str,
+        body: S,
+    ) -> Result<ObjectStat, ClientError>
+    where
+        S: futures::Stream<Item = Result<Bytes, BoxError>> + Send + Sync + 'static,
+    {
+        let headers = [
+            (crate::VERSION_HEADER, version),
+            (crate::REPLICA_OF_HEADER, replica_of),
+        ];
+        self.put_back_with(uri, body, &headers).await
+    }
+
+    /// What this worker (a primary) knows of `version` of `uri`.
+    pub async fn pending_entry(
+        &self,
+        uri: &ObjectUri,
+        version: &str,
+    ) -> Result<crate::WriteBackEntry, ClientError> {
+        let path = format!(
+            "{}?{}",
+            uri.api_path("pending"),
+            form_urlencoded(&[("version", version)])
+        );
+        self.get_json(&path).await
+    }
+
+    /// Tells this worker (a replica) that `version` of `uri` is settled:
+    /// it may drop its copy.
+    pub async fn drop_replica(&self, uri: &ObjectUri, version: &str) -> Result<(), ClientError> {
+        let path = format!(
+            "{}?{}",
+            uri.api_path("replica"),
+            form_urlencoded(&[("version", version)])
+        );
+        let req = self
+            .request(http::Method::DELETE, &path)
+            .body(empty())
+            .map_err(|e| ClientError::Decode(e.to_string()))?;
+        let resp = self.send_quick(req).await?;
+        self.collect(resp.into_body()).await.map(|_| ())
+    }
+
+    async fn put_back_with<S>(
+        &self,
+        uri: &ObjectUri,
+        body: S,
+        headers: &[(&str, &str)],
+    ) -> Result<ObjectStat, ClientError>
+    where
+        S: futures::Stream<Item = Result<Bytes, BoxError>> + Send + Sync + 'static,
+    {
+        use futures::StreamExt as _;
         use std::sync::atomic::{AtomicU32, Ordering};
         use std::sync::Arc;
         let crc = Arc::new(AtomicU32::new(0));
         let running = crc.clone();
         let data = body.map(move |b| {
+            let b = b?;
             let now = crc32c::crc32c_append(running.load(Ordering::Relaxed), &b);
             running.store(now, Ordering::Relaxed);
             Ok::<_, BoxError>(hyper::body::Frame::data(b))
@@ -513,10 +577,14 @@ impl WorkerClient {
         });
         let body: RequestBody =
             BodyExt::boxed(http_body_util::StreamBody::new(data.chain(trailer)));
-        let req = self
+        let mut req = self
             .request(http::Method::PUT, &uri.api_path("objects"))
             .header(crate::WRITE_MODE_HEADER, "back")
-            .header(http::header::TRAILER, crate::BODY_CRC32C_TRAILER)
+            .header(http::header::TRAILER, crate::BODY_CRC32C_TRAILER);
+        for (name, value) in headers {
+            req = req.header(*name, *value);
+        }
+        let req = req
             .body(body)
             .map_err(|e| ClientError::Decode(e.to_string()))?;
         let resp = self.send(req).await?;

@@ -19,12 +19,12 @@ mod writeback;
 
 pub use chain::Chain;
 pub use client::{
-    ClientError, Deadlines, RequestBody, WorkerClient, COPY_SOURCE_HEADER, FROM_HEADER,
+    BoxError, ClientError, Deadlines, RequestBody, WorkerClient, COPY_SOURCE_HEADER, FROM_HEADER,
     OFFSET_HEADER,
 };
 pub use types::{ErrorBody, ErrorCode, ErrorDetail, Health, ListEntry, ListResponse, ObjectStat};
 pub use uri::{validate_bucket, validate_key, InvalidUri, ObjectUri, MAX_KEY_BYTES};
 pub use writeback::{
-    is_cache_version, WriteBackStatus, WriteMode, BODY_CRC32C_TRAILER, CACHE_VERSION_PREFIX,
-    WRITE_MODE_HEADER,
+    is_cache_version, EntryState, WriteBackEntry, WriteBackStatus, WriteMode, BODY_CRC32C_TRAILER,
+    CACHE_VERSION_PREFIX, REPLICA_OF_HEADER, VERSION_HEADER, WRITE_MODE_HEADER,
 };

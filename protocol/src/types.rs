@@ -62,6 +62,9 @@ pub enum ErrorCode {
     ChecksumMismatch,
     /// Write-back staging stayed full for longer than the stall timeout.
     StagingFull,
+    /// Fewer workers than `--write-replicas` could take a copy of a
+    /// write-back body; nothing was acknowledged.
+    ReplicasUnavailable,
     UpstreamError,
     Internal,
     /// A code this client version does not know.
@@ -78,6 +81,7 @@ impl ErrorCode {
             | ErrorCode::CopyTooLarge
             | ErrorCode::ChecksumMismatch => 400,
             ErrorCode::StagingFull => 507,
+            ErrorCode::ReplicasUnavailable => 503,
             ErrorCode::RangeNotSatisfiable => 416,
             ErrorCode::NotFound | ErrorCode::RouteNotFound => 404,
             ErrorCode::MethodNotAllowed => 405,

@@ -11,6 +11,14 @@ pub const WRITE_MODE_HEADER: &str = "x-lakecache-write-mode";
 /// client computed it; the worker refuses a body that does not match.
 pub const BODY_CRC32C_TRAILER: &str = "x-lakecache-crc32c";
 
+/// On a write-back PUT from one worker to another: this copy is a replica
+/// of a write the sender (the primary) takes. Value: the primary's journal
+/// identity, a space, and the primary's ring address.
+pub const REPLICA_OF_HEADER: &str = "x-lakecache-replica-of";
+/// On a replica PUT: the cache version the primary gave the object, so
+/// both copies answer reads of it.
+pub const VERSION_HEADER: &str = "x-lakecache-version";
+
 /// The ETag-like version a worker gives a written-back object until S3
 /// names it starts with this; no S3 ETag does (they are hex digests).
 pub const CACHE_VERSION_PREFIX: &str = "lc-";
@@ -71,4 +79,34 @@ pub struct WriteBackStatus {
     pub uploaded_objects: u64,
     /// The last upload failure, while uploads keep failing.
     pub last_error: Option<String>,
+    /// Copies this worker holds of other workers' pending writes (kept
+    /// until their primary's upload is done, uploaded here if the
+    /// primary's disk is lost).
+    #[serde(default)]
+    pub replica_objects: u64,
+    #[serde(default)]
+    pub replica_bytes: u64,
+    /// The identity of this worker's write-back journal.
+    #[serde(default)]
+    pub journal_id: String,
+}
+
+/// What a primary knows of one pending version, as a replica asks
+/// (`GET /v1/writeback/entry/<bucket>/<key>?version=`).
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct WriteBackEntry {
+    /// The primary's journal identity: another one than the replica
+    /// recorded means the primary's disk (and journal) is gone.
+    pub journal_id: String,
+    pub state: EntryState,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum EntryState {
+    /// Being taken or acknowledged and not yet in S3.
+    Pending,
+    /// Neither pending nor being taken: uploaded, replaced, or never
+    /// acknowledged. A replica may drop its copy.
+    Settled,
 }

@@ -198,6 +198,18 @@ impl ClusterClient {
         state.ring.owner(&uri.to_string(), segment).cloned()
     }
 
+    /// The owner of `segment` of `uri` and the distinct workers after it
+    /// on the ring, up to `n`.
+    pub fn replicas_of(&self, uri: &ObjectUri, segment: u64, n: usize) -> Vec<Member> {
+        let state = self.current();
+        state
+            .ring
+            .replicas(&uri.to_string(), segment, n)
+            .into_iter()
+            .cloned()
+            .collect()
+    }
+
     fn is_suspect(&self, id: &str) -> bool {
         let mut suspects = self.suspects.lock().unwrap_or_else(|p| p.into_inner());
         match suspects.get(id) {

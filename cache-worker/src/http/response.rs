@@ -65,6 +65,7 @@ pub fn cache_error(e: &CacheError) -> Response {
         CacheError::CopyTooLarge(_) => ErrorCode::CopyTooLarge,
         CacheError::ChecksumMismatch(_) => ErrorCode::ChecksumMismatch,
         CacheError::StagingFull(_) => ErrorCode::StagingFull,
+        CacheError::ReplicasUnavailable(_) => ErrorCode::ReplicasUnavailable,
         CacheError::ShuttingDown => ErrorCode::UpstreamUnavailable,
     };
     error(code, e.to_string())

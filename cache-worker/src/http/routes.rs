@@ -9,9 +9,10 @@ use http_body::Frame;
 use http_body_util::{BodyExt, BodyStream, StreamBody};
 use hyper::body::Incoming;
 use lakecache_protocol::{
-    validate_bucket, ErrorCode, Health, ListResponse, ObjectStat, ObjectUri, WriteBackStatus,
-    WriteMode, BODY_CRC32C_TRAILER, COPY_SOURCE_HEADER, FROM_HEADER, MAX_KEY_BYTES, OFFSET_HEADER,
-    WRITE_MODE_HEADER,
+    is_cache_version, validate_bucket, ErrorCode, Health, ListResponse, ObjectStat, ObjectUri,
+    WriteBackEntry, WriteBackStatus, WriteMode, BODY_CRC32C_TRAILER, CACHE_VERSION_PREFIX,
+    COPY_SOURCE_HEADER, FROM_HEADER, MAX_KEY_BYTES, OFFSET_HEADER, REPLICA_OF_HEADER,
+    VERSION_HEADER, WRITE_MODE_HEADER,
 };
 
 use super::auth::{Access, AccessPolicy};
@@ -20,8 +21,10 @@ use super::range::{parse_range, resolve};
 use super::response::{cache_error, error, full, json, BoxError, Response};
 use super::HttpLimits;
 use crate::cache::{Cache, CacheError};
+use crate::journal::ReplicaOf;
 use crate::metrics::Metrics;
 use crate::store::{ObjectMeta, StoreError};
+use crate::writeback::WriteRole;
 
 pub struct AppState {
     pub cache: Arc<Cache>,
@@ -118,6 +121,24 @@ async fn object_route(
         return match method {
             Method::PUT => ("accept_pages", accept_pages(state, access, rest, req).await),
             _ => ("invalid", method_not_allowed("PUT")),
+        };
+    }
+    if let Some(rest) = path.strip_prefix("/v1/pending/") {
+        return match method {
+            Method::GET => (
+                "pending_entry",
+                pending_entry(state, access, rest, req.uri().query().unwrap_or("")),
+            ),
+            _ => ("invalid", method_not_allowed("GET")),
+        };
+    }
+    if let Some(rest) = path.strip_prefix("/v1/replica/") {
+        return match method {
+            Method::DELETE => (
+                "drop_replica",
+                drop_replica(state, access, rest, req.uri().query().unwrap_or("")).await,
+            ),
+            _ => ("invalid", method_not_allowed("DELETE")),
         };
     }
     if let Some(rest) = path.strip_prefix("/v1/stat/") {
@@ -415,7 +436,14 @@ async fn write(
         Ok(u) => u,
         Err(resp) => return *resp,
     };
-    check!(access.write(&uri));
+    let role = match replica_role(req.headers()) {
+        Ok(role) => role,
+        Err(resp) => return *resp,
+    };
+    match role {
+        WriteRole::Primary => check!(access.write(&uri)),
+        WriteRole::Replica { .. } => check!(access.peer_object(&uri)),
+    }
     if let Some(source) = req.headers().get(COPY_SOURCE_HEADER) {
         return copy(state, access, source, if_match(&req), &uri).await;
     }
@@ -448,6 +476,9 @@ async fn write(
         Ok(Some(_)) | Err(_) => WriteMode::Back,
         Ok(None) => mode,
     };
+    if mode != WriteMode::Back && matches!(role, WriteRole::Replica { .. }) {
+        return error(ErrorCode::BadRequest, "a replica copy must be a write-back");
+    }
     let mut received = 0u64;
     let client_crc = Arc::new(OnceLock::new());
     let crc_slot = client_crc.clone();
@@ -480,7 +511,7 @@ async fn write(
         let (cache, task_uri) = (state.cache.clone(), uri.clone());
         let taken = tokio::spawn(async move {
             cache
-                .write_back(&task_uri, Box::pin(body), client_crc)
+                .write_back(&task_uri, Box::pin(body), client_crc, role)
                 .await
         });
         return match taken.await {
@@ -669,6 +700,125 @@ async fn list(state: &AppState, access: &Access<'_>, bucket: &str, query: &str) 
             access.filter_listing(bucket, &mut resp);
             json(StatusCode::OK, &resp)
         }
+        Err(e) => cache_error(&e),
+    }
+}
+
+/// A write-back PUT from another worker carries the primary and the
+/// version; a client's PUT carries neither.
+fn replica_role(headers: &http::HeaderMap) -> Result<WriteRole, Box<Response>> {
+    let bad = |msg: String| Box::new(error(ErrorCode::BadRequest, msg));
+    let text = |name: &str| -> Result<Option<String>, Box<Response>> {
+        match headers.get(name).map(|v| v.to_str()) {
+            None => Ok(None),
+            Some(Ok(v)) => Ok(Some(v.trim().to_string())),
+            Some(Err(_)) => Err(bad(format!("{name} is not ASCII"))),
+        }
+    };
+    let (of, version) = (text(REPLICA_OF_HEADER)?, text(VERSION_HEADER)?);
+    let (of, version) = match (of, version) {
+        (None, None) => return Ok(WriteRole::Primary),
+        (Some(of), Some(version)) => (of, version),
+        _ => {
+            return Err(bad(format!(
+                "{REPLICA_OF_HEADER} and {VERSION_HEADER} go together"
+            )))
+        }
+    };
+    let well_formed = version.len() <= 64
+        && is_cache_version(&version)
+        && version[CACHE_VERSION_PREFIX.len()..]
+            .bytes()
+            .all(|b| b.is_ascii_alphanumeric());
+    if !well_formed {
+        return Err(bad(format!(
+            "{VERSION_HEADER} must be a cache version ({CACHE_VERSION_PREFIX} and up to 61 letters or digits)"
+        )));
+    }
+    let Some((journal_id, addr)) = of.split_once(' ') else {
+        return Err(bad(format!(
+            "{REPLICA_OF_HEADER} must be '<journal id> <address>'"
+        )));
+    };
+    if journal_id.is_empty() || addr.trim().is_empty() {
+        return Err(bad(format!(
+            "{REPLICA_OF_HEADER} must be '<journal id> <address>'"
+        )));
+    }
+    Ok(WriteRole::Replica {
+        version,
+        of: ReplicaOf {
+            journal_id: journal_id.to_string(),
+            addr: addr.trim().to_string(),
+        },
+    })
+}
+
+/// `version=` from a query string.
+fn version_param(query: &str) -> Result<String, Box<Response>> {
+    for pair in query.split('&').filter(|p| !p.is_empty()) {
+        if let Some(("version", v)) = pair.split_once('=') {
+            return percent_encoding::percent_decode_str(v)
+                .decode_utf8()
+                .map(|v| v.into_owned())
+                .map_err(|_| Box::new(error(ErrorCode::BadRequest, "version is not valid UTF-8")));
+        }
+    }
+    Err(Box::new(error(
+        ErrorCode::BadRequest,
+        "version=<cache version> is required",
+    )))
+}
+
+/// A replica asks the primary about one version it holds a copy of.
+fn pending_entry(state: &AppState, access: &Access<'_>, rest: &str, query: &str) -> Response {
+    let uri = match parse_uri(rest) {
+        Ok(u) => u,
+        Err(resp) => return *resp,
+    };
+    check!(access.peer_object(&uri));
+    let version = match version_param(query) {
+        Ok(v) => v,
+        Err(resp) => return *resp,
+    };
+    let Some(wb) = &state.cache.writeback else {
+        return error(
+            ErrorCode::BadRequest,
+            "this worker has write-back turned off",
+        );
+    };
+    json(
+        StatusCode::OK,
+        &WriteBackEntry {
+            journal_id: wb.id.clone(),
+            state: wb.entry_state(&uri.to_string(), &version),
+        },
+    )
+}
+
+/// A primary tells a replica its copy is settled.
+async fn drop_replica(state: &AppState, access: &Access<'_>, rest: &str, query: &str) -> Response {
+    let uri = match parse_uri(rest) {
+        Ok(u) => u,
+        Err(resp) => return *resp,
+    };
+    check!(access.peer_object(&uri));
+    let version = match version_param(query) {
+        Ok(v) => v,
+        Err(resp) => return *resp,
+    };
+    let Some(wb) = &state.cache.writeback else {
+        return error(
+            ErrorCode::BadRequest,
+            "this worker has write-back turned off",
+        );
+    };
+    match state
+        .cache
+        .drop_replica(wb, &uri.to_string(), &version)
+        .await
+    {
+        Ok(dropped) => json(StatusCode::OK, &serde_json::json!({ "dropped": dropped })),
         Err(e) => cache_error(&e),
     }
 }

@@ -12,6 +12,8 @@ fn object(uri: &str, size: u64) -> PendingObject {
         acked_ms: 1,
         page_size: 4 << 20,
         delete: false,
+        replica_of: None,
+        replicas: Vec::new(),
     }
 }
 
@@ -165,4 +167,30 @@ proptest! {
         let expected = states.iter().rev().find(|(len, _)| *len <= at).map(|(_, u)| u.clone()).unwrap();
         prop_assert_eq!(replayed, expected);
     }
+}
+
+#[test]
+fn a_format_1_journal_is_read_and_rewritten_as_the_current_format() {
+    let dir = tempfile::tempdir().unwrap();
+    let mut j = Journal::open(dir.path(), "w1").unwrap();
+    j.add_pending(object("s3://b/old", 5)).unwrap();
+    drop(j);
+    // Make the file a format-1 journal: header format field and its CRC.
+    let path = dir.path().join(FILE_NAME);
+    let mut raw = std::fs::read(&path).unwrap();
+    raw[8..12].copy_from_slice(&1u32.to_le_bytes());
+    let id_len = u16::from_le_bytes([raw[12], raw[13]]) as usize;
+    let crc = crc32c::crc32c(&raw[..14 + id_len]);
+    raw[14 + id_len..18 + id_len].copy_from_slice(&crc.to_le_bytes());
+    std::fs::write(&path, &raw).unwrap();
+
+    let j = Journal::open(dir.path(), "w1").unwrap();
+    assert_eq!(uris(&j), ["s3://b/old"]);
+    let raw = std::fs::read(&path).unwrap();
+    assert_eq!(u32_at(&raw, 8), Some(JOURNAL_FORMAT));
+    drop(j);
+    assert_eq!(
+        uris(&Journal::open(dir.path(), "w1").unwrap()),
+        ["s3://b/old"]
+    );
 }

@@ -10,15 +10,26 @@ use bytes::{Bytes, BytesMut};
 use futures::{Stream, StreamExt};
 use lakecache_protocol::ObjectUri;
 
+use super::copies::Copies;
 use super::{now_ms, WriteBack, VERSION_PREFIX};
 use crate::cache::{join_failed, Cache, CacheError};
-use crate::journal::PendingObject;
+use crate::journal::{PendingObject, ReplicaOf};
 use crate::pages::Staged;
 use crate::store::ObjectMeta;
 use crate::write::fill_page;
 
 /// S3 allows this many parts in one multipart upload.
 const MAX_PARTS: u64 = 10_000;
+
+/// Whose write a body is.
+#[derive(Debug, Clone)]
+pub enum WriteRole {
+    /// A client's write: this worker uploads it, after copying it to the
+    /// next workers of the ring.
+    Primary,
+    /// A copy of a write another worker takes as primary.
+    Replica { version: String, of: ReplicaOf },
+}
 
 /// What a body holds while it streams in.
 #[derive(Default)]
@@ -47,16 +58,46 @@ impl Cache {
         uri: &ObjectUri,
         body: S,
         client_crc: Arc<OnceLock<u32>>,
+        role: WriteRole,
     ) -> Result<ObjectMeta, CacheError>
     where
         S: Stream<Item = Result<Bytes, CacheError>> + Send + Unpin,
     {
         let wb = self.write_back_state()?.clone();
         let mut taken = Taken::default();
-        let version = format!("{VERSION_PREFIX}{}", uuid::Uuid::new_v4().simple());
-        let result = self
-            .take_body(&wb, uri, &version, body, &client_crc, &mut taken)
+        let (version, replica_of) = match role {
+            WriteRole::Primary => (
+                format!("{VERSION_PREFIX}{}", uuid::Uuid::new_v4().simple()),
+                None,
+            ),
+            WriteRole::Replica { version, of } => (version, Some(of)),
+        };
+        let _taking = wb.taking(&uri.to_string(), &version);
+        let mut copies = match replica_of {
+            None => self.start_copies(&wb, uri, &version)?,
+            Some(_) => Copies::none(),
+        };
+        let mut result = self
+            .take_body(
+                &wb,
+                uri,
+                &version,
+                body,
+                &client_crc,
+                &mut taken,
+                &mut copies,
+            )
             .await;
+        if result.is_err() {
+            copies.abort().await;
+        }
+        if let Ok(object) = &mut result {
+            object.replica_of = replica_of;
+        }
+        let result = match result {
+            Ok(object) => self.make_durable(&wb, object, &mut taken, copies).await,
+            Err(e) => Err(e),
+        };
         match result {
             Ok(meta) => Ok(meta),
             Err(e) => {
@@ -75,6 +116,9 @@ impl Cache {
         }
     }
 
+    /// Stages the body as dirty pages (not yet synced), forwarding it to
+    /// the copies, and checks the client's CRC32C.
+    #[allow(clippy::too_many_arguments)]
     async fn take_body<S>(
         self: &Arc<Self>,
         wb: &Arc<WriteBack>,
@@ -83,7 +127,8 @@ impl Cache {
         mut body: S,
         client_crc: &OnceLock<u32>,
         taken: &mut Taken,
-    ) -> Result<ObjectMeta, CacheError>
+        copies: &mut Copies,
+    ) -> Result<PendingObject, CacheError>
     where
         S: Stream<Item = Result<Bytes, CacheError>> + Send + Unpin,
     {
@@ -100,6 +145,7 @@ impl Cache {
             let Some(chunk) = chunk else { break };
             let chunk = chunk?;
             taken.add_crcs(&chunk, part_size);
+            copies.send(&chunk).await;
             if taken.size.div_ceil(part_size) > MAX_PARTS {
                 return Err(CacheError::Invalid(format!(
                     "write-back holds objects up to {} bytes ({MAX_PARTS} parts of {part_size}); write larger ones through",
@@ -124,7 +170,7 @@ impl Cache {
                 )));
             }
         }
-        let object = PendingObject {
+        Ok(PendingObject {
             seq: 0,
             uri: uri.to_string(),
             version: version.to_string(),
@@ -134,7 +180,20 @@ impl Cache {
             acked_ms: now_ms(),
             page_size: self.config.page_size,
             delete: false,
-        };
+            replica_of: None,
+            replicas: Vec::new(),
+        })
+    }
+
+    /// Syncs the staged pages, waits for the copies, then records the
+    /// object in the journal: the point where the write is acknowledged.
+    async fn make_durable(
+        self: &Arc<Self>,
+        wb: &Arc<WriteBack>,
+        mut object: PendingObject,
+        taken: &mut Taken,
+        copies: Copies,
+    ) -> Result<ObjectMeta, CacheError> {
         let pages = std::mem::take(&mut taken.pages);
         let (wb2, record) = (wb.clone(), object.clone());
         tokio::task::spawn_blocking(move || -> Result<(), CacheError> {
@@ -156,21 +215,40 @@ impl Cache {
                     }
                 }
             }
-            let durable = wb2
+            let synced = wb2
                 .pages
                 .sync_dirs(&dirs)
-                .map_err(|e| CacheError::Local(format!("syncing dirty page directories: {e}")))
-                .and_then(|()| {
-                    wb2.record(record.clone())
-                        .map_err(|e| CacheError::Local(e.to_string()))
-                });
-            if durable.is_err() {
+                .map_err(|e| CacheError::Local(format!("syncing dirty page directories: {e}")));
+            if synced.is_err() {
                 remove_pages(&wb2, &record, record.size.div_ceil(record.page_size.max(1)));
             }
-            durable.map(|_| ())
+            synced
         })
         .await
         .map_err(join_failed)??;
+        let unrecorded = |wb: &Arc<WriteBack>, object: &PendingObject| {
+            let (wb, object) = (wb.clone(), object.clone());
+            tokio::task::spawn_blocking(move || {
+                remove_pages(&wb, &object, object.size.div_ceil(object.page_size.max(1)));
+            })
+        };
+        object.replicas = match self.finish_copies(wb, &object, copies).await {
+            Ok(held) => held,
+            Err(e) => {
+                let _ = unrecorded(wb, &object).await;
+                return Err(e);
+            }
+        };
+        let (wb2, record) = (wb.clone(), object.clone());
+        let recorded = tokio::task::spawn_blocking(move || wb2.record(record))
+            .await
+            .map_err(join_failed)?
+            .map_err(|e| CacheError::Local(e.to_string()));
+        if let Err(e) = recorded {
+            let _ = unrecorded(wb, &object).await;
+            self.forget_copies(&object, &object.replicas);
+            return Err(e);
+        }
         // The reservation now belongs to the pending object.
         taken.reserved = 0;
         Ok(ObjectMeta {

@@ -101,6 +101,8 @@ impl Cache {
             .await
             .map_err(join_failed)?
             .map_err(|e| CacheError::Local(e.to_string()))?;
+        // The copies on other workers are no longer needed.
+        self.forget_copies(object, &object.replicas);
         if !object.delete {
             self.adopt_pages(wb, &uri, object, &etag).await;
         }
@@ -152,7 +154,7 @@ impl Cache {
 
     /// Part `i` of a pending object from its dirty pages, checked against
     /// the CRC32C recorded when the write was acknowledged.
-    async fn read_part(
+    pub(super) async fn read_part(
         self: &Arc<Self>,
         wb: &Arc<WriteBack>,
         object: &PendingObject,

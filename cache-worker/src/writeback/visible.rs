@@ -196,6 +196,8 @@ impl Cache {
             acked_ms: now_ms(),
             page_size: self.config.page_size,
             delete: true,
+            replica_of: None,
+            replicas: Vec::new(),
         };
         tokio::task::spawn_blocking(move || wb.record(record))
             .await
@@ -214,8 +216,13 @@ impl Cache {
         to: &ObjectUri,
     ) -> Result<ObjectMeta, CacheError> {
         let body = self.read(from, source, 0..source.size).await?;
-        self.write_back(to, Box::pin(body), Arc::new(OnceLock::new()))
-            .await
+        self.write_back(
+            to,
+            Box::pin(body),
+            Arc::new(OnceLock::new()),
+            super::WriteRole::Primary,
+        )
+        .await
     }
 }
 
@@ -230,6 +237,8 @@ fn dirty_record(uri: &ObjectUri, meta: &ObjectMeta, seq: u64, page_size: u64) ->
         acked_ms: meta.last_modified_ms,
         page_size,
         delete: false,
+        replica_of: None,
+        replicas: Vec::new(),
     }
 }
 

@@ -196,6 +196,14 @@ async fn every_route_checks_the_token_before_touching_s3() {
     assert_eq!(outcome(c.none.health().await), "ok");
     assert_eq!(outcome(c.none.metrics().await), "ok");
 
+    // Write-back copies and their bookkeeping are for workers only, even
+    // inside a tenant's write scope.
+    let own = uri("team-a/ckpt");
+    let asked = c.team_a.pending_entry(&own, "lc-0123abcd").await;
+    assert_eq!(outcome(asked), "403 OutOfScope");
+    let dropped = c.team_a.drop_replica(&own, "lc-0123abcd").await;
+    assert_eq!(outcome(dropped), "403 OutOfScope");
+
     // Page hand-offs are for workers only. Last: a refusal sent before
     // the body was read closes the connection it came on.
     let etag = h.direct.head(&shard).await.unwrap().etag;
@@ -229,6 +237,17 @@ async fn every_route_checks_the_token_before_touching_s3() {
         ),
         "{handed:?}"
     );
+    // A copy sent with a tenant's token (refused before its body is read).
+    let posed = c
+        .team_a
+        .put_replica(
+            &own,
+            "lc-0123abcd",
+            "journal 127.0.0.1:1",
+            futures::stream::iter([Ok(Bytes::from_static(b"posing"))]),
+        )
+        .await;
+    assert_eq!(outcome(posed), "403 OutOfScope");
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]

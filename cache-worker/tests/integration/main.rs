@@ -11,6 +11,7 @@ mod harness;
 mod http_fuzz;
 mod limits;
 mod reads;
+mod replicas;
 mod store_faults;
 mod tls;
 mod writeback;

@@ -315,3 +315,100 @@ fn write_back_reads_its_own_writes_and_sync_waits_for_s3() {
     let text = String::from_utf8_lossy(&status.stdout);
     assert!(text.contains("PENDING"), "{text}");
 }
+
+/// Crash case 2: three workers that know their ring, two copies of every
+/// write-back. One worker is SIGKILLed and its cache directory deleted
+/// (its disk is lost), then replaced by a worker with an empty directory
+/// at its address. Every file whose close returned still reaches S3: the
+/// copies of the lost worker's writes are uploaded by the workers holding
+/// them.
+#[test]
+fn with_two_copies_a_worker_that_loses_its_disk_loses_no_acknowledged_checkpoint() {
+    let mut env = Env::start(0);
+    let ports: Vec<u16> = (0..3).map(|_| free_port()).collect();
+    let registry = format!(
+        "static:{}",
+        ports
+            .iter()
+            .map(|p| format!("127.0.0.1:{p}"))
+            .collect::<Vec<_>>()
+            .join(",")
+    );
+    let flags = [
+        "--registry",
+        registry.as_str(),
+        "--segment-size",
+        SEGMENT,
+        "--write-replicas",
+        "2",
+    ];
+    for (i, port) in ports.iter().enumerate() {
+        let worker = env.spawn_worker(i, *port, &flags);
+        env.workers.push((*port, worker));
+    }
+    env.mount_with(&["--write-mode", "back"]);
+    let mnt = env.mountpoint();
+    let acked: Acked = Arc::default();
+    // With S3 up most writes would upload at once; stopping it first
+    // keeps every write pending when the disk goes.
+    let s3_root = env.dir.path().join("s3");
+    env._s3_proc.kill9();
+
+    let stop = Arc::new(AtomicBool::new(false));
+    let w = writer(mnt.clone(), acked.clone(), stop.clone(), "disk");
+    // The first S3 calls of each worker pay the SDK's retries before it
+    // fails fast: wait for a few acknowledgements, not a fixed time.
+    let deadline = Instant::now() + Duration::from_secs(60);
+    while acked.lock().unwrap().len() < 3 && Instant::now() < deadline {
+        std::thread::sleep(Duration::from_millis(200));
+    }
+    std::thread::sleep(Duration::from_secs(1));
+    let before = acked.lock().unwrap().len();
+    let lost = 1;
+    env.workers[lost].1.kill9();
+    fs::remove_dir_all(env.dir.path().join(format!("cache-{lost}"))).unwrap();
+    std::thread::sleep(Duration::from_secs(2));
+    env.workers[lost].1 = env.spawn_worker(lost, ports[lost], &flags);
+    std::thread::sleep(Duration::from_secs(2));
+    stop.store(true, Ordering::Relaxed);
+    let (tried, failed) = w.join().unwrap();
+    let child = Command::new(BIN)
+        .args(["s3-server", "--root"])
+        .arg(&s3_root)
+        .args(["--listen", &format!("127.0.0.1:{}", env.s3_port)])
+        .args([
+            "--access-key",
+            ACCESS,
+            "--secret-key",
+            SECRET,
+            "--bucket",
+            BUCKET,
+        ])
+        .stdout(Stdio::null())
+        .stderr(Stdio::null())
+        .spawn()
+        .unwrap();
+    wait_for_port(env.s3_port, "s3-server");
+    env._s3_proc = Proc(child);
+
+    let out = sync(&env, "180");
+    assert!(
+        out.status.success(),
+        "sync: {}{}",
+        String::from_utf8_lossy(&out.stdout),
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let acked = acked.lock().unwrap().clone();
+    assert!(
+        before >= 3,
+        "too few files acknowledged before the loss: {before}"
+    );
+    let verified = verify_from_s3(&env, &acked);
+    eprintln!(
+        "write-back disk-loss run (3 workers, 2 copies): {} acknowledged ({before} before the disk was lost), \
+         {verified} verified from S3, {} lost; {tried} writes tried, {failed} failed while the worker was down",
+        acked.len(),
+        acked.len() - verified
+    );
+    assert_eq!(verified, acked.len());
+}

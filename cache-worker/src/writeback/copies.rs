@@ -1,0 +1,303 @@
+//! Copies of a write-back body on the next workers of the ring, taken
+//! before the write is acknowledged, so losing one worker's disk loses
+//! no acknowledged write.
+//!
+//! The primary (the worker the client wrote to) streams the body to its
+//! first replica candidates while it stages its own pages. A candidate
+//! that fails (down, full) is replaced after staging by the next one,
+//! which gets the body read back from the primary's synced dirty pages.
+//! The write is acknowledged only once enough copies are durable.
+
+use std::collections::VecDeque;
+use std::sync::Arc;
+use std::time::Duration;
+
+use bytes::Bytes;
+use lakecache_protocol::{BoxError, ClientError, ObjectUri, WorkerClient};
+use tokio::sync::mpsc;
+use tokio::task::JoinHandle;
+
+use super::WriteBack;
+use crate::cache::{Cache, CacheError};
+use crate::journal::PendingObject;
+
+/// Chunks buffered per replica stream before the primary waits for it.
+const STREAM_DEPTH: usize = 8;
+
+struct Stream {
+    addr: String,
+    tx: Option<mpsc::Sender<Result<Bytes, BoxError>>>,
+    task: JoinHandle<Result<(), ClientError>>,
+}
+
+/// The copies of one body being taken.
+pub(super) struct Copies {
+    /// Copies wanted besides the primary's own.
+    wanted: usize,
+    /// Candidates not tried yet, in ring order.
+    spare: VecDeque<String>,
+    streams: Vec<Stream>,
+    /// `<journal id> <address>` of this worker, sent with every copy.
+    replica_of: String,
+}
+
+impl Copies {
+    /// No copies (a replica's own body, or a one-copy setting).
+    pub(super) fn none() -> Self {
+        Self {
+            wanted: 0,
+            spare: VecDeque::new(),
+            streams: Vec::new(),
+            replica_of: String::new(),
+        }
+    }
+
+    /// Forwards a chunk of the body to every live stream. A stream whose
+    /// replica failed is left behind; it is replaced at [`Cache::finish_copies`].
+    pub(super) async fn send(&mut self, chunk: &Bytes) {
+        for stream in &mut self.streams {
+            if let Some(tx) = &stream.tx {
+                if tx.send(Ok(chunk.clone())).await.is_err() {
+                    stream.tx = None;
+                }
+            }
+        }
+    }
+
+    /// The primary's own write failed: the replicas abort their bodies
+    /// and record nothing.
+    pub(super) async fn abort(&mut self) {
+        for stream in &mut self.streams {
+            if let Some(tx) = stream.tx.take() {
+                let _ = tx.send(Err("the primary refused the write".into())).await;
+            }
+            stream.task.abort();
+        }
+    }
+}
+
+fn deadline(wb: &WriteBack) -> Duration {
+    // A replica may wait for staging space itself, up to its stall timeout.
+    (wb.config.stall_timeout * 2).max(Duration::from_secs(600))
+}
+
+impl Cache {
+    /// Starts copies of a body this worker takes as primary. Fails when
+    /// the ring has fewer workers than the replica setting asks for.
+    pub(super) fn start_copies(
+        self: &Arc<Self>,
+        wb: &Arc<WriteBack>,
+        uri: &ObjectUri,
+        version: &str,
+    ) -> Result<Copies, CacheError> {
+        let placement = self.peers.placement();
+        let candidates = placement.map_or_else(Vec::new, |p| p.replica_candidates(uri));
+        let me = placement.and_then(|p| p.me()).unwrap_or_default();
+        let members = candidates.len() + 1;
+        let copies = wb
+            .config
+            .replicas
+            .unwrap_or(if members >= 2 { 2 } else { 1 });
+        if copies > members {
+            return Err(CacheError::ReplicasUnavailable(format!(
+                "write-back is set to keep {copies} copies, but the ring has {members} worker(s)"
+            )));
+        }
+        let mut out = Copies {
+            wanted: copies.saturating_sub(1),
+            spare: candidates.into(),
+            streams: Vec::new(),
+            replica_of: format!("{} {me}", wb.id),
+        };
+        while out.streams.len() < out.wanted {
+            let Some(addr) = out.spare.pop_front() else {
+                break;
+            };
+            let client = match self.replica_client(wb, &addr) {
+                Ok(c) => c,
+                Err(e) => {
+                    tracing::warn!(%uri, %addr, error = %e, "cannot reach a replica candidate");
+                    continue;
+                }
+            };
+            let (tx, mut rx) = mpsc::channel(STREAM_DEPTH);
+            let body = futures::stream::poll_fn(move |cx| rx.poll_recv(cx));
+            let (uri, version, replica_of) =
+                (uri.clone(), version.to_string(), out.replica_of.clone());
+            let task = tokio::spawn(async move {
+                client
+                    .put_replica(&uri, &version, &replica_of, body)
+                    .await
+                    .map(|_| ())
+            });
+            out.streams.push(Stream {
+                addr,
+                tx: Some(tx),
+                task,
+            });
+        }
+        Ok(out)
+    }
+
+    fn replica_client(&self, wb: &WriteBack, addr: &str) -> Result<WorkerClient, CacheError> {
+        Ok(self.peers.client(addr)?.with_timeout(deadline(wb)))
+    }
+
+    /// Ends the streams and waits for the replicas; replaces failed ones
+    /// with further candidates fed from this worker's synced dirty pages.
+    /// Returns the addresses holding a durable copy.
+    pub(super) async fn finish_copies(
+        self: &Arc<Self>,
+        wb: &Arc<WriteBack>,
+        object: &PendingObject,
+        mut copies: Copies,
+    ) -> Result<Vec<String>, CacheError> {
+        let mut held = Vec::new();
+        let mut failures = Vec::new();
+        for stream in &mut copies.streams {
+            stream.tx = None;
+        }
+        for stream in copies.streams {
+            match stream.task.await {
+                Ok(Ok(())) => held.push(stream.addr),
+                Ok(Err(e)) => failures.push(format!("{}: {e}", stream.addr)),
+                Err(e) => failures.push(format!("{}: {e}", stream.addr)),
+            }
+        }
+        while held.len() < copies.wanted {
+            let Some(addr) = copies.spare.pop_front() else {
+                break;
+            };
+            match self
+                .copy_from_pages(wb, object, &addr, &copies.replica_of)
+                .await
+            {
+                Ok(()) => held.push(addr),
+                Err(e) => failures.push(format!("{addr}: {e}")),
+            }
+        }
+        if !failures.is_empty() {
+            tracing::warn!(uri = %object.uri, failures = ?failures, held = ?held, "some replica candidates refused a write-back copy");
+        }
+        if held.len() < copies.wanted {
+            self.forget_copies(object, &held);
+            return Err(CacheError::ReplicasUnavailable(format!(
+                "write-back needs {} copies besides this worker's, but only {} worker(s) took one ({}); nothing was acknowledged",
+                copies.wanted,
+                held.len(),
+                failures.join("; ")
+            )));
+        }
+        Ok(held)
+    }
+
+    /// Sends a copy read back from the dirty pages, part by part, each
+    /// checked against its recorded CRC32C.
+    async fn copy_from_pages(
+        self: &Arc<Self>,
+        wb: &Arc<WriteBack>,
+        object: &PendingObject,
+        addr: &str,
+        replica_of: &str,
+    ) -> Result<(), CacheError> {
+        let client = self.replica_client(wb, addr)?;
+        let uri = super::visible::parse_uri(&object.uri)?;
+        let (tx, mut rx) = mpsc::channel::<Result<Bytes, BoxError>>(2);
+        let body = futures::stream::poll_fn(move |cx| rx.poll_recv(cx));
+        let feed = {
+            let (this, wb, object) = (self.clone(), wb.clone(), object.clone());
+            tokio::spawn(async move {
+                for i in 0..object.part_crcs.len() {
+                    let part = this.read_part(&wb, &object, i).await;
+                    let failed = part.is_err();
+                    let item = part.map_err(|e| -> BoxError { e.to_string().into() });
+                    if tx.send(item).await.is_err() || failed {
+                        return;
+                    }
+                }
+            })
+        };
+        let sent = client
+            .put_replica(&uri, &object.version, replica_of, body)
+            .await;
+        feed.abort();
+        sent.map(|_| ())
+            .map_err(|e| CacheError::ReplicasUnavailable(e.to_string()))
+    }
+
+    /// Tells replicas holding a copy of `object` that it is settled
+    /// (uploaded, replaced, or never acknowledged), in the background.
+    /// A copy whose drop is lost is found settled by the replica itself.
+    pub(crate) fn forget_copies(self: &Arc<Self>, object: &PendingObject, replicas: &[String]) {
+        if replicas.is_empty() {
+            return;
+        }
+        let Ok(uri) = super::visible::parse_uri(&object.uri) else {
+            return;
+        };
+        let (this, version, replicas) = (self.clone(), object.version.clone(), replicas.to_vec());
+        tokio::spawn(async move {
+            for addr in replicas {
+                let dropped = match this.peers.client(&addr) {
+                    Ok(c) => c
+                        .drop_replica(&uri, &version)
+                        .await
+                        .map_err(|e| e.to_string()),
+                    Err(e) => Err(e.to_string()),
+                };
+                if let Err(e) = dropped {
+                    tracing::debug!(%uri, %addr, error = %e, "telling a replica to drop its copy failed; it will ask");
+                }
+            }
+        });
+    }
+}
+
+impl Cache {
+    /// A copy whose source is a pending version another worker holds (a
+    /// rename onto a key this worker owns): the bytes come from the
+    /// first worker of the source's ring order that has that version, and
+    /// are written back here under `to`. `None` when no worker has it.
+    pub(crate) async fn copy_from_peer(
+        self: &Arc<Self>,
+        from: &ObjectUri,
+        version: &str,
+        to: &ObjectUri,
+    ) -> Result<Option<crate::store::ObjectMeta>, CacheError> {
+        use futures::StreamExt;
+        let Some(placement) = self.peers.placement() else {
+            return Ok(None);
+        };
+        for addr in placement.replica_candidates(from) {
+            let client = match self.peers.client(&addr) {
+                Ok(c) => c.with_timeout(Duration::from_secs(30)),
+                Err(_) => continue,
+            };
+            let resp = match client.read_stream_if(from, None, Some(version)).await {
+                Ok(r) => r,
+                Err(e) => {
+                    tracing::debug!(%from, %addr, error = %e, "a peer does not have the pending source of a copy");
+                    continue;
+                }
+            };
+            let body = http_body_util::BodyStream::new(resp.into_body()).filter_map(|frame| {
+                std::future::ready(match frame {
+                    Ok(frame) => frame.into_data().ok().map(Ok),
+                    Err(e) => Some(Err(CacheError::Body(format!(
+                        "reading the copy's source from a peer: {e}"
+                    )))),
+                })
+            });
+            let written = self
+                .write_back(
+                    to,
+                    Box::pin(body),
+                    Arc::new(std::sync::OnceLock::new()),
+                    super::WriteRole::Primary,
+                )
+                .await?;
+            return Ok(Some(written));
+        }
+        Ok(None)
+    }
+}

@@ -1,0 +1,254 @@
+//! Write-back copies on a second worker: a write is acknowledged only
+//! once another worker holds it durably; that worker serves it while the
+//! primary is away, drops it once S3 has it, and uploads it itself when
+//! the primary comes back without its disk.
+
+use std::path::Path;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use bytes::Bytes;
+use lakecache_protocol::{ClientError, ErrorCode, ObjectUri, WorkerClient, WriteBackStatus};
+use lakecache_s3_endpoint::{Fault, S3Op};
+use lakecache_worker::{Metrics, Placement, RunningWorker, WorkerOptions};
+
+use crate::harness::*;
+
+/// A ring fixed by the test: every write's copies go to `others`, in order.
+struct FixedRing {
+    me: String,
+    others: Vec<String>,
+}
+
+impl Placement for FixedRing {
+    fn remote_owner(&self, _: &ObjectUri, _: u64) -> Option<String> {
+        None
+    }
+    fn replica_candidates(&self, _: &ObjectUri) -> Vec<String> {
+        self.others.clone()
+    }
+    fn me(&self) -> Option<String> {
+        Some(self.me.clone())
+    }
+}
+
+fn place(worker: &RunningWorker, others: &[String]) {
+    worker.cache().set_placement(Arc::new(FixedRing {
+        me: worker.addr().to_string(),
+        others: others.to_vec(),
+    }));
+}
+
+async fn start_at(h: &Harness, dir: &Path, listen: Option<&str>) -> RunningWorker {
+    let mut options: WorkerOptions = h.options.clone();
+    options.cache_dir = dir.to_path_buf();
+    if let Some(addr) = listen {
+        options.listen = addr.parse().unwrap();
+    }
+    let metrics = Arc::new(Metrics::new().unwrap());
+    let store = lakecache_worker::s3_store(&h.s3_config, metrics.clone()).await;
+    lakecache_worker::start_worker(options, store, metrics)
+        .await
+        .unwrap()
+}
+
+fn client(worker: &RunningWorker) -> WorkerClient {
+    WorkerClient::new(&worker.addr().to_string(), Duration::from_secs(60)).unwrap()
+}
+
+async fn put_back(
+    client: &WorkerClient,
+    key: &str,
+    body: &[u8],
+) -> Result<lakecache_protocol::ObjectStat, ClientError> {
+    let chunks: Vec<Bytes> = body.chunks(300_000).map(Bytes::copy_from_slice).collect();
+    client
+        .put_back(&uri(key), futures::stream::iter(chunks))
+        .await
+}
+
+async fn status(client: &WorkerClient) -> WriteBackStatus {
+    client.writeback_status(None).await.unwrap()
+}
+
+/// Polls `check` every 100 ms until it holds; panics after `limit`.
+async fn eventually<F, Fut>(limit: Duration, what: &str, mut check: F)
+where
+    F: FnMut() -> Fut,
+    Fut: std::future::Future<Output = bool>,
+{
+    let start = Instant::now();
+    while !check().await {
+        assert!(start.elapsed() < limit, "{what}: not within {limit:?}");
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+}
+
+async fn s3_bytes(h: &Harness, key: &str) -> Option<Vec<u8>> {
+    let meta = h.direct.head(&uri(key)).await.ok()?;
+    let body = h
+        .direct
+        .get_range(&uri(key), 0..meta.size, &meta.etag)
+        .await
+        .ok()?;
+    Some(body.to_vec())
+}
+
+#[tokio::test]
+async fn a_copy_on_the_next_worker_serves_reads_and_is_uploaded_when_the_primary_loses_its_disk() {
+    let mut h = Harness::with(|o| o.cache.writeback.replicas = Some(2)).await;
+    // S3 takes nothing: the writes stay pending.
+    h.faults()
+        .inject(S3Op::PutObject, Fault::InternalError, 1_000_000);
+    h.faults().inject(
+        S3Op::CompleteMultipartUpload,
+        Fault::InternalError,
+        1_000_000,
+    );
+    let b_dir = tempfile::tempdir().unwrap();
+    let b = start_at(&h, b_dir.path(), None).await;
+    let (a_addr, b_addr) = (h.addr().to_string(), b.addr().to_string());
+    place(h.worker.as_ref().unwrap(), std::slice::from_ref(&b_addr));
+    place(&b, std::slice::from_ref(&a_addr));
+    let b_client = client(&b);
+
+    let big = data(7 * MIB as usize + 5, 3);
+    let small = b"step-7".to_vec();
+    let big_stat = put_back(&h.client, "ckpt/r/model.bin", &big).await.unwrap();
+    let small_stat = put_back(&h.client, "ckpt/r/latest", &small).await.unwrap();
+
+    // Acknowledged means: pending on the primary and a copy on B.
+    assert_eq!(status(&h.client).await.pending_objects, 2);
+    let held = status(&b_client).await;
+    assert_eq!((held.replica_objects, held.pending_objects), (2, 0));
+    assert_eq!(held.replica_bytes, (big.len() + small.len()) as u64);
+
+    // A reader that fails over to B sees the same version and bytes.
+    let stat = b_client.stat(&uri("ckpt/r/model.bin")).await.unwrap();
+    assert_eq!(stat.etag, big_stat.etag);
+    let (bytes, _) = b_client
+        .read_checked(&uri("ckpt/r/model.bin"), None, Some(&big_stat.etag))
+        .await
+        .unwrap();
+    assert_eq!(sha(&bytes), sha(&big));
+
+    // The primary's disk is lost: it comes back empty at its address.
+    h.worker.take().unwrap().shutdown().await;
+    std::fs::remove_dir_all(&h.options.cache_dir).unwrap();
+    let a2 = start_at(&h, &h.options.cache_dir, Some(&a_addr)).await;
+    place(&a2, std::slice::from_ref(&b_addr));
+    assert_eq!(status(&client(&a2)).await.pending_objects, 0);
+
+    // B notices the new journal and uploads its copies once S3 is back.
+    h.faults().clear();
+    eventually(Duration::from_secs(60), "B uploads the copies", || async {
+        s3_bytes(&h, "ckpt/r/model.bin").await.as_deref() == Some(&big[..])
+            && s3_bytes(&h, "ckpt/r/latest").await.as_deref() == Some(&small[..])
+    })
+    .await;
+    eventually(Duration::from_secs(30), "B's backlog drains", || async {
+        let s = status(&b_client).await;
+        s.pending_objects == 0 && s.replica_objects == 0
+    })
+    .await;
+    assert!(small_stat.etag.starts_with("lc-"));
+    a2.shutdown().await;
+    b.shutdown().await;
+}
+
+#[tokio::test]
+async fn copies_are_dropped_once_the_primary_uploads_and_a_dead_candidate_is_skipped() {
+    let h = Harness::with(|o| o.cache.writeback.replicas = Some(2)).await;
+    let c_dir = tempfile::tempdir().unwrap();
+    let c = start_at(&h, c_dir.path(), None).await;
+    // The first candidate is a port nobody listens on: the copy goes to
+    // the next one, fed from the primary's synced pages.
+    let dead = {
+        let l = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+        l.local_addr().unwrap().to_string()
+    };
+    let c_addr = c.addr().to_string();
+    place(h.worker.as_ref().unwrap(), &[dead.clone(), c_addr.clone()]);
+    place(&c, &[h.addr().to_string()]);
+    let c_client = client(&c);
+
+    h.faults().inject(
+        S3Op::CompleteMultipartUpload,
+        Fault::InternalError,
+        1_000_000,
+    );
+    let body = data(11 * MIB as usize, 9);
+    put_back(&h.client, "ckpt/d/shard", &body).await.unwrap();
+    assert_eq!(status(&c_client).await.replica_objects, 1);
+
+    // Once S3 has it, the copy is dropped.
+    h.faults().clear();
+    eventually(Duration::from_secs(60), "the upload", || async {
+        s3_bytes(&h, "ckpt/d/shard").await.as_deref() == Some(&body[..])
+    })
+    .await;
+    eventually(Duration::from_secs(30), "C drops its copy", || async {
+        status(&c_client).await.replica_objects == 0
+    })
+    .await;
+
+    // With no live candidate left, a write is refused, not acknowledged.
+    place(&c, &[]);
+    c.shutdown().await;
+    let err = put_back(&h.client, "ckpt/d/refused", b"not acknowledged")
+        .await
+        .unwrap_err();
+    assert!(
+        matches!(
+            err,
+            ClientError::Api {
+                code: ErrorCode::ReplicasUnavailable,
+                status: 503,
+                ..
+            }
+        ),
+        "{err:?}"
+    );
+    assert_eq!(status(&h.client).await.pending_objects, 0);
+    assert!(s3_bytes(&h, "ckpt/d/refused").await.is_none());
+}
+
+#[tokio::test]
+async fn a_worker_alone_refuses_two_copies_and_a_malformed_copy_header_is_refused() {
+    let h = Harness::with(|o| o.cache.writeback.replicas = Some(2)).await;
+    let err = put_back(&h.client, "x/one", b"only one worker")
+        .await
+        .unwrap_err();
+    assert!(
+        matches!(
+            err,
+            ClientError::Api {
+                code: ErrorCode::ReplicasUnavailable,
+                ..
+            }
+        ),
+        "{err:?}"
+    );
+    // A malformed replica header is a 400, before any byte is staged.
+    let err = h
+        .client
+        .put_replica(
+            &uri("x/two"),
+            "lc-not/a/version",
+            "journal 127.0.0.1:1",
+            futures::stream::iter([Ok(Bytes::from_static(b"x"))]),
+        )
+        .await
+        .unwrap_err();
+    assert!(
+        matches!(
+            err,
+            ClientError::Api {
+                code: ErrorCode::BadRequest,
+                ..
+            }
+        ),
+        "{err:?}"
+    );
+    assert_eq!(status(&h.client).await.replica_objects, 0);
+}
