@@ -99,7 +99,7 @@ impl Metrics {
         let writeback: Arc<std::sync::OnceLock<std::sync::Weak<crate::writeback::WriteBack>>> =
             Arc::default();
         type Pick = fn(&lakecache_protocol::WriteBackStatus) -> u64;
-        let backlog: [(&'static str, &'static str, &'static str, Pick); 4] = [
+        let backlog: [(&'static str, &'static str, &'static str, Pick); 6] = [
             (
                 "lakecache_writeback_pending_objects",
                 "",
@@ -123,6 +123,18 @@ impl Metrics {
                 "By",
                 "Dirty bytes held before writes wait",
                 |s| s.staging_limit_bytes,
+            ),
+            (
+                "lakecache_writeback_replica_objects",
+                "",
+                "Copies of other workers' pending writes held here",
+                |s| s.replica_objects,
+            ),
+            (
+                "lakecache_writeback_replica",
+                "By",
+                "Bytes of copies of other workers' pending writes held here",
+                |s| s.replica_bytes,
             ),
         ];
         for (name, unit, help, pick) in backlog {

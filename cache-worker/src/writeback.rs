@@ -49,6 +49,9 @@ pub struct WriteBackConfig {
     /// (this one and the next ones on the ring). `None`: 2 when the ring
     /// has at least 2 workers, else 1.
     pub replicas: Option<usize>,
+    /// How long a worker that stops answering may hold up uploads that
+    /// must follow its earlier writes (once per outage).
+    pub peer_order_wait: Duration,
 }
 
 impl Default for WriteBackConfig {
@@ -58,6 +61,7 @@ impl Default for WriteBackConfig {
             stall_timeout: Duration::from_secs(600),
             parts_in_flight: 4,
             replicas: None,
+            peer_order_wait: Duration::from_secs(30),
         }
     }
 }
@@ -94,6 +98,8 @@ pub struct WriteBack {
     /// Journals of primaries whose disk is gone: their replica entries
     /// here are uploaded here.
     taken_over: Mutex<HashSet<String>>,
+    /// Peers that stopped answering the uploader's order checks, since when.
+    silent_peers: Mutex<HashMap<String, std::time::Instant>>,
     pub(crate) pages: PageStore,
     journal: Mutex<Journal>,
     overlay: Mutex<Overlay>,
@@ -168,6 +174,7 @@ impl WriteBack {
             id,
             in_flight: Mutex::default(),
             taken_over: Mutex::default(),
+            silent_peers: Mutex::default(),
             pages,
             journal: Mutex::new(journal),
             overlay: Mutex::new(overlay),
@@ -259,6 +266,12 @@ impl WriteBack {
             );
             self.wake.notify_one();
         }
+    }
+
+    pub(crate) fn silent_peers(
+        &self,
+    ) -> std::sync::MutexGuard<'_, HashMap<String, std::time::Instant>> {
+        lock(&self.silent_peers)
     }
 
     /// Whether `copy` is a replica entry this worker now uploads.
@@ -381,6 +394,9 @@ impl WriteBack {
                 .replica_of
                 .as_ref()
                 .is_some_and(|r| !taken_over.contains(&r.journal_id));
+            if !held_for_primary && status.next_upload_acked_ms.is_none() {
+                status.next_upload_acked_ms = Some(p.acked_ms);
+            }
             if held_for_primary {
                 status.replica_objects += 1;
                 status.replica_bytes += p.size;

@@ -89,6 +89,11 @@ pub struct WriteBackStatus {
     /// The identity of this worker's write-back journal.
     #[serde(default)]
     pub journal_id: String,
+    /// When the entry this worker uploads next (under the prefix) was
+    /// acknowledged, in ms since the epoch: other workers upload nothing
+    /// acknowledged after it first.
+    #[serde(default)]
+    pub next_upload_acked_ms: Option<i64>,
 }
 
 /// What a primary knows of one pending version, as a replica asks

@@ -6,7 +6,7 @@
 //! again (`x-amz-checksum-crc32c`).
 
 use std::sync::{Arc, Weak};
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use bytes::{Bytes, BytesMut};
 use futures::StreamExt;
@@ -20,6 +20,8 @@ use crate::pages::{PageId, PageKey};
 use crate::store::{ObjectMeta, StoreError};
 
 const FIRST_RETRY: Duration = Duration::from_millis(200);
+/// How often a worker asks whether earlier writes elsewhere are in S3.
+const ORDER_POLL: Duration = Duration::from_millis(100);
 const LAST_RETRY: Duration = Duration::from_secs(30);
 
 /// Runs until the cache is dropped or closes.
@@ -44,7 +46,10 @@ pub(crate) async fn uploader(cache: Weak<Cache>, wb: Arc<WriteBack>) {
         // journaled and starts over at the next start.
         let mut closing = cache.closing.subscribe();
         let result = tokio::select! {
-            r = cache.upload_one(&wb, &next) => r,
+            r = async {
+                cache.wait_for_earlier_elsewhere(&wb, &next).await;
+                cache.upload_one(&wb, &next).await
+            } => r,
             _ = closing.wait_for(|c| *c) => return,
         };
         match result {
@@ -78,6 +83,75 @@ pub(crate) async fn uploader(cache: Weak<Cache>, wb: Arc<WriteBack>) {
 }
 
 impl Cache {
+    /// Waits while another worker's next upload in the same bucket was
+    /// acknowledged before `next`: S3 receives a bucket's objects in the
+    /// order their writes were acknowledged across workers, not only
+    /// within one. Entries are ordered by (acknowledgement time, journal
+    /// identity), which every worker computes alike, so two workers never
+    /// wait for each other. A worker that does not answer holds uploads
+    /// up for `peer_order_wait` (30 s) once per outage.
+    async fn wait_for_earlier_elsewhere(
+        self: &Arc<Self>,
+        wb: &Arc<WriteBack>,
+        next: &PendingObject,
+    ) {
+        let Some(placement) = self.peers.placement() else {
+            return;
+        };
+        let Ok(uri) = super::visible::parse_uri(&next.uri) else {
+            return;
+        };
+        let bucket = format!("s3://{}/", uri.bucket());
+        let mine = (next.acked_ms, wb.id.as_str());
+        for addr in placement.replica_candidates(&uri) {
+            let mut said = false;
+            loop {
+                let status = match self.peers.client(&addr) {
+                    Ok(c) => c
+                        .writeback_status(Some(&bucket))
+                        .await
+                        .map_err(|e| e.to_string()),
+                    Err(e) => Err(e.to_string()),
+                };
+                // Silent since when: paid once per outage, not per upload.
+                let silent_for = match &status {
+                    Ok(_) => {
+                        wb.silent_peers().remove(&addr);
+                        Duration::ZERO
+                    }
+                    Err(_) => wb
+                        .silent_peers()
+                        .entry(addr.clone())
+                        .or_insert_with(Instant::now)
+                        .elapsed(),
+                };
+                let wait = match &status {
+                    Ok(s) => s
+                        .next_upload_acked_ms
+                        .is_some_and(|t| (t, s.journal_id.as_str()) < mine),
+                    Err(e) if silent_for < wb.config.peer_order_wait => {
+                        tracing::debug!(%addr, error = %e, "waiting for a worker to answer before uploading in order");
+                        true
+                    }
+                    Err(e) => {
+                        if !said {
+                            tracing::warn!(%addr, error = %e, uri = %next.uri, wait = ?wb.config.peer_order_wait, "a worker has stopped answering; uploading without waiting for its earlier writes");
+                        }
+                        false
+                    }
+                };
+                if !wait {
+                    break;
+                }
+                if !said {
+                    tracing::debug!(%addr, uri = %next.uri, "waiting for an earlier write on another worker to reach S3");
+                    said = true;
+                }
+                tokio::time::sleep(ORDER_POLL).await;
+            }
+        }
+    }
+
     async fn upload_one(
         self: &Arc<Self>,
         wb: &Arc<WriteBack>,

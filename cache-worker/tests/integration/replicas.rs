@@ -122,6 +122,13 @@ async fn a_copy_on_the_next_worker_serves_reads_and_is_uploaded_when_the_primary
     let held = status(&b_client).await;
     assert_eq!((held.replica_objects, held.pending_objects), (2, 0));
     assert_eq!(held.replica_bytes, (big.len() + small.len()) as u64);
+    let metrics = b_client.metrics().await.unwrap();
+    assert!(
+        metrics
+            .lines()
+            .any(|l| l.starts_with("lakecache_writeback_replica_objects") && l.ends_with(" 2")),
+        "{metrics}"
+    );
 
     // A reader that fails over to B sees the same version and bytes.
     let stat = b_client.stat(&uri("ckpt/r/model.bin")).await.unwrap();
@@ -158,7 +165,12 @@ async fn a_copy_on_the_next_worker_serves_reads_and_is_uploaded_when_the_primary
 
 #[tokio::test]
 async fn copies_are_dropped_once_the_primary_uploads_and_a_dead_candidate_is_skipped() {
-    let h = Harness::with(|o| o.cache.writeback.replicas = Some(2)).await;
+    let h = Harness::with(|o| {
+        o.cache.writeback.replicas = Some(2);
+        // The dead worker holds up the first upload this long.
+        o.cache.writeback.peer_order_wait = Duration::from_secs(1);
+    })
+    .await;
     let c_dir = tempfile::tempdir().unwrap();
     let c = start_at(&h, c_dir.path(), None).await;
     // The first candidate is a port nobody listens on: the copy goes to
@@ -251,4 +263,46 @@ async fn a_worker_alone_refuses_two_copies_and_a_malformed_copy_header_is_refuse
         "{err:?}"
     );
     assert_eq!(status(&h.client).await.replica_objects, 0);
+}
+
+#[tokio::test]
+async fn a_later_write_on_another_worker_reaches_s3_after_an_earlier_one() {
+    let h = Harness::with(|o| o.cache.writeback.replicas = Some(1)).await;
+    let b_dir = tempfile::tempdir().unwrap();
+    let b = start_at(&h, b_dir.path(), None).await;
+    let (a_addr, b_addr) = (h.addr().to_string(), b.addr().to_string());
+    place(h.worker.as_ref().unwrap(), std::slice::from_ref(&b_addr));
+    place(&b, std::slice::from_ref(&a_addr));
+    let b_client = client(&b);
+    // The checkpoint (on A) cannot complete its multipart upload; the
+    // `latest` written after it (on B) must wait for it.
+    h.faults().inject(
+        S3Op::CompleteMultipartUpload,
+        Fault::InternalError,
+        1_000_000,
+    );
+    let big = data(12 * MIB as usize, 4);
+    put_back(&h.client, "ord/step9/model.bin", &big)
+        .await
+        .unwrap();
+    put_back(&b_client, "ord/latest", b"step9").await.unwrap();
+    eventually(Duration::from_secs(30), "A's upload fails", || async {
+        status(&h.client).await.last_error.is_some()
+    })
+    .await;
+    tokio::time::sleep(Duration::from_millis(1500)).await;
+    assert_eq!(
+        s3_bytes(&h, "ord/latest").await,
+        None,
+        "latest reached S3 before the checkpoint it names"
+    );
+    assert_eq!(status(&b_client).await.pending_objects, 1);
+
+    h.faults().clear();
+    eventually(Duration::from_secs(60), "both reach S3", || async {
+        s3_bytes(&h, "ord/step9/model.bin").await.as_deref() == Some(&big[..])
+            && s3_bytes(&h, "ord/latest").await.as_deref() == Some(&b"step9"[..])
+    })
+    .await;
+    b.shutdown().await;
 }

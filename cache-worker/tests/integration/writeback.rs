@@ -258,3 +258,46 @@ async fn full_staging_blocks_then_fails_after_the_stall_timeout_and_keeps_what_w
     put_back(&h.client, "full/second", &data(MIB as usize, 4)).await;
     drained(&h.client, Duration::from_secs(60)).await;
 }
+
+/// A user restarts the worker with another `--page-size` while writes
+/// are pending: the clean cache is discarded (its format changed), the
+/// dirty pages are not, and the pending objects read and upload right.
+#[tokio::test]
+async fn a_restart_with_another_page_size_keeps_pending_writes() {
+    let mut h = Harness::start().await;
+    h.faults()
+        .inject(S3Op::PutObject, Fault::InternalError, 100_000);
+    h.faults()
+        .inject(S3Op::CompleteMultipartUpload, Fault::InternalError, 100_000);
+    let big = data(6 * MIB as usize + 123, 5);
+    let small = data(700_001, 6);
+    let big_stat = put_back(&h.client, "ps/big", &big).await;
+    put_back(&h.client, "ps/small", &small).await;
+
+    h.options.cache.page_size = 2 * MIB;
+    h.restart_worker().await;
+    let status = h.client.writeback_status(None).await.unwrap();
+    assert_eq!(status.pending_objects, 2, "{status:?}");
+    // Reads across the old 1 MiB page boundaries, with the new size set.
+    let (piece, _) = h
+        .client
+        .read_checked(
+            &uri("ps/big"),
+            Some(MIB - 7..3 * MIB + 11),
+            Some(&big_stat.etag),
+        )
+        .await
+        .unwrap();
+    assert_eq!(&piece[..], &big[MIB as usize - 7..3 * MIB as usize + 11]);
+
+    h.faults().clear();
+    drained(&h.client, Duration::from_secs(60)).await;
+    assert_eq!(s3_sha(&h, "ps/big").await, Some(sha(&big)));
+    assert_eq!(s3_sha(&h, "ps/small").await, Some(sha(&small)));
+    let (all, _) = h
+        .client
+        .read_checked(&uri("ps/big"), None, None)
+        .await
+        .unwrap();
+    assert_eq!(sha(&all), sha(&big));
+}
