@@ -102,11 +102,45 @@ class Cluster:
                 raise SystemExit("mount did not come up; see mount.log")
             time.sleep(0.05)
 
+    def start_ring(
+        self, workers: int, worker_flags: tuple[str, ...], mount_flags: tuple[str, ...]
+    ) -> None:
+        """`workers` fresh workers that know their ring (static registry),
+        plain HTTP without tokens, and a mount over all of them."""
+        ports = [self.worker_port] + [free_port() for _ in range(workers - 1)]
+        registry = "static:" + ",".join(f"127.0.0.1:{p}" for p in ports)
+        self.ring = []
+        for i, port in enumerate(ports):
+            cache = self.work / f"cache-{i}"
+            if cache.exists():
+                shutil.rmtree(cache)
+            self.ring.append(subprocess.Popen(
+                [self.bin, "worker", "--insecure-http", "--no-auth", "--registry", registry,
+                 "--listen", f"127.0.0.1:{port}", "--cache-dir", str(cache),
+                 "--cache-size", "12GiB", "--s3-endpoint", f"http://127.0.0.1:{self.s3_port}",
+                 "--s3-path-style", *worker_flags],
+                env=self.env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+            ))
+            wait_port(port)
+        self.worker = self.ring[0]
+        self.mount = subprocess.Popen(
+            [self.bin, "mount", f"s3://{BUCKET}", str(self.mnt), "--registry", registry,
+             "--no-s3-fallback", *mount_flags],
+            env=self.env, stdout=subprocess.DEVNULL, stderr=open(self.work / "mount.log", "a"),
+        )
+        deadline = time.time() + 30
+        while not mounted(self.mnt):
+            if time.time() > deadline:
+                raise SystemExit("mount did not come up; see mount.log")
+            time.sleep(0.05)
+        self.registry = registry
+
     def stop_worker(self) -> None:
-        for p in (self.mount, self.worker):
+        for p in (self.mount, self.worker, *getattr(self, "ring", [])):
             if p and p.poll() is None:
                 p.send_signal(signal.SIGTERM)
-                p.wait(timeout=60)
+                p.wait(timeout=180)
+        self.ring = []
 
     def close(self) -> None:
         self.stop_worker()

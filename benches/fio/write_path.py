@@ -23,6 +23,8 @@ from pathlib import Path
 from run import BUCKET, Cluster, drop_caches
 
 HERE = Path(__file__).resolve().parent
+# back-r2: three workers, --write-replicas 2 (each body durable on two).
+MODES = ("local", "through", "back", "back-r2")
 
 
 def fio_write(directory: Path, size: str, jobs: int) -> float:
@@ -87,15 +89,18 @@ def checkpoint(directory: Path, writers: int, size: int) -> float:
     return time.monotonic() - start
 
 
-def sync_seconds(binary: str, port: int, prefix: str) -> float:
+def sync_seconds(binary: str, c: Cluster, prefix: str) -> float:
     start = time.monotonic()
+    where = (
+        ["--registry", c.registry] if getattr(c, "ring", None)
+        else ["--worker", f"127.0.0.1:{c.worker_port}"]
+    )
     subprocess.run(
         [
             binary,
             "sync",
             f"s3://{BUCKET}/{prefix}",
-            "--worker",
-            f"127.0.0.1:{port}",
+            *where,
             "--timeout",
             "1800",
         ],
@@ -123,9 +128,13 @@ def main() -> None:
     started = time.strftime("%Y-%m-%d %H:%M:%S")
     c = Cluster(a.bin, work)
     try:
-        for mode in ("local", "through", "back"):
+        for mode in MODES:
             if mode == "local":
                 target = work / "local"
+            elif mode == "back-r2":
+                # Three workers, every write-back body on two of them.
+                c.start_ring(3, ("--write-replicas", "2"), ("--write-mode", "back"))
+                target = c.mnt / mode
             else:
                 c.start_worker(fresh=True, mount_flags=("--write-mode", mode))
                 # The bucket outlives the worker: each mode writes its own
@@ -139,16 +148,16 @@ def main() -> None:
                 drop_caches()
                 r[f"fio{jobs}"] = fio_write(d, a.size, jobs)
                 print(mode, "fio", jobs, f"{r[f'fio{jobs}']:.0f} MiB/s", flush=True)
-                if mode == "back":
+                if mode.startswith("back"):
                     # Each fio run starts from an empty backlog.
-                    sync_seconds(a.bin, c.worker_port, "")
+                    sync_seconds(a.bin, c, "")
             drop_caches()
             r["ckpt"] = checkpoint(target / "ckpt" / "step100", a.ckpt_writers, ckpt_bytes)
             if mode == "local":
                 subprocess.run(["sync"], check=True)
                 r["ckpt_s3"] = float("nan")
             else:
-                r["ckpt_s3"] = r["ckpt"] + sync_seconds(a.bin, c.worker_port, f"{mode}/ckpt/")
+                r["ckpt_s3"] = r["ckpt"] + sync_seconds(a.bin, c, f"{mode}/ckpt/")
             print(mode, "checkpoint", f"{r['ckpt']:.2f}s", f"S3 {r['ckpt_s3']:.2f}s", flush=True)
             rows[mode] = r
             if mode != "local":
@@ -167,20 +176,23 @@ def write(a: argparse.Namespace, rows: dict, started: str, ckpt_bytes: int) -> N
         f"Command: `python3 benches/fio/write_path.py --bin {a.bin} --size {a.size} "
         f"--ckpt-writers {a.ckpt_writers} --ckpt-size {a.ckpt_size}` (as root), started {started}.",
         f"Machine: {os.cpu_count()} cores, kernel {os.uname().release}; s3-server, one worker "
-        "(plain HTTP, no tokens) and the mount on this machine, all on the same disk as "
-        "`local`. The page cache is dropped before every run.",
+        "(back-r2: three workers, `--write-replicas 2`; plain HTTP, no tokens) and the mount on "
+        "this machine, all on the same disk as `local`. The page cache is dropped before every "
+        "run.",
         "",
         "## fio: sequential write, 1 MiB blocks, fsync at the end; one file per writer (separate fio processes, bandwidth summed)",
         "",
-        "| writers | local disk MiB/s | through MiB/s | back MiB/s | through/local | back/local |",
-        "|---|---|---|---|---|---|",
+        "| writers | local disk MiB/s | through MiB/s | back MiB/s | back, 3 workers x 2 copies MiB/s "
+        "| through/local | back/local | back-r2/local |",
+        "|---|---|---|---|---|---|---|---|",
     ]
     for jobs in (1, 4):
         k = f"fio{jobs}"
         lines.append(
             f"| {jobs} x {a.size} | {local[k]:.0f} | {rows['through'][k]:.0f} | "
-            f"{rows['back'][k]:.0f} | {rows['through'][k] / local[k]:.2f} | "
-            f"{rows['back'][k] / local[k]:.2f} |"
+            f"{rows['back'][k]:.0f} | {rows['back-r2'][k]:.0f} | "
+            f"{rows['through'][k] / local[k]:.2f} | {rows['back'][k] / local[k]:.2f} | "
+            f"{rows['back-r2'][k] / local[k]:.2f} |"
         )
     lines += [
         "",
@@ -192,7 +204,7 @@ def write(a: argparse.Namespace, rows: dict, started: str, ckpt_bytes: int) -> N
         "| mode | durable (s) | in S3 (s) | durable/local |",
         "|---|---|---|---|",
     ]
-    for mode in ("local", "through", "back"):
+    for mode in MODES:
         r = rows[mode]
         s3 = "-" if mode == "local" else f"{r['ckpt_s3']:.1f}"
         lines.append(f"| {mode} | {r['ckpt']:.1f} | {s3} | {r['ckpt'] / local['ckpt']:.2f} |")

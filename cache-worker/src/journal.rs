@@ -140,7 +140,7 @@ fn frame(record: &Record) -> Vec<u8> {
 }
 
 fn sync_dir(dir: &Path) -> Result<(), JournalError> {
-    File::open(dir).and_then(|d| d.sync_all()).map_err(io(dir))
+    crate::crashsim::sync_dir(dir, || File::open(dir).and_then(|d| d.sync_all())).map_err(io(dir))
 }
 
 fn u32_at(b: &[u8], at: usize) -> Option<u32> {
@@ -225,6 +225,7 @@ impl Journal {
             // Records of this format may follow: the header must say so.
             journal.compact()?;
         }
+        crate::crashsim::existing(&journal.path);
         Ok(journal)
     }
 
@@ -266,8 +267,10 @@ impl Journal {
 
     fn append(&mut self, record: &Record) -> Result<u64, JournalError> {
         let bytes = frame(record);
+        crate::crashsim::alive(&self.path).map_err(io(&self.path))?;
         self.file.write_all(&bytes).map_err(io(&self.path))?;
-        self.file.sync_data().map_err(io(&self.path))?;
+        crate::crashsim::sync_file(&self.path, &self.file, || self.file.sync_data())
+            .map_err(io(&self.path))?;
         Ok(bytes.len() as u64)
     }
 
@@ -341,9 +344,10 @@ impl Journal {
             out.extend_from_slice(&frame(r));
         }
         let mut f = File::create(&tmp).map_err(io(&tmp))?;
+        crate::crashsim::created(&tmp).map_err(io(&tmp))?;
         f.write_all(&out).map_err(io(&tmp))?;
-        f.sync_all().map_err(io(&tmp))?;
-        std::fs::rename(&tmp, path).map_err(io(path))?;
+        crate::crashsim::sync_file(&tmp, &f, || f.sync_all()).map_err(io(&tmp))?;
+        crate::crashsim::rename(&tmp, path, || std::fs::rename(&tmp, path)).map_err(io(path))?;
         sync_dir(path.parent().unwrap_or(Path::new(".")))
     }
 }

@@ -4,6 +4,8 @@
 mod admission;
 pub mod cache;
 mod cache_dir;
+#[doc(hidden)]
+pub mod crashsim;
 mod flight;
 pub mod http;
 mod index;

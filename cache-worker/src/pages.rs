@@ -213,10 +213,12 @@ pub struct PageStore {
 }
 
 pub(crate) fn mkdir_private(path: &Path) -> io::Result<()> {
-    fs::DirBuilder::new()
-        .recursive(true)
-        .mode(0o700)
-        .create(path)
+    crate::crashsim::mkdir(path, || {
+        fs::DirBuilder::new()
+            .recursive(true)
+            .mode(0o700)
+            .create(path)
+    })
 }
 
 impl PageStore {
@@ -252,6 +254,7 @@ impl PageStore {
         }
         let path = self.tmp.join(uuid::Uuid::new_v4().simple().to_string());
         let written = fs::File::create(&path).and_then(|mut f| {
+            crate::crashsim::created(&path)?;
             f.write_all(&[0u8; HEADER_LEN as usize])?;
             f.write_all(data)
         });
@@ -296,16 +299,17 @@ impl PageStore {
             crcs: staged.crcs.clone(),
             valid: vec![true; staged.crcs.len()],
         };
+        crate::crashsim::alive(&staged.path)?;
         let file = fs::OpenOptions::new().write(true).open(&staged.path)?;
         file.write_all_at(&header.encode(), 0)?;
         if sync {
-            file.sync_data()?;
+            crate::crashsim::sync_file(&staged.path, &file, || file.sync_data())?;
         }
         let dest = self.path(key);
         if let Some(parent) = dest.parent() {
             mkdir_private(parent)?;
         }
-        fs::rename(&staged.path, dest)
+        crate::crashsim::rename(&staged.path, &dest, || fs::rename(&staged.path, &dest))
     }
 
     /// Like `commit`, with the page's bytes and header synced before the
@@ -329,9 +333,9 @@ impl PageStore {
     /// gained them), so renames into them survive a power loss.
     pub fn sync_dirs<'a>(&self, dirs: impl IntoIterator<Item = &'a PathBuf>) -> io::Result<()> {
         for dir in dirs {
-            fs::File::open(dir)?.sync_all()?;
+            crate::crashsim::sync_dir(dir, || fs::File::open(dir)?.sync_all())?;
         }
-        fs::File::open(&self.pages)?.sync_all()
+        crate::crashsim::sync_dir(&self.pages, || fs::File::open(&self.pages)?.sync_all())
     }
 
     /// Moves a whole page into `to` under a new identity (a written

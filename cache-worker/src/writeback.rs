@@ -132,10 +132,12 @@ fn identity(dir: &Path) -> std::io::Result<String> {
         _ => {
             let id = uuid::Uuid::new_v4().simple().to_string();
             let tmp = dir.join(".ID.tmp");
-            std::fs::write(&tmp, &id)?;
-            std::fs::File::open(&tmp)?.sync_all()?;
-            std::fs::rename(&tmp, &path)?;
-            std::fs::File::open(dir)?.sync_all()?;
+            let mut file = std::fs::File::create(&tmp)?;
+            crate::crashsim::created(&tmp)?;
+            std::io::Write::write_all(&mut file, id.as_bytes())?;
+            crate::crashsim::sync_file(&tmp, &file, || file.sync_all())?;
+            crate::crashsim::rename(&tmp, &path, || std::fs::rename(&tmp, &path))?;
+            crate::crashsim::sync_dir(dir, || std::fs::File::open(dir)?.sync_all())?;
             Ok(id)
         }
     }
@@ -153,6 +155,11 @@ impl WriteBack {
         let id = identity(&dir).map_err(io)?;
         let journal = Journal::open(&dir, &id)?;
         let pages = PageStore::open(&dir).map_err(io)?;
+        // `pages/` and `writeback/` themselves must survive a power loss
+        // before the first write is acknowledged.
+        for d in [&dir, cache_dir] {
+            crate::crashsim::sync_dir(d, || std::fs::File::open(d)?.sync_all()).map_err(io)?;
+        }
         let mut overlay = Overlay::default();
         let mut dirty = 0;
         for p in journal.pending() {
