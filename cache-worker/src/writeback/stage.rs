@@ -197,24 +197,9 @@ impl Cache {
         let pages = std::mem::take(&mut taken.pages);
         let (wb2, record) = (wb.clone(), object.clone());
         tokio::task::spawn_blocking(move || -> Result<(), CacheError> {
-            let mut dirs = BTreeSet::<PathBuf>::new();
-            let mut pages = pages.into_iter().enumerate();
-            while let Some((index, staged)) = pages.next() {
-                let key = WriteBack::page_key(&record.uri, &record.version, index as u64);
-                let id = WriteBack::page_id(&record, index as u64);
-                match wb2.pages.commit_synced(staged, &key, &id) {
-                    Ok(dir) => {
-                        dirs.insert(dir);
-                    }
-                    Err(e) => {
-                        for (_, rest) in pages {
-                            wb2.pages.discard_staged(rest);
-                        }
-                        remove_pages(&wb2, &record, index as u64);
-                        return Err(CacheError::Local(format!("syncing a dirty page: {e}")));
-                    }
-                }
-            }
+            let dirs = commit_pages(&wb2, &record, pages).inspect_err(|_| {
+                remove_pages(&wb2, &record, record.size.div_ceil(record.page_size.max(1)));
+            })?;
             let synced = wb2
                 .pages
                 .sync_dirs(&dirs)
@@ -286,7 +271,7 @@ impl Cache {
         }
         taken.reserved += len;
         let wb2 = wb.clone();
-        let staged = tokio::task::spawn_blocking(move || wb2.pages.stage(&data))
+        let staged = tokio::task::spawn_blocking(move || wb2.pages.stage_for_sync(&data))
             .await
             .map_err(join_failed)?
             .map_err(|e| CacheError::Local(format!("staging a dirty page: {e}")))?;
@@ -313,6 +298,68 @@ impl Taken {
             rest = &rest[take..];
         }
     }
+}
+
+/// Page files synced at once: a sync waits for the disk, and several in
+/// flight keep its queue full.
+const COMMIT_THREADS: usize = 4;
+
+/// Labels, syncs and moves every staged page into place, a few at a
+/// time; returns the directories they landed in. On an error the pages
+/// not yet committed are discarded (the caller removes committed ones).
+fn commit_pages(
+    wb: &WriteBack,
+    record: &PendingObject,
+    pages: Vec<Staged>,
+) -> Result<BTreeSet<PathBuf>, CacheError> {
+    let mut lanes: Vec<Vec<(usize, Staged)>> = (0..COMMIT_THREADS).map(|_| Vec::new()).collect();
+    for (index, staged) in pages.into_iter().enumerate() {
+        lanes[index % COMMIT_THREADS].push((index, staged));
+    }
+    let failed = std::sync::atomic::AtomicBool::new(false);
+    let results: Vec<Result<BTreeSet<PathBuf>, String>> = std::thread::scope(|scope| {
+        let workers: Vec<_> = lanes
+            .into_iter()
+            .filter(|lane| !lane.is_empty())
+            .map(|lane| {
+                let failed = &failed;
+                scope.spawn(move || {
+                    let mut dirs = BTreeSet::new();
+                    let mut error = None;
+                    for (index, staged) in lane {
+                        if error.is_some() || failed.load(std::sync::atomic::Ordering::Relaxed) {
+                            wb.pages.discard_staged(staged);
+                            continue;
+                        }
+                        let key = WriteBack::page_key(&record.uri, &record.version, index as u64);
+                        let id = WriteBack::page_id(record, index as u64);
+                        match wb.pages.commit_synced(staged, &key, &id) {
+                            Ok(dir) => {
+                                dirs.insert(dir);
+                            }
+                            Err(e) => {
+                                failed.store(true, std::sync::atomic::Ordering::Relaxed);
+                                error = Some(format!("syncing dirty page {index}: {e}"));
+                            }
+                        }
+                    }
+                    error.map_or(Ok(dirs), Err)
+                })
+            })
+            .collect();
+        workers
+            .into_iter()
+            .map(|w| {
+                w.join()
+                    .unwrap_or_else(|_| Err("a page commit thread panicked".into()))
+            })
+            .collect()
+    });
+    let mut dirs = BTreeSet::new();
+    for result in results {
+        dirs.extend(result.map_err(CacheError::Local)?);
+    }
+    Ok(dirs)
 }
 
 /// Removes the first `count` committed dirty pages of an object whose
