@@ -86,6 +86,8 @@ struct Overlay {
     latest: HashMap<String, Pending>,
     /// (uri, cache version) → S3 ETag, for uploaded objects.
     aliases: HashMap<(String, String), String>,
+    /// uri → (S3 ETag, cache version) of its latest upload.
+    written_as: HashMap<String, (String, String)>,
 }
 
 pub struct WriteBack {
@@ -204,6 +206,15 @@ impl WriteBack {
             .aliases
             .get(&(uri.to_string(), version.to_string()))
             .cloned()
+    }
+
+    /// The cache version whose upload became `etag` of `uri`, if known.
+    pub fn written_as(&self, uri: &str, etag: &str) -> Option<String> {
+        lock(&self.overlay)
+            .written_as
+            .get(uri)
+            .filter(|(e, _)| e == etag)
+            .map(|(_, version)| version.clone())
     }
 
     /// Pending writes under `prefix` (an `s3://bucket/...` string), for
@@ -347,7 +358,12 @@ impl WriteBack {
         if !object.delete && !etag.is_empty() {
             if overlay.aliases.len() >= MAX_ALIASES {
                 overlay.aliases.clear();
+                overlay.written_as.clear();
             }
+            overlay.written_as.insert(
+                object.uri.clone(),
+                (etag.to_string(), object.version.clone()),
+            );
             overlay
                 .aliases
                 .insert((object.uri.clone(), object.version.clone()), etag.into());

@@ -248,11 +248,15 @@ fn errno_of<T>(r: std::io::Result<T>) -> i32 {
 }
 
 fn worker_stat_requests(port: u16) -> u64 {
+    worker_requests(port, "stat")
+}
+
+/// Requests of kind `op` (`stat`, `read`, ...) the worker has answered.
+fn worker_requests(port: u16, op: &str) -> u64 {
     let body = reqwest_like_get(port, "/metrics");
+    let op = format!("op=\"{op}\"");
     body.lines()
-        .find(|l| {
-            l.starts_with("lakecache_request_duration_seconds_count{") && l.contains("op=\"stat\"")
-        })
+        .find(|l| l.starts_with("lakecache_request_duration_seconds_count{") && l.contains(&op))
         .and_then(|l| l.rsplit(' ').next())
         .and_then(|v| v.parse::<f64>().ok())
         .unwrap_or(0.0) as u64

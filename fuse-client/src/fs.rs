@@ -167,6 +167,9 @@ impl Fs {
         size: u64,
     ) -> Option<Arc<crate::local_tier::TierObject>> {
         let tier = self.tier.clone()?;
+        if !lakecache_protocol::is_cache_version(etag) {
+            self.rekey_written_back(&tier, uri, etag).await;
+        }
         let (uri, etag) = (uri.to_string(), etag.to_string());
         let made = tokio::task::spawn_blocking(move || tier.get_or_create(&uri, &etag, size)).await;
         match made {
@@ -176,6 +179,37 @@ impl Fs {
                 None
             }
             Err(_) => None,
+        }
+    }
+
+    /// The tier holds `uri` under a cache version and S3 now names it
+    /// `etag`: when the worker says `etag` is that version uploaded, the
+    /// tier keeps the bytes under `etag` instead of reading them again.
+    async fn rekey_written_back(
+        &self,
+        tier: &Arc<crate::local_tier::LocalTier>,
+        uri: &ObjectUri,
+        etag: &str,
+    ) {
+        let Some(held) = tier.cache_version_of(&uri.to_string()) else {
+            return;
+        };
+        let Ok(stat) = self.data.stat(uri).await else {
+            return;
+        };
+        if stat.etag != etag || stat.written_as.as_deref() != Some(held.as_str()) {
+            return;
+        }
+        let (tier, key, etag) = (tier.clone(), uri.to_string(), etag.to_string());
+        let moved = tokio::task::spawn_blocking(move || tier.rekey(&key, &held, &etag)).await;
+        match moved {
+            Ok(Ok(true)) => {
+                tracing::debug!(%uri, "local tier kept a written-back file under its S3 ETag")
+            }
+            Ok(Err(e)) => {
+                tracing::debug!(%uri, error = %e, "re-keying a written-back file in the local tier failed")
+            }
+            _ => {}
         }
     }
 

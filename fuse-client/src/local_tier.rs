@@ -787,6 +787,63 @@ impl LocalTier {
         Ok(object)
     }
 
+    /// The version of `uri` the tier holds that is a cache version
+    /// (written back, not yet known under an S3 ETag), if any.
+    pub fn cache_version_of(&self, uri: &str) -> Option<String> {
+        self.lock().slots.values().find_map(|s| {
+            let meta = s.object.lock();
+            (meta.uri == uri && lakecache_protocol::is_cache_version(&meta.etag))
+                .then(|| meta.etag.clone())
+        })
+    }
+
+    /// The bytes the tier holds as version `from` of `uri` are version
+    /// `to` now (a written-back object S3 has named): the object is kept
+    /// under `to` instead of being read again. False when it is absent or
+    /// in use.
+    pub fn rekey(&self, uri: &str, from: &str, to: &str) -> Result<bool, TierError> {
+        let _creating = self.creating.lock().unwrap_or_else(|e| e.into_inner());
+        let (from_id, to_id) = (object_id(uri, from), object_id(uri, to));
+        let old = {
+            let state = self.lock();
+            match state.slots.get(&from_id) {
+                // Held by the tier only (and this clone).
+                Some(slot) if Arc::strong_count(&slot.object) == 1 => slot.object.clone(),
+                _ => return Ok(false),
+            }
+        };
+        old.close_files();
+        let mut meta = old.lock().clone();
+        meta.etag = to.to_string();
+        let data_path = self.dir.join(format!("{to_id}.data"));
+        std::fs::rename(&old.data_path, &data_path).map_err(io(&data_path))?;
+        let object = Arc::new(TierObject {
+            files: Mutex::new(None),
+            no_direct: Default::default(),
+            open_count: self.open_count.clone(),
+            id: to_id.clone(),
+            meta_path: self.dir.join(format!("{to_id}.meta")),
+            data_path,
+            meta: Mutex::new(meta),
+            partial: Mutex::default(),
+            fills: self.fills.clone(),
+            persisting: Mutex::default(),
+        });
+        object.persist()?;
+        let _ = std::fs::remove_file(&old.meta_path);
+        let mut state = self.lock();
+        if let Some(slot) = state.slots.remove(&from_id) {
+            state.slots.insert(
+                to_id,
+                Slot {
+                    object,
+                    last_use: slot.last_use,
+                },
+            );
+        }
+        Ok(true)
+    }
+
     /// Drops every version of `uri` (its object changed in S3).
     pub fn forget_uri(&self, uri: &str) {
         self.forget_other_versions(uri, "");

@@ -9,6 +9,11 @@ pub struct ObjectStat {
     pub etag: String,
     /// Last-Modified in milliseconds since the Unix epoch.
     pub last_modified_ms: i64,
+    /// The cache version (`lc-...`) these bytes had before write-back
+    /// uploaded them under `etag`, when the worker remembers it: a client
+    /// holding them under that version may keep them.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub written_as: Option<String>,
 }
 
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]

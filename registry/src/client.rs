@@ -319,6 +319,7 @@ impl ClusterClient {
                         size: meta.size,
                         etag: meta.etag,
                         last_modified_ms: meta.last_modified_ms,
+                        written_as: None,
                     })
                 }
                 None => Err(ClusterError::Unavailable(last)),

@@ -204,6 +204,7 @@ fn stat_body(uri: &ObjectUri, meta: &ObjectMeta) -> ObjectStat {
         size: meta.size,
         etag: meta.etag.clone(),
         last_modified_ms: meta.last_modified_ms,
+        written_as: None,
     }
 }
 
@@ -258,7 +259,15 @@ async fn stat(state: &AppState, access: &Access<'_>, rest: &str) -> Response {
     };
     check!(access.read(&uri));
     match state.cache.stat(&uri).await {
-        Ok(meta) => json(StatusCode::OK, &stat_body(&uri, &meta)),
+        Ok(meta) => {
+            let mut body = stat_body(&uri, &meta);
+            body.written_as = state
+                .cache
+                .writeback
+                .as_ref()
+                .and_then(|wb| wb.written_as(&body.uri, &meta.etag));
+            json(StatusCode::OK, &body)
+        }
         Err(e) => cache_error(&e),
     }
 }

@@ -440,3 +440,44 @@ fn a_mount_killed_while_filling_its_tier_reads_right_after_a_remount() {
     fs::write("/proc/sys/vm/drop_caches", "1").unwrap();
     assert_eq!(sha_file(&file).unwrap().1, want, "read from the whole tier");
 }
+
+/// A file written back and read while pending sits in the tier under its
+/// cache version; once S3 has it (a new ETag), a new mount keeps the
+/// tier's copy under that ETag instead of reading it again.
+#[test]
+fn a_written_back_file_read_while_pending_stays_in_the_tier_after_its_upload() {
+    let mut env = Env::start(1);
+    let flags = ["--local-cache-size", "1GiB", "--write-mode", "back"];
+    let tier = mount_with_tier(&mut env, &flags);
+    let file = env.mountpoint().join("ckpt.bin");
+    let data = pattern((6 << 20) + 11, 5);
+    let want = Sha256::digest(&data).to_vec();
+    fs::write(&file, &data).unwrap();
+    assert_eq!(sha_file(&file).unwrap().1, want, "read while pending");
+    wait_for_tier(&tier);
+    let out = Command::new(BIN)
+        .args(["sync", &format!("s3://{BUCKET}/"), "--timeout", "60"])
+        .args(["--registry", &env.registry()])
+        .output()
+        .unwrap();
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    assert_eq!(env.s3_get("ckpt.bin").as_deref(), Some(&data[..]));
+
+    env.mount.take().unwrap().term();
+    wait_mounted(&env.mountpoint(), false);
+    mount_with_tier(&mut env, &flags);
+    fs::write("/proc/sys/vm/drop_caches", "1").unwrap();
+    let port = env.workers[0].0;
+    let reads = worker_requests(port, "read");
+    assert_eq!(sha_file(&file).unwrap().1, want, "read after the upload");
+    assert_eq!(
+        worker_requests(port, "read"),
+        reads,
+        "the uploaded file was read from the worker again"
+    );
+    assert_eq!(tier_files(&tier, "meta").len(), 1);
+}

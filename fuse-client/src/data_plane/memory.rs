@@ -127,6 +127,7 @@ impl MemoryDataPlane {
             size: o.data.len() as u64,
             etag: o.etag.clone(),
             last_modified_ms: o.mtime_ms,
+            written_as: None,
         }
     }
 
