@@ -292,6 +292,17 @@ impl WriteBack {
         lock(&self.silent_peers)
     }
 
+    /// Where the newest pending write of `uri` (taken here as primary)
+    /// has its copies.
+    pub(crate) fn replicas_of_pending(&self, uri: &str) -> Vec<String> {
+        lock(&self.journal)
+            .pending()
+            .filter(|p| p.uri == uri && !p.delete && p.replica_of.is_none())
+            .last()
+            .map(|p| p.replicas.clone())
+            .unwrap_or_default()
+    }
+
     /// Whether `copy` is a replica entry this worker now uploads.
     pub(crate) fn is_taken_over(&self, copy: &PendingObject) -> bool {
         copy.replica_of

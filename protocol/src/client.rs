@@ -517,6 +517,28 @@ impl WorkerClient {
         self.put_back_with(uri, body, &headers).await
     }
 
+    /// A copy of a delete the sending worker (the primary) journaled
+    /// behind a pending write whose copy this worker holds.
+    pub async fn put_replica_delete(
+        &self,
+        uri: &ObjectUri,
+        version: &str,
+        replica_of: &str,
+    ) -> Result<(), ClientError> {
+        let path = format!(
+            "{}?{}",
+            uri.api_path("replica"),
+            form_urlencoded(&[("version", version)])
+        );
+        let req = self
+            .request(http::Method::POST, &path)
+            .header(crate::REPLICA_OF_HEADER, replica_of)
+            .body(empty())
+            .map_err(|e| ClientError::Decode(e.to_string()))?;
+        let resp = self.send_quick(req).await?;
+        self.collect(resp.into_body()).await.map(|_| ())
+    }
+
     /// What this worker (a primary) knows of `version` of `uri`.
     pub async fn pending_entry(
         &self,

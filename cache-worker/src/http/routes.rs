@@ -133,12 +133,17 @@ async fn object_route(
         };
     }
     if let Some(rest) = path.strip_prefix("/v1/replica/") {
+        let query = req.uri().query().unwrap_or("");
         return match method {
             Method::DELETE => (
                 "drop_replica",
-                drop_replica(state, access, rest, req.uri().query().unwrap_or("")).await,
+                drop_replica(state, access, rest, query).await,
             ),
-            _ => ("invalid", method_not_allowed("DELETE")),
+            Method::POST => (
+                "replica_delete",
+                replica_delete(state, access, rest, query, req.headers()).await,
+            ),
+            _ => ("invalid", method_not_allowed("DELETE, POST")),
         };
     }
     if let Some(rest) = path.strip_prefix("/v1/stat/") {
@@ -734,33 +739,80 @@ fn replica_role(headers: &http::HeaderMap) -> Result<WriteRole, Box<Response>> {
             )))
         }
     };
+    Ok(WriteRole::Replica {
+        version: checked_version(version)?,
+        of: parse_replica_of(&of)?,
+    })
+}
+
+fn checked_version(version: String) -> Result<String, Box<Response>> {
     let well_formed = version.len() <= 64
         && is_cache_version(&version)
         && version[CACHE_VERSION_PREFIX.len()..]
             .bytes()
             .all(|b| b.is_ascii_alphanumeric());
-    if !well_formed {
-        return Err(bad(format!(
+    if well_formed {
+        Ok(version)
+    } else {
+        Err(Box::new(error(
+            ErrorCode::BadRequest,
+            format!(
             "{VERSION_HEADER} must be a cache version ({CACHE_VERSION_PREFIX} and up to 61 letters or digits)"
-        )));
+        ),
+        )))
     }
-    let Some((journal_id, addr)) = of.split_once(' ') else {
-        return Err(bad(format!(
-            "{REPLICA_OF_HEADER} must be '<journal id> <address>'"
-        )));
+}
+
+/// `<journal id> <address>` of a replica header.
+fn parse_replica_of(of: &str) -> Result<ReplicaOf, Box<Response>> {
+    match of.split_once(' ') {
+        Some((journal_id, addr)) if !journal_id.is_empty() && !addr.trim().is_empty() => {
+            Ok(ReplicaOf {
+                journal_id: journal_id.to_string(),
+                addr: addr.trim().to_string(),
+            })
+        }
+        _ => Err(Box::new(error(
+            ErrorCode::BadRequest,
+            format!("{REPLICA_OF_HEADER} must be '<journal id> <address>'"),
+        ))),
+    }
+}
+
+/// A primary journaled a delete behind a pending write this worker holds
+/// a copy of: the copy gets the delete too.
+async fn replica_delete(
+    state: &AppState,
+    access: &Access<'_>,
+    rest: &str,
+    query: &str,
+    headers: &http::HeaderMap,
+) -> Response {
+    let uri = match parse_uri(rest) {
+        Ok(u) => u,
+        Err(resp) => return *resp,
     };
-    if journal_id.is_empty() || addr.trim().is_empty() {
-        return Err(bad(format!(
-            "{REPLICA_OF_HEADER} must be '<journal id> <address>'"
-        )));
-    }
-    Ok(WriteRole::Replica {
-        version,
-        of: ReplicaOf {
-            journal_id: journal_id.to_string(),
-            addr: addr.trim().to_string(),
+    check!(access.peer_object(&uri));
+    let version = match version_param(query).and_then(checked_version) {
+        Ok(v) => v,
+        Err(resp) => return *resp,
+    };
+    let of = match headers.get(REPLICA_OF_HEADER).map(|v| v.to_str()) {
+        Some(Ok(v)) => match parse_replica_of(v.trim()) {
+            Ok(of) => of,
+            Err(resp) => return *resp,
         },
-    })
+        _ => {
+            return error(
+                ErrorCode::BadRequest,
+                format!("a replica delete needs {REPLICA_OF_HEADER}"),
+            )
+        }
+    };
+    match state.cache.record_replica_delete(&uri, version, of).await {
+        Ok(()) => json(StatusCode::OK, &serde_json::json!({ "recorded": true })),
+        Err(e) => cache_error(&e),
+    }
 }
 
 /// `version=` from a query string.

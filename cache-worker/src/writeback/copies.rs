@@ -225,6 +225,43 @@ impl Cache {
             .map_err(|e| CacheError::ReplicasUnavailable(e.to_string()))
     }
 
+    /// Sends a journaled delete to every worker in `record.replicas`;
+    /// all must take it, or the delete is not acknowledged.
+    pub(super) async fn copy_delete(
+        self: &Arc<Self>,
+        wb: &WriteBack,
+        uri: &ObjectUri,
+        record: &PendingObject,
+    ) -> Result<(), CacheError> {
+        if record.replicas.is_empty() {
+            return Ok(());
+        }
+        let me = self
+            .peers
+            .placement()
+            .and_then(|p| p.me())
+            .unwrap_or_default();
+        let replica_of = format!("{} {me}", wb.id);
+        let mut done = Vec::new();
+        for addr in &record.replicas {
+            let sent = match self.peers.client(addr) {
+                Ok(c) => c
+                    .put_replica_delete(uri, &record.version, &replica_of)
+                    .await
+                    .map_err(|e| e.to_string()),
+                Err(e) => Err(e.to_string()),
+            };
+            if let Err(e) = sent {
+                self.forget_copies(record, &done);
+                return Err(CacheError::ReplicasUnavailable(format!(
+                    "the worker {addr} holding a copy of {uri} did not take its delete ({e}); the delete was not acknowledged"
+                )));
+            }
+            done.push(addr.clone());
+        }
+        Ok(())
+    }
+
     /// Tells replicas holding a copy of `object` that it is settled
     /// (uploaded, replaced, or never acknowledged), in the background.
     /// A copy whose drop is lost is found settled by the replica itself.

@@ -186,24 +186,44 @@ impl Cache {
             Some(Pending::Deleted { .. }) => return Err(StoreError::NotFound.into()),
             Some(Pending::Written { .. }) => {}
         }
-        let record = PendingObject {
-            seq: 0,
-            uri: key,
-            version: String::new(),
-            size: 0,
-            part_size: 0,
-            part_crcs: Vec::new(),
-            acked_ms: now_ms(),
-            page_size: self.config.page_size,
-            delete: true,
-            replica_of: None,
-            replicas: Vec::new(),
-        };
+        let mut record = delete_record(
+            &key,
+            format!("{}{}", super::VERSION_PREFIX, uuid::Uuid::new_v4().simple()),
+            self.config.page_size,
+        );
+        // The workers holding a copy of the pending write get the delete
+        // too, before it is acknowledged: a replica that uploads the write
+        // for a lost primary must also delete it.
+        record.replicas = wb.replicas_of_pending(&key);
+        self.copy_delete(&wb, uri, &record).await?;
+        let journaled = record.clone();
+        let recorded = tokio::task::spawn_blocking(move || wb.record(journaled))
+            .await
+            .map_err(join_failed)?
+            .map_err(|e| CacheError::Local(e.to_string()));
+        if let Err(e) = recorded {
+            self.forget_copies(&record, &record.replicas);
+            return Err(e);
+        }
+        Ok(true)
+    }
+
+    /// Records a copy of a delete another worker journaled (see
+    /// `delete_in_order`).
+    pub async fn record_replica_delete(
+        self: &Arc<Self>,
+        uri: &ObjectUri,
+        version: String,
+        of: crate::journal::ReplicaOf,
+    ) -> Result<(), CacheError> {
+        let wb = self.write_back_state()?.clone();
+        let mut record = delete_record(&uri.to_string(), version, self.config.page_size);
+        record.replica_of = Some(of);
         tokio::task::spawn_blocking(move || wb.record(record))
             .await
             .map_err(join_failed)?
             .map_err(|e| CacheError::Local(e.to_string()))?;
-        Ok(true)
+        Ok(())
     }
 
     /// A copy S3 cannot do in order: the source is not in S3 yet, or the
@@ -223,6 +243,22 @@ impl Cache {
             super::WriteRole::Primary,
         )
         .await
+    }
+}
+
+fn delete_record(uri: &str, version: String, page_size: u64) -> PendingObject {
+    PendingObject {
+        seq: 0,
+        uri: uri.to_string(),
+        version,
+        size: 0,
+        part_size: 0,
+        part_crcs: Vec::new(),
+        acked_ms: now_ms(),
+        page_size,
+        delete: true,
+        replica_of: None,
+        replicas: Vec::new(),
     }
 }
 

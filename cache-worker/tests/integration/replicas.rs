@@ -97,6 +97,11 @@ async fn s3_bytes(h: &Harness, key: &str) -> Option<Vec<u8>> {
 #[tokio::test]
 async fn a_copy_on_the_next_worker_serves_reads_and_is_uploaded_when_the_primary_loses_its_disk() {
     let mut h = Harness::with(|o| o.cache.writeback.replicas = Some(2)).await;
+    // An older version in S3 of a file that is then rewritten and deleted.
+    h.client
+        .put_bytes(&uri("ckpt/r/old"), Bytes::from_static(b"older version"))
+        .await
+        .unwrap();
     // S3 takes nothing: the writes stay pending.
     h.faults()
         .inject(S3Op::PutObject, Fault::InternalError, 1_000_000);
@@ -116,17 +121,25 @@ async fn a_copy_on_the_next_worker_serves_reads_and_is_uploaded_when_the_primary
     let small = b"step-7".to_vec();
     let big_stat = put_back(&h.client, "ckpt/r/model.bin", &big).await.unwrap();
     let small_stat = put_back(&h.client, "ckpt/r/latest", &small).await.unwrap();
+    put_back(&h.client, "ckpt/r/old", b"newer version")
+        .await
+        .unwrap();
+    h.client.delete(&uri("ckpt/r/old")).await.unwrap();
 
-    // Acknowledged means: pending on the primary and a copy on B.
-    assert_eq!(status(&h.client).await.pending_objects, 2);
+    // Acknowledged means: pending on the primary and a copy on B (the
+    // delete too).
+    assert_eq!(status(&h.client).await.pending_objects, 4);
     let held = status(&b_client).await;
-    assert_eq!((held.replica_objects, held.pending_objects), (2, 0));
-    assert_eq!(held.replica_bytes, (big.len() + small.len()) as u64);
+    assert_eq!((held.replica_objects, held.pending_objects), (4, 0));
+    assert_eq!(
+        held.replica_bytes,
+        (big.len() + small.len() + b"newer version".len()) as u64
+    );
     let metrics = b_client.metrics().await.unwrap();
     assert!(
         metrics
             .lines()
-            .any(|l| l.starts_with("lakecache_writeback_replica_objects") && l.ends_with(" 2")),
+            .any(|l| l.starts_with("lakecache_writeback_replica_objects") && l.ends_with(" 4")),
         "{metrics}"
     );
 
@@ -158,6 +171,11 @@ async fn a_copy_on_the_next_worker_serves_reads_and_is_uploaded_when_the_primary
         s.pending_objects == 0 && s.replica_objects == 0
     })
     .await;
+    assert_eq!(
+        s3_bytes(&h, "ckpt/r/old").await,
+        None,
+        "the delete acknowledged before the disk loss was not replayed"
+    );
     assert!(small_stat.etag.starts_with("lc-"));
     a2.shutdown().await;
     b.shutdown().await;
