@@ -160,8 +160,13 @@ def main() -> None:
                 r["ckpt_s3"] = r["ckpt"] + sync_seconds(a.bin, c, f"{mode}/ckpt/")
             print(mode, "checkpoint", f"{r['ckpt']:.2f}s", f"S3 {r['ckpt_s3']:.2f}s", flush=True)
             rows[mode] = r
+            # Free the disk for the next mode: its files (through the mount,
+            # so S3 drops them too) and its workers' caches.
+            shutil.rmtree(target)
             if mode != "local":
                 c.stop_worker()
+                for cache in work.glob("cache*"):
+                    shutil.rmtree(cache)
     finally:
         c.close()
     write(a, rows, started, ckpt_bytes)
@@ -180,10 +185,11 @@ def write(a: argparse.Namespace, rows: dict, started: str, ckpt_bytes: int) -> N
         "this machine, all on the same disk as `local`. The page cache is dropped before every "
         "run.",
         "",
-        "## fio: sequential write, 1 MiB blocks, fsync at the end; one file per writer (separate fio processes, bandwidth summed)",
+        "## fio: sequential write, 1 MiB blocks, fsync at the end; one file per writer "
+        "(separate fio processes, bandwidth summed)",
         "",
-        "| writers | local disk MiB/s | through MiB/s | back MiB/s | back, 3 workers x 2 copies MiB/s "
-        "| through/local | back/local | back-r2/local |",
+        "| writers | local disk MiB/s | through MiB/s | back MiB/s "
+        "| back, 3 workers x 2 copies MiB/s | through/local | back/local | back-r2/local |",
         "|---|---|---|---|---|---|---|---|",
     ]
     for jobs in (1, 4):

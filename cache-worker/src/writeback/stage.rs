@@ -274,7 +274,14 @@ impl Cache {
         let staged = tokio::task::spawn_blocking(move || wb2.pages.stage_for_sync(&data))
             .await
             .map_err(join_failed)?
-            .map_err(|e| CacheError::Local(format!("staging a dirty page: {e}")))?;
+            .map_err(|e| match e.kind() {
+                // A full disk is back-pressure the client can act on, not
+                // an internal fault.
+                std::io::ErrorKind::StorageFull => CacheError::StagingFull(format!(
+                    "the cache disk is full while staging a write-back page ({e}); nothing of this write was acknowledged"
+                )),
+                _ => CacheError::Local(format!("staging a dirty page: {e}")),
+            })?;
         taken.pages.push(staged);
         Ok(())
     }
