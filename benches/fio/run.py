@@ -91,9 +91,11 @@ class Cluster:
             env=self.env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
         )
         wait_port(self.worker_port)
+        self._mount(("--worker", f"127.0.0.1:{self.worker_port}", *mount_flags))
+
+    def _mount(self, flags: tuple[str, ...]) -> None:
         self.mount = subprocess.Popen(
-            [self.bin, "mount", f"s3://{BUCKET}", str(self.mnt), "--worker",
-             f"127.0.0.1:{self.worker_port}", "--no-s3-fallback", *mount_flags],
+            [self.bin, "mount", f"s3://{BUCKET}", str(self.mnt), "--no-s3-fallback", *flags],
             env=self.env, stdout=subprocess.DEVNULL, stderr=open(self.work / "mount.log", "a"),
         )
         deadline = time.time() + 30
@@ -123,16 +125,7 @@ class Cluster:
             ))
             wait_port(port)
         self.worker = self.ring[0]
-        self.mount = subprocess.Popen(
-            [self.bin, "mount", f"s3://{BUCKET}", str(self.mnt), "--registry", registry,
-             "--no-s3-fallback", *mount_flags],
-            env=self.env, stdout=subprocess.DEVNULL, stderr=open(self.work / "mount.log", "a"),
-        )
-        deadline = time.time() + 30
-        while not mounted(self.mnt):
-            if time.time() > deadline:
-                raise SystemExit("mount did not come up; see mount.log")
-            time.sleep(0.05)
+        self._mount(("--registry", registry, *mount_flags))
         self.registry = registry
 
     def stop_worker(self) -> None:

@@ -86,6 +86,28 @@ fn writer(
     })
 }
 
+/// Starts the S3 endpoint again over `root`, on its port.
+fn restart_s3(env: &mut Env, root: &Path) {
+    let child = Command::new(BIN)
+        .args(["s3-server", "--root"])
+        .arg(root)
+        .args(["--listen", &format!("127.0.0.1:{}", env.s3_port)])
+        .args([
+            "--access-key",
+            ACCESS,
+            "--secret-key",
+            SECRET,
+            "--bucket",
+            BUCKET,
+        ])
+        .stdout(Stdio::null())
+        .stderr(Stdio::null())
+        .spawn()
+        .unwrap();
+    wait_for_port(env.s3_port, "s3-server");
+    env._s3_proc = Proc(child);
+}
+
 fn sync(env: &Env, timeout: &str) -> std::process::Output {
     Command::new(BIN)
         .args([
@@ -203,24 +225,7 @@ fn acknowledged_checkpoints_survive_worker_kills_an_s3_outage_and_a_killed_mount
     ));
     let out = sync(&env, "1");
     assert!(!out.status.success(), "sync said done while S3 was down");
-    let child = Command::new(BIN)
-        .args(["s3-server", "--root"])
-        .arg(&s3_root)
-        .args(["--listen", &format!("127.0.0.1:{}", env.s3_port)])
-        .args([
-            "--access-key",
-            ACCESS,
-            "--secret-key",
-            SECRET,
-            "--bucket",
-            BUCKET,
-        ])
-        .stdout(Stdio::null())
-        .stderr(Stdio::null())
-        .spawn()
-        .unwrap();
-    wait_for_port(env.s3_port, "s3-server");
-    env._s3_proc = Proc(child);
+    restart_s3(&mut env, &s3_root);
 
     // 3. SIGKILL the mount during a write: that file is absent or whole.
     let inflight = mnt.join("checkpoints/inflight.bin");
@@ -372,24 +377,7 @@ fn with_two_copies_a_worker_that_loses_its_disk_loses_no_acknowledged_checkpoint
     std::thread::sleep(Duration::from_secs(2));
     stop.store(true, Ordering::Relaxed);
     let (tried, failed) = w.join().unwrap();
-    let child = Command::new(BIN)
-        .args(["s3-server", "--root"])
-        .arg(&s3_root)
-        .args(["--listen", &format!("127.0.0.1:{}", env.s3_port)])
-        .args([
-            "--access-key",
-            ACCESS,
-            "--secret-key",
-            SECRET,
-            "--bucket",
-            BUCKET,
-        ])
-        .stdout(Stdio::null())
-        .stderr(Stdio::null())
-        .spawn()
-        .unwrap();
-    wait_for_port(env.s3_port, "s3-server");
-    env._s3_proc = Proc(child);
+    restart_s3(&mut env, &s3_root);
 
     let out = sync(&env, "180");
     assert!(
