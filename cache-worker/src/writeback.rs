@@ -250,11 +250,7 @@ impl WriteBack {
         let taken_over = lock(&self.taken_over);
         lock(&self.journal)
             .pending()
-            .find(|p| {
-                p.replica_of
-                    .as_ref()
-                    .is_none_or(|r| taken_over.contains(&r.journal_id))
-            })
+            .find(|p| !held_for_primary(p, &taken_over))
             .cloned()
     }
 
@@ -264,11 +260,7 @@ impl WriteBack {
         let taken_over = lock(&self.taken_over);
         lock(&self.journal)
             .pending()
-            .filter(|p| {
-                p.replica_of
-                    .as_ref()
-                    .is_some_and(|r| !taken_over.contains(&r.journal_id))
-            })
+            .filter(|p| held_for_primary(p, &taken_over))
             .cloned()
             .collect()
     }
@@ -380,8 +372,11 @@ impl WriteBack {
                 .insert((object.uri.clone(), object.version.clone()), etag.into());
         }
         drop(overlay);
-        self.uploaded.fetch_add(1, Ordering::Relaxed);
-        *lock(&self.last_error) = None;
+        // A dropped copy is not an upload of this worker's.
+        if !held_for_primary(object, &lock(&self.taken_over)) {
+            self.uploaded.fetch_add(1, Ordering::Relaxed);
+            *lock(&self.last_error) = None;
+        }
         Ok(())
     }
 
@@ -424,10 +419,7 @@ impl WriteBack {
         status.journal_id = self.id.clone();
         let taken_over = lock(&self.taken_over);
         for p in journal.pending().filter(|p| p.uri.starts_with(prefix)) {
-            let held_for_primary = p
-                .replica_of
-                .as_ref()
-                .is_some_and(|r| !taken_over.contains(&r.journal_id));
+            let held_for_primary = held_for_primary(p, &taken_over);
             if !held_for_primary && status.next_upload_acked_ms.is_none() {
                 status.next_upload_acked_ms = Some(p.acked_ms);
             }
@@ -462,6 +454,14 @@ impl WriteBack {
     pub fn dir(cache_dir: &Path) -> PathBuf {
         cache_dir.join("writeback")
     }
+}
+
+/// A copy of another worker's write that this worker only holds (its
+/// primary uploads it): not taken over.
+fn held_for_primary(p: &PendingObject, taken_over: &HashSet<String>) -> bool {
+    p.replica_of
+        .as_ref()
+        .is_some_and(|r| !taken_over.contains(&r.journal_id))
 }
 
 /// Dirty pages no pending entry names: a write that crashed before its
