@@ -7,8 +7,9 @@ need_apt=()
 # bindgen (rocksdb bindings) needs libclang; the C++ build needs g++;
 # etcd-client needs protoc; the cluster tests run a real etcd; the mount
 # needs fusermount3 (fuse3) and its tests and benchmarks run fio; TLS
-# tests make their certificates with openssl.
-for pkg in libclang-dev clang g++ pkg-config protobuf-compiler etcd-server fuse3 fio openssl; do
+# tests make their certificates with openssl; the POSIX tests copy trees
+# with rsync.
+for pkg in libclang-dev clang g++ pkg-config protobuf-compiler etcd-server fuse3 fio openssl rsync; do
   dpkg -s "$pkg" >/dev/null 2>&1 || need_apt+=("$pkg")
 done
 if ((${#need_apt[@]})); then

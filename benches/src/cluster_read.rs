@@ -46,7 +46,9 @@ async fn main() -> Result<()> {
         .collect();
     for (i, uri) in uris.iter().enumerate() {
         let body: Vec<u8> = (0..size).map(|b| (b as usize * 13 + i) as u8).collect();
-        direct.put(uri, Bytes::from(body)).await?;
+        direct
+            .put(uri, Bytes::from(body), &Default::default())
+            .await?;
     }
     println!("| workers | aggregate warm MiB/s | bytes served per worker (share) | busiest / mean |\n|---|---|---|---|");
     for n in 1..=3usize {

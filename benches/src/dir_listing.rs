@@ -105,7 +105,9 @@ async fn main() -> Result<()> {
             let store = s3.direct.clone();
             async move {
                 let uri = ObjectUri::new("data", &key)?;
-                store.put(&uri, Bytes::from_static(b"x")).await?;
+                store
+                    .put(&uri, Bytes::from_static(b"x"), &Default::default())
+                    .await?;
                 anyhow::Ok(())
             }
         })

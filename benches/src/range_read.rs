@@ -172,7 +172,7 @@ async fn main() -> Result<()> {
         etags.push(
             setup
                 .direct
-                .put(&uri, Bytes::from(body))
+                .put(&uri, Bytes::from(body), &Default::default())
                 .await
                 .context("uploading bench object")?,
         );

@@ -125,7 +125,7 @@ async fn run_once(args: &Args, limit: &str) -> Result<Run> {
                 Ok::<_, std::convert::Infallible>(hyper::body::Frame::data(chunk(n, i)))
             });
             let body = StreamBody::new(body).map_err(|e| match e {}).boxed();
-            let stat = client.put(&uri, body).await?;
+            let stat = client.put(&uri, body, &Default::default()).await?;
             if stat.size != chunks * MIB {
                 bail!("{uri}: stored {} bytes", stat.size);
             }

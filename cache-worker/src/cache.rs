@@ -118,6 +118,8 @@ const MAX_TRACKED_STREAMS: usize = 16_384;
 /// Largest piece a response stream holds at once, so memory per client
 /// stays small whatever the page and request sizes.
 const MAX_PIECE: u64 = 1 << 20;
+/// HEADs in flight while a listing gets its objects' metadata.
+const LISTING_HEADS_IN_FLIGHT: usize = 32;
 
 fn now_ms() -> i64 {
     std::time::SystemTime::now()
@@ -209,11 +211,14 @@ impl Cache {
             .map_err(join_failed)??;
         if let Some(rec) = rec {
             let age = now_ms().saturating_sub(rec.validated_ms);
-            if age >= 0 && (age as u128) < self.config.metadata_ttl.as_millis() {
+            let fresh = age >= 0 && (age as u128) < self.config.metadata_ttl.as_millis();
+            // A record from a listing lacks the user metadata: HEAD once.
+            if let (true, Some(user)) = (fresh, rec.user) {
                 return Ok(ObjectMeta {
                     size: rec.size,
                     etag: rec.etag,
                     last_modified_ms: rec.last_modified_ms,
+                    user,
                 });
             }
         }
@@ -312,10 +317,21 @@ impl Cache {
             size: rec.size,
             etag: rec.etag,
             last_modified_ms: rec.last_modified_ms,
+            user: rec.user.unwrap_or_default(),
         })
     }
 
     pub(crate) fn record_meta(&self, key: &str, meta: &ObjectMeta) -> Result<(), CacheError> {
+        self.record_meta_with(key, meta, Some(meta.user.clone()))
+    }
+
+    /// Records `meta` with user metadata `user` (`None`: not known).
+    fn record_meta_with(
+        &self,
+        key: &str,
+        meta: &ObjectMeta,
+        user: Option<lakecache_protocol::UserMeta>,
+    ) -> Result<(), CacheError> {
         self.index.put_object(
             key,
             &ObjectRecord {
@@ -323,6 +339,7 @@ impl Cache {
                 etag: meta.etag.clone(),
                 last_modified_ms: meta.last_modified_ms,
                 validated_ms: now_ms(),
+                user,
             },
         )?;
         Ok(())
@@ -783,6 +800,7 @@ impl Cache {
                     size: e.size,
                     etag: e.etag.clone(),
                     last_modified_ms: e.last_modified_ms,
+                    user: Default::default(),
                 };
                 Some((uri.to_string(), meta))
             })
@@ -793,7 +811,13 @@ impl Cache {
                 let mut replaced = Vec::new();
                 for (key, meta) in listed {
                     let old = this.index.get_object(&key).ok().flatten();
-                    if let Err(e) = this.record_meta(&key, &meta) {
+                    // A listing has no user metadata: what was known for
+                    // this same version is kept.
+                    let user = old
+                        .as_ref()
+                        .filter(|o| o.etag == meta.etag)
+                        .and_then(|o| o.user.clone());
+                    if let Err(e) = this.record_meta_with(&key, &meta, user) {
                         tracing::debug!(%key, error = %e, "recording listed metadata failed");
                         continue;
                     }
@@ -810,6 +834,40 @@ impl Cache {
             }
         }
         Ok(listing)
+    }
+
+    /// Gives each listed object its user metadata: recorded here for the
+    /// same version, or HEADed (in parallel; one flight per object).
+    /// Objects whose metadata cannot be had are left without.
+    pub async fn add_user_meta(self: &Arc<Self>, bucket: &str, listing: &mut ListResponse) {
+        use futures::StreamExt as _;
+        let wanted: Vec<(usize, ObjectUri, String)> = listing
+            .objects
+            .iter()
+            .enumerate()
+            .filter(|(_, e)| e.meta.is_none())
+            .filter_map(|(i, e)| Some((i, ObjectUri::new(bucket, &e.key).ok()?, e.etag.clone())))
+            .collect();
+        let found: Vec<(usize, Option<lakecache_protocol::UserMeta>)> =
+            futures::stream::iter(wanted)
+                .map(|(i, uri, etag)| {
+                    let this = self.clone();
+                    async move {
+                        let meta = match this.stat(&uri).await {
+                            Ok(m) if etag.is_empty() || m.etag == etag => Some(m.user),
+                            _ => None,
+                        };
+                        (i, meta)
+                    }
+                })
+                .buffer_unordered(LISTING_HEADS_IN_FLIGHT)
+                .collect()
+                .await;
+        for (i, meta) in found {
+            if let Some(entry) = listing.objects.get_mut(i) {
+                entry.meta = meta;
+            }
+        }
     }
 
     pub async fn delete(self: &Arc<Self>, uri: &ObjectUri) -> Result<(), CacheError> {

@@ -35,6 +35,10 @@ pub struct ObjectRecord {
     pub etag: String,
     pub last_modified_ms: i64,
     pub validated_ms: i64,
+    /// User metadata (`x-amz-meta-*`); `None` when only a listing (which
+    /// leaves it out) or an older worker recorded the object.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub user: Option<lakecache_protocol::UserMeta>,
 }
 
 pub struct Index {

@@ -85,6 +85,10 @@ pub struct PendingObject {
     /// them once S3 has the object.
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub replicas: Vec<String>,
+    /// User metadata the object gets in S3 (the mount's mode, owner,
+    /// times).
+    #[serde(default, skip_serializing_if = "std::collections::BTreeMap::is_empty")]
+    pub meta: lakecache_protocol::UserMeta,
 }
 
 /// The primary of a replica entry.

@@ -11,7 +11,7 @@ use std::sync::Arc;
 
 use bytes::{Bytes, BytesMut};
 use futures::{Stream, StreamExt};
-use lakecache_protocol::ObjectUri;
+use lakecache_protocol::{ObjectUri, UserMeta};
 use tokio::task::JoinHandle;
 
 use crate::cache::{Cache, CacheError};
@@ -44,16 +44,19 @@ impl Cache {
         self: &Arc<Self>,
         uri: &ObjectUri,
         body: S,
+        user: &UserMeta,
     ) -> Result<ObjectMeta, CacheError>
     where
         S: Stream<Item = Result<Bytes, CacheError>> + Send + Unpin,
     {
         let mut staged = Vec::new();
         let mut upload: Option<Upload> = None;
-        let result = self.write_inner(uri, body, &mut staged, &mut upload).await;
+        let result = self
+            .write_inner(uri, body, user, &mut staged, &mut upload)
+            .await;
         match result {
             Ok((etag, size)) => {
-                let meta = self.finish_write(uri, etag, size, staged).await;
+                let meta = self.finish_write(uri, etag, size, user, staged).await;
                 self.hand_off_segments(uri, &meta);
                 Ok(meta)
             }
@@ -77,6 +80,7 @@ impl Cache {
         self: &Arc<Self>,
         uri: &ObjectUri,
         mut body: S,
+        user: &UserMeta,
         staged: &mut Vec<StagedPage>,
         upload: &mut Option<Upload>,
     ) -> Result<(String, u64), CacheError>
@@ -123,7 +127,7 @@ impl Cache {
                 rest = &rest[take..];
                 if part.len() == part_size {
                     let data = std::mem::take(&mut part).freeze();
-                    self.send_part(uri, upload, data, part_memory).await?;
+                    self.send_part(uri, user, upload, data, part_memory).await?;
                     let next = upload.as_ref().map_or(1, |u| u.next_part);
                     part_size = self.part_size(next);
                     part_memory = self.memory.reserve(part_size as u64).await;
@@ -136,10 +140,10 @@ impl Cache {
             self.stage(&rest, pages_seen, staged).await;
         }
         let etag = match upload {
-            None => self.store.put(uri, part.freeze()).await?,
+            None => self.store.put(uri, part.freeze(), user).await?,
             Some(_) => {
                 if !part.is_empty() {
-                    self.send_part(uri, upload, part.freeze(), part_memory)
+                    self.send_part(uri, user, upload, part.freeze(), part_memory)
                         .await?;
                 }
                 let Some(up) = upload.as_mut() else {
@@ -204,12 +208,13 @@ impl Cache {
     async fn send_part(
         self: &Arc<Self>,
         uri: &ObjectUri,
+        user: &UserMeta,
         upload: &mut Option<Upload>,
         data: Bytes,
         memory: Reservation,
     ) -> Result<(), CacheError> {
         if upload.is_none() {
-            let id = self.store.create_multipart(uri).await?;
+            let id = self.store.create_multipart(uri, user).await?;
             *upload = Some(Upload {
                 id,
                 next_part: 1,
@@ -245,6 +250,7 @@ impl Cache {
         uri: &ObjectUri,
         etag: String,
         size: u64,
+        user: &UserMeta,
         staged: Vec<StagedPage>,
     ) -> ObjectMeta {
         let key = uri.to_string();
@@ -261,6 +267,7 @@ impl Cache {
                         .duration_since(std::time::UNIX_EPOCH)
                         .map(|d| d.as_millis() as i64)
                         .unwrap_or(0),
+                    user: user.clone(),
                 }
             }
         };
@@ -325,12 +332,13 @@ impl Cache {
         from: &ObjectUri,
         etag: Option<&str>,
         to: &ObjectUri,
+        user: Option<&UserMeta>,
     ) -> Result<ObjectMeta, CacheError> {
         if let Some(version) = etag.filter(|e| crate::writeback::is_cache_version(e)) {
             let here = matches!(self.pending_meta(from), Ok(Some(m)) if m.etag == version)
                 || self.uploaded_as(from, version).is_some();
             if !here {
-                if let Some(meta) = self.copy_from_peer(from, version, to).await? {
+                if let Some(meta) = self.copy_from_peer(from, version, to, user).await? {
                     return Ok(meta);
                 }
             }
@@ -345,12 +353,12 @@ impl Cache {
         if crate::writeback::is_cache_version(&source.etag)
             || !matches!(self.pending_meta(to), Ok(None))
         {
-            return self.copy_through_cache(from, &source, to).await;
+            return self.copy_through_cache(from, &source, to, user).await;
         }
         if source.size > MAX_COPY_BYTES {
             return Err(CacheError::CopyTooLarge(source.size));
         }
-        let meta = self.store.copy(from, &source.etag, to).await?;
+        let meta = self.store.copy(from, &source.etag, to, user).await?;
         self.replace_meta(&to.to_string(), Some(&meta)).await?;
         Ok(meta)
     }

@@ -75,6 +75,7 @@ pub enum Pending {
         size: u64,
         acked_ms: i64,
         page_size: u64,
+        user: lakecache_protocol::UserMeta,
     },
     Deleted {
         seq: u64,
@@ -501,6 +502,7 @@ impl Pending {
                 size: p.size,
                 acked_ms: p.acked_ms,
                 page_size: p.page_size,
+                user: p.meta.clone(),
             }
         }
     }

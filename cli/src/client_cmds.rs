@@ -170,7 +170,7 @@ impl PutCmd {
         let stream = frames_from(rx);
         let body = BodyExt::boxed(http_body_util::StreamBody::new(stream));
         let stat = client
-            .put(&uri, body)
+            .put(&uri, body, &Default::default())
             .await
             .with_context(|| format!("uploading {uri}"))?;
         let _ = reader.await;

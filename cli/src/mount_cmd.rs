@@ -42,18 +42,30 @@ pub struct FuseArgs {
     /// [default: 1/8 of RAM, at most 4GiB]
     #[arg(long, env = "LAKECACHE_MEMORY_LIMIT")]
     pub memory_limit: Option<ByteSize>,
-    /// Owner shown for files [default: the mounting user]
+    /// Owner shown for objects that carry none in their metadata
+    /// [default: the mounting user]
     #[arg(long)]
     pub uid: Option<u32>,
-    /// Group shown for files [default: the mounting user's group]
+    /// Group shown for objects that carry none [default: the mounting
+    /// user's group]
     #[arg(long)]
     pub gid: Option<u32>,
-    /// Permission bits of files, octal
+    /// Permission bits of files that carry none, octal
     #[arg(long, default_value = "644", value_parser = parse_mode)]
     pub file_mode: u16,
-    /// Permission bits of directories, octal
+    /// Permission bits of directories that carry none, octal
     #[arg(long, default_value = "755", value_parser = parse_mode)]
     pub dir_mode: u16,
+    /// Read each object's mode, owner, times and type (symlinks, FIFOs,
+    /// devices) from its S3 metadata, one HEAD per object the first time
+    /// it is listed; `false`: listings alone, every object shows the
+    /// defaults above (a faster `ls -l` of huge read-only datasets)
+    #[arg(long, env = "LAKECACHE_POSIX_METADATA", default_value_t = true, action = clap::ArgAction::Set)]
+    pub posix_metadata: bool,
+    /// Largest file `truncate` to a non-zero size rewrites (it rewrites
+    /// the object whole); larger ones get EOPNOTSUPP
+    #[arg(long, default_value = "1GiB")]
+    pub truncate_rewrite_max: ByteSize,
     /// Threads reading kernel requests
     #[arg(long, default_value_t = 4, value_parser = clap::value_parser!(u16).range(1..=64))]
     pub fuse_threads: u16,
@@ -112,6 +124,8 @@ impl FuseArgs {
         }
         config.file_mode = self.file_mode;
         config.dir_mode = self.dir_mode;
+        config.posix_metadata = self.posix_metadata;
+        config.truncate_rewrite_max = self.truncate_rewrite_max.0;
         config.write_mode = self.write_mode.unwrap_or_default();
         for p in &self.write_back_prefix {
             let p = p.trim_start_matches('/');

@@ -5,7 +5,7 @@ use std::ffi::OsStr;
 use std::future::Future;
 use std::path::Path;
 use std::sync::Arc;
-use std::time::{Duration, SystemTime, UNIX_EPOCH};
+use std::time::SystemTime;
 
 use fuser::{
     AccessFlags, BsdFileFlags, Errno, FileAttr, FileHandle, FileType, Filesystem, FopenFlags,
@@ -15,9 +15,10 @@ use fuser::{
 };
 
 use crate::error::{Chain, FsError};
-use crate::fs::{Fs, SetAttr};
-use crate::inode::{Inode, Kind};
+use crate::fs::{Creator, Fs, SetAttr};
+use crate::inode::Inode;
 use crate::passthrough::Passthrough;
+use crate::posix::FileType as PosixType;
 
 /// Largest single read or write the kernel sends.
 pub const MAX_IO_BYTES: u32 = 1 << 20;
@@ -42,7 +43,7 @@ fn name_str(name: &OsStr) -> Result<&str, FsError> {
 
 fn log_refusal(op: &'static str, e: &FsError) {
     match e {
-        FsError::NotFound | FsError::Exists | FsError::NotEmpty => {
+        FsError::NotFound | FsError::Exists | FsError::NotEmpty | FsError::NameTooLong => {
             tracing::debug!(op, error = %e, "fuse op failed")
         }
         FsError::UploadFailed(_) | FsError::DataPlane(_) | FsError::Task(_) | FsError::Stale => {
@@ -55,6 +56,7 @@ fn log_refusal(op: &'static str, e: &FsError) {
 impl KernelAdapter {
     pub fn new(fs: Arc<Fs>, runtime: tokio::runtime::Handle) -> Self {
         runtime.spawn(Fs::housekeeping(Arc::downgrade(&fs)));
+        runtime.spawn(store_metadata_changes(Arc::downgrade(&fs)));
         // Passthrough only has files to hand over with a local tier.
         let passthrough = Arc::new(Passthrough::new(fs.local_tier().is_some()));
         Self {
@@ -65,26 +67,27 @@ impl KernelAdapter {
     }
 
     fn attr(&self, node: &Inode) -> FileAttr {
-        let config = self.fs.config();
-        let mtime = UNIX_EPOCH + Duration::from_millis(node.meta.mtime_ms.max(0) as u64);
-        let (kind, perm, nlink) = match node.kind {
-            Kind::File => (FileType::RegularFile, config.file_mode, 1),
-            Kind::Dir => (FileType::Directory, config.dir_mode, 2),
+        let a = self.fs.attrs(node);
+        let nlink = if a.kind == PosixType::Directory { 2 } else { 1 };
+        let size = if a.kind == PosixType::Directory {
+            0
+        } else {
+            node.meta.size
         };
         FileAttr {
             ino: INodeNo(node.ino),
-            size: node.meta.size,
-            blocks: node.meta.size.div_ceil(512),
-            atime: mtime,
-            mtime,
-            ctime: mtime,
-            crtime: mtime,
-            kind,
-            perm,
+            size,
+            blocks: size.div_ceil(512),
+            atime: a.atime,
+            mtime: a.mtime,
+            ctime: a.ctime,
+            crtime: a.mtime,
+            kind: kernel_type(a.kind),
+            perm: (a.perm & 0o7777) as u16,
             nlink,
-            uid: config.uid,
-            gid: config.gid,
-            rdev: 0,
+            uid: a.uid,
+            gid: a.gid,
+            rdev: a.rdev,
             blksize: BLOCK_SIZE,
             flags: 0,
         }
@@ -192,10 +195,10 @@ impl Filesystem for KernelAdapter {
         uid: Option<u32>,
         gid: Option<u32>,
         size: Option<u64>,
-        _atime: Option<TimeOrNow>,
-        _mtime: Option<TimeOrNow>,
+        atime: Option<TimeOrNow>,
+        mtime: Option<TimeOrNow>,
         _ctime: Option<SystemTime>,
-        _fh: Option<FileHandle>,
+        fh: Option<FileHandle>,
         _crtime: Option<SystemTime>,
         _chgtime: Option<SystemTime>,
         _bkuptime: Option<SystemTime>,
@@ -204,11 +207,18 @@ impl Filesystem for KernelAdapter {
     ) {
         let ttl = self.fs.config().attr_ttl;
         let this = self.clone();
+        let when = |t: TimeOrNow| match t {
+            TimeOrNow::SpecificTime(t) => t,
+            TimeOrNow::Now => SystemTime::now(),
+        };
         let change = SetAttr {
             mode,
             uid,
             gid,
             size,
+            atime: atime.map(when),
+            mtime: mtime.map(when),
+            fh: fh.map(|f| f.0),
         };
         self.spawn(
             "setattr",
@@ -223,26 +233,46 @@ impl Filesystem for KernelAdapter {
 
     fn mknod(
         &self,
-        _req: &Request,
-        _parent: INodeNo,
-        _name: &OsStr,
-        _mode: u32,
+        req: &Request,
+        parent: INodeNo,
+        name: &OsStr,
+        mode: u32,
         _umask: u32,
-        _rdev: u32,
+        rdev: u32,
         reply: ReplyEntry,
     ) {
-        reply.error(self.refuse(
+        let name = match name_str(name) {
+            Ok(n) => n.to_string(),
+            Err(e) => return reply.error(self.refuse("mknod", e)),
+        };
+        let who = creator(req, mode);
+        let this = self.clone();
+        self.spawn(
             "mknod",
-            FsError::NotPermitted("device, FIFO and socket nodes cannot be stored in S3"),
-        ));
+            parent.0,
+            move |fs| async move { fs.mknod(parent.0, &name, mode, rdev, who).await },
+            move |r| this.reply_entry(reply, r),
+        );
+    }
+
+    fn readlink(&self, _req: &Request, ino: INodeNo, reply: ReplyData) {
+        self.spawn(
+            "readlink",
+            ino.0,
+            move |fs| async move { fs.readlink(ino.0).await },
+            move |r| match r {
+                Ok(target) => reply.data(target.as_bytes()),
+                Err(e) => reply.error(errno(&e)),
+            },
+        );
     }
 
     fn mkdir(
         &self,
-        _req: &Request,
+        req: &Request,
         parent: INodeNo,
         name: &OsStr,
-        _mode: u32,
+        mode: u32,
         _umask: u32,
         reply: ReplyEntry,
     ) {
@@ -250,16 +280,13 @@ impl Filesystem for KernelAdapter {
             Ok(n) => n.to_string(),
             Err(e) => return reply.error(self.refuse("mkdir", e)),
         };
-        let ttl = self.fs.config().entry_ttl;
+        let who = creator(req, mode);
         let this = self.clone();
         self.spawn(
             "mkdir",
             parent.0,
-            move |fs| async move { fs.mkdir(parent.0, &name).await },
-            move |r| match r {
-                Ok(node) => reply.entry(&ttl, &this.attr(&node), Generation(0)),
-                Err(e) => reply.error(errno(&e)),
-            },
+            move |fs| async move { fs.mkdir(parent.0, &name, who).await },
+            move |r| this.reply_entry(reply, r),
         );
     }
 
@@ -291,16 +318,30 @@ impl Filesystem for KernelAdapter {
 
     fn symlink(
         &self,
-        _req: &Request,
-        _parent: INodeNo,
-        _link_name: &OsStr,
-        _target: &Path,
+        req: &Request,
+        parent: INodeNo,
+        link_name: &OsStr,
+        target: &Path,
         reply: ReplyEntry,
     ) {
-        reply.error(self.refuse(
+        let names = name_str(link_name).and_then(|n| {
+            let t = target
+                .to_str()
+                .ok_or_else(|| FsError::InvalidName("link targets must be UTF-8".into()))?;
+            Ok((n.to_string(), t.to_string()))
+        });
+        let (name, target) = match names {
+            Ok(n) => n,
+            Err(e) => return reply.error(self.refuse("symlink", e)),
+        };
+        let who = creator(req, 0o777);
+        let this = self.clone();
+        self.spawn(
             "symlink",
-            FsError::NotPermitted("symbolic links cannot be stored in S3"),
-        ));
+            parent.0,
+            move |fs| async move { fs.symlink(parent.0, &name, &target, who).await },
+            move |r| this.reply_entry(reply, r),
+        );
     }
 
     fn rename(
@@ -503,6 +544,7 @@ impl Filesystem for KernelAdapter {
         offset: u64,
         mut reply: ReplyDirectory,
     ) {
+        let this = self.clone();
         self.spawn(
             "readdir",
             ino.0,
@@ -512,12 +554,9 @@ impl Filesystem for KernelAdapter {
                     Ok(e) => e,
                     Err(e) => return reply.error(errno(&e)),
                 };
-                for (i, entry) in entries.iter().enumerate() {
-                    let kind = match entry.node.kind {
-                        Kind::File => FileType::RegularFile,
-                        Kind::Dir => FileType::Directory,
-                    };
-                    let next = offset + i as u64 + 1;
+                for entry in &entries {
+                    let kind = kernel_type(this.fs.attrs(&entry.node).kind);
+                    let next = entry.offset;
                     if reply.add(INodeNo(entry.node.ino), next, kind, &entry.name) {
                         break;
                     }
@@ -547,9 +586,9 @@ impl Filesystem for KernelAdapter {
                 };
                 let ttl = this.fs.config().entry_ttl;
                 let mut full = false;
-                for (i, entry) in entries.iter().enumerate() {
+                for entry in &entries {
                     let counted = entry.name != "." && entry.name != "..";
-                    let next = offset + i as u64 + 1;
+                    let next = entry.offset;
                     full = full
                         || reply.add(
                             INodeNo(entry.node.ino),
@@ -595,8 +634,24 @@ impl Filesystem for KernelAdapter {
         _datasync: bool,
         reply: ReplyEmpty,
     ) {
-        // Directory changes are in S3 when their call returns.
-        reply.ok();
+        // Names are in S3 when their call returns; metadata changes may
+        // wait for the coalescing window: store them now.
+        self.spawn(
+            "fsyncdir",
+            0,
+            move |fs| async move { fs.sync_metadata().await },
+            move |r| empty_reply(reply, r),
+        );
+    }
+
+    fn destroy(&mut self) {
+        let fs = self.fs.clone();
+        let stored = self
+            .runtime
+            .block_on(async move { fs.sync_metadata().await });
+        if let Err(e) = stored {
+            tracing::error!(error = %Chain(&e), "metadata changes could not be stored at unmount");
+        }
     }
 
     fn statfs(&self, _req: &Request, _ino: INodeNo, reply: ReplyStatfs) {
@@ -668,9 +723,9 @@ impl Filesystem for KernelAdapter {
         req: &Request,
         parent: INodeNo,
         name: &OsStr,
-        _mode: u32,
+        mode: u32,
         _umask: u32,
-        _flags: i32,
+        flags: i32,
         reply: ReplyCreate,
     ) {
         let name = match name_str(name) {
@@ -678,12 +733,13 @@ impl Filesystem for KernelAdapter {
             Err(e) => return reply.error(self.refuse("create", e)),
         };
         let pid = req.pid();
+        let who = creator(req, mode);
         let ttl = self.fs.config().entry_ttl;
         let this = self.clone();
         self.spawn(
             "create",
             parent.0,
-            move |fs| async move { fs.create(parent.0, &name, pid).await },
+            move |fs| async move { fs.create(parent.0, &name, pid, who, flags).await },
             move |r| match r {
                 Ok((node, fh)) => reply.created(
                     &ttl,
@@ -711,6 +767,51 @@ impl Filesystem for KernelAdapter {
             "fallocate",
             FsError::Unsupported("preallocation (objects are written sequentially)"),
         ));
+    }
+}
+
+impl KernelAdapter {
+    fn reply_entry(&self, reply: ReplyEntry, r: Result<Inode, FsError>) {
+        match r {
+            Ok(node) => reply.entry(
+                &self.fs.config().entry_ttl,
+                &self.attr(&node),
+                Generation(0),
+            ),
+            Err(e) => reply.error(errno(&e)),
+        }
+    }
+}
+
+/// The caller of a creating request, and the mode it asked for (the
+/// kernel has applied the umask).
+fn creator(req: &Request, mode: u32) -> Creator {
+    Creator {
+        uid: req.uid(),
+        gid: req.gid(),
+        perm: mode & 0o7777,
+    }
+}
+
+fn kernel_type(kind: PosixType) -> FileType {
+    match kind {
+        PosixType::Regular => FileType::RegularFile,
+        PosixType::Directory => FileType::Directory,
+        PosixType::Symlink => FileType::Symlink,
+        PosixType::Fifo => FileType::NamedPipe,
+        PosixType::Socket => FileType::Socket,
+        PosixType::CharDevice => FileType::CharDevice,
+        PosixType::BlockDevice => FileType::BlockDevice,
+    }
+}
+
+/// Stores metadata changes once their coalescing window has passed,
+/// while the mount lives.
+async fn store_metadata_changes(fs: std::sync::Weak<Fs>) {
+    loop {
+        tokio::time::sleep(crate::fs::METADATA_DELAY / 2).await;
+        let Some(fs) = fs.upgrade() else { return };
+        fs.store_due_metadata().await;
     }
 }
 

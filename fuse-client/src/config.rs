@@ -34,6 +34,16 @@ pub struct FsConfig {
     pub write_mode: WriteMode,
     /// Keys (full S3 keys, e.g. `runs/checkpoints/`) written back.
     pub write_back_prefixes: Vec<String>,
+    /// Read each object's mode, owner, times and type from its S3 user
+    /// metadata (a HEAD per object the first time it is listed); off,
+    /// listings alone give the attributes and every object shows the
+    /// defaults above (faster `ls -l` of huge datasets).
+    pub posix_metadata: bool,
+    /// Largest object `truncate` rewrites (to a size other than 0), and
+    /// the largest changed in place (opened without `O_TRUNC`).
+    pub truncate_rewrite_max: u64,
+    /// Where files changed in place are spooled until they are uploaded.
+    pub spool_dir: std::path::PathBuf,
 }
 
 impl FsConfig {
@@ -61,6 +71,9 @@ impl FsConfig {
             write_scopes: None,
             write_mode: WriteMode::Through,
             write_back_prefixes: Vec::new(),
+            posix_metadata: true,
+            truncate_rewrite_max: 1 << 30,
+            spool_dir: std::env::temp_dir().join("lakecache-spool"),
         }
     }
 

@@ -35,6 +35,8 @@ pub struct DirStream {
     done: bool,
     bucket: String,
     dir_key: String,
+    /// Ask for each object's user metadata with the listing.
+    with_meta: bool,
 }
 
 /// Entries fetched per LIST; S3's maximum.
@@ -53,7 +55,14 @@ impl DirStream {
             done: false,
             bucket: bucket.to_string(),
             dir_key: dir_key.to_string(),
+            with_meta: false,
         }
+    }
+
+    /// Lists with each object's user metadata (POSIX attributes).
+    pub fn with_meta(mut self, on: bool) -> Self {
+        self.with_meta = on;
+        self
     }
 
     /// A stream over a complete listing from the cache.
@@ -89,18 +98,25 @@ impl DirStream {
         }
     }
 
+    pub fn get_mut(&mut self, i: usize) -> Option<&mut Listed> {
+        if i < self.head.len() {
+            self.head.get_mut(i)
+        } else {
+            let at = i - self.head.len();
+            self.listed.get_mut(at)
+        }
+    }
+
     /// Lists pages until `want` entries are known or the listing ends.
     pub async fn fill_to(&mut self, data: &dyn DataPlane, want: usize) -> Result<(), FsError> {
         while !self.done && self.len() < want {
-            let page = data
-                .list(
-                    &self.bucket,
-                    &self.dir_key,
-                    Some("/"),
-                    self.token.as_deref(),
-                    Some(PAGE),
-                )
-                .await?;
+            let (bucket, dir, token) = (&self.bucket, &self.dir_key, self.token.as_deref());
+            let page = if self.with_meta {
+                data.list_with_meta(bucket, dir, Some("/"), token, Some(PAGE))
+                    .await?
+            } else {
+                data.list(bucket, dir, Some("/"), token, Some(PAGE)).await?
+            };
             // Prefixes first: a prefix shadows an object of the same name,
             // as `lookup` resolves it.
             for prefix in &page.common_prefixes {
@@ -129,6 +145,7 @@ impl DirStream {
                     size: obj.size,
                     etag: Some(obj.etag.clone()).filter(|e| !e.is_empty()),
                     mtime_ms: obj.last_modified_ms,
+                    user: obj.meta.clone(),
                 };
                 self.push(name, Kind::File, obj.key.clone(), meta);
             }
@@ -250,6 +267,13 @@ impl ListingCache {
         let mut map = self.lock();
         self.generation.fetch_add(1, Ordering::SeqCst);
         map.remove(dir_key);
+    }
+
+    /// A directory moved: its listing and those below it are stale.
+    pub fn invalidate_under(&self, prefix: &str) {
+        let mut map = self.lock();
+        self.generation.fetch_add(1, Ordering::SeqCst);
+        map.retain(|k, _| !k.starts_with(prefix));
     }
 
     /// Drops expired listings; returns how many entries were freed.

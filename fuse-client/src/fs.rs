@@ -19,6 +19,10 @@ use crate::memory::MemoryBudget;
 use crate::read::{FileReader, ReadaheadPolicy};
 use crate::write::FileWriter;
 
+mod meta;
+mod update;
+pub use meta::{Creator, SetAttr, METADATA_DELAY};
+
 const MAX_NAME_BYTES: usize = 255;
 
 /// One directory entry as `readdir` returns it.
@@ -26,6 +30,8 @@ const MAX_NAME_BYTES: usize = 255;
 pub struct DirEntry {
     pub name: String,
     pub node: Inode,
+    /// Where `readdir` goes on after this entry.
+    pub offset: u64,
 }
 
 #[derive(Clone)]
@@ -41,17 +47,12 @@ enum Handle {
         owner_tgid: Option<u32>,
         /// Metadata before an overwrite, restored if the upload fails.
         previous: Option<Meta>,
+        /// Set when the file was unlinked while open: nothing is stored.
+        discarded: Arc<std::sync::atomic::AtomicBool>,
     },
     Dir(Arc<AsyncMutex<DirStream>>),
-}
-
-/// What `setattr` was asked to change.
-#[derive(Debug, Default, Clone)]
-pub struct SetAttr {
-    pub mode: Option<u32>,
-    pub uid: Option<u32>,
-    pub gid: Option<u32>,
-    pub size: Option<u64>,
+    /// Opened for writing without `O_TRUNC` (see `update.rs`).
+    Update(Arc<update::Update>),
 }
 
 pub struct Fs {
@@ -67,6 +68,8 @@ pub struct Fs {
     memory: Arc<MemoryBudget>,
     /// The node-local cache tier, when the mount has one.
     tier: Option<Arc<crate::local_tier::LocalTier>>,
+    /// Metadata changes not yet stored in S3.
+    dirty_meta: meta::DirtyMeta,
 }
 
 /// Entries one `readdir` call prepares; the kernel's buffer takes fewer.
@@ -80,6 +83,8 @@ const LOOKUPS_BEFORE_LISTING: u32 = 2;
 /// Largest directory listed for lookups (in entries); a bigger one keeps
 /// costing a HEAD per name.
 const LOOKUP_LISTING_MAX: usize = 100_000;
+/// Stats in flight while a directory's entries get their metadata.
+const STATS_IN_FLIGHT: usize = 32;
 /// Directories tracked for lookup misses before the table is reset.
 const MAX_TRACKED_DIRS: usize = 4096;
 
@@ -94,6 +99,7 @@ fn meta_of(stat: &ObjectStat) -> Meta {
         size: stat.size,
         etag: Some(stat.etag.clone()),
         mtime_ms: stat.last_modified_ms,
+        user: Some(stat.meta.clone()),
     }
 }
 
@@ -130,6 +136,7 @@ impl Fs {
             forgets: AtomicU64::new(0),
             memory,
             tier: None,
+            dirty_meta: meta::DirtyMeta::default(),
         }
     }
 
@@ -274,7 +281,7 @@ impl Fs {
         let p = self.dir(parent)?;
         let file_key = self.child_key(&p, name, Kind::File)?;
         if let Some(node) = self.inodes.child(parent, name) {
-            if node.is_fresh(self.config.entry_ttl) {
+            if node.is_fresh(self.config.entry_ttl) && node.meta.user.is_some() {
                 return Ok(node);
             }
         }
@@ -282,12 +289,22 @@ impl Fs {
             // Only names the listing has: one created elsewhere since the
             // listing is still found by asking S3 below.
             if let Some(entry) = cached.find(name) {
+                let meta = self
+                    .with_user_meta(entry.kind, &entry.key, entry.meta.clone())
+                    .await;
+                let meta = match meta {
+                    Err(FsError::NotFound) => {
+                        self.inodes.unlink(parent, name);
+                        return Err(FsError::NotFound);
+                    }
+                    other => other?,
+                };
                 return Ok(self.inodes.upsert_at(
                     parent,
                     name,
                     entry.kind,
                     entry.key.clone(),
-                    entry.meta.clone(),
+                    meta,
                     cached.at,
                 ));
             }
@@ -314,9 +331,10 @@ impl Fs {
         let listing = listing.map_err(FsError::from)?;
         // A prefix shadows an object of the same name, as in `ls` of S3.
         if !listing.objects.is_empty() || !listing.common_prefixes.is_empty() {
-            return Ok(self
-                .inodes
-                .upsert(parent, name, Kind::Dir, dir_key, Meta::default()));
+            let meta = self
+                .with_user_meta(Kind::Dir, &dir_key, Meta::default())
+                .await?;
+            return Ok(self.inodes.upsert(parent, name, Kind::Dir, dir_key, meta));
         }
         match stat.map_err(FsError::from) {
             Ok(stat) => Ok(self
@@ -365,7 +383,8 @@ impl Fs {
             dir_key,
             Vec::new(),
             listings.generation(),
-        );
+        )
+        .with_meta(self.config.posix_metadata);
         let dir_key = dir_key.to_string();
         tokio::spawn(async move {
             match stream.fill_to(data.as_ref(), LOOKUP_LISTING_MAX + 1).await {
@@ -432,7 +451,21 @@ impl Fs {
 
     pub async fn getattr(&self, ino: u64) -> Result<Inode, FsError> {
         let node = self.node(ino)?;
-        if node.is_fresh(self.config.attr_ttl) {
+        if node.meta.user.is_none() && node.kind == Kind::Dir {
+            let meta = self
+                .with_user_meta(Kind::Dir, &node.key, node.meta.clone())
+                .await?;
+            return self
+                .inodes
+                .update(ino, |n| {
+                    if n.meta.user.is_none() {
+                        n.meta = meta;
+                    }
+                    n.clone()
+                })
+                .ok_or(FsError::NotFound);
+        }
+        if node.is_fresh(self.config.attr_ttl) && node.meta.user.is_some() {
             return Ok(node);
         }
         self.revalidate(ino).await
@@ -441,11 +474,16 @@ impl Fs {
     /// Asks the store for the object's current size and version.
     async fn revalidate(&self, ino: u64) -> Result<Inode, FsError> {
         let node = self.node(ino)?;
+        let asked = std::time::Instant::now();
         match self.data.stat(&self.uri(&node.key)?).await {
             Ok(stat) => {
                 let meta = meta_of(&stat);
                 self.inodes.update(ino, |n| {
-                    if n.writer.is_none() {
+                    // Not over a change made here while S3 was asked.
+                    if n.writer.is_none() && !n.meta_dirty && asked >= n.validated {
+                        if n.meta.etag != meta.etag {
+                            n.link_target = None;
+                        }
                         n.meta = meta;
                         n.validated = std::time::Instant::now();
                     }
@@ -461,62 +499,6 @@ impl Fs {
                 Err(e)
             }
         }
-    }
-
-    pub async fn setattr(&self, ino: u64, change: SetAttr) -> Result<Inode, FsError> {
-        let node = self.getattr(ino).await?;
-        let perm = match node.kind {
-            Kind::File => self.config.file_mode,
-            Kind::Dir => self.config.dir_mode,
-        };
-        if change.mode.is_some_and(|m| (m & 0o7777) as u16 != perm) {
-            return Err(FsError::NotPermitted(
-                "S3 objects have no permissions to change",
-            ));
-        }
-        if change.uid.is_some_and(|u| u != self.config.uid)
-            || change.gid.is_some_and(|g| g != self.config.gid)
-        {
-            return Err(FsError::NotPermitted("S3 objects have no owner to change"));
-        }
-        let Some(size) = change.size else {
-            // Time changes are accepted and not kept: S3 sets mtime.
-            return Ok(node);
-        };
-        if node.kind == Kind::Dir {
-            return Err(FsError::IsDir);
-        }
-        if let Some(fh) = node.writer {
-            if let Ok(Handle::Write { writer, .. }) = self.handle(fh) {
-                let mut w = writer.lock().await;
-                w.set_len(size)?;
-                let shown = w.size();
-                return self
-                    .inodes
-                    .update(ino, |n| {
-                        n.meta.size = shown;
-                        n.clone()
-                    })
-                    .ok_or(FsError::NotFound);
-            }
-        }
-        if size == node.meta.size {
-            return Ok(node);
-        }
-        if size != 0 {
-            return Err(FsError::Unsupported(
-                "truncating an object to a non-zero size",
-            ));
-        }
-        let stat = self.put_empty(&node.key).await?;
-        let meta = meta_of(&stat);
-        self.inodes
-            .update(ino, |n| {
-                n.meta = meta;
-                n.validated = std::time::Instant::now();
-                n.clone()
-            })
-            .ok_or(FsError::NotFound)
     }
 
     /// Opens a directory after its first LIST page (or from a listing
@@ -552,7 +534,8 @@ impl Fs {
             &dir.key,
             head,
             self.listings.generation(),
-        );
+        )
+        .with_meta(self.config.posix_metadata);
         match self.listings.get(&dir.key) {
             Some(cached) => stream = stream.from_cache(&cached),
             None => stream.fill_to(self.data.as_ref(), stream.len() + 1).await?,
@@ -580,6 +563,7 @@ impl Fs {
         let end = start.saturating_add(READDIR_BATCH);
         let was_done = stream.is_done();
         stream.fill_to(self.data.as_ref(), end).await?;
+        self.complete_user_meta(&mut stream, start..end).await?;
         if stream.is_done() && !was_done {
             let dir_key = self.dir(ino)?.key;
             self.listings.put(
@@ -615,17 +599,54 @@ impl Fs {
             out.push(DirEntry {
                 name: entry.name.clone(),
                 node,
+                offset: i as u64 + 1,
             });
         }
         Ok(out)
     }
 
+    /// Gives the entries `range` their user metadata (a listing has
+    /// none): the kernel must learn an entry's type, mode and owner with
+    /// the entry, since a type changing later makes its inode unusable.
+    async fn complete_user_meta(
+        &self,
+        stream: &mut DirStream,
+        range: std::ops::Range<usize>,
+    ) -> Result<(), FsError> {
+        use futures::StreamExt as _;
+        let wanted: Vec<(usize, Listed)> = range
+            .filter_map(|i| stream.get(i).map(|e| (i, e)))
+            .filter(|(_, e)| e.meta.user.is_none() && e.name != "." && e.name != "..")
+            .map(|(i, e)| (i, e.clone()))
+            .collect();
+        let found: Vec<_> = futures::stream::iter(wanted.into_iter().map(|(i, e)| async move {
+            let meta = self.with_user_meta(e.kind, &e.key, e.meta.clone()).await;
+            (i, meta)
+        }))
+        .buffered(STATS_IN_FLIGHT)
+        .collect()
+        .await;
+        for (i, meta) in found {
+            let meta = match meta {
+                Ok(m) => m,
+                // Deleted since the listing: shown as listed until looked up.
+                Err(FsError::NotFound) => continue,
+                Err(e) => return Err(e),
+            };
+            if let Some(entry) = stream.get_mut(i) {
+                entry.meta = meta;
+            }
+        }
+        Ok(())
+    }
+
     /// Every entry of a directory, as `ls` reads it (tests and tools).
     pub async fn list_dir(&self, ino: u64) -> Result<Vec<DirEntry>, FsError> {
         let fh = self.opendir(ino).await?;
-        let mut all = Vec::new();
+        let mut all: Vec<DirEntry> = Vec::new();
         loop {
-            let batch = self.readdir(ino, fh, all.len() as u64, false).await;
+            let next = all.last().map_or(0, |e| e.offset);
+            let batch = self.readdir(ino, fh, next, false).await;
             match batch {
                 Ok(b) if b.is_empty() => break,
                 Ok(b) => all.extend(b),
@@ -652,14 +673,15 @@ impl Fs {
         }
         let access = flags & libc::O_ACCMODE;
         let replaces = flags & libc::O_TRUNC != 0 || node.meta.size == 0;
-        // O_RDWR on an existing object without O_TRUNC reads it (fio's
-        // verify pass does this); writing through that handle is refused.
-        if access == libc::O_WRONLY || (access == libc::O_RDWR && replaces) {
+        if access != libc::O_RDONLY && replaces {
             let previous = Some(node.meta.clone());
             let owner = tgid_of(pid).await;
             return self.open_for_write(node, flags, owner, previous);
         }
-        if node.writer.is_some() {
+        // Without O_TRUNC the object is read as usual and copied to a
+        // spool on its first change (fio's verify pass only reads).
+        let updating = access != libc::O_RDONLY;
+        if node.writer.is_some() && !updating {
             return Err(FsError::Busy("the file is being written"));
         }
         let mut node = self.getattr(ino).await?;
@@ -685,6 +707,9 @@ impl Fs {
             self.memory.clone(),
         )
         .with_tier(tier_object);
+        if updating {
+            return Ok((self.open_update(ino, pid, reader).await?, false));
+        }
         let fh = self.add_handle(Handle::Read {
             reader: Arc::new(AsyncMutex::new(reader)),
             ino,
@@ -721,6 +746,7 @@ impl Fs {
         // Claim the inode atomically: of two concurrent opens for
         // writing, exactly one wins and the other gets EBUSY.
         let fh = self.next_fh.fetch_add(1, Ordering::Relaxed);
+        let user = self.rewritten_meta(&node);
         let claimed = self.inodes.update(node.ino, |n| {
             if n.writer.is_some() {
                 return false;
@@ -730,7 +756,9 @@ impl Fs {
                 size: 0,
                 etag: None,
                 mtime_ms: now_ms(),
+                user: Some(user.clone()),
             };
+            n.meta_dirty = false;
             n.page_cache_etag = None;
             true
         });
@@ -745,6 +773,7 @@ impl Fs {
             self.config.upload_timeout,
             self.memory.clone(),
             self.config.write_mode_for(&node.key),
+            user,
         );
         let mut handles = self.handles.lock().unwrap_or_else(|p| p.into_inner());
         handles.insert(
@@ -754,15 +783,37 @@ impl Fs {
                 ino: node.ino,
                 owner_tgid,
                 previous,
+                discarded: Arc::default(),
             },
         );
         Ok((fh, false))
     }
 
-    /// Creates a file that exists locally until its upload completes.
-    pub async fn create(&self, parent: u64, name: &str, pid: u32) -> Result<(Inode, u64), FsError> {
-        let owner = tgid_of(pid).await;
+    /// Creates a file that exists locally until its upload completes;
+    /// opened read-only, it is stored empty at once.
+    pub async fn create(
+        &self,
+        parent: u64,
+        name: &str,
+        pid: u32,
+        who: Creator,
+        flags: i32,
+    ) -> Result<(Inode, u64), FsError> {
         let p = self.dir(parent)?;
+        let user = self.new_object_meta(&p, crate::posix::FileType::Regular, who, 0);
+        if flags & libc::O_ACCMODE == libc::O_RDONLY {
+            let key = self.child_key(&p, name, Kind::File)?;
+            self.check_writable(&self.uri(&key)?)?;
+            let stat = self.put_object(&key, Bytes::new(), &user).await?;
+            self.dir_changed(parent);
+            let node = self
+                .inodes
+                .upsert(parent, name, Kind::File, key, meta_of(&stat));
+            self.inodes.add_lookup(node.ino);
+            let (fh, _) = self.open(node.ino, libc::O_RDONLY, pid).await?;
+            return Ok((self.node(node.ino)?, fh));
+        }
+        let owner = tgid_of(pid).await;
         let key = self.child_key(&p, name, Kind::File)?;
         self.check_writable(&self.uri(&key)?)?;
         if let Some(existing) = self.inodes.child(parent, name) {
@@ -779,6 +830,7 @@ impl Fs {
                 size: 0,
                 etag: None,
                 mtime_ms: now_ms(),
+                user: Some(user),
             },
         );
         // A create that did not replace anything has nothing to restore.
@@ -811,6 +863,7 @@ impl Fs {
             Handle::Write { .. } => Err(FsError::NotPermitted(
                 "a file open for writing cannot be read until it is closed",
             )),
+            Handle::Update(u) => self.update_read(&u, offset, len).await,
             Handle::Dir(_) => Err(FsError::IsDir),
         }
     }
@@ -818,14 +871,15 @@ impl Fs {
     pub async fn write(&self, fh: u64, offset: u64, data: Bytes) -> Result<u32, FsError> {
         let (writer, ino) = match self.handle(fh)? {
             Handle::Write { writer, ino, .. } => (writer, ino),
-            Handle::Read { .. } => {
-                return Err(FsError::NotPermitted(
-                    "existing objects can only be replaced whole: open with O_TRUNC",
-                ))
-            }
+            Handle::Read { .. } => return Err(FsError::BadHandle),
+            Handle::Update(u) => return self.update_write(fh, &u, offset, data).await,
             Handle::Dir(_) => return Err(FsError::BadHandle),
         };
         let mut w = writer.lock().await;
+        // Used if this write starts the upload.
+        if let Some(user) = self.touch_written(ino) {
+            w.set_meta(user);
+        }
         let n = w.write(offset, data).await.inspect_err(|e| {
             tracing::warn!(uri = %w.uri, offset, error = %e, "write refused");
         })?;
@@ -852,20 +906,35 @@ impl Fs {
                 }
                 self.commit(fh).await
             }
+            Handle::Update(u) => {
+                if u.owner_tgid.is_some() && tgid_of(pid).await != u.owner_tgid {
+                    return Ok(());
+                }
+                self.update_commit(fh, &u).await
+            }
             _ => Ok(()),
         }
     }
 
     pub async fn fsync(&self, fh: u64) -> Result<(), FsError> {
         match self.handle(fh)? {
-            Handle::Write { .. } => self.commit(fh).await,
-            _ => Ok(()),
+            Handle::Write { ino, .. } => {
+                self.commit(fh).await?;
+                self.store_metadata(ino).await
+            }
+            Handle::Read { ino, .. } => self.store_metadata(ino).await,
+            Handle::Update(u) => {
+                self.update_commit(fh, &u).await?;
+                self.store_metadata(u.ino).await
+            }
+            Handle::Dir(_) => self.sync_metadata().await,
         }
     }
 
     pub async fn release(&self, fh: u64) -> Result<(), FsError> {
         let result = match self.handle(fh) {
             Ok(Handle::Write { .. }) => self.commit(fh).await,
+            Ok(Handle::Update(u)) => self.update_release(fh, &u).await,
             _ => Ok(()),
         };
         if let Some(Handle::Write { ino, .. }) = self.take_handle(fh) {
@@ -878,19 +947,40 @@ impl Fs {
         result
     }
 
+    /// Stores what a writing handle of either kind holds.
+    async fn commit_any(&self, fh: u64) -> Result<(), FsError> {
+        match self.handle(fh)? {
+            Handle::Update(u) => self.update_commit(fh, &u).await,
+            _ => self.commit(fh).await,
+        }
+    }
+
     /// Finishes the handle's upload; the inode shows S3's answer after.
     async fn commit(&self, fh: u64) -> Result<(), FsError> {
         let Handle::Write {
             writer,
             ino,
             previous,
+            discarded,
             ..
         } = self.handle(fh)?
         else {
             return Err(FsError::BadHandle);
         };
         let mut w = writer.lock().await;
+        if discarded.load(Ordering::SeqCst) {
+            w.abandon();
+            return Ok(());
+        }
         let first = !w.is_finished();
+        // The metadata set while the file was open goes with it.
+        let wanted = self.inodes.get(ino).and_then(|n| n.meta.user);
+        if first {
+            if let Some(user) = &wanted {
+                w.set_meta(user.clone());
+            }
+        }
+        let explicit = w.meta_set_explicitly();
         let result = w.finish().await;
         if !first {
             return result.map(|_| ());
@@ -904,6 +994,11 @@ impl Fs {
                     n.writer = None;
                     n.parent
                 });
+                // Set explicitly after the upload had started: stored by
+                // a copy. (Times moved by writes alone are not worth one.)
+                if explicit {
+                    self.keep_newer_meta(ino, wanted, &stat.meta);
+                }
                 if let Some(parent) = parent {
                     self.dir_changed(parent);
                 }
@@ -926,23 +1021,7 @@ impl Fs {
         result.map(|_| ())
     }
 
-    /// An empty object (a directory marker, a truncated file) in the
-    /// key's write mode, so it is ordered with the writes around it.
-    async fn put_empty(&self, key: &str) -> Result<ObjectStat, FsError> {
-        let uri = self.uri(key)?;
-        let stat = match self.config.write_mode_for(key) {
-            WriteMode::Back => {
-                let empty: crate::data_plane::ByteStream = Box::pin(futures::stream::empty());
-                self.data
-                    .upload(&uri, empty, self.config.upload_timeout, WriteMode::Back)
-                    .await?
-            }
-            WriteMode::Through => self.data.put(&uri, Bytes::new()).await?,
-        };
-        Ok(stat)
-    }
-
-    pub async fn mkdir(&self, parent: u64, name: &str) -> Result<Inode, FsError> {
+    pub async fn mkdir(&self, parent: u64, name: &str, who: Creator) -> Result<Inode, FsError> {
         let p = self.dir(parent)?;
         let key = self.child_key(&p, name, Kind::Dir)?;
         match self.resolve(parent, name).await {
@@ -950,11 +1029,14 @@ impl Fs {
             Err(FsError::NotFound) => {}
             Err(e) => return Err(e),
         }
-        self.put_empty(&key).await?;
+        let user = self.new_object_meta(&p, crate::posix::FileType::Directory, who, 0);
+        self.put_object(&key, Bytes::new(), &user).await?;
         self.dir_changed(parent);
-        let node = self
-            .inodes
-            .upsert(parent, name, Kind::Dir, key, Meta::default());
+        let meta = Meta {
+            user: Some(user),
+            ..Meta::default()
+        };
+        let node = self.inodes.upsert(parent, name, Kind::Dir, key, meta);
         self.inodes.add_lookup(node.ino);
         Ok(node)
     }
@@ -964,9 +1046,36 @@ impl Fs {
         if node.kind == Kind::Dir {
             return Err(FsError::IsDir);
         }
-        if node.writer.is_some() {
-            return Err(FsError::Busy("the file is being written"));
+        if let Some(Ok(Handle::Update(u))) = node.writer.map(|fh| self.handle(fh)) {
+            // Changed in place and now unlinked: the changes are dropped.
+            u.discard().await;
+            self.inodes.update(node.ino, |n| n.writer = None);
         }
+        if let Some(fh) = node.writer {
+            // Unlinked while open for writing (`creat` then `unlink`, a
+            // temp file): its data is never stored; an object it was
+            // replacing goes too.
+            if let Ok(Handle::Write {
+                discarded,
+                previous,
+                ..
+            }) = self.handle(fh)
+            {
+                discarded.store(true, Ordering::SeqCst);
+                if previous.is_some_and(|p| p.etag.is_some()) {
+                    match self.data.delete(&self.uri(&node.key)?).await {
+                        Ok(()) | Err(DataError::NotFound) => {}
+                        Err(e) => return Err(e.into()),
+                    }
+                }
+                self.inodes.update(node.ino, |n| n.writer = None);
+                self.dir_changed(parent);
+                self.inodes.unlink(parent, name);
+                return Ok(());
+            }
+        }
+        // Still open here: its handles go on reading a local copy.
+        self.keep_for_open_handles(&node).await;
         self.data.delete(&self.uri(&node.key)?).await?;
         self.dir_changed(parent);
         self.inodes.unlink(parent, name);
@@ -1068,17 +1177,21 @@ impl Fs {
                                 ));
                             }
                         }
-                        self.commit(fh).await?;
+                        self.commit_any(fh).await?;
                         self.node(src.ino)?
                     }
                     None => src,
                 };
                 let new_key = self.child_key(&np, new_name, Kind::File)?;
                 let (from, to) = (self.uri(&src.key)?, self.uri(&new_key)?);
-                let stat = self.data.copy(&from, None, &to).await?;
+                // The copy carries the attributes as this mount has them
+                // (a chmod not stored yet included).
+                let user = src.meta.user.clone();
+                let stat = self.data.copy(&from, None, &to, user.as_ref()).await?;
                 self.data.delete(&from).await?;
                 self.inodes
                     .rename(src.ino, new_parent, new_name, new_key, meta_of(&stat));
+                self.inodes.update(src.ino, |n| n.meta_dirty = false);
             }
             Kind::Dir => {
                 if let Some(d) = &dst {
@@ -1089,16 +1202,24 @@ impl Fs {
                         return Err(FsError::NotEmpty);
                     }
                 }
-                if !self.is_empty_dir(&src).await? {
-                    return Err(FsError::CrossDevice(
-                        "only empty directories are renamed in place",
-                    ));
-                }
                 let new_key = self.child_key(&np, new_name, Kind::Dir)?;
-                self.put_empty(&new_key).await?;
-                self.data.delete(&self.uri(&src.key)?).await?;
+                if !self.is_empty_dir(&src).await? {
+                    self.move_tree(&src, &new_key).await?;
+                }
+                let user = src.meta.user.clone().unwrap_or_default();
+                self.put_object(&new_key, Bytes::new(), &user).await?;
+                match self.data.delete(&self.uri(&src.key)?).await {
+                    // A directory without a marker has none to delete.
+                    Ok(()) | Err(DataError::NotFound) => {}
+                    Err(e) => return Err(e.into()),
+                }
+                let meta = Meta {
+                    user: Some(user),
+                    ..Meta::default()
+                };
                 self.inodes
-                    .rename(src.ino, new_parent, new_name, new_key, Meta::default());
+                    .rename(src.ino, new_parent, new_name, new_key, meta);
+                self.inodes.update(src.ino, |n| n.meta_dirty = false);
             }
         }
         Ok(())

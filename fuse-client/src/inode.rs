@@ -19,6 +19,9 @@ pub struct Meta {
     pub size: u64,
     pub etag: Option<String>,
     pub mtime_ms: i64,
+    /// The object's user metadata (mode, owner, times: see `posix`);
+    /// `None` until known (a listing does not carry it).
+    pub user: Option<lakecache_protocol::UserMeta>,
 }
 
 #[derive(Debug, Clone)]
@@ -36,6 +39,10 @@ pub struct Inode {
     pub writer: Option<u64>,
     /// The ETag whose bytes the kernel page cache may hold.
     pub page_cache_etag: Option<String>,
+    /// `meta.user` was changed here and is not yet stored in S3.
+    pub meta_dirty: bool,
+    /// A symbolic link's target, once read.
+    pub link_target: Option<String>,
 }
 
 impl Inode {
@@ -58,6 +65,8 @@ impl Inode {
             nlookup: 0,
             writer: None,
             page_cache_etag: None,
+            meta_dirty: false,
+            link_target: None,
         }
     }
 
@@ -89,6 +98,8 @@ impl InodeTable {
             nlookup: 1,
             writer: None,
             page_cache_etag: None,
+            meta_dirty: false,
+            link_target: None,
         };
         Self {
             table: Mutex::new(Table {
@@ -135,8 +146,17 @@ impl InodeTable {
         if let Some(&ino) = t.names.get(&name_key) {
             if let Some(node) = t.nodes.get_mut(&ino) {
                 if node.kind == kind {
-                    if node.writer.is_none() && seen >= node.validated {
-                        node.meta = meta;
+                    if node.writer.is_none() && !node.meta_dirty && seen >= node.validated {
+                        if node.meta.etag != meta.etag {
+                            node.link_target = None;
+                        }
+                        // A listing has no user metadata: keep what a
+                        // stat of this same version found.
+                        let user = match meta.user {
+                            None if node.meta.etag == meta.etag => node.meta.user.take(),
+                            u => u,
+                        };
+                        node.meta = Meta { user, ..meta };
                         node.key = key;
                         node.validated = seen;
                     }
@@ -158,6 +178,8 @@ impl InodeTable {
             nlookup: 0,
             writer: None,
             page_cache_etag: None,
+            meta_dirty: false,
+            link_target: None,
         };
         t.names.insert(name_key, ino);
         t.nodes.insert(ino, node.clone());
@@ -204,7 +226,7 @@ impl InodeTable {
             return;
         };
         node.nlookup = node.nlookup.saturating_sub(n);
-        if node.nlookup > 0 || node.writer.is_some() {
+        if node.nlookup > 0 || node.writer.is_some() || node.meta_dirty {
             return;
         }
         let name_key = (node.parent, node.name.clone());
@@ -235,6 +257,40 @@ impl InodeTable {
             t.names.remove(&old);
         }
         t.names.insert((new_parent, new_name.to_string()), ino);
+    }
+
+    /// True when a file under the directory key `prefix` is being written.
+    pub fn writer_under(&self, prefix: &str) -> bool {
+        let t = self.lock();
+        t.nodes
+            .values()
+            .any(|n| n.writer.is_some() && n.key.starts_with(prefix) && n.key != prefix)
+    }
+
+    /// User metadata changed here and not yet stored, by key, under
+    /// `prefix`.
+    pub fn pending_meta_under(
+        &self,
+        prefix: &str,
+    ) -> HashMap<String, lakecache_protocol::UserMeta> {
+        let t = self.lock();
+        t.nodes
+            .values()
+            .filter(|n| n.meta_dirty && n.key.starts_with(prefix))
+            .filter_map(|n| Some((n.key.clone(), n.meta.user.clone()?)))
+            .collect()
+    }
+
+    /// Keys under `old` (a directory key) now live under `new`; the
+    /// directory's own inode is moved by [`Self::rename`].
+    pub fn rekey_under(&self, old: &str, new: &str) {
+        let mut t = self.lock();
+        for n in t.nodes.values_mut() {
+            if n.key.starts_with(old) && n.key != old {
+                n.key = format!("{new}{}", &n.key[old.len()..]);
+                n.meta_dirty = false;
+            }
+        }
     }
 
     /// Children with an upload in progress: they exist only here so far.

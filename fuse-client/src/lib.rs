@@ -15,12 +15,13 @@ pub mod local_tier;
 pub mod memory;
 pub mod mount;
 mod passthrough;
+pub mod posix;
 pub mod read;
 pub mod write;
 
 pub use config::FsConfig;
 pub use data_plane::{DataError, DataPlane};
 pub use error::{Chain, FsError};
-pub use fs::{DirEntry, Fs, SetAttr};
+pub use fs::{Creator, DirEntry, Fs, SetAttr};
 pub use inode::{Inode, Kind, ROOT_INO};
 pub use mount::{mount, MountError, MountOptions, Mounted};

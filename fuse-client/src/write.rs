@@ -5,7 +5,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use bytes::Bytes;
-use lakecache_protocol::{ObjectStat, ObjectUri, WriteMode};
+use lakecache_protocol::{ObjectStat, ObjectUri, UserMeta, WriteMode};
 use tokio::sync::mpsc;
 use tokio::task::JoinHandle;
 
@@ -15,6 +15,10 @@ use crate::memory::{MemoryBudget, Reservation};
 
 /// Writes buffered towards the worker before `write` waits.
 const QUEUED_WRITES: usize = 16;
+/// A file this small is held until close, so its upload carries the
+/// metadata set after the data (`cp -a` sets owner, mode and times on
+/// the open file last): one PUT instead of a PUT and a metadata copy.
+const HELD_UNTIL_CLOSE: u64 = 1 << 20;
 
 struct Upload {
     /// Each piece travels with its share of the mount's memory budget,
@@ -36,6 +40,13 @@ pub struct FileWriter {
     outcome: Option<Result<ObjectStat, DataError>>,
     budget: Arc<MemoryBudget>,
     mode: WriteMode,
+    /// User metadata the upload starts with.
+    meta: UserMeta,
+    /// Data held back while the file is small (see [`HELD_UNTIL_CLOSE`]).
+    held: Vec<(Bytes, Reservation)>,
+    held_len: u64,
+    /// Metadata was set explicitly while open (see `set_meta_explicitly`).
+    meta_set: bool,
 }
 
 impl FileWriter {
@@ -45,6 +56,7 @@ impl FileWriter {
         timeout: Duration,
         budget: Arc<MemoryBudget>,
         mode: WriteMode,
+        meta: UserMeta,
     ) -> Self {
         Self {
             data,
@@ -52,6 +64,10 @@ impl FileWriter {
             timeout,
             budget,
             mode,
+            meta,
+            held: Vec::new(),
+            held_len: 0,
+            meta_set: false,
             written: 0,
             fill_to: 0,
             upload: None,
@@ -83,12 +99,37 @@ impl FileWriter {
         Ok(())
     }
 
+    /// The metadata the upload will carry, while it has not started.
+    pub fn set_meta(&mut self, meta: UserMeta) {
+        self.meta = meta;
+    }
+
+    /// Metadata set by chmod, chown or utimensat while the file is open:
+    /// if the upload already started without it, a copy stores it.
+    pub fn set_meta_explicitly(&mut self, meta: UserMeta) {
+        self.meta = meta;
+        self.meta_set = true;
+    }
+
+    pub fn meta_set_explicitly(&self) -> bool {
+        self.meta_set
+    }
+
     async fn send(&mut self, data: Bytes) -> Result<(), FsError> {
-        if self.upload.is_none() {
-            self.upload = Some(self.start());
-        }
         // Waits while every handle's queued data fills the budget.
         let memory = self.budget.reserve(data.len() as u64).await;
+        if self.upload.is_none() {
+            if self.held_len + data.len() as u64 <= HELD_UNTIL_CLOSE {
+                self.held_len += data.len() as u64;
+                self.held.push((data, memory));
+                return Ok(());
+            }
+            self.upload = Some(self.start());
+            if !self.release_held().await {
+                let err = self.finish().await.err();
+                return Err(err.unwrap_or(FsError::UploadFailed(DataError::UploadCut)));
+            }
+        }
         let upload = self.upload.as_ref().ok_or(FsError::BadHandle)?;
         if upload.sender.send((data, memory)).await.is_err() {
             // The upload ended early; its error is what the caller needs.
@@ -98,6 +139,31 @@ impl FileWriter {
         Ok(())
     }
 
+    /// Sends the data held back to the upload just started; false when
+    /// the upload ended early (its task's result says why).
+    async fn release_held(&mut self) -> bool {
+        self.held_len = 0;
+        for piece in std::mem::take(&mut self.held) {
+            let Some(upload) = self.upload.as_ref() else {
+                return false;
+            };
+            if upload.sender.send(piece).await.is_err() {
+                return false;
+            }
+        }
+        true
+    }
+
+    /// Drops the upload without storing anything (the file was
+    /// unlinked while open); the worker discards what it received.
+    pub fn abandon(&mut self) {
+        self.held.clear();
+        if let Some(upload) = self.upload.take() {
+            upload.task.abort();
+        }
+        self.outcome = Some(Err(DataError::UploadCut));
+    }
+
     pub fn is_finished(&self) -> bool {
         self.outcome.is_some()
     }
@@ -105,9 +171,14 @@ impl FileWriter {
     fn start(&self) -> Upload {
         let (sender, receiver) = mpsc::channel::<(Bytes, Reservation)>(QUEUED_WRITES);
         let body: ByteStream = Box::pin(stream_from(receiver));
-        let (data, uri, timeout, mode) =
-            (self.data.clone(), self.uri.clone(), self.timeout, self.mode);
-        let task = tokio::spawn(async move { data.upload(&uri, body, timeout, mode).await });
+        let (data, uri, timeout, mode, meta) = (
+            self.data.clone(),
+            self.uri.clone(),
+            self.timeout,
+            self.mode,
+            self.meta.clone(),
+        );
+        let task = tokio::spawn(async move { data.upload(&uri, body, timeout, mode, &meta).await });
         Upload { sender, task }
     }
 
@@ -137,9 +208,12 @@ impl FileWriter {
         if let Some(outcome) = &self.outcome {
             return outcome.clone().map_err(FsError::UploadFailed);
         }
-        // Zeros for a size set by ftruncate and never written over.
-        if self.written < self.fill_to && self.upload.is_none() {
+        // Data held back, and zeros for a size set by ftruncate and
+        // never written over.
+        if (self.written < self.fill_to || !self.held.is_empty()) && self.upload.is_none() {
             self.upload = Some(self.start());
+            // On failure the task's result below explains it.
+            self.release_held().await;
         }
         while self.written < self.fill_to {
             let n = (self.fill_to - self.written).min(1 << 20) as usize;
@@ -162,10 +236,10 @@ impl FileWriter {
             None if self.mode == WriteMode::Back => {
                 let empty: ByteStream = Box::pin(futures::stream::empty());
                 self.data
-                    .upload(&self.uri, empty, self.timeout, self.mode)
+                    .upload(&self.uri, empty, self.timeout, self.mode, &self.meta)
                     .await
             }
-            None => self.data.put(&self.uri, Bytes::new()).await,
+            None => self.data.put(&self.uri, Bytes::new(), &self.meta).await,
         };
         let result = result.and_then(|stat| {
             if stat.size == self.written {

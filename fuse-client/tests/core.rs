@@ -10,6 +10,13 @@ use lakecache_fuse::data_plane::{
 };
 use lakecache_fuse::{Chain, Fs, FsConfig, FsError, Kind, ROOT_INO};
 
+/// The caller of creating operations in these tests.
+const WHO: lakecache_fuse::Creator = lakecache_fuse::Creator {
+    uid: 0,
+    gid: 0,
+    perm: 0o644,
+};
+
 const BUCKET: &str = "data";
 
 struct Setup {
@@ -56,7 +63,12 @@ impl Setup {
                     .await?
                     .0
             }
-            Err(FsError::NotFound) => self.fs.create(ROOT_INO, name, pid()).await?.1,
+            Err(FsError::NotFound) => {
+                self.fs
+                    .create(ROOT_INO, name, pid(), WHO, libc::O_WRONLY)
+                    .await?
+                    .1
+            }
             Err(e) => return Err(e),
         };
         let mut written = 0;
@@ -265,7 +277,10 @@ async fn a_failed_rename_copy_keeps_the_source() {
 #[tokio::test]
 async fn another_process_cannot_rename_a_file_being_written() {
     let s = Setup::new(Quirks::default());
-    let (_, fh) = s.fs.create(ROOT_INO, "ckpt.tmp", pid()).await.unwrap();
+    let (_, fh) =
+        s.fs.create(ROOT_INO, "ckpt.tmp", pid(), WHO, libc::O_WRONLY)
+            .await
+            .unwrap();
     s.fs.write(fh, 0, Bytes::from(vec![7u8; 5000]))
         .await
         .unwrap();

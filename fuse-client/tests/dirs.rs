@@ -9,9 +9,24 @@ use bytes::Bytes;
 use lakecache_fuse::data_plane::{DataOp, FaultyDataPlane, MemoryDataPlane, Quirks};
 use lakecache_fuse::{Fs, FsConfig, FsError, ROOT_INO};
 
+/// The caller of creating operations in these tests.
+const WHO: lakecache_fuse::Creator = lakecache_fuse::Creator {
+    uid: 0,
+    gid: 0,
+    perm: 0o644,
+};
+
 const BUCKET: &str = "data";
 
 fn setup(files: usize, ttl: Duration) -> (Arc<Fs>, Arc<FaultyDataPlane<MemoryDataPlane>>) {
+    setup_with(files, ttl, true)
+}
+
+fn setup_with(
+    files: usize,
+    ttl: Duration,
+    posix_metadata: bool,
+) -> (Arc<Fs>, Arc<FaultyDataPlane<MemoryDataPlane>>) {
     let memory = MemoryDataPlane::with_quirks(Quirks::default());
     for i in 0..files {
         memory.insert(BUCKET, &format!("big/f{i:07}"), vec![b'x'; i % 7]);
@@ -20,6 +35,7 @@ fn setup(files: usize, ttl: Duration) -> (Arc<Fs>, Arc<FaultyDataPlane<MemoryDat
     let mut config = FsConfig::new(BUCKET, "");
     config.entry_ttl = ttl;
     config.attr_ttl = ttl;
+    config.posix_metadata = posix_metadata;
     (Arc::new(Fs::new(plane.clone(), config)), plane)
 }
 
@@ -98,7 +114,10 @@ async fn a_second_listing_within_the_ttl_costs_no_list_and_own_writes_show_at_on
     assert_eq!(cold.len(), warm.len());
 
     // A file written through this mount is in the next listing.
-    let (_, fh) = fs.create(big, "new.bin", pid()).await.unwrap();
+    let (_, fh) = fs
+        .create(big, "new.bin", pid(), WHO, libc::O_WRONLY)
+        .await
+        .unwrap();
     fs.write(fh, 0, Bytes::from_static(b"abc")).await.unwrap();
     fs.release(fh).await.unwrap();
     let after = fs.list_dir(big).await.unwrap();
@@ -171,7 +190,8 @@ async fn two_opens_for_writing_one_name_exactly_one_wins() {
 
 #[tokio::test]
 async fn names_looked_up_one_by_one_are_answered_from_a_background_listing() {
-    let (fs, plane) = setup(3_000, Duration::from_secs(60));
+    // With the objects' own metadata off: the listing answers everything.
+    let (fs, plane) = setup_with(3_000, Duration::from_secs(60), false);
     let big = fs.lookup(ROOT_INO, "big").await.unwrap().ino;
     // Two lookups by name (as `fio` or a data loader stat each file)...
     for name in ["f0000000", "f0000001"] {
@@ -207,4 +227,25 @@ async fn names_looked_up_one_by_one_are_answered_from_a_background_listing() {
         fs.lookup(big, "f0000005").await,
         Err(FsError::NotFound)
     ));
+}
+
+#[tokio::test]
+async fn with_posix_metadata_listings_carry_it_and_lookups_ask_nothing_more() {
+    let (fs, plane) = setup(300, Duration::from_secs(60));
+    let big = fs.lookup(ROOT_INO, "big").await.unwrap().ino;
+    // A full READDIRPLUS gives every entry its metadata with the listing
+    // (the worker adds it), not a stat per entry...
+    let stats = plane.calls(DataOp::Stat);
+    let listed = readdirplus_all(&fs, big).await;
+    assert_eq!(listed.len(), 302);
+    assert_eq!(plane.calls(DataOp::Stat), stats);
+    let (stats, lists) = (plane.calls(DataOp::Stat), plane.calls(DataOp::List));
+    // ...so lookups and getattrs after it ask nothing more.
+    for i in 0..300 {
+        let node = fs.lookup(big, &format!("f{i:07}")).await.unwrap();
+        assert!(node.meta.user.is_some());
+        fs.getattr(node.ino).await.unwrap();
+    }
+    assert_eq!(plane.calls(DataOp::Stat), stats);
+    assert_eq!(plane.calls(DataOp::List), lists);
 }

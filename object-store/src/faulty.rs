@@ -3,7 +3,7 @@ use std::ops::Range;
 use std::sync::{Arc, Mutex};
 
 use bytes::Bytes;
-use lakecache_protocol::{ListResponse, ObjectUri};
+use lakecache_protocol::{ListResponse, ObjectUri, UserMeta};
 
 use crate::{ObjectMeta, ObjectStore, PartReceipt, StoreError};
 
@@ -92,15 +92,24 @@ impl<S: ObjectStore> ObjectStore for FaultyStore<S> {
             .await
     }
 
-    async fn put(&self, uri: &ObjectUri, data: Bytes) -> Result<String, StoreError> {
+    async fn put(
+        &self,
+        uri: &ObjectUri,
+        data: Bytes,
+        meta: &UserMeta,
+    ) -> Result<String, StoreError> {
         if let Some(e) = self.take_write() {
             return Err(e);
         }
-        self.inner.put(uri, data).await
+        self.inner.put(uri, data, meta).await
     }
 
-    async fn create_multipart(&self, uri: &ObjectUri) -> Result<String, StoreError> {
-        self.inner.create_multipart(uri).await
+    async fn create_multipart(
+        &self,
+        uri: &ObjectUri,
+        meta: &UserMeta,
+    ) -> Result<String, StoreError> {
+        self.inner.create_multipart(uri, meta).await
     }
 
     async fn upload_part(
@@ -143,7 +152,8 @@ impl<S: ObjectStore> ObjectStore for FaultyStore<S> {
         from: &ObjectUri,
         etag: &str,
         to: &ObjectUri,
+        meta: Option<&UserMeta>,
     ) -> Result<ObjectMeta, StoreError> {
-        self.inner.copy(from, etag, to).await
+        self.inner.copy(from, etag, to, meta).await
     }
 }

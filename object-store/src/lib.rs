@@ -12,7 +12,7 @@ use std::ops::Range;
 use std::time::Duration;
 
 use bytes::Bytes;
-use lakecache_protocol::{ListResponse, ObjectUri};
+use lakecache_protocol::{ListResponse, ObjectUri, UserMeta};
 
 pub use faulty::{FaultyStore, StoreFault};
 pub use metered::MeteredStore;
@@ -43,6 +43,8 @@ pub struct ObjectMeta {
     /// Unquoted.
     pub etag: String,
     pub last_modified_ms: i64,
+    /// User metadata (`x-amz-meta-*`), names lowercase.
+    pub user: UserMeta,
 }
 
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
@@ -103,10 +105,20 @@ pub trait ObjectStore: Send + Sync + 'static {
         max_keys: u32,
     ) -> Result<ListResponse, StoreError>;
 
-    /// Single-request upload; returns the new ETag.
-    async fn put(&self, uri: &ObjectUri, data: Bytes) -> Result<String, StoreError>;
+    /// Single-request upload with its user metadata; returns the new ETag.
+    async fn put(
+        &self,
+        uri: &ObjectUri,
+        data: Bytes,
+        meta: &UserMeta,
+    ) -> Result<String, StoreError>;
 
-    async fn create_multipart(&self, uri: &ObjectUri) -> Result<String, StoreError>;
+    /// Starts an upload whose object gets `meta` as its user metadata.
+    async fn create_multipart(
+        &self,
+        uri: &ObjectUri,
+        meta: &UserMeta,
+    ) -> Result<String, StoreError>;
 
     async fn upload_part(
         &self,
@@ -130,12 +142,14 @@ pub trait ObjectStore: Send + Sync + 'static {
     async fn delete(&self, uri: &ObjectUri) -> Result<(), StoreError>;
 
     /// Server-side copy of the version tagged `etag` (CopyObject, so at
-    /// most [`MAX_COPY_BYTES`]); returns the new object's metadata.
+    /// most [`MAX_COPY_BYTES`]); returns the new object's metadata. The
+    /// copy keeps the source's user metadata, or gets `meta` instead.
     async fn copy(
         &self,
         from: &ObjectUri,
         etag: &str,
         to: &ObjectUri,
+        meta: Option<&UserMeta>,
     ) -> Result<ObjectMeta, StoreError>;
 }
 

@@ -3,7 +3,7 @@ use std::sync::Arc;
 use std::time::Instant;
 
 use bytes::Bytes;
-use lakecache_protocol::{ListResponse, ObjectUri};
+use lakecache_protocol::{ListResponse, ObjectUri, UserMeta};
 
 use crate::{ObjectMeta, ObjectStore, PartReceipt, StoreError, StoreMetrics};
 
@@ -76,16 +76,25 @@ impl<S: ObjectStore> ObjectStore for MeteredStore<S> {
         r
     }
 
-    async fn put(&self, uri: &ObjectUri, data: Bytes) -> Result<String, StoreError> {
+    async fn put(
+        &self,
+        uri: &ObjectUri,
+        data: Bytes,
+        meta: &UserMeta,
+    ) -> Result<String, StoreError> {
         let (t, n) = (Instant::now(), data.len() as u64);
-        let r = self.inner.put(uri, data).await;
+        let r = self.inner.put(uri, data, meta).await;
         self.record("put_object", t, n, &r);
         r
     }
 
-    async fn create_multipart(&self, uri: &ObjectUri) -> Result<String, StoreError> {
+    async fn create_multipart(
+        &self,
+        uri: &ObjectUri,
+        meta: &UserMeta,
+    ) -> Result<String, StoreError> {
         let t = Instant::now();
-        let r = self.inner.create_multipart(uri).await;
+        let r = self.inner.create_multipart(uri, meta).await;
         self.record("create_multipart_upload", t, 0, &r);
         r
     }
@@ -137,9 +146,10 @@ impl<S: ObjectStore> ObjectStore for MeteredStore<S> {
         from: &ObjectUri,
         etag: &str,
         to: &ObjectUri,
+        meta: Option<&UserMeta>,
     ) -> Result<ObjectMeta, StoreError> {
         let t = Instant::now();
-        let r = self.inner.copy(from, etag, to).await;
+        let r = self.inner.copy(from, etag, to, meta).await;
         self.record("copy_object", t, 0, &r);
         r
     }

@@ -12,11 +12,13 @@ use aws_sdk_s3::config::{
 };
 use aws_sdk_s3::error::{ProvideErrorMetadata, SdkError};
 use aws_sdk_s3::primitives::ByteStream;
-use aws_sdk_s3::types::{ChecksumAlgorithm, CompletedMultipartUpload, CompletedPart};
+use aws_sdk_s3::types::{
+    ChecksumAlgorithm, CompletedMultipartUpload, CompletedPart, MetadataDirective,
+};
 use aws_smithy_runtime_api::client::orchestrator::Metadata;
 use aws_smithy_runtime_api::client::retries::RequestAttempts;
 use bytes::Bytes;
-use lakecache_protocol::{ListEntry, ListResponse, ObjectUri};
+use lakecache_protocol::{ListEntry, ListResponse, ObjectUri, UserMeta};
 
 use crate::{
     crc32c_header, unquote_etag, ObjectMeta, ObjectStore, PartReceipt, StoreError, StoreMetrics,
@@ -225,10 +227,20 @@ impl ObjectStore for S3Store {
             .content_length()
             .filter(|n| *n >= 0)
             .ok_or_else(|| StoreError::InvalidResponse("HEAD without Content-Length".into()))?;
+        // The SDK keeps the names as sent; S3 lowercases them.
+        let user = out
+            .metadata()
+            .map(|m| {
+                m.iter()
+                    .map(|(k, v)| (k.to_ascii_lowercase(), v.clone()))
+                    .collect()
+            })
+            .unwrap_or_default();
         Ok(ObjectMeta {
             size: size as u64,
             etag,
             last_modified_ms: millis(out.last_modified()),
+            user,
         })
     }
 
@@ -318,6 +330,7 @@ impl ObjectStore for S3Store {
                 size: o.size().unwrap_or(0).max(0) as u64,
                 etag: o.e_tag().map(unquote_etag).unwrap_or_default(),
                 last_modified_ms: millis(o.last_modified()),
+                meta: None,
             })
             .collect();
         let common_prefixes = out
@@ -337,13 +350,19 @@ impl ObjectStore for S3Store {
         })
     }
 
-    async fn put(&self, uri: &ObjectUri, data: Bytes) -> Result<String, StoreError> {
+    async fn put(
+        &self,
+        uri: &ObjectUri,
+        data: Bytes,
+        meta: &UserMeta,
+    ) -> Result<String, StoreError> {
         let len = data.len() as i64;
         let out = self
             .client
             .put_object()
             .bucket(uri.bucket())
             .key(uri.key())
+            .set_metadata(sdk_meta(meta))
             .content_length(len)
             .set_checksum_crc32_c(self.checksums.then(|| crc32c_header(&data)))
             .body(ByteStream::from(data))
@@ -355,12 +374,17 @@ impl ObjectStore for S3Store {
             .ok_or_else(|| StoreError::InvalidResponse("PUT without ETag".into()))
     }
 
-    async fn create_multipart(&self, uri: &ObjectUri) -> Result<String, StoreError> {
+    async fn create_multipart(
+        &self,
+        uri: &ObjectUri,
+        meta: &UserMeta,
+    ) -> Result<String, StoreError> {
         let out = self
             .client
             .create_multipart_upload()
             .bucket(uri.bucket())
             .key(uri.key())
+            .set_metadata(sdk_meta(meta))
             .set_checksum_algorithm(self.checksums.then_some(ChecksumAlgorithm::Crc32C))
             .send()
             .await
@@ -464,6 +488,7 @@ impl ObjectStore for S3Store {
         from: &ObjectUri,
         etag: &str,
         to: &ObjectUri,
+        meta: Option<&UserMeta>,
     ) -> Result<ObjectMeta, StoreError> {
         let source = format!(
             "{}/{}",
@@ -476,12 +501,19 @@ impl ObjectStore for S3Store {
             .key(to.key())
             .copy_source(source)
             .copy_source_if_match(quoted(etag))
+            .set_metadata_directive(meta.map(|_| MetadataDirective::Replace))
+            .set_metadata(meta.and_then(sdk_meta))
             .send()
             .await
             .map_err(map_sdk_error)?;
         // CopyObject's ETag is in an XML body some stores leave out; ask.
         self.head(to).await
     }
+}
+
+/// User metadata as the SDK takes it; none when empty.
+fn sdk_meta(meta: &UserMeta) -> Option<std::collections::HashMap<String, String>> {
+    (!meta.is_empty()).then(|| meta.iter().map(|(k, v)| (k.clone(), v.clone())).collect())
 }
 
 /// Everything but unreserved characters and `/` is escaped in

@@ -375,6 +375,33 @@ impl WorkerClient {
         token: Option<&str>,
         max_keys: Option<u32>,
     ) -> Result<ListResponse, ClientError> {
+        self.list_inner(bucket, prefix, delimiter, token, max_keys, false)
+            .await
+    }
+
+    /// [`Self::list`] with every object's user metadata: the worker adds
+    /// what it knows and asks S3 (HEAD, in parallel) for the rest.
+    pub async fn list_with_meta(
+        &self,
+        bucket: &str,
+        prefix: &str,
+        delimiter: Option<&str>,
+        token: Option<&str>,
+        max_keys: Option<u32>,
+    ) -> Result<ListResponse, ClientError> {
+        self.list_inner(bucket, prefix, delimiter, token, max_keys, true)
+            .await
+    }
+
+    async fn list_inner(
+        &self,
+        bucket: &str,
+        prefix: &str,
+        delimiter: Option<&str>,
+        token: Option<&str>,
+        max_keys: Option<u32>,
+        with_meta: bool,
+    ) -> Result<ListResponse, ClientError> {
         let mut query = form_urlencoded(&[("prefix", prefix)]);
         if let Some(d) = delimiter {
             query.push_str(&format!("&{}", form_urlencoded(&[("delimiter", d)])));
@@ -387,6 +414,9 @@ impl WorkerClient {
         }
         if let Some(m) = max_keys {
             query.push_str(&format!("&max-keys={m}"));
+        }
+        if with_meta {
+            query.push_str("&metadata=true");
         }
         self.get_json(&format!("/v1/list/{bucket}?{query}")).await
     }
@@ -476,11 +506,18 @@ impl WorkerClient {
     }
 
     /// Uploads `body` as the object's new content; returns once it is in S3.
-    pub async fn put(&self, uri: &ObjectUri, body: RequestBody) -> Result<ObjectStat, ClientError> {
-        let req = self
-            .request(http::Method::PUT, &uri.api_path("objects"))
-            .body(body)
-            .map_err(|e| ClientError::Decode(e.to_string()))?;
+    pub async fn put(
+        &self,
+        uri: &ObjectUri,
+        body: RequestBody,
+        meta: &crate::UserMeta,
+    ) -> Result<ObjectStat, ClientError> {
+        let req = crate::with_user_meta(
+            self.request(http::Method::PUT, &uri.api_path("objects")),
+            meta,
+        )
+        .body(body)
+        .map_err(|e| ClientError::Decode(e.to_string()))?;
         let resp = self.send(req).await?;
         let body = self.collect(resp.into_body()).await?;
         serde_json::from_slice(&body).map_err(|e| ClientError::Decode(e.to_string()))
@@ -489,12 +526,17 @@ impl WorkerClient {
     /// Writes `body` back: returns once the object is durable in the
     /// worker's cache (S3 gets it later). The body's CRC32C follows it as
     /// a trailer; the worker refuses the write if its bytes differ.
-    pub async fn put_back<S>(&self, uri: &ObjectUri, body: S) -> Result<ObjectStat, ClientError>
+    pub async fn put_back<S>(
+        &self,
+        uri: &ObjectUri,
+        body: S,
+        meta: &crate::UserMeta,
+    ) -> Result<ObjectStat, ClientError>
     where
         S: futures::Stream<Item = Bytes> + Send + Sync + 'static,
     {
         use futures::StreamExt as _;
-        self.put_back_with(uri, body.map(Ok), &[]).await
+        self.put_back_with(uri, body.map(Ok), &[], meta).await
     }
 
     /// A worker's copy of a write-back body to a replica: same version,
@@ -506,6 +548,7 @@ impl WorkerClient {
         version: &str,
         replica_of: &str,
         body: S,
+        meta: &crate::UserMeta,
     ) -> Result<ObjectStat, ClientError>
     where
         S: futures::Stream<Item = Result<Bytes, BoxError>> + Send + Sync + 'static,
@@ -514,7 +557,7 @@ impl WorkerClient {
             (crate::VERSION_HEADER, version),
             (crate::REPLICA_OF_HEADER, replica_of),
         ];
-        self.put_back_with(uri, body, &headers).await
+        self.put_back_with(uri, body, &headers, meta).await
     }
 
     /// A copy of a delete the sending worker (the primary) journaled
@@ -574,6 +617,7 @@ impl WorkerClient {
         uri: &ObjectUri,
         body: S,
         headers: &[(&str, &str)],
+        meta: &crate::UserMeta,
     ) -> Result<ObjectStat, ClientError>
     where
         S: futures::Stream<Item = Result<Bytes, BoxError>> + Send + Sync + 'static,
@@ -599,10 +643,12 @@ impl WorkerClient {
         });
         let body: RequestBody =
             BodyExt::boxed(http_body_util::StreamBody::new(data.chain(trailer)));
-        let mut req = self
-            .request(http::Method::PUT, &uri.api_path("objects"))
-            .header(crate::WRITE_MODE_HEADER, "back")
-            .header(http::header::TRAILER, crate::BODY_CRC32C_TRAILER);
+        let mut req = crate::with_user_meta(
+            self.request(http::Method::PUT, &uri.api_path("objects")),
+            meta,
+        )
+        .header(crate::WRITE_MODE_HEADER, "back")
+        .header(http::header::TRAILER, crate::BODY_CRC32C_TRAILER);
         for (name, value) in headers {
             req = req.header(*name, *value);
         }
@@ -628,21 +674,39 @@ impl WorkerClient {
     }
 
     pub async fn put_bytes(&self, uri: &ObjectUri, data: Bytes) -> Result<ObjectStat, ClientError> {
-        self.put(uri, Full::new(data).map_err(|e| match e {}).boxed())
+        self.put_bytes_with(uri, data, &crate::UserMeta::new())
             .await
     }
 
+    /// [`Self::put_bytes`] with the object's user metadata.
+    pub async fn put_bytes_with(
+        &self,
+        uri: &ObjectUri,
+        data: Bytes,
+        meta: &crate::UserMeta,
+    ) -> Result<ObjectStat, ClientError> {
+        let body = Full::new(data).map_err(|e| match e {}).boxed();
+        self.put(uri, body, meta).await
+    }
+
     /// Server-side copy of `from` (only if its ETag is `etag`, when given)
-    /// to `to`; returns once the copy is in S3.
+    /// to `to`; returns once the copy is in S3. With `meta`, the copy
+    /// gets that user metadata instead of the source's (a copy onto
+    /// itself with new metadata is how an object's metadata changes).
     pub async fn copy(
         &self,
         from: &ObjectUri,
         etag: Option<&str>,
         to: &ObjectUri,
+        meta: Option<&crate::UserMeta>,
     ) -> Result<ObjectStat, ClientError> {
         let mut req = self
             .request(http::Method::PUT, &to.api_path("objects"))
             .header(COPY_SOURCE_HEADER, from.api_path("objects"));
+        if let Some(meta) = meta {
+            req = crate::with_user_meta(req, meta)
+                .header(crate::METADATA_DIRECTIVE_HEADER, "replace");
+        }
         if let Some(etag) = etag {
             req = req.header(http::header::IF_MATCH, format!("\"{etag}\""));
         }

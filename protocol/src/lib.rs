@@ -15,6 +15,7 @@ pub mod tls;
 pub mod token;
 mod types;
 mod uri;
+mod user_meta;
 mod writeback;
 
 pub use chain::Chain;
@@ -24,6 +25,10 @@ pub use client::{
 };
 pub use types::{ErrorBody, ErrorCode, ErrorDetail, Health, ListEntry, ListResponse, ObjectStat};
 pub use uri::{validate_bucket, validate_key, InvalidUri, ObjectUri, MAX_KEY_BYTES};
+pub use user_meta::{
+    user_meta_from_headers, validate_user_meta, with_user_meta, InvalidUserMeta, UserMeta,
+    MAX_USER_META_BYTES, METADATA_DIRECTIVE_HEADER, META_HEADER_PREFIX,
+};
 pub use writeback::{
     is_cache_version, EntryState, WriteBackEntry, WriteBackStatus, WriteMode, BODY_CRC32C_TRAILER,
     CACHE_VERSION_PREFIX, REPLICA_OF_HEADER, VERSION_HEADER, WRITE_MODE_HEADER,

@@ -14,6 +14,9 @@ pub struct ObjectStat {
     /// holding them under that version may keep them.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub written_as: Option<String>,
+    /// The object's user metadata (`x-amz-meta-*`), names lowercase.
+    #[serde(default, skip_serializing_if = "std::collections::BTreeMap::is_empty")]
+    pub meta: crate::UserMeta,
 }
 
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
@@ -22,6 +25,10 @@ pub struct ListEntry {
     pub size: u64,
     pub etag: String,
     pub last_modified_ms: i64,
+    /// The object's user metadata, when the listing was asked for it
+    /// (S3's own listings never carry it).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub meta: Option<crate::UserMeta>,
 }
 
 /// One page of a listing (prefix + delimiter, like ListObjectsV2).

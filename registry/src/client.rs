@@ -8,7 +8,7 @@ use std::time::{Duration, Instant};
 
 use bytes::{Bytes, BytesMut};
 use lakecache_protocol::{
-    Chain, ClientError, Deadlines, ListResponse, ObjectStat, ObjectUri, WorkerClient,
+    Chain, ClientError, Deadlines, ListResponse, ObjectStat, ObjectUri, UserMeta, WorkerClient,
 };
 use lakecache_store::{ObjectStore, StoreError};
 
@@ -320,6 +320,7 @@ impl ClusterClient {
                         etag: meta.etag,
                         last_modified_ms: meta.last_modified_ms,
                         written_as: None,
+                        meta: meta.user,
                     })
                 }
                 None => Err(ClusterError::Unavailable(last)),
@@ -427,6 +428,23 @@ impl ClusterClient {
         .await
     }
 
+    /// [`Self::list`] with each object's user metadata.
+    pub async fn list_with_meta(
+        &self,
+        bucket: &str,
+        prefix: &str,
+        delimiter: Option<&str>,
+        token: Option<&str>,
+        max_keys: Option<u32>,
+    ) -> Result<ListResponse, ClusterError> {
+        let key = format!("s3://{bucket}/{prefix}");
+        self.on_replicas(&key, 0, |c| async move {
+            c.list_with_meta(bucket, prefix, delimiter, token, max_keys)
+                .await
+        })
+        .await
+    }
+
     /// A client for the owner of the object's first segment, for
     /// streaming uploads (a stream cannot be replayed on a replica).
     pub fn writer_for(&self, uri: &ObjectUri) -> Result<WorkerClient, ClusterError> {
@@ -443,10 +461,20 @@ impl ClusterClient {
 
     /// Writes through the owner of the object's first segment.
     pub async fn put(&self, uri: &ObjectUri, data: Bytes) -> Result<ObjectStat, ClusterError> {
+        self.put_with_meta(uri, data, &UserMeta::new()).await
+    }
+
+    /// [`Self::put`] with the object's user metadata.
+    pub async fn put_with_meta(
+        &self,
+        uri: &ObjectUri,
+        data: Bytes,
+        meta: &UserMeta,
+    ) -> Result<ObjectStat, ClusterError> {
         let key = uri.to_string();
         self.on_replicas(&key, 0, |c| {
             let data = data.clone();
-            async move { c.put_bytes(uri, data).await }
+            async move { c.put_bytes_with(uri, data, meta).await }
         })
         .await
     }
@@ -464,9 +492,10 @@ impl ClusterClient {
         from: &ObjectUri,
         etag: Option<&str>,
         to: &ObjectUri,
+        meta: Option<&UserMeta>,
     ) -> Result<ObjectStat, ClusterError> {
         self.on_replicas(&to.to_string(), 0, |c| async move {
-            c.copy(from, etag, to).await
+            c.copy(from, etag, to, meta).await
         })
         .await
     }

@@ -5,6 +5,7 @@
 //! ending in `/`, `a` beside `a/b`, `..`) can be stored without touching the
 //! filesystem namespace.
 
+use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
 use std::sync::Mutex;
 use std::time::{SystemTime, UNIX_EPOCH};
@@ -45,6 +46,9 @@ pub struct ObjectRecord {
     pub last_modified_ms: i64,
     pub blob: String,
     pub content_type: Option<String>,
+    /// User metadata (`x-amz-meta-*`), names lowercase.
+    #[serde(default, skip_serializing_if = "BTreeMap::is_empty")]
+    pub metadata: BTreeMap<String, String>,
 }
 
 impl ObjectRecord {
@@ -58,6 +62,15 @@ pub struct UploadRecord {
     pub bucket: String,
     pub key: String,
     pub content_type: Option<String>,
+    #[serde(default, skip_serializing_if = "BTreeMap::is_empty")]
+    pub metadata: BTreeMap<String, String>,
+}
+
+/// What a stored object carries besides its bytes.
+#[derive(Debug, Clone, Default)]
+pub struct Attrs {
+    pub content_type: Option<String>,
+    pub metadata: BTreeMap<String, String>,
 }
 
 /// One page of a listing.
@@ -200,7 +213,7 @@ impl ObjectDb {
         tmp: &Path,
         size: u64,
         etag: String,
-        content_type: Option<String>,
+        attrs: Attrs,
     ) -> Result<ObjectRecord, DbError> {
         let blob = uuid::Uuid::new_v4().simple().to_string();
         let dest = self.blob_path(&blob);
@@ -213,7 +226,8 @@ impl ObjectDb {
             etag,
             last_modified_ms: now_ms(),
             blob,
-            content_type,
+            content_type: attrs.content_type,
+            metadata: attrs.metadata,
         };
         let encoded = serde_json::to_vec(&record).map_err(|_| DbError::Corrupt(key.into()))?;
         let old = {

@@ -11,7 +11,7 @@ use s3s::{s3_error, S3Error, S3ErrorCode, S3Request, S3Response, S3Result, S3};
 use tokio::io::{AsyncReadExt, AsyncSeekExt, AsyncWriteExt};
 use tokio_util::io::ReaderStream;
 
-use crate::db::{cursor_is_valid, DbError, ObjectDb, ObjectRecord, UploadRecord};
+use crate::db::{cursor_is_valid, Attrs, DbError, ObjectDb, ObjectRecord, UploadRecord};
 use crate::faults::FaultInjector;
 
 /// Large reads matter: 4 KiB reads cap a stream near 130 MB/s.
@@ -277,6 +277,7 @@ impl S3 for EmbeddedS3 {
             e_tag: Some(strong(&record.etag)),
             last_modified: Some(Timestamp::from(record.last_modified())),
             content_type: record.content_type.clone(),
+            metadata: user_metadata(&record),
             accept_ranges: Some("bytes".into()),
             ..Default::default()
         }))
@@ -310,6 +311,7 @@ impl S3 for EmbeddedS3 {
             e_tag: Some(strong(&record.etag)),
             last_modified: Some(Timestamp::from(record.last_modified())),
             content_type: record.content_type.clone(),
+            metadata: user_metadata(&record),
             accept_ranges: Some("bytes".into()),
             ..Default::default()
         }))
@@ -332,9 +334,13 @@ impl S3 for EmbeddedS3 {
         .await;
         let Received { size, md5, crc32c } = received?;
         let etag = hex::encode(md5);
-        let (bucket, key, ct, tag) = (input.bucket, input.key, input.content_type, etag.clone());
+        let attrs = Attrs {
+            content_type: input.content_type,
+            metadata: lowercase_names(input.metadata),
+        };
+        let (bucket, key, tag) = (input.bucket, input.key, etag.clone());
         let commit = self
-            .blocking(move |db| db.commit(&bucket, &key, &tmp, size, tag, ct))
+            .blocking(move |db| db.commit(&bucket, &key, &tmp, size, tag, attrs))
             .await;
         let record = commit?;
         Ok(S3Response::new(PutObjectOutput {
@@ -370,9 +376,24 @@ impl S3 for EmbeddedS3 {
             .map_err(|e| s3_error!(InternalError, "copy task failed: {e}"))?
             .map_err(io_internal)?;
         let (bucket, key) = (input.bucket, input.key);
-        let (size, etag, ct) = (source.size, source.etag.clone(), source.content_type);
+        let replace = input
+            .metadata_directive
+            .as_ref()
+            .is_some_and(|d| d.as_str().eq_ignore_ascii_case("REPLACE"));
+        let attrs = if replace {
+            Attrs {
+                content_type: input.content_type.or(source.content_type),
+                metadata: lowercase_names(input.metadata),
+            }
+        } else {
+            Attrs {
+                content_type: source.content_type,
+                metadata: source.metadata,
+            }
+        };
+        let (size, etag) = (source.size, source.etag.clone());
         let record = self
-            .blocking(move |db| db.commit(&bucket, &key, &tmp, size, etag, ct))
+            .blocking(move |db| db.commit(&bucket, &key, &tmp, size, etag, attrs))
             .await?;
         Ok(S3Response::new(CopyObjectOutput {
             copy_object_result: Some(CopyObjectResult {
@@ -500,6 +521,7 @@ impl S3 for EmbeddedS3 {
             bucket: input.bucket.clone(),
             key: input.key.clone(),
             content_type: input.content_type.clone(),
+            metadata: lowercase_names(input.metadata.clone()),
         };
         let id = self.blocking(move |db| db.create_upload(&record)).await?;
         Ok(S3Response::new(CreateMultipartUploadOutput {
@@ -596,10 +618,14 @@ impl S3 for EmbeddedS3 {
         let (size, etag) = concat_parts(&tmp, &files).await.inspect_err(|_| {
             let _ = std::fs::remove_file(&tmp);
         })?;
-        let (bucket, key, ct, tag) = (record.bucket, record.key, record.content_type, etag.clone());
+        let attrs = Attrs {
+            content_type: record.content_type,
+            metadata: record.metadata,
+        };
+        let (bucket, key, tag) = (record.bucket, record.key, etag.clone());
         let id = input.upload_id.clone();
         self.blocking(move |db| {
-            db.commit(&bucket, &key, &tmp, size, tag, ct)?;
+            db.commit(&bucket, &key, &tmp, size, tag, attrs)?;
             db.remove_upload(&id)
         })
         .await?;
@@ -627,6 +653,27 @@ impl S3 for EmbeddedS3 {
         self.blocking(move |db| db.remove_upload(&id)).await?;
         Ok(S3Response::new(AbortMultipartUploadOutput::default()))
     }
+}
+
+/// User metadata names are case-insensitive; S3 keeps them lowercase.
+fn lowercase_names(
+    metadata: Option<std::collections::HashMap<String, String>>,
+) -> std::collections::BTreeMap<String, String> {
+    metadata
+        .unwrap_or_default()
+        .into_iter()
+        .map(|(k, v)| (k.to_ascii_lowercase(), v))
+        .collect()
+}
+
+fn user_metadata(record: &ObjectRecord) -> Option<std::collections::HashMap<String, String>> {
+    (!record.metadata.is_empty()).then(|| {
+        record
+            .metadata
+            .iter()
+            .map(|(k, v)| (k.clone(), v.clone()))
+            .collect()
+    })
 }
 
 /// Concatenates part files into `dest` (fsynced) and computes the multipart
@@ -729,8 +776,15 @@ mod tests {
         for key in ["a", "b", "dir/x", "dir/y", "e", "f"] {
             let tmp = db.tmp_path();
             std::fs::write(&tmp, key).unwrap();
-            db.commit("b", key, &tmp, key.len() as u64, key.into(), None)
-                .unwrap();
+            db.commit(
+                "b",
+                key,
+                &tmp,
+                key.len() as u64,
+                key.into(),
+                Attrs::default(),
+            )
+            .unwrap();
         }
         let s3 = EmbeddedS3::new(db, false, Arc::new(FaultInjector::default()));
         let mut with_delimiter = list_v1(&s3, Some("/"), None).await;

@@ -9,9 +9,9 @@ use http_body::Frame;
 use http_body_util::{BodyExt, BodyStream, StreamBody};
 use hyper::body::Incoming;
 use lakecache_protocol::{
-    validate_bucket, ErrorCode, Health, ListResponse, ObjectStat, ObjectUri, WriteBackStatus,
-    WriteMode, BODY_CRC32C_TRAILER, COPY_SOURCE_HEADER, FROM_HEADER, MAX_KEY_BYTES, OFFSET_HEADER,
-    WRITE_MODE_HEADER,
+    user_meta_from_headers, validate_bucket, ErrorCode, Health, ListResponse, ObjectStat,
+    ObjectUri, UserMeta, WriteBackStatus, WriteMode, BODY_CRC32C_TRAILER, COPY_SOURCE_HEADER,
+    FROM_HEADER, MAX_KEY_BYTES, METADATA_DIRECTIVE_HEADER, OFFSET_HEADER, WRITE_MODE_HEADER,
 };
 
 use super::auth::{Access, AccessPolicy};
@@ -209,6 +209,7 @@ fn stat_body(uri: &ObjectUri, meta: &ObjectMeta) -> ObjectStat {
         etag: meta.etag.clone(),
         last_modified_ms: meta.last_modified_ms,
         written_as: None,
+        meta: meta.user.clone(),
     }
 }
 
@@ -457,8 +458,28 @@ async fn write(
         WriteRole::Primary => check!(access.write(&uri)),
         WriteRole::Replica { .. } => check!(access.peer_object(&uri)),
     }
+    let user = match user_meta_from_headers(req.headers()) {
+        Ok(m) => m,
+        Err(e) => return error(ErrorCode::BadRequest, e.to_string()),
+    };
     if let Some(source) = req.headers().get(COPY_SOURCE_HEADER) {
-        return copy(state, access, source, if_match(&req), &uri).await;
+        let replace = match req
+            .headers()
+            .get(METADATA_DIRECTIVE_HEADER)
+            .map(|v| v.to_str())
+        {
+            None => false,
+            Some(Ok(v)) if v.eq_ignore_ascii_case("replace") => true,
+            Some(Ok(v)) if v.eq_ignore_ascii_case("copy") => false,
+            Some(_) => {
+                return error(
+                    ErrorCode::BadRequest,
+                    format!("{METADATA_DIRECTIVE_HEADER} must be copy or replace"),
+                )
+            }
+        };
+        let user = replace.then_some(user);
+        return copy(state, access, source, if_match(&req), &uri, user).await;
     }
     let limit = state.limits.max_body_bytes;
     let declared = req
@@ -524,7 +545,7 @@ async fn write(
         let (cache, task_uri) = (state.cache.clone(), uri.clone());
         let taken = tokio::spawn(async move {
             cache
-                .write_back(&task_uri, Box::pin(body), client_crc, role)
+                .write_back(&task_uri, Box::pin(body), client_crc, role, user)
                 .await
         });
         return match taken.await {
@@ -537,7 +558,7 @@ async fn write(
     // drops this handler, but the task sees the body end in an error and
     // aborts the multipart upload and frees its staged pages.
     let (cache, task_uri) = (state.cache.clone(), uri.clone());
-    let upload = tokio::spawn(async move { cache.write(&task_uri, Box::pin(body)).await });
+    let upload = tokio::spawn(async move { cache.write(&task_uri, Box::pin(body), &user).await });
     match upload.await {
         Ok(Ok(meta)) => json(StatusCode::OK, &stat_body(&uri, &meta)),
         Ok(Err(e)) => cache_error(&e),
@@ -615,6 +636,7 @@ async fn copy(
     source: &HeaderValue,
     etag: Option<String>,
     to: &ObjectUri,
+    user: Option<UserMeta>,
 ) -> Response {
     let from = source
         .to_str()
@@ -632,7 +654,11 @@ async fn copy(
         }
     };
     check!(access.read(&from));
-    match state.cache.copy(&from, etag.as_deref(), to).await {
+    match state
+        .cache
+        .copy(&from, etag.as_deref(), to, user.as_ref())
+        .await
+    {
         Ok(meta) => json(StatusCode::OK, &stat_body(to, &meta)),
         Err(e) => cache_error(&e),
     }
@@ -662,6 +688,7 @@ async fn list(state: &AppState, access: &Access<'_>, bucket: &str, query: &str) 
     let mut delimiter = None;
     let mut token = None;
     let mut max_keys = 1000u32;
+    let mut with_meta = false;
     for pair in query.split('&').filter(|p| !p.is_empty()) {
         let (k, v) = pair.split_once('=').unwrap_or((pair, ""));
         let spaced = v.replace('+', " ");
@@ -676,6 +703,11 @@ async fn list(state: &AppState, access: &Access<'_>, bucket: &str, query: &str) 
             "prefix" => prefix = v,
             "delimiter" => delimiter = Some(v).filter(|d| !d.is_empty()),
             "continuation-token" => token = Some(v).filter(|t| !t.is_empty()),
+            "metadata" => match v.as_str() {
+                "true" | "1" => with_meta = true,
+                "false" | "0" => with_meta = false,
+                _ => return error(ErrorCode::BadRequest, "metadata must be true or false"),
+            },
             "max-keys" => match v.parse::<u32>() {
                 Ok(n) if (1..=1000).contains(&n) => max_keys = n,
                 _ => return error(ErrorCode::BadRequest, "max-keys must be 1..=1000"),
@@ -711,6 +743,9 @@ async fn list(state: &AppState, access: &Access<'_>, bucket: &str, query: &str) 
     match listed {
         Ok(mut resp) => {
             access.filter_listing(bucket, &mut resp);
+            if with_meta {
+                state.cache.add_user_meta(bucket, &mut resp).await;
+            }
             json(StatusCode::OK, &resp)
         }
         Err(e) => cache_error(&e),

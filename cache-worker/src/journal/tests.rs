@@ -14,6 +14,8 @@ fn object(uri: &str, size: u64) -> PendingObject {
         delete: false,
         replica_of: None,
         replicas: Vec::new(),
+        // Round-trips with the rest: the mount's mode and times.
+        meta: [("mode".to_string(), "33188".to_string())].into(),
     }
 }
 

@@ -89,6 +89,7 @@ impl Cache {
         wb: &Arc<WriteBack>,
         uri: &ObjectUri,
         version: &str,
+        user: &lakecache_protocol::UserMeta,
     ) -> Result<Copies, CacheError> {
         let placement = self.peers.placement();
         let candidates = placement.map_or_else(Vec::new, |p| p.replica_candidates(uri));
@@ -122,11 +123,15 @@ impl Cache {
             };
             let (tx, mut rx) = mpsc::channel(STREAM_DEPTH);
             let body = futures::stream::poll_fn(move |cx| rx.poll_recv(cx));
-            let (uri, version, replica_of) =
-                (uri.clone(), version.to_string(), out.replica_of.clone());
+            let (uri, version, replica_of, user) = (
+                uri.clone(),
+                version.to_string(),
+                out.replica_of.clone(),
+                user.clone(),
+            );
             let task = tokio::spawn(async move {
                 client
-                    .put_replica(&uri, &version, &replica_of, body)
+                    .put_replica(&uri, &version, &replica_of, body, &user)
                     .await
                     .map(|_| ())
             });
@@ -218,7 +223,7 @@ impl Cache {
             })
         };
         let sent = client
-            .put_replica(&uri, &object.version, replica_of, body)
+            .put_replica(&uri, &object.version, replica_of, body, &object.meta)
             .await;
         feed.abort();
         sent.map(|_| ())
@@ -300,6 +305,7 @@ impl Cache {
         from: &ObjectUri,
         version: &str,
         to: &ObjectUri,
+        user: Option<&lakecache_protocol::UserMeta>,
     ) -> Result<Option<crate::store::ObjectMeta>, CacheError> {
         use futures::StreamExt;
         let Some(placement) = self.peers.placement() else {
@@ -309,6 +315,17 @@ impl Cache {
             let client = match self.peers.client(&addr) {
                 Ok(c) => c.with_timeout(Duration::from_secs(30)),
                 Err(_) => continue,
+            };
+            // The source's own metadata travels with it unless replaced.
+            let user = match user {
+                Some(u) => u.clone(),
+                None => match client.stat(from).await {
+                    Ok(stat) if stat.etag == version => stat.meta,
+                    _ => {
+                        tracing::debug!(%from, %addr, "the copy's source metadata is not known here; the copy has none");
+                        Default::default()
+                    }
+                },
             };
             let resp = match client.read_stream_if(from, None, Some(version)).await {
                 Ok(r) => r,
@@ -331,6 +348,7 @@ impl Cache {
                     Box::pin(body),
                     Arc::new(std::sync::OnceLock::new()),
                     super::WriteRole::Primary,
+                    user,
                 )
                 .await?;
             return Ok(Some(written));

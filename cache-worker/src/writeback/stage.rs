@@ -8,7 +8,7 @@ use std::time::Instant;
 
 use bytes::{Bytes, BytesMut};
 use futures::{Stream, StreamExt};
-use lakecache_protocol::ObjectUri;
+use lakecache_protocol::{ObjectUri, UserMeta};
 
 use super::copies::Copies;
 use super::{now_ms, WriteBack, VERSION_PREFIX};
@@ -59,6 +59,7 @@ impl Cache {
         body: S,
         client_crc: Arc<OnceLock<u32>>,
         role: WriteRole,
+        user: UserMeta,
     ) -> Result<ObjectMeta, CacheError>
     where
         S: Stream<Item = Result<Bytes, CacheError>> + Send + Unpin,
@@ -74,7 +75,7 @@ impl Cache {
         };
         let _taking = wb.taking(&uri.to_string(), &version);
         let mut copies = match replica_of {
-            None => self.start_copies(&wb, uri, &version)?,
+            None => self.start_copies(&wb, uri, &version, &user)?,
             Some(_) => Copies::none(),
         };
         let mut result = self
@@ -93,6 +94,7 @@ impl Cache {
         }
         if let Ok(object) = &mut result {
             object.replica_of = replica_of;
+            object.meta = user;
         }
         let result = match result {
             Ok(object) => self.make_durable(&wb, object, &mut taken, copies).await,
@@ -182,6 +184,7 @@ impl Cache {
             delete: false,
             replica_of: None,
             replicas: Vec::new(),
+            meta: UserMeta::new(),
         })
     }
 
@@ -240,6 +243,7 @@ impl Cache {
             size: object.size,
             etag: object.version,
             last_modified_ms: object.acked_ms,
+            user: object.meta,
         })
     }
 

@@ -105,6 +105,7 @@ impl Cache {
         let mine = (next.acked_ms, wb.id.as_str());
         for addr in placement.replica_candidates(&uri) {
             let mut said = false;
+            let waiting_since = Instant::now();
             loop {
                 let status = match self.peers.client(&addr) {
                     Ok(c) => c
@@ -141,6 +142,13 @@ impl Cache {
                     }
                 };
                 if !wait {
+                    break;
+                }
+                // Two workers that took over a lost worker's copies can
+                // each hold the other's earlier write: bounded, not a
+                // deadlock.
+                if waiting_since.elapsed() >= wb.config.peer_order_wait {
+                    tracing::warn!(%addr, uri = %next.uri, "an earlier write on another worker has not reached S3 in time; uploading without waiting for it");
                     break;
                 }
                 if !said {
@@ -195,9 +203,9 @@ impl Cache {
         let parts = object.part_crcs.len();
         if parts <= 1 {
             let data = self.read_part(wb, object, 0).await?;
-            return Ok(self.store.put(uri, data).await?);
+            return Ok(self.store.put(uri, data, &object.meta).await?);
         }
-        let id = self.store.create_multipart(uri).await?;
+        let id = self.store.create_multipart(uri, &object.meta).await?;
         let this = self.clone();
         let sent = futures::stream::iter(0..parts)
             .map(|i| {
@@ -270,6 +278,7 @@ impl Cache {
                 size: object.size,
                 etag: etag.to_string(),
                 last_modified_ms: now_ms(),
+                user: object.meta.clone(),
             };
             if let Err(e) = self.replace_meta(&key, Some(&meta)).await {
                 tracing::warn!(%uri, error = %e, "recording metadata after write-back failed");
@@ -315,6 +324,7 @@ impl Cache {
                 size: object.size,
                 etag: etag.to_string(),
                 last_modified_ms: now_ms(),
+                user: object.meta.clone(),
             };
             self.hand_off_segments(uri, &meta);
         }

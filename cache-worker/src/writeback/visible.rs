@@ -29,11 +29,13 @@ impl Cache {
                 version,
                 size,
                 acked_ms,
+                user,
                 ..
             }) => Ok(Some(ObjectMeta {
                 size,
                 etag: version,
                 last_modified_ms: acked_ms,
+                user,
             })),
         }
     }
@@ -151,6 +153,7 @@ impl Cache {
                         size,
                         version,
                         acked_ms,
+                        user,
                         ..
                     },
                     None,
@@ -161,6 +164,7 @@ impl Cache {
                             size,
                             etag: version,
                             last_modified_ms: acked_ms,
+                            meta: Some(user),
                         });
                     }
                 }
@@ -234,6 +238,7 @@ impl Cache {
         from: &ObjectUri,
         source: &ObjectMeta,
         to: &ObjectUri,
+        user: Option<&lakecache_protocol::UserMeta>,
     ) -> Result<ObjectMeta, CacheError> {
         let body = self.read(from, source, 0..source.size).await?;
         self.write_back(
@@ -241,6 +246,7 @@ impl Cache {
             Box::pin(body),
             Arc::new(OnceLock::new()),
             super::WriteRole::Primary,
+            user.unwrap_or(&source.user).clone(),
         )
         .await
     }
@@ -259,6 +265,7 @@ fn delete_record(uri: &str, version: String, page_size: u64) -> PendingObject {
         delete: true,
         replica_of: None,
         replicas: Vec::new(),
+        meta: Default::default(),
     }
 }
 
@@ -275,6 +282,7 @@ fn dirty_record(uri: &ObjectUri, meta: &ObjectMeta, seq: u64, page_size: u64) ->
         delete: false,
         replica_of: None,
         replicas: Vec::new(),
+        meta: meta.user.clone(),
     }
 }
 

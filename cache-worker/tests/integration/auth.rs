@@ -129,7 +129,11 @@ async fn every_route_checks_the_token_before_touching_s3() {
         );
         assert_eq!(outcome(client.delete(&ckpt).await), want, "delete by {who}");
         assert_eq!(
-            outcome(client.copy(&shard, None, &uri("team-a/copy.bin")).await),
+            outcome(
+                client
+                    .copy(&shard, None, &uri("team-a/copy.bin"), None)
+                    .await
+            ),
             want,
             "copy by {who}"
         );
@@ -148,14 +152,14 @@ async fn every_route_checks_the_token_before_touching_s3() {
     // Copies: the source must be readable and the target writable.
     let other = lakecache_protocol::ObjectUri::new(OTHER_BUCKET, "loot.bin").unwrap();
     assert_eq!(
-        outcome(c.team_a.copy(&shard, None, &other).await),
+        outcome(c.team_a.copy(&shard, None, &other, None).await),
         "403 OutOfScope",
         "copy into another bucket"
     );
     assert_eq!(
         outcome(
             c.team_a
-                .copy(&uri("team-b/x"), None, &uri("team-a/x"))
+                .copy(&uri("team-b/x"), None, &uri("team-a/x"), None)
                 .await
         ),
         "403 OutOfScope",
@@ -164,7 +168,7 @@ async fn every_route_checks_the_token_before_touching_s3() {
     assert_eq!(
         outcome(
             c.team_a
-                .copy(&shard, None, &uri("team-a/shard-copy.bin"))
+                .copy(&shard, None, &uri("team-a/shard-copy.bin"), None)
                 .await
         ),
         "ok"
@@ -245,6 +249,7 @@ async fn every_route_checks_the_token_before_touching_s3() {
             "lc-0123abcd",
             "journal 127.0.0.1:1",
             futures::stream::iter([Ok(Bytes::from_static(b"posing"))]),
+            &Default::default(),
         )
         .await;
     assert_eq!(outcome(posed), "403 OutOfScope");

@@ -65,7 +65,11 @@ async fn etags_follow_s3_rules_and_if_match_is_enforced() {
     );
     // Parts under 5 MiB (except the last) are rejected like S3 does.
     let u = uri("mp.bin");
-    let id = h.direct.create_multipart(&u).await.unwrap();
+    let id = h
+        .direct
+        .create_multipart(&u, &Default::default())
+        .await
+        .unwrap();
     let p1 = h
         .direct
         .upload_part(&u, &id, 1, Bytes::from(vec![1u8; 1000]))
@@ -136,7 +140,11 @@ async fn uploads_carry_crc32c_and_a_body_damaged_on_the_way_is_refused() {
     h.put_direct("small.bin", b"hello").await;
     let u = uri("big.bin");
     let body: Vec<u8> = (0..(11u32 << 20)).map(|i| (i % 251) as u8).collect();
-    let id = h.direct.create_multipart(&u).await.unwrap();
+    let id = h
+        .direct
+        .create_multipart(&u, &Default::default())
+        .await
+        .unwrap();
     let p1 = h
         .direct
         .upload_part(&u, &id, 1, Bytes::copy_from_slice(&body[..6 << 20]))
@@ -172,7 +180,11 @@ async fn uploads_carry_crc32c_and_a_body_damaged_on_the_way_is_refused() {
     .await;
     let verified = faults.checksums_verified();
     plain
-        .put(&uri("plain.bin"), Bytes::from_static(b"x"))
+        .put(
+            &uri("plain.bin"),
+            Bytes::from_static(b"x"),
+            &Default::default(),
+        )
         .await
         .unwrap();
     assert_eq!(faults.checksums_verified(), verified);
@@ -189,7 +201,11 @@ async fn uploads_carry_crc32c_and_a_body_damaged_on_the_way_is_refused() {
     faults.inject(S3Op::PutObject, Fault::CorruptRequestBody, 1);
     let err = h
         .direct
-        .put(&uri("damaged.bin"), Bytes::from_static(b"precious bytes"))
+        .put(
+            &uri("damaged.bin"),
+            Bytes::from_static(b"precious bytes"),
+            &Default::default(),
+        )
         .await
         .unwrap_err();
     assert!(refused(&err), "{err:?}");
@@ -199,11 +215,77 @@ async fn uploads_carry_crc32c_and_a_body_damaged_on_the_way_is_refused() {
     );
     faults.inject(S3Op::UploadPart, Fault::CorruptRequestBody, 1);
     let u = uri("damaged-mp.bin");
-    let id = h.direct.create_multipart(&u).await.unwrap();
+    let id = h
+        .direct
+        .create_multipart(&u, &Default::default())
+        .await
+        .unwrap();
     let err = h
         .direct
         .upload_part(&u, &id, 1, Bytes::from(vec![7u8; 1000]))
         .await
         .unwrap_err();
     assert!(refused(&err), "{err:?}");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn user_metadata_is_stored_returned_and_replaced_by_a_copy() {
+    let h = Harness::start().await;
+    let meta: lakecache_protocol::UserMeta = [
+        ("mode".to_string(), "33188".to_string()),
+        ("mtime".to_string(), "1700000000.5".to_string()),
+    ]
+    .into();
+    let u = uri("meta/single");
+    h.direct
+        .put(&u, Bytes::from_static(b"body"), &meta)
+        .await
+        .unwrap();
+    assert_eq!(h.direct.head(&u).await.unwrap().user, meta);
+
+    // A multipart upload carries what it was started with.
+    let mp = uri("meta/multi");
+    let id = h.direct.create_multipart(&mp, &meta).await.unwrap();
+    let part = h
+        .direct
+        .upload_part(&mp, &id, 1, Bytes::from_static(b"part"))
+        .await
+        .unwrap();
+    h.direct
+        .complete_multipart(&mp, &id, vec![(1, part)])
+        .await
+        .unwrap();
+    assert_eq!(h.direct.head(&mp).await.unwrap().user, meta);
+
+    // A copy keeps the source's metadata, or replaces it (in place too),
+    // and the bytes and ETag of a single-part object stay.
+    let kept = uri("meta/kept");
+    let etag = h.direct.head(&u).await.unwrap().etag;
+    h.direct.copy(&u, &etag, &kept, None).await.unwrap();
+    assert_eq!(h.direct.head(&kept).await.unwrap().user, meta);
+    let new: lakecache_protocol::UserMeta = [("mode".to_string(), "33261".to_string())].into();
+    let replaced = h.direct.copy(&u, &etag, &u, Some(&new)).await.unwrap();
+    assert_eq!(replaced.user, new);
+    assert_eq!(replaced.etag, etag);
+    let got = h.direct.get_range(&u, 0..4, &etag).await.unwrap();
+    assert_eq!(&got[..], b"body");
+
+    // Through the worker: headers in, stat out, replaced by a copy.
+    let through = uri("meta/through");
+    let body = http_body_util::BodyExt::boxed(http_body_util::BodyExt::map_err(
+        http_body_util::Full::new(Bytes::from_static(b"via worker")),
+        |e| match e {},
+    ));
+    let stat = h.client.put(&through, body, &meta).await.unwrap();
+    assert_eq!(stat.meta, meta);
+    assert_eq!(h.client.stat(&through).await.unwrap().meta, meta);
+    assert_eq!(h.direct.head(&through).await.unwrap().user, meta);
+    let stat = h
+        .client
+        .copy(&through, Some(&stat.etag), &through, Some(&new))
+        .await
+        .unwrap();
+    assert_eq!(stat.meta, new);
+    assert_eq!(h.client.stat(&through).await.unwrap().meta, new);
+    assert_eq!(h.direct.head(&through).await.unwrap().user, new);
 }

@@ -143,7 +143,7 @@ impl Harness {
 
     pub async fn put_direct(&self, key: &str, data: &[u8]) -> String {
         self.direct
-            .put(&uri(key), Bytes::copy_from_slice(data))
+            .put(&uri(key), Bytes::copy_from_slice(data), &Default::default())
             .await
             .unwrap()
     }

@@ -55,7 +55,11 @@ async fn run(cut_at: u64) -> (bool, usize) {
         let chunks: Vec<Bytes> = body.chunks(200_000).map(Bytes::copy_from_slice).collect();
         if let Ok(stat) = h
             .client
-            .put_back(&uri(&key), futures::stream::iter(chunks))
+            .put_back(
+                &uri(&key),
+                futures::stream::iter(chunks),
+                &Default::default(),
+            )
             .await
         {
             acked.push(Acked {
@@ -165,6 +169,7 @@ async fn a_worker_whose_power_went_out_while_starting_starts_again() {
             .put_back(
                 &uri(&format!("boot/{cut_at}")),
                 futures::stream::iter([Bytes::from_static(b"up")]),
+                &Default::default(),
             )
             .await
             .unwrap_or_else(|e| {

@@ -63,7 +63,11 @@ async fn put_back(
 ) -> Result<lakecache_protocol::ObjectStat, ClientError> {
     let chunks: Vec<Bytes> = body.chunks(300_000).map(Bytes::copy_from_slice).collect();
     client
-        .put_back(&uri(key), futures::stream::iter(chunks))
+        .put_back(
+            &uri(key),
+            futures::stream::iter(chunks),
+            &Default::default(),
+        )
         .await
 }
 
@@ -267,6 +271,7 @@ async fn a_worker_alone_refuses_two_copies_and_a_malformed_copy_header_is_refuse
             "lc-not/a/version",
             "journal 127.0.0.1:1",
             futures::stream::iter([Ok(Bytes::from_static(b"x"))]),
+            &Default::default(),
         )
         .await
         .unwrap_err();

@@ -15,7 +15,11 @@ use crate::harness::*;
 async fn put_back(client: &WorkerClient, key: &str, body: &[u8]) -> lakecache_protocol::ObjectStat {
     let chunks: Vec<Bytes> = body.chunks(300_000).map(Bytes::copy_from_slice).collect();
     client
-        .put_back(&uri(key), futures::stream::iter(chunks))
+        .put_back(
+            &uri(key),
+            futures::stream::iter(chunks),
+            &Default::default(),
+        )
         .await
         .unwrap()
 }
@@ -156,7 +160,12 @@ async fn deletes_and_renames_of_pending_objects_end_as_the_user_saw() {
     // Rename as the mount does it: copy of the version, then delete.
     let copied = h
         .client
-        .copy(&uri("tmp/latest.tmp"), Some(&src.etag), &uri("tmp/latest"))
+        .copy(
+            &uri("tmp/latest.tmp"),
+            Some(&src.etag),
+            &uri("tmp/latest"),
+            None,
+        )
         .await
         .unwrap();
     assert_eq!(copied.size, a.len() as u64);
@@ -235,6 +244,7 @@ async fn full_staging_blocks_then_fails_after_the_stall_timeout_and_keeps_what_w
         .put_back(
             &uri("full/second"),
             futures::stream::iter(vec![Bytes::from(data(MIB as usize, 4))]),
+            &Default::default(),
         )
         .await
         .unwrap_err();

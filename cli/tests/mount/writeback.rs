@@ -382,9 +382,10 @@ fn with_two_copies_a_worker_that_loses_its_disk_loses_no_acknowledged_checkpoint
     let out = sync(&env, "180");
     assert!(
         out.status.success(),
-        "sync: {}{}",
+        "sync: {}{}\n{}",
         String::from_utf8_lossy(&out.stdout),
-        String::from_utf8_lossy(&out.stderr)
+        String::from_utf8_lossy(&out.stderr),
+        env.worker_logs()
     );
     let acked = acked.lock().unwrap().clone();
     assert!(

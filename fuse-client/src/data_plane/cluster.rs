@@ -8,7 +8,7 @@ use futures::StreamExt;
 use http_body::Frame;
 use http_body_util::{BodyExt, StreamBody};
 use lakecache_protocol::{
-    ClientError, ErrorCode, ListResponse, ObjectStat, ObjectUri, RequestBody, WriteMode,
+    ClientError, ErrorCode, ListResponse, ObjectStat, ObjectUri, RequestBody, UserMeta, WriteMode,
 };
 use lakecache_registry::{ClusterClient, ClusterError};
 use lakecache_store::StoreError;
@@ -95,8 +95,24 @@ impl DataPlane for ClusterClient {
         Ok(ClusterClient::list(self, bucket, prefix, delimiter, token, max_keys).await?)
     }
 
-    async fn put(&self, uri: &ObjectUri, data: Bytes) -> Result<ObjectStat, DataError> {
-        Ok(ClusterClient::put(self, uri, data).await?)
+    async fn list_with_meta(
+        &self,
+        bucket: &str,
+        prefix: &str,
+        delimiter: Option<&str>,
+        token: Option<&str>,
+        max_keys: Option<u32>,
+    ) -> Result<ListResponse, DataError> {
+        Ok(ClusterClient::list_with_meta(self, bucket, prefix, delimiter, token, max_keys).await?)
+    }
+
+    async fn put(
+        &self,
+        uri: &ObjectUri,
+        data: Bytes,
+        meta: &UserMeta,
+    ) -> Result<ObjectStat, DataError> {
+        Ok(ClusterClient::put_with_meta(self, uri, data, meta).await?)
     }
 
     async fn upload(
@@ -105,6 +121,7 @@ impl DataPlane for ClusterClient {
         body: ByteStream,
         timeout: Duration,
         mode: WriteMode,
+        meta: &UserMeta,
     ) -> Result<ObjectStat, DataError> {
         // A stream cannot be replayed on a replica: one worker takes it.
         let worker = self.writer_for(uri)?.with_timeout(timeout);
@@ -112,9 +129,9 @@ impl DataPlane for ClusterClient {
             WriteMode::Through => {
                 let frames = body.map(|b| Ok(Frame::data(b)));
                 let body: RequestBody = BodyExt::boxed(StreamBody::new(frames));
-                worker.put(uri, body).await
+                worker.put(uri, body, meta).await
             }
-            WriteMode::Back => worker.put_back(uri, body).await,
+            WriteMode::Back => worker.put_back(uri, body, meta).await,
         };
         result.map_err(|e| DataError::from(ClusterError::Worker(e)))
     }
@@ -128,7 +145,8 @@ impl DataPlane for ClusterClient {
         from: &ObjectUri,
         etag: Option<&str>,
         to: &ObjectUri,
+        meta: Option<&UserMeta>,
     ) -> Result<ObjectStat, DataError> {
-        Ok(ClusterClient::copy(self, from, etag, to).await?)
+        Ok(ClusterClient::copy(self, from, etag, to, meta).await?)
     }
 }

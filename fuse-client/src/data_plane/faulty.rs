@@ -7,7 +7,7 @@ use std::time::Duration;
 
 use bytes::Bytes;
 use futures::StreamExt;
-use lakecache_protocol::{ListResponse, ObjectStat, ObjectUri};
+use lakecache_protocol::{ListResponse, ObjectStat, ObjectUri, UserMeta};
 
 use super::{ByteStream, DataError, DataPlane};
 
@@ -186,9 +186,28 @@ impl<D: DataPlane> DataPlane for FaultyDataPlane<D> {
             .await
     }
 
-    async fn put(&self, uri: &ObjectUri, data: Bytes) -> Result<ObjectStat, DataError> {
+    async fn list_with_meta(
+        &self,
+        bucket: &str,
+        prefix: &str,
+        delimiter: Option<&str>,
+        token: Option<&str>,
+        max_keys: Option<u32>,
+    ) -> Result<ListResponse, DataError> {
+        self.before(DataOp::List).await?;
+        self.inner
+            .list_with_meta(bucket, prefix, delimiter, token, max_keys)
+            .await
+    }
+
+    async fn put(
+        &self,
+        uri: &ObjectUri,
+        data: Bytes,
+        meta: &UserMeta,
+    ) -> Result<ObjectStat, DataError> {
         self.before(DataOp::Put).await?;
-        self.inner.put(uri, data).await
+        self.inner.put(uri, data, meta).await
     }
 
     async fn upload(
@@ -197,9 +216,10 @@ impl<D: DataPlane> DataPlane for FaultyDataPlane<D> {
         body: ByteStream,
         timeout: Duration,
         mode: lakecache_protocol::WriteMode,
+        meta: &UserMeta,
     ) -> Result<ObjectStat, DataError> {
         let Some(keep) = self.before(DataOp::Upload).await? else {
-            return self.inner.upload(uri, body, timeout, mode).await;
+            return self.inner.upload(uri, body, timeout, mode, meta).await;
         };
         // Read the body up to the cut, then fail as a broken stream does;
         // the inner plane never sees a partial object.
@@ -224,8 +244,9 @@ impl<D: DataPlane> DataPlane for FaultyDataPlane<D> {
         from: &ObjectUri,
         etag: Option<&str>,
         to: &ObjectUri,
+        meta: Option<&UserMeta>,
     ) -> Result<ObjectStat, DataError> {
         self.before(DataOp::Copy).await?;
-        self.inner.copy(from, etag, to).await
+        self.inner.copy(from, etag, to, meta).await
     }
 }

@@ -9,7 +9,7 @@ use std::time::Duration;
 
 use bytes::{Bytes, BytesMut};
 use futures::StreamExt;
-use lakecache_protocol::{ListEntry, ListResponse, ObjectStat, ObjectUri};
+use lakecache_protocol::{ListEntry, ListResponse, ObjectStat, ObjectUri, UserMeta};
 
 use super::{ByteStream, DataError, DataPlane};
 
@@ -29,6 +29,7 @@ struct StoredObject {
     data: Bytes,
     etag: String,
     mtime_ms: i64,
+    meta: UserMeta,
 }
 
 #[derive(Default)]
@@ -88,6 +89,7 @@ impl MemoryDataPlane {
             data: data.into(),
             etag: etag.clone(),
             mtime_ms: 1_700_000_000_000 + state.versions as i64,
+            meta: UserMeta::new(),
         };
         state
             .objects
@@ -128,14 +130,24 @@ impl MemoryDataPlane {
             etag: o.etag.clone(),
             last_modified_ms: o.mtime_ms,
             written_as: None,
+            meta: o.meta.clone(),
         }
     }
 
-    fn store(&self, uri: &ObjectUri, data: Bytes) -> ObjectStat {
-        self.insert(uri.bucket(), uri.key(), data);
-        let state = self.state();
-        let key = (uri.bucket().to_string(), uri.key().to_string());
-        Self::stat_of(uri, &state.objects[&key])
+    fn store(&self, uri: &ObjectUri, data: Bytes, meta: &UserMeta) -> ObjectStat {
+        let mut state = self.state();
+        state.versions += 1;
+        let object = StoredObject {
+            data,
+            etag: format!("mem-{:08x}", state.versions),
+            mtime_ms: 1_700_000_000_000 + state.versions as i64,
+            meta: meta.clone(),
+        };
+        let stat = Self::stat_of(uri, &object);
+        state
+            .objects
+            .insert((uri.bucket().to_string(), uri.key().to_string()), object);
+        stat
     }
 
     fn lookup(&self, uri: &ObjectUri) -> Result<StoredObject, DataError> {
@@ -235,6 +247,7 @@ impl DataPlane for MemoryDataPlane {
                         o.etag.clone()
                     },
                     last_modified_ms: o.mtime_ms,
+                    meta: None,
                 }));
             }
         }
@@ -262,9 +275,33 @@ impl DataPlane for MemoryDataPlane {
         Ok(page)
     }
 
-    async fn put(&self, uri: &ObjectUri, data: Bytes) -> Result<ObjectStat, DataError> {
+    async fn list_with_meta(
+        &self,
+        bucket: &str,
+        prefix: &str,
+        delimiter: Option<&str>,
+        token: Option<&str>,
+        max_keys: Option<u32>,
+    ) -> Result<ListResponse, DataError> {
+        let mut page = self
+            .list(bucket, prefix, delimiter, token, max_keys)
+            .await?;
+        let state = self.state();
+        for entry in &mut page.objects {
+            let key = (bucket.to_string(), entry.key.clone());
+            entry.meta = state.objects.get(&key).map(|o| o.meta.clone());
+        }
+        Ok(page)
+    }
+
+    async fn put(
+        &self,
+        uri: &ObjectUri,
+        data: Bytes,
+        meta: &UserMeta,
+    ) -> Result<ObjectStat, DataError> {
         self.delay().await;
-        Ok(self.store(uri, data))
+        Ok(self.store(uri, data, meta))
     }
 
     async fn upload(
@@ -273,13 +310,14 @@ impl DataPlane for MemoryDataPlane {
         mut body: ByteStream,
         _timeout: Duration,
         _mode: lakecache_protocol::WriteMode,
+        meta: &UserMeta,
     ) -> Result<ObjectStat, DataError> {
         self.delay().await;
         let mut buf = BytesMut::new();
         while let Some(chunk) = body.next().await {
             buf.extend_from_slice(&chunk);
         }
-        Ok(self.store(uri, buf.freeze()))
+        Ok(self.store(uri, buf.freeze(), meta))
     }
 
     async fn delete(&self, uri: &ObjectUri) -> Result<(), DataError> {
@@ -294,6 +332,7 @@ impl DataPlane for MemoryDataPlane {
         from: &ObjectUri,
         etag: Option<&str>,
         to: &ObjectUri,
+        meta: Option<&UserMeta>,
     ) -> Result<ObjectStat, DataError> {
         self.delay().await;
         let o = self.lookup(from)?;
@@ -303,7 +342,7 @@ impl DataPlane for MemoryDataPlane {
                 found: Some(o.etag),
             });
         }
-        Ok(self.store(to, o.data))
+        Ok(self.store(to, o.data, meta.unwrap_or(&o.meta)))
     }
 }
 

@@ -15,7 +15,7 @@ use std::time::Duration;
 
 use bytes::Bytes;
 use futures::Stream;
-use lakecache_protocol::{ListResponse, ObjectStat, ObjectUri, WriteMode};
+use lakecache_protocol::{ListResponse, ObjectStat, ObjectUri, UserMeta, WriteMode};
 
 pub use faulty::{DataFault, DataOp, FaultyDataPlane};
 pub use memory::{MemoryDataPlane, Quirks};
@@ -99,8 +99,27 @@ pub trait DataPlane: Send + Sync + 'static {
         max_keys: Option<u32>,
     ) -> Result<ListResponse, DataError>;
 
-    /// Stores `data` as the object's whole content.
-    async fn put(&self, uri: &ObjectUri, data: Bytes) -> Result<ObjectStat, DataError>;
+    /// [`Self::list`] with each object's user metadata where the plane
+    /// can give it (entries without it are completed by a stat).
+    async fn list_with_meta(
+        &self,
+        bucket: &str,
+        prefix: &str,
+        delimiter: Option<&str>,
+        token: Option<&str>,
+        max_keys: Option<u32>,
+    ) -> Result<ListResponse, DataError> {
+        self.list(bucket, prefix, delimiter, token, max_keys).await
+    }
+
+    /// Stores `data` as the object's whole content, with `meta` as its
+    /// user metadata.
+    async fn put(
+        &self,
+        uri: &ObjectUri,
+        data: Bytes,
+        meta: &UserMeta,
+    ) -> Result<ObjectStat, DataError>;
 
     /// Streams the object's new content; returns once it is stored (in
     /// S3 for `through`, durable in the cache for `back`).
@@ -110,16 +129,19 @@ pub trait DataPlane: Send + Sync + 'static {
         body: ByteStream,
         timeout: Duration,
         mode: WriteMode,
+        meta: &UserMeta,
     ) -> Result<ObjectStat, DataError>;
 
     async fn delete(&self, uri: &ObjectUri) -> Result<(), DataError>;
 
-    /// Server-side copy (of version `etag`, when given).
+    /// Server-side copy (of version `etag`, when given); the copy keeps
+    /// the source's user metadata, or gets `meta` instead.
     async fn copy(
         &self,
         from: &ObjectUri,
         etag: Option<&str>,
         to: &ObjectUri,
+        meta: Option<&UserMeta>,
     ) -> Result<ObjectStat, DataError>;
 }
 

@@ -9,6 +9,13 @@ use lakecache_fuse::data_plane::MemoryDataPlane;
 use lakecache_fuse::{Fs, FsError, Kind, ROOT_INO};
 use proptest::prelude::*;
 
+/// The caller of creating operations in these tests.
+const WHO: lakecache_fuse::Creator = lakecache_fuse::Creator {
+    uid: 0,
+    gid: 0,
+    perm: 0o644,
+};
+
 const NAMES: [&str; 4] = ["a", "b", "c", "d"];
 
 #[derive(Debug, Clone)]
@@ -108,6 +115,8 @@ struct Writer {
     path: String,
     data: Vec<u8>,
     committed: bool,
+    /// Its file was unlinked while open: nothing of it is stored.
+    discarded: bool,
 }
 
 #[derive(Debug, Default)]
@@ -177,6 +186,9 @@ impl Model {
             return;
         }
         w.committed = true;
+        if w.discarded {
+            return;
+        }
         match self.entries.get_mut(&w.path) {
             Some(Entry::File { stored, writer }) if *writer == Some(w.id) => {
                 *stored = Some(std::mem::take(&mut w.data));
@@ -241,7 +253,7 @@ pub async fn run_case(
                 };
                 let actual = async {
                     let p = walk(fs, &parent).await?;
-                    fs.mkdir(p, name).await.map_err(errno)?;
+                    fs.mkdir(p, name, WHO).await.map_err(errno)?;
                     Ok(Answer::Done)
                 }
                 .await;
@@ -282,7 +294,7 @@ pub async fn run_case(
                             .map(|(fh, _)| fh)
                             .map_err(errno),
                         Err(FsError::NotFound) => fs
-                            .create(p, name, pid)
+                            .create(p, name, pid, WHO, libc::O_WRONLY)
                             .await
                             .map(|(_, fh)| fh)
                             .map_err(errno),
@@ -298,6 +310,7 @@ pub async fn run_case(
                         path,
                         data: Vec::new(),
                         committed: false,
+                        discarded: false,
                     });
                 }
                 (expected, actual.map(|_| Answer::Done))
@@ -448,12 +461,21 @@ pub async fn run_case(
                     (None, _) => Err(libc::ENOENT),
                     (Some(Entry::Dir), false) => Err(libc::EISDIR),
                     (Some(Entry::File { .. }), true) => Err(libc::ENOTDIR),
+                    // Unlinked while being written: the name goes, the
+                    // writer's data is never stored (POSIX unlink).
                     (
                         Some(Entry::File {
-                            writer: Some(_), ..
+                            writer: Some(id), ..
                         }),
                         false,
-                    ) => Err(libc::EBUSY),
+                    ) => {
+                        let id = *id;
+                        model.entries.remove(&path);
+                        if let Some(w) = model.writers.iter_mut().find(|w| w.id == id) {
+                            w.discarded = true;
+                        }
+                        Ok(Answer::Done)
+                    }
                     (Some(Entry::Dir), true) if !model.children(&path).is_empty() => {
                         Err(libc::ENOTEMPTY)
                     }
@@ -580,8 +602,35 @@ fn model_rename(model: &mut Model, src: &str, dst: &str) -> Outcome {
                 Some(Entry::Dir) if !model.children(dst).is_empty() => return Err(libc::ENOTEMPTY),
                 _ => {}
             }
-            if !model.children(src).is_empty() {
-                return Err(libc::EXDEV);
+            // A tree moves whole (object by object), unless a file in it
+            // is being written.
+            let under = format!("{src}/");
+            let inside: Vec<String> = model
+                .entries
+                .keys()
+                .filter(|p| p.starts_with(&under))
+                .cloned()
+                .collect();
+            let writing = inside.iter().any(|p| {
+                matches!(
+                    model.entries.get(p),
+                    Some(Entry::File {
+                        writer: Some(_),
+                        ..
+                    })
+                )
+            });
+            if writing {
+                return Err(libc::EBUSY);
+            }
+            if let Some(Entry::Dir) = to {
+                model.entries.remove(dst);
+            }
+            for path in inside {
+                let entry = model.entries.remove(&path).expect("model: listed above");
+                model
+                    .entries
+                    .insert(format!("{dst}/{}", &path[under.len()..]), entry);
             }
             model.entries.remove(src);
             model.entries.insert(dst.to_string(), Entry::Dir);
