@@ -34,6 +34,8 @@ set +e
   cd trainer
   "$LAKECACHE_VENV/bin/ruff" check .
   "$LAKECACHE_VENV/bin/ruff" format --check .
+  # The POSIX conformance suite and the benchmark scripts, same rules.
+  "$LAKECACHE_VENV/bin/ruff" check --config pyproject.toml ../cli/tests/posix ../benches/fio
   LAKECACHE_BIN="${CARGO_TARGET_DIR:-$PWD/../target}/debug/lakecache" \
     PATH="$LAKECACHE_VENV/bin:$PATH" "$LAKECACHE_VENV/bin/pytest" -q -rA
 ) 2>&1 | tee "$log"

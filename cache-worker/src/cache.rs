@@ -845,7 +845,9 @@ impl Cache {
             .objects
             .iter()
             .enumerate()
-            .filter(|(_, e)| e.meta.is_none())
+            // Without an ETag the metadata could belong to another
+            // version than the rest of the entry: the client asks itself.
+            .filter(|(_, e)| e.meta.is_none() && !e.etag.is_empty())
             .filter_map(|(i, e)| Some((i, ObjectUri::new(bucket, &e.key).ok()?, e.etag.clone())))
             .collect();
         let found: Vec<(usize, Option<lakecache_protocol::UserMeta>)> =

@@ -645,12 +645,19 @@ impl Filesystem for KernelAdapter {
     }
 
     fn destroy(&mut self) {
-        let fs = self.fs.clone();
-        let stored = self
-            .runtime
-            .block_on(async move { fs.sync_metadata().await });
-        if let Err(e) = stored {
-            tracing::error!(error = %Chain(&e), "metadata changes could not be stored at unmount");
+        // fuser may call this from inside the runtime (an unmount during
+        // shutdown): block on a thread of its own, never on a runtime one.
+        if !self.fs.has_unstored_metadata() {
+            return;
+        }
+        let (fs, runtime) = (self.fs.clone(), self.runtime.clone());
+        let stored = std::thread::spawn(move || runtime.block_on(fs.sync_metadata())).join();
+        match stored {
+            Ok(Ok(())) => {}
+            Ok(Err(e)) => {
+                tracing::error!(error = %Chain(&e), "metadata changes could not be stored at unmount")
+            }
+            Err(_) => tracing::error!("storing metadata changes at unmount failed"),
         }
     }
 

@@ -51,7 +51,9 @@ def case(syscall: str, name: str) -> Callable[[Callable[[str], None]], Callable[
 # ---------------------------------------------------------------- helpers
 
 
-def as_user(fn: Callable[[], Any], uid: int = USER, gid: int = GROUP, groups: tuple[int, ...] = (GROUP,)) -> Any:
+def as_user(
+    fn: Callable[[], Any], uid: int = USER, gid: int = GROUP, groups: tuple[int, ...] = (GROUP,)
+) -> Any:
     """Runs `fn` in a child with the given ids; returns its result or
     raises the OSError it raised (same errno)."""
     r, w = os.pipe()
@@ -87,7 +89,9 @@ def expect_errno(want: int, fn: Callable[..., Any], *args: Any, **kwargs: Any) -
         fn(*args, **kwargs)
     except OSError as e:
         if e.errno != want:
-            raise AssertionError(f"expected {errno.errorcode[want]}, got {errno.errorcode.get(e.errno, e.errno)}") from e
+            raise AssertionError(
+                f"expected {errno.errorcode[want]}, got {errno.errorcode.get(e.errno, e.errno)}"
+            ) from e
         return
     raise AssertionError(f"expected {errno.errorcode[want]}, the call succeeded")
 
@@ -285,7 +289,9 @@ def _(d: str) -> None:
 
 @case("open", "ENAMETOOLONG: a 256-byte name")
 def _(d: str) -> None:
-    expect_errno(errno.ENAMETOOLONG, os.open, os.path.join(d, LONG_NAME), os.O_WRONLY | os.O_CREAT, 0o644)
+    expect_errno(
+        errno.ENAMETOOLONG, os.open, os.path.join(d, LONG_NAME), os.O_WRONLY | os.O_CREAT, 0o644
+    )
 
 
 @case("open", "ELOOP: O_NOFOLLOW on a symlink")
@@ -329,7 +335,9 @@ def _(d: str) -> None:
 def _(d: str) -> None:
     sub = os.path.join(d, "s")
     os.mkdir(sub, 0o755)
-    expect_user_errno(errno.EACCES, lambda: os.open(os.path.join(sub, "f"), os.O_WRONLY | os.O_CREAT, 0o644))
+    expect_user_errno(
+        errno.EACCES, lambda: os.open(os.path.join(sub, "f"), os.O_WRONLY | os.O_CREAT, 0o644)
+    )
 
 
 @case("open", "a file readable by others can be read by them")
@@ -643,7 +651,10 @@ def _(d: str) -> None:
     write(os.path.join(a, "f"), b"1")
     write(os.path.join(a, "sub", "g"), b"2")
     os.rename(a, b)
-    check(read(os.path.join(b, "f")) == b"1" and read(os.path.join(b, "sub", "g")) == b"2", "contents moved")
+    check(
+        read(os.path.join(b, "f")) == b"1" and read(os.path.join(b, "sub", "g")) == b"2",
+        "contents moved",
+    )
     check(not os.path.exists(a), "old name gone")
 
 
@@ -729,7 +740,9 @@ def _(d: str) -> None:
 def _(d: str) -> None:
     write(os.path.join(d, "a"))
     write(os.path.join(d, "b"))
-    expect_errno(errno.EEXIST, renameat2, os.path.join(d, "a"), os.path.join(d, "b"), RENAME_NOREPLACE)
+    expect_errno(
+        errno.EEXIST, renameat2, os.path.join(d, "a"), os.path.join(d, "b"), RENAME_NOREPLACE
+    )
 
 
 @case("rename", "RENAME_NOREPLACE to a free name")
@@ -764,7 +777,9 @@ def _(d: str) -> None:
     os.mkfifo(os.path.join(d, "p"), 0o640)
     os.rename(os.path.join(d, "p"), os.path.join(d, "q"))
     st = os.lstat(os.path.join(d, "q"))
-    check(stat.S_ISFIFO(st.st_mode) and stat.S_IMODE(st.st_mode) == 0o640, f"mode {oct(st.st_mode)}")
+    check(
+        stat.S_ISFIFO(st.st_mode) and stat.S_IMODE(st.st_mode) == 0o640, f"mode {oct(st.st_mode)}"
+    )
 
 
 # --------------------------------------------------------------- truncate
@@ -803,7 +818,9 @@ def _(d: str) -> None:
     tick()
     os.truncate(p, 1)
     st = os.stat(p)
-    check(st.st_mtime_ns > before.st_mtime_ns and st.st_ctime_ns > before.st_ctime_ns, "times moved")
+    check(
+        st.st_mtime_ns > before.st_mtime_ns and st.st_ctime_ns > before.st_ctime_ns, "times moved"
+    )
 
 
 @case("truncate", "keeps mode and owner")
@@ -1160,7 +1177,10 @@ def _(d: str) -> None:
     rc = libc.utimensat(-100, p.encode(), times, 0)
     check(rc == 0, f"utimensat failed: {os.strerror(ctypes.get_errno())}")
     st = os.stat(p)
-    check(st.st_atime_ns == 1_000_000_000 and st.st_mtime_ns == 3_000_000_000, f"{st.st_atime_ns} {st.st_mtime_ns}")
+    check(
+        st.st_atime_ns == 1_000_000_000 and st.st_mtime_ns == 3_000_000_000,
+        f"{st.st_atime_ns} {st.st_mtime_ns}",
+    )
 
 
 @case("utimensat", "a directory's times")
@@ -1268,7 +1288,10 @@ def _(d: str) -> None:
     p = os.path.join(d, "l")
     os.symlink("t", p)
     check(read(p) == b"through the link", "content")
-    check(stat.S_ISREG(os.stat(p).st_mode) and perm(os.path.join(d, "t")) == 0o600, "target's attributes")
+    check(
+        stat.S_ISREG(os.stat(p).st_mode) and perm(os.path.join(d, "t")) == 0o600,
+        "target's attributes",
+    )
 
 
 @case("symlink", "a link to a directory is followed")
@@ -1394,7 +1417,9 @@ def _(d: str) -> None:
     p = os.path.join(d, "p")
     os.mkfifo(p, 0o666)
     st = os.lstat(p)
-    check(stat.S_ISFIFO(st.st_mode) and stat.S_IMODE(st.st_mode) == 0o644, f"mode {oct(st.st_mode)}")
+    check(
+        stat.S_ISFIFO(st.st_mode) and stat.S_IMODE(st.st_mode) == 0o644, f"mode {oct(st.st_mode)}"
+    )
     check(st.st_size == 0 and st.st_uid == 0, "size and owner")
 
 
@@ -1437,7 +1462,10 @@ def _(d: str) -> None:
     os.chmod(p, 0o640)
     os.chown(p, USER, GROUP)
     st = os.lstat(p)
-    check(stat.S_ISFIFO(st.st_mode) and stat.S_IMODE(st.st_mode) == 0o640 and st.st_uid == USER, "attributes")
+    check(
+        stat.S_ISFIFO(st.st_mode) and stat.S_IMODE(st.st_mode) == 0o640 and st.st_uid == USER,
+        "attributes",
+    )
     os.unlink(p)
     check(not os.path.lexists(p), "gone")
 
@@ -1474,7 +1502,9 @@ def _(d: str) -> None:
 @case("mknod", "EPERM: an unprivileged caller making a device")
 def _(d: str) -> None:
     os.chmod(d, 0o777)
-    expect_user_errno(errno.EPERM, lambda: os.mknod(os.path.join(d, "c"), stat.S_IFCHR | 0o600, os.makedev(1, 3)))
+    expect_user_errno(
+        errno.EPERM, lambda: os.mknod(os.path.join(d, "c"), stat.S_IFCHR | 0o600, os.makedev(1, 3))
+    )
 
 
 @case("mknod", "EACCES: no write permission on the directory")

@@ -334,6 +334,11 @@ impl Fs {
         }
     }
 
+    /// True while metadata changes wait to be stored in S3.
+    pub fn has_unstored_metadata(&self) -> bool {
+        !self.dirty_meta.due(std::time::Duration::ZERO).is_empty()
+    }
+
     /// Stores every pending metadata change now (fsync of a directory,
     /// unmount).
     pub async fn sync_metadata(&self) -> Result<(), FsError> {
