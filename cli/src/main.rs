@@ -61,6 +61,9 @@ enum Command {
     Token(token_cmd::TokenCmd),
     /// Mount s3://bucket[/prefix] at a path through the cache (FUSE)
     Mount(mount_cmd::MountCmd),
+    /// Internal: started by `mount`; removes the mount if its client dies
+    #[command(hide = true, name = "mount-guard")]
+    MountGuard { mountpoint: std::path::PathBuf },
 }
 
 fn init_tracing(filter: &str) {
@@ -78,6 +81,9 @@ fn main() {
     let cli = Cli::parse();
     init_tracing(&cli.log);
     lakecache_protocol::memory::return_large_buffers_to_the_os();
+    if let Command::MountGuard { mountpoint } = &cli.command {
+        std::process::exit(lakecache_fuse::unmount_guard::run(mountpoint));
+    }
     // Detach before any runtime threads exist.
     if let Command::Mount(cmd) = &cli.command {
         if cmd.wants_daemon() {
@@ -112,6 +118,8 @@ fn main() {
             Command::Ring(cmd) => cmd.run().await,
             Command::Token(cmd) => cmd.run(),
             Command::Mount(cmd) => cmd.run().await,
+            // Ran and exited before the runtime started.
+            Command::MountGuard { .. } => Ok(()),
         }
     });
     if let Err(e) = result {

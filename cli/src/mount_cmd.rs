@@ -168,6 +168,7 @@ impl FuseArgs {
             allow_other: self.allow_other,
             read_only: self.read_only,
             threads: self.fuse_threads as usize,
+            unmount_guard: std::env::current_exe().ok(),
         }
     }
 }

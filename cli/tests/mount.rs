@@ -732,7 +732,10 @@ fn read_through_a_worker_failure(hang: bool) -> Duration {
 
 fn mount_pids(mountpoint: &Path) -> Vec<String> {
     let out = Command::new("pgrep")
-        .args(["-f", &format!("fusermount3.*{}", mountpoint.display())])
+        .args([
+            "-f",
+            &format!("(fusermount3|mount-guard).*{}", mountpoint.display()),
+        ])
         .output()
         .unwrap();
     String::from_utf8_lossy(&out.stdout)
@@ -782,7 +785,8 @@ fn sigterm_unmounts_and_a_killed_client_leaves_no_dead_mount() {
     wait_mounted(&mnt, false);
     assert!(!lakecache_fuse::mount::is_dead_mount(&mnt));
 
-    // Killing the helper too leaves a dead mount; the next mount clears it.
+    // Killing the helpers too (fusermount3 and the guard) leaves a dead
+    // mount; the next mount clears it.
     env.mount();
     let helpers = mount_pids(&mnt.canonicalize().unwrap());
     for pid in &helpers {

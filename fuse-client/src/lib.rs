@@ -17,6 +17,7 @@ pub mod mount;
 mod passthrough;
 pub mod posix;
 pub mod read;
+pub mod unmount_guard;
 pub mod write;
 
 pub use config::FsConfig;

@@ -19,6 +19,10 @@ pub struct MountOptions {
     pub read_only: bool,
     /// Threads reading requests from /dev/fuse.
     pub threads: usize,
+    /// A program that runs [`crate::unmount_guard::run`] as its
+    /// `mount-guard` subcommand, started to remove the mount if this
+    /// process dies; none leaves that to fusermount3's auto_unmount.
+    pub unmount_guard: Option<PathBuf>,
 }
 
 #[derive(Debug, thiserror::Error)]
@@ -35,6 +39,7 @@ pub enum MountError {
 pub struct Mounted {
     mountpoint: PathBuf,
     unmounter: fuser::SessionUnmounter,
+    _guard: Option<crate::unmount_guard::UnmountGuard>,
     session: Option<std::thread::JoinHandle<std::io::Result<()>>>,
     /// Becomes true when the session thread returns; awaited any number
     /// of times (a oneshot would panic when polled after completion).
@@ -168,10 +173,11 @@ pub fn mount(
         SessionACL::Owner
     };
     // auto_unmount (fusermount3 stays behind and unmounts when this
-    // process dies) needs an ACL other than owner-only.
+    // process dies) needs an ACL other than owner-only. The guard covers
+    // its race, and the owner-only case.
     if acl != SessionACL::Owner {
         mount_options.push(MountOption::AutoUnmount);
-    } else {
+    } else if options.unmount_guard.is_none() {
         tracing::warn!("auto_unmount unavailable (not root, no user_allow_other): a crashed client leaves a dead mount that the next mount cleans up");
     }
     let mut config = Config::default();
@@ -180,6 +186,20 @@ pub fn mount(
     config.n_threads = Some(options.threads.max(1));
     config.clone_fd = true;
 
+    // Started before the session exists so it inherits no /dev/fuse fd.
+    let guard =
+        match &options.unmount_guard {
+            Some(program) => Some(crate::unmount_guard::spawn(program, &path).map_err(|e| {
+                MountError::Mount {
+                    path: path.clone(),
+                    source: std::io::Error::new(
+                        e.kind(),
+                        format!("starting the unmount guard: {e}"),
+                    ),
+                }
+            })?),
+            None => None,
+        };
     let adapter = KernelAdapter::new(fs, runtime);
     let mut session = Session::new(adapter, &path, &config).map_err(|e| MountError::Mount {
         path: path.clone(),
@@ -202,6 +222,7 @@ pub fn mount(
     Ok(Mounted {
         mountpoint: path,
         unmounter,
+        _guard: guard,
         session: Some(thread),
         ended,
     })

@@ -18,7 +18,7 @@ use super::auth::{Access, AccessPolicy};
 use super::limits::{Admitted, BodyIdle, IdleTimeoutBody, TenantLimiter};
 use super::peer_writeback::{drop_replica, pending_entry, replica_delete, replica_role};
 use super::range::{parse_range, resolve};
-use super::response::{cache_error, error, full, json, BoxError, Response};
+use super::response::{cache_error, error, full, json, json_when_ready, BoxError, Response};
 use super::HttpLimits;
 use crate::cache::{Cache, CacheError};
 use crate::metrics::Metrics;
@@ -744,7 +744,19 @@ async fn list(state: &AppState, access: &Access<'_>, bucket: &str, query: &str) 
         Ok(mut resp) => {
             access.filter_listing(bucket, &mut resp);
             if with_meta {
-                state.cache.add_user_meta(bucket, &mut resp).await;
+                // One HEAD per object S3 listed without metadata we know:
+                // a page can take longer than a client waits for a byte.
+                use tracing::Instrument as _;
+                let cache = state.cache.clone();
+                let bucket = bucket.to_string();
+                let work = tokio::spawn(
+                    async move {
+                        cache.add_user_meta(&bucket, &mut resp).await;
+                        resp
+                    }
+                    .in_current_span(),
+                );
+                return json_when_ready(work);
             }
             json(StatusCode::OK, &resp)
         }
