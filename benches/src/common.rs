@@ -61,6 +61,7 @@ pub fn worker_options(cache_dir: PathBuf, capacity: u64) -> Result<WorkerOptions
             readahead_pages: 4,
             fetch_concurrency: 32,
             part_size: 16 * MIB,
+            copy_part_limit: lakecache_worker::store::MAX_COPY_BYTES,
             segment_size: None,
             writeback: Default::default(),
             memory_limit: 1 << 30,

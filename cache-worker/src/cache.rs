@@ -33,6 +33,9 @@ pub struct CacheConfig {
     pub readahead_pages: u32,
     pub fetch_concurrency: usize,
     pub part_size: u64,
+    /// Largest object copied with one CopyObject, and largest copied part
+    /// of bigger ones (S3's limit: 5 GiB, `store::MAX_COPY_BYTES`).
+    pub copy_part_limit: u64,
     /// The ring's segment size, when the worker is in a ring: read-ahead
     /// stops at the end of the segment being read.
     pub segment_size: Option<u64>,

@@ -17,7 +17,7 @@ use tokio::task::JoinHandle;
 use crate::cache::{Cache, CacheError};
 use crate::index::PageEntry;
 use crate::pages::{PageId, PageKey, Staged};
-use crate::store::{ObjectMeta, PartReceipt, StoreError, MAX_COPY_BYTES};
+use crate::store::{multipart_copy, ObjectMeta, PartReceipt, StoreError};
 use lakecache_protocol::memory::Reservation;
 
 /// Part uploads in flight per write: bounds memory at this many parts.
@@ -355,10 +355,48 @@ impl Cache {
         {
             return self.copy_through_cache(from, &source, to, user).await;
         }
-        if source.size > MAX_COPY_BYTES {
-            return Err(CacheError::CopyTooLarge(source.size));
+        if source.size > self.config.copy_part_limit {
+            return self.copy_in_parts(from, &source, to, user).await;
         }
         let meta = self.store.copy(from, &source.etag, to, user).await?;
+        self.replace_meta(&to.to_string(), Some(&meta)).await?;
+        Ok(meta)
+    }
+
+    /// A copy above CopyObject's limit: UploadPartCopy parts. A multipart
+    /// upload takes the metadata at its start, so keeping the source's
+    /// means asking S3 for it (the index may know only a listing).
+    async fn copy_in_parts(
+        self: &Arc<Self>,
+        from: &ObjectUri,
+        source: &ObjectMeta,
+        to: &ObjectUri,
+        user: Option<&UserMeta>,
+    ) -> Result<ObjectMeta, CacheError> {
+        let kept;
+        let user = match user {
+            Some(user) => user,
+            None => {
+                let head = self.store.head(from).await?;
+                if head.etag != source.etag {
+                    return Err(StoreError::PreconditionFailed.into());
+                }
+                kept = head.user;
+                &kept
+            }
+        };
+        tracing::info!(from = %from, to = %to, size = source.size, "copying in parts (UploadPartCopy)");
+        multipart_copy(
+            self.store.as_ref(),
+            from,
+            &source.etag,
+            source.size,
+            to,
+            user,
+            self.config.copy_part_limit,
+        )
+        .await?;
+        let meta = self.store.head(to).await?;
         self.replace_meta(&to.to_string(), Some(&meta)).await?;
         Ok(meta)
     }

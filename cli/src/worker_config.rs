@@ -422,6 +422,7 @@ impl WorkerSettings {
                 readahead_pages: self.readahead_pages.unwrap_or(4),
                 fetch_concurrency,
                 part_size,
+                copy_part_limit: lakecache_worker::store::MAX_COPY_BYTES,
                 segment_size: Some(segment_size),
                 memory_limit,
                 writeback: lakecache_worker::writeback::WriteBackConfig {

@@ -5,7 +5,7 @@ use std::sync::{Arc, Mutex};
 use bytes::Bytes;
 use lakecache_protocol::{ListResponse, ObjectUri, UserMeta};
 
-use crate::{ObjectMeta, ObjectStore, PartReceipt, StoreError};
+use crate::{CopyRange, ObjectMeta, ObjectStore, PartReceipt, StoreError};
 
 /// A fault the next matching call returns instead of reaching the store.
 #[derive(Debug, Clone)]
@@ -145,6 +145,21 @@ impl<S: ObjectStore> ObjectStore for FaultyStore<S> {
 
     async fn delete(&self, uri: &ObjectUri) -> Result<(), StoreError> {
         self.inner.delete(uri).await
+    }
+
+    async fn upload_part_copy(
+        &self,
+        uri: &ObjectUri,
+        upload_id: &str,
+        part_number: i32,
+        source: &CopyRange<'_>,
+    ) -> Result<PartReceipt, StoreError> {
+        if let Some(e) = self.take_write() {
+            return Err(e);
+        }
+        self.inner
+            .upload_part_copy(uri, upload_id, part_number, source)
+            .await
     }
 
     async fn copy(

@@ -6,6 +6,7 @@
 
 mod faulty;
 mod metered;
+mod multipart_copy;
 mod s3;
 
 use std::ops::Range;
@@ -16,6 +17,7 @@ use lakecache_protocol::{ListResponse, ObjectUri, UserMeta};
 
 pub use faulty::{FaultyStore, StoreFault};
 pub use metered::MeteredStore;
+pub use multipart_copy::multipart_copy;
 pub use s3::{RetryMode, S3Config, S3Store};
 
 /// Where the store wrappers report requests; the worker's metrics
@@ -141,6 +143,16 @@ pub trait ObjectStore: Send + Sync + 'static {
 
     async fn delete(&self, uri: &ObjectUri) -> Result<(), StoreError>;
 
+    /// Part `part_number` of upload `upload_id` copied server-side from a
+    /// byte range of one version of another object (UploadPartCopy).
+    async fn upload_part_copy(
+        &self,
+        uri: &ObjectUri,
+        upload_id: &str,
+        part_number: i32,
+        source: &CopyRange<'_>,
+    ) -> Result<PartReceipt, StoreError>;
+
     /// Server-side copy of the version tagged `etag` (CopyObject, so at
     /// most [`MAX_COPY_BYTES`]); returns the new object's metadata. The
     /// copy keeps the source's user metadata, or gets `meta` instead.
@@ -153,8 +165,16 @@ pub trait ObjectStore: Send + Sync + 'static {
     ) -> Result<ObjectMeta, StoreError>;
 }
 
-/// S3's limit for a single-request CopyObject.
+/// S3's limit for a single-request CopyObject, and for one copied part.
 pub const MAX_COPY_BYTES: u64 = 5 << 30;
+
+/// A byte range of one version of an object, as UploadPartCopy reads it.
+#[derive(Debug, Clone)]
+pub struct CopyRange<'a> {
+    pub from: &'a ObjectUri,
+    pub etag: &'a str,
+    pub range: std::ops::Range<u64>,
+}
 
 /// S3 ETags arrive quoted; the cache keeps them bare.
 pub fn unquote_etag(etag: &str) -> String {

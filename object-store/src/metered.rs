@@ -5,7 +5,7 @@ use std::time::Instant;
 use bytes::Bytes;
 use lakecache_protocol::{ListResponse, ObjectUri, UserMeta};
 
-use crate::{ObjectMeta, ObjectStore, PartReceipt, StoreError, StoreMetrics};
+use crate::{CopyRange, ObjectMeta, ObjectStore, PartReceipt, StoreError, StoreMetrics};
 
 /// Records requests, bytes and latency of every call to the inner store.
 pub struct MeteredStore<S> {
@@ -138,6 +138,22 @@ impl<S: ObjectStore> ObjectStore for MeteredStore<S> {
         let t = Instant::now();
         let r = self.inner.delete(uri).await;
         self.record("delete_object", t, 0, &r);
+        r
+    }
+
+    async fn upload_part_copy(
+        &self,
+        uri: &ObjectUri,
+        upload_id: &str,
+        part_number: i32,
+        source: &CopyRange<'_>,
+    ) -> Result<PartReceipt, StoreError> {
+        let t = Instant::now();
+        let r = self
+            .inner
+            .upload_part_copy(uri, upload_id, part_number, source)
+            .await;
+        self.record("upload_part_copy", t, 0, &r);
         r
     }
 

@@ -21,7 +21,8 @@ use bytes::Bytes;
 use lakecache_protocol::{ListEntry, ListResponse, ObjectUri, UserMeta};
 
 use crate::{
-    crc32c_header, unquote_etag, ObjectMeta, ObjectStore, PartReceipt, StoreError, StoreMetrics,
+    crc32c_header, unquote_etag, CopyRange, ObjectMeta, ObjectStore, PartReceipt, StoreError,
+    StoreMetrics,
 };
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Deserialize)]
@@ -483,6 +484,44 @@ impl ObjectStore for S3Store {
         Ok(())
     }
 
+    async fn upload_part_copy(
+        &self,
+        uri: &ObjectUri,
+        upload_id: &str,
+        part_number: i32,
+        source: &CopyRange<'_>,
+    ) -> Result<PartReceipt, StoreError> {
+        if source.range.is_empty() {
+            return Err(StoreError::Other("empty copy range".into()));
+        }
+        let out = self
+            .client
+            .upload_part_copy()
+            .bucket(uri.bucket())
+            .key(uri.key())
+            .upload_id(upload_id)
+            .part_number(part_number)
+            .copy_source(copy_source(source.from))
+            .copy_source_if_match(quoted(source.etag))
+            .copy_source_range(format!(
+                "bytes={}-{}",
+                source.range.start,
+                source.range.end - 1
+            ))
+            .send()
+            .await
+            .map_err(map_sdk_error)?;
+        let result = out
+            .copy_part_result()
+            .ok_or_else(|| StoreError::InvalidResponse("part copy without a result".into()))?;
+        let etag = result
+            .e_tag()
+            .map(str::to_string)
+            .ok_or_else(|| StoreError::InvalidResponse("copied part without ETag".into()))?;
+        let crc32c = result.checksum_crc32_c().map(str::to_string);
+        Ok(PartReceipt { etag, crc32c })
+    }
+
     async fn copy(
         &self,
         from: &ObjectUri,
@@ -490,16 +529,11 @@ impl ObjectStore for S3Store {
         to: &ObjectUri,
         meta: Option<&UserMeta>,
     ) -> Result<ObjectMeta, StoreError> {
-        let source = format!(
-            "{}/{}",
-            from.bucket(),
-            percent_encoding::utf8_percent_encode(from.key(), COPY_SOURCE_ESCAPE)
-        );
         self.client
             .copy_object()
             .bucket(to.bucket())
             .key(to.key())
-            .copy_source(source)
+            .copy_source(copy_source(from))
             .copy_source_if_match(quoted(etag))
             .set_metadata_directive(meta.map(|_| MetadataDirective::Replace))
             .set_metadata(meta.and_then(sdk_meta))
@@ -509,6 +543,15 @@ impl ObjectStore for S3Store {
         // CopyObject's ETag is in an XML body some stores leave out; ask.
         self.head(to).await
     }
+}
+
+/// `x-amz-copy-source` for `from`: bucket/key, the key escaped.
+fn copy_source(from: &ObjectUri) -> String {
+    format!(
+        "{}/{}",
+        from.bucket(),
+        percent_encoding::utf8_percent_encode(from.key(), COPY_SOURCE_ESCAPE)
+    )
 }
 
 /// User metadata as the SDK takes it; none when empty.

@@ -7,6 +7,7 @@
 
 mod db;
 mod faults;
+mod part_copy;
 mod s3api;
 mod server;
 

@@ -13,6 +13,7 @@ use tokio_util::io::ReaderStream;
 
 use crate::db::{cursor_is_valid, Attrs, DbError, ObjectDb, ObjectRecord, UploadRecord};
 use crate::faults::FaultInjector;
+use crate::part_copy;
 
 /// Large reads matter: 4 KiB reads cap a stream near 130 MB/s.
 const READ_CHUNK: usize = 1 << 20;
@@ -567,6 +568,71 @@ impl S3 for EmbeddedS3 {
         Ok(S3Response::new(UploadPartOutput {
             e_tag: Some(strong(&etag)),
             checksum_crc32c: Some(crc32c),
+            ..Default::default()
+        }))
+    }
+
+    async fn upload_part_copy(
+        &self,
+        req: S3Request<UploadPartCopyInput>,
+    ) -> S3Result<S3Response<UploadPartCopyOutput>> {
+        let input = req.input;
+        let upload = input.upload_id.clone();
+        let found = self.blocking(move |db| db.get_upload(&upload)).await?;
+        match found {
+            Some(u) if u.bucket == input.bucket && u.key == input.key => {}
+            _ => return Err(s3_error!(NoSuchUpload)),
+        }
+        if !(1..=10_000).contains(&input.part_number) {
+            return Err(s3_error!(InvalidArgument, "part number must be 1..=10000"));
+        }
+        let CopySource::Bucket {
+            bucket: src_bucket,
+            key: src_key,
+            ..
+        } = &input.copy_source
+        else {
+            return Err(s3_error!(NotImplemented, "access-point copy sources"));
+        };
+        let source = self.record(src_bucket, src_key).await?;
+        check_if_match(input.copy_source_if_match.as_ref(), &source)?;
+        let range = part_copy::parse_copy_range(input.copy_source_range.as_deref(), source.size)
+            .map_err(|m| S3Error::with_message(S3ErrorCode::InvalidArgument, m))?;
+        if range.end - range.start > part_copy::MAX_PART_COPY {
+            return Err(s3_error!(
+                InvalidRequest,
+                "a copied part may be at most 5 GiB"
+            ));
+        }
+        let dir = self.db.upload_dir(&input.upload_id);
+        let tmp = dir.join(format!(
+            "{}.{}",
+            input.part_number,
+            uuid::Uuid::new_v4().simple()
+        ));
+        let blob = self.db.blob_path(&source.blob);
+        let part = tmp.clone();
+        let copied =
+            tokio::task::spawn_blocking(move || part_copy::copy_range(&blob, &part, range))
+                .await
+                .map_err(|e| s3_error!(InternalError, "copy task failed: {e}"))?;
+        let (md5, crc) = match copied {
+            Ok(hashes) => hashes,
+            Err(e) => {
+                let _ = tokio::fs::remove_file(&tmp).await;
+                return Err(io_internal(e));
+            }
+        };
+        let etag = hex::encode(md5);
+        let dest = dir.join(format!("{}-{}", input.part_number, etag));
+        tokio::fs::rename(&tmp, &dest).await.map_err(io_internal)?;
+        Ok(S3Response::new(UploadPartCopyOutput {
+            copy_part_result: Some(CopyPartResult {
+                e_tag: Some(strong(&etag)),
+                checksum_crc32c: Some(crc32c_base64(crc)),
+                last_modified: Some(Timestamp::from(source.last_modified())),
+                ..Default::default()
+            }),
             ..Default::default()
         }))
     }

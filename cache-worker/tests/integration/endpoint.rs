@@ -289,3 +289,100 @@ async fn user_metadata_is_stored_returned_and_replaced_by_a_copy() {
     assert_eq!(h.client.stat(&through).await.unwrap().meta, new);
     assert_eq!(h.direct.head(&through).await.unwrap().user, new);
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn objects_above_the_copy_limit_are_copied_in_parts_with_their_metadata() {
+    // The limit stands in for S3's 5 GiB: 12 MiB copies as 5 + 5 + 2 MiB.
+    let h = Harness::with(|o| o.cache.copy_part_limit = 5 * MIB).await;
+    let body = data(12 * MIB as usize, 7);
+    let meta: lakecache_protocol::UserMeta = [("mode".to_string(), "33188".to_string())].into();
+    let u = uri("big/model.bin");
+    h.direct
+        .put(&u, Bytes::from(body.clone()), &meta)
+        .await
+        .unwrap();
+    let stat = h.client.stat(&u).await.unwrap();
+
+    // chmod of a large object: a copy onto itself with new metadata.
+    let new: lakecache_protocol::UserMeta = [("mode".to_string(), "33261".to_string())].into();
+    let copied = h
+        .client
+        .copy(&u, Some(&stat.etag), &u, Some(&new))
+        .await
+        .unwrap();
+    assert_eq!(copied.meta, new);
+    assert!(copied.etag.ends_with("-3"), "three parts: {}", copied.etag);
+    let head = h.direct.head(&u).await.unwrap();
+    assert_eq!((head.user, head.size), (new.clone(), body.len() as u64));
+    let got = h
+        .direct
+        .get_range(&u, 0..body.len() as u64, &head.etag)
+        .await
+        .unwrap();
+    assert_eq!(sha(&got), sha(&body));
+
+    // A copy to another name keeps the source's metadata.
+    let other = uri("big/copy.bin");
+    let kept = h.client.copy(&u, None, &other, None).await.unwrap();
+    assert_eq!(kept.meta, new);
+    assert_eq!(h.direct.head(&other).await.unwrap().user, new);
+
+    // A stale ETag is refused and leaves no upload behind.
+    let err = h
+        .client
+        .copy(&u, Some(&stat.etag), &other, None)
+        .await
+        .unwrap_err();
+    assert!(
+        matches!(
+            err,
+            lakecache_protocol::ClientError::Api {
+                code: lakecache_protocol::ErrorCode::PreconditionFailed,
+                ..
+            }
+        ),
+        "{err:?}"
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn the_endpoint_refuses_copy_ranges_outside_the_source() {
+    let h = Harness::start().await;
+    let u = uri("range/src");
+    let etag = h
+        .direct
+        .put(&u, Bytes::from(data(1000, 1)), &Default::default())
+        .await
+        .unwrap();
+    let dst = uri("range/dst");
+    let id = h
+        .direct
+        .create_multipart(&dst, &Default::default())
+        .await
+        .unwrap();
+    let source = lakecache_worker::store::CopyRange {
+        from: &u,
+        etag: &etag,
+        range: 500..1001,
+    };
+    let err = h
+        .direct
+        .upload_part_copy(&dst, &id, 1, &source)
+        .await
+        .unwrap_err();
+    assert!(
+        matches!(err, StoreError::Other(_) | StoreError::InvalidResponse(_)),
+        "{err:?}"
+    );
+    let wrong = lakecache_worker::store::CopyRange {
+        from: &u,
+        etag: "0123",
+        range: 0..10,
+    };
+    let err = h
+        .direct
+        .upload_part_copy(&dst, &id, 1, &wrong)
+        .await
+        .unwrap_err();
+    assert_eq!(err, StoreError::PreconditionFailed);
+}

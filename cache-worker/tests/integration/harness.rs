@@ -40,6 +40,7 @@ pub fn default_options(cache_dir: PathBuf) -> WorkerOptions {
             readahead_pages: 0,
             fetch_concurrency: 16,
             part_size: 5 * MIB,
+            copy_part_limit: lakecache_worker::store::MAX_COPY_BYTES,
             segment_size: None,
             writeback: Default::default(),
             memory_limit: 1 << 30,
