@@ -99,6 +99,8 @@ pub struct Cache {
     last_read_end: Mutex<HashMap<String, u64>>,
     pub(crate) evict: Arc<Notify>,
     pub(crate) peers: crate::placement::Peers,
+    /// Preload jobs (`lakecache load`).
+    pub preloads: crate::preload::Preloads,
     /// Acknowledged writes not yet in S3 (`None`: write-back is off).
     pub(crate) writeback: Option<Arc<crate::writeback::WriteBack>>,
     /// Totals for `/v1/health` (the same counts feed the metrics).
@@ -178,6 +180,7 @@ impl Cache {
             block_flights: SingleFlight::default(),
             evict: Arc::new(Notify::new()),
             peers: Default::default(),
+            preloads: Default::default(),
             hit_bytes: AtomicU64::new(0),
             miss_bytes: AtomicU64::new(0),
             random_admission: Default::default(),
@@ -453,6 +456,20 @@ impl Cache {
             .min((pos / MAX_PIECE + 1) * MAX_PIECE);
         let sub = pos - page_start..piece_end - page_start;
         self.page_range(uri, meta, idx, sub, sequential).await
+    }
+
+    /// Makes page `idx` of `meta` cached in full (a preload's miss).
+    pub(crate) async fn warm_page(
+        self: &Arc<Self>,
+        uri: &ObjectUri,
+        meta: &ObjectMeta,
+        idx: u64,
+    ) -> Result<(), CacheError> {
+        let ps = self.config.page_size;
+        let len = ps.min(meta.size.saturating_sub(idx * ps));
+        self.page_range(uri, meta, idx, 0..len, true)
+            .await
+            .map(|_| ())
     }
 
     /// `sub` (page-relative) of page `idx`, from disk or S3. A miss of a

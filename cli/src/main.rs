@@ -4,6 +4,7 @@
 mod client_cmds;
 mod cluster_args;
 mod etcd_args;
+mod load_cmd;
 mod mount_cmd;
 mod ring_cmd;
 mod s3_cmd;
@@ -61,6 +62,8 @@ enum Command {
     Token(token_cmd::TokenCmd),
     /// Mount s3://bucket[/prefix] at a path through the cache (FUSE)
     Mount(mount_cmd::MountCmd),
+    /// Preload s3://bucket/prefix into the workers' caches, with progress
+    Load(Box<load_cmd::LoadCmd>),
     /// Internal: started by `mount`; removes the mount if its client dies
     #[command(hide = true, name = "mount-guard")]
     MountGuard { mountpoint: std::path::PathBuf },
@@ -118,6 +121,7 @@ fn main() {
             Command::Ring(cmd) => cmd.run().await,
             Command::Token(cmd) => cmd.run(),
             Command::Mount(cmd) => cmd.run().await,
+            Command::Load(cmd) => cmd.run().await,
             // Ran and exited before the runtime started.
             Command::MountGuard { .. } => Ok(()),
         }

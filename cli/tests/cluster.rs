@@ -1052,3 +1052,142 @@ fn etcd_over_tls_with_client_certificates() {
     let no_cert = c.cli(&["status", "--registry", &registry, "--etcd-ca", &tls[1]]);
     assert_eq!(no_cert.status.code(), Some(1));
 }
+
+/// Puts `len` bytes of [`block`]s straight into S3 (nothing cached).
+fn put_direct(c: &Cluster, key: &str, len: u64) {
+    let rt = tokio::runtime::Runtime::new().unwrap();
+    rt.block_on(async {
+        let config = lakecache_worker::S3Config {
+            endpoint: Some(format!("http://127.0.0.1:{}", c.s3_port)),
+            path_style: true,
+            static_credentials: Some((ACCESS.into(), SECRET.into())),
+            ..Default::default()
+        };
+        let store = lakecache_worker::s3_store(
+            &config,
+            Arc::new(lakecache_worker::Metrics::new().unwrap()),
+        )
+        .await;
+        let mut body = Vec::with_capacity(len as usize);
+        let mut i = 0;
+        while (body.len() as u64) < len {
+            body.extend_from_slice(&block(i));
+            i += 1;
+        }
+        body.truncate(len as usize);
+        store
+            .put(
+                &format!("s3://data/{key}").parse().unwrap(),
+                body.into(),
+                &Default::default(),
+            )
+            .await
+            .unwrap();
+    });
+}
+
+#[test]
+fn load_spreads_over_the_ring_resumes_and_leaves_reads_to_the_cache() {
+    const MIB: u64 = 1 << 20;
+    let c = Cluster::start(3);
+    c.wait_members(&["w0", "w1", "w2"], Duration::from_secs(15));
+    put_direct(&c, "shards/a.bin", 150 * MIB);
+    put_direct(&c, "shards/b.bin", 5 * MIB + 123);
+    put_direct(&c, "shards/notes.txt", MIB);
+    put_direct(&c, "elsewhere/c.bin", MIB);
+    let wanted = 155 * MIB + 123;
+    let run = |args: &[&str]| {
+        let mut all = vec!["load"];
+        all.extend_from_slice(args);
+        let reg = c.registry();
+        all.extend_from_slice(&["--registry", &reg]);
+        c.cli(&all)
+    };
+
+    let misses_before = workers_metric(&c, "lakecache_cache_miss");
+    let out = run(&["s3://data/shards/", "--include", "*.bin", "--id", "first"]);
+    let (stdout, stderr) = (
+        String::from_utf8_lossy(&out.stdout).to_string(),
+        String::from_utf8_lossy(&out.stderr).to_string(),
+    );
+    eprintln!("--- load\n{stderr}{stdout}");
+    assert!(out.status.success(), "{stderr}");
+    assert!(stdout.contains("loaded 2 objects"), "{stdout}");
+    // Every wanted byte came from S3 once: no worker loaded another's share.
+    let fetched = workers_metric(&c, "lakecache_cache_miss") - misses_before;
+    assert_eq!(fetched as u64, wanted, "bytes fetched from S3 by the load");
+
+    // Each worker owned exactly the segments the ring gives it.
+    let owners_a = segment_owners(&c, "s3://data/shards/a.bin", 3);
+    let owner_b = segment_owners(&c, "s3://data/shards/b.bin", 1)[0].clone();
+    let rt = tokio::runtime::Runtime::new().unwrap();
+    for (id, port, _) in &c.workers {
+        let p = rt
+            .block_on(
+                c.worker_client(*port, Duration::from_secs(5))
+                    .load_status("first"),
+            )
+            .unwrap();
+        let mut expect = 0;
+        for (s, o) in owners_a.iter().enumerate() {
+            if o == id {
+                expect += (150 * MIB - s as u64 * 64 * MIB).min(64 * MIB);
+            }
+        }
+        if owner_b == *id {
+            expect += 5 * MIB + 123;
+        }
+        assert_eq!(p.bytes_owned, expect, "worker {id}: {p:?}");
+        assert_eq!(p.objects_listed, 2, "worker {id}: {p:?}");
+        assert_eq!(p.state, lakecache_protocol::LoadState::Done);
+    }
+
+    // Reads after a load cost S3 nothing.
+    let misses = workers_metric(&c, "lakecache_cache_miss");
+    let out = c.cli(&["cat", "s3://data/shards/a.bin", "--registry", &c.registry()]);
+    assert!(out.status.success());
+    assert_eq!(out.stdout.len() as u64, 150 * MIB);
+    assert_eq!(workers_metric(&c, "lakecache_cache_miss"), misses);
+
+    // A re-run skips what is cached.
+    let out = run(&["s3://data/shards/", "--include", "*.bin"]);
+    let stdout = String::from_utf8_lossy(&out.stdout).to_string();
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    assert!(
+        stdout.contains("0B fetched from S3") && stdout.contains("155.0MiB already cached"),
+        "{stdout}"
+    );
+
+    // In the background: an id, then status and cancel by it.
+    let out = run(&["s3://data/elsewhere/", "--background"]);
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let id = String::from_utf8_lossy(&out.stdout).trim().to_string();
+    let out = run(&["status", &id, "--wait"]);
+    let stdout = String::from_utf8_lossy(&out.stdout).to_string();
+    assert!(
+        out.status.success() && stdout.contains("loaded 1 objects"),
+        "{stdout}"
+    );
+
+    // Clear errors: an unknown job, a bad pattern, a bad URI.
+    let out = run(&["cancel", "no-such-job"]);
+    assert!(!out.status.success());
+    assert!(String::from_utf8_lossy(&out.stderr).contains("no worker knows load job no-such-job"));
+    let out = run(&["s3://data/shards/", "--include", "[", "--id", "badglob"]);
+    assert!(!out.status.success());
+    assert!(
+        String::from_utf8_lossy(&out.stderr).contains("include pattern"),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let out = run(&["data/shards"]);
+    assert!(String::from_utf8_lossy(&out.stderr).contains("must start with s3://"));
+}

@@ -11,6 +11,8 @@ use hyper_rustls::{HttpsConnector, HttpsConnectorBuilder};
 use hyper_util::client::legacy::{connect::HttpConnector, Client};
 use hyper_util::rt::TokioExecutor;
 
+mod load;
+
 use crate::buffered::BufferedConnector;
 use crate::tls::ClientTls;
 use crate::types::{ErrorBody, ErrorCode, Health, ListResponse, ObjectStat};

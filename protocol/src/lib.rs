@@ -7,6 +7,7 @@ pub mod buffer_pool;
 mod buffered;
 mod chain;
 mod client;
+mod load;
 pub mod member_sig;
 pub mod memory;
 #[doc(hidden)]
@@ -22,6 +23,9 @@ pub use chain::Chain;
 pub use client::{
     BoxError, ClientError, Deadlines, RequestBody, WorkerClient, COPY_SOURCE_HEADER, FROM_HEADER,
     OFFSET_HEADER,
+};
+pub use load::{
+    validate_load_id, LoadFailure, LoadProgress, LoadSpec, LoadState, MAX_LOAD_FAILURES_KEPT,
 };
 pub use types::{ErrorBody, ErrorCode, ErrorDetail, Health, ListEntry, ListResponse, ObjectStat};
 pub use uri::{validate_bucket, validate_key, InvalidUri, ObjectUri, MAX_KEY_BYTES};

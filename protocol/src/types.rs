@@ -55,6 +55,8 @@ pub enum ErrorCode {
     BodyTooLarge,
     HeadersTooLarge,
     PreconditionFailed,
+    /// The name is taken by something else (a load job with another spec).
+    Conflict,
     /// A server-side copy of an object larger than S3's CopyObject limit.
     CopyTooLarge,
     AccessDenied,
@@ -101,6 +103,7 @@ impl ErrorCode {
             ErrorCode::BodyTooLarge => 413,
             ErrorCode::HeadersTooLarge => 431,
             ErrorCode::PreconditionFailed => 412,
+            ErrorCode::Conflict => 409,
             ErrorCode::AccessDenied | ErrorCode::OutOfScope => 403,
             ErrorCode::Unauthenticated => 401,
             ErrorCode::TooManyRequests => 429,

@@ -2,6 +2,7 @@
 
 pub mod auth;
 mod limits;
+mod load;
 mod peer_writeback;
 mod range;
 mod response;

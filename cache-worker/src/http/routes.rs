@@ -116,6 +116,11 @@ async fn object_route(
             _ => ("invalid", method_not_allowed("GET, HEAD, PUT, DELETE")),
         };
     }
+    if let Some(rest) = path.strip_prefix("/v1/load") {
+        if rest.is_empty() || rest.starts_with('/') {
+            return super::load::route(state, access, rest, method, req).await;
+        }
+    }
     if let Some(rest) = path.strip_prefix("/v1/pages/") {
         return match method {
             Method::PUT => ("accept_pages", accept_pages(state, access, rest, req).await),
@@ -187,7 +192,7 @@ fn operator_route(
     }
 }
 
-fn method_not_allowed(allow: &'static str) -> Response {
+pub(super) fn method_not_allowed(allow: &'static str) -> Response {
     let mut resp = error(
         ErrorCode::MethodNotAllowed,
         format!("allowed methods: {allow}"),
