@@ -260,6 +260,7 @@ impl LoadJob {
         let pages = owned_pages(cache, &uri, &meta);
         let owned: u64 = pages.iter().map(|&(_, len)| len).sum();
         self.bytes_owned.fetch_add(owned, Ordering::Relaxed);
+        let left = |i: usize| pages[i..].iter().map(|&(_, l)| l).sum::<u64>();
         let mut retried = false;
         let mut i = 0;
         while i < pages.len() {
@@ -271,23 +272,13 @@ impl LoadJob {
                     match cache.revalidate(&uri).await {
                         Ok(m) if m.size == meta.size => meta = m,
                         Ok(_) => {
-                            let left: u64 = pages[i..].iter().map(|&(_, l)| l).sum();
-                            return self.failed(
-                                &entry.key,
-                                left,
-                                "changed size since it was listed; re-run the load".into(),
-                            );
+                            let why = "changed size since it was listed; re-run the load";
+                            return self.failed(&entry.key, left(i), why.into());
                         }
-                        Err(e) => {
-                            let left: u64 = pages[i..].iter().map(|&(_, l)| l).sum();
-                            return self.failed(&entry.key, left, e.to_string());
-                        }
+                        Err(e) => return self.failed(&entry.key, left(i), e.to_string()),
                     }
                 }
-                Err(e) => {
-                    let left: u64 = pages[i..].iter().map(|&(_, l)| l).sum();
-                    return self.failed(&entry.key, left, e.to_string());
-                }
+                Err(e) => return self.failed(&entry.key, left(i), e.to_string()),
             }
         }
     }

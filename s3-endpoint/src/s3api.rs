@@ -212,6 +212,29 @@ fn strong(etag: &str) -> ETag {
     ETag::Strong(etag.to_string())
 }
 
+/// An upload a part may go to: it exists for this bucket and key, and
+/// the part number is one S3 allows.
+impl EmbeddedS3 {
+    async fn check_part_target(
+        &self,
+        upload_id: &str,
+        bucket: &str,
+        key: &str,
+        part_number: i32,
+    ) -> S3Result<()> {
+        let upload = upload_id.to_string();
+        let found = self.blocking(move |db| db.get_upload(&upload)).await?;
+        match found {
+            Some(u) if u.bucket == bucket && u.key == key => {}
+            _ => return Err(s3_error!(NoSuchUpload)),
+        }
+        if !(1..=10_000).contains(&part_number) {
+            return Err(s3_error!(InvalidArgument, "part number must be 1..=10000"));
+        }
+        Ok(())
+    }
+}
+
 #[async_trait::async_trait]
 impl S3 for EmbeddedS3 {
     async fn create_bucket(
@@ -538,15 +561,13 @@ impl S3 for EmbeddedS3 {
         req: S3Request<UploadPartInput>,
     ) -> S3Result<S3Response<UploadPartOutput>> {
         let input = req.input;
-        let upload = input.upload_id.clone();
-        let found = self.blocking(move |db| db.get_upload(&upload)).await?;
-        match found {
-            Some(u) if u.bucket == input.bucket && u.key == input.key => {}
-            _ => return Err(s3_error!(NoSuchUpload)),
-        }
-        if !(1..=10_000).contains(&input.part_number) {
-            return Err(s3_error!(InvalidArgument, "part number must be 1..=10000"));
-        }
+        self.check_part_target(
+            &input.upload_id,
+            &input.bucket,
+            &input.key,
+            input.part_number,
+        )
+        .await?;
         let dir = self.db.upload_dir(&input.upload_id);
         let tmp = dir.join(format!(
             "{}.{}",
@@ -577,15 +598,13 @@ impl S3 for EmbeddedS3 {
         req: S3Request<UploadPartCopyInput>,
     ) -> S3Result<S3Response<UploadPartCopyOutput>> {
         let input = req.input;
-        let upload = input.upload_id.clone();
-        let found = self.blocking(move |db| db.get_upload(&upload)).await?;
-        match found {
-            Some(u) if u.bucket == input.bucket && u.key == input.key => {}
-            _ => return Err(s3_error!(NoSuchUpload)),
-        }
-        if !(1..=10_000).contains(&input.part_number) {
-            return Err(s3_error!(InvalidArgument, "part number must be 1..=10000"));
-        }
+        self.check_part_target(
+            &input.upload_id,
+            &input.bucket,
+            &input.key,
+            input.part_number,
+        )
+        .await?;
         let CopySource::Bucket {
             bucket: src_bucket,
             key: src_key,

@@ -36,7 +36,13 @@ pub(super) async fn route(
     }
     match method {
         Method::POST => ("load_start", start(state, access, id, req).await),
-        Method::GET => ("load_status", with_job(state, access, id, |p| p)),
+        Method::GET => (
+            "load_status",
+            match own_job(state, access, id) {
+                Ok(job) => json(StatusCode::OK, &job.progress()),
+                Err(resp) => *resp,
+            },
+        ),
         Method::DELETE => (
             "load_cancel",
             match own_job(state, access, id) {
@@ -111,18 +117,6 @@ fn own_job(
             ErrorCode::NotFound,
             format!("no load job {id:?} on this worker"),
         ))),
-    }
-}
-
-fn with_job(
-    state: &AppState,
-    access: &Access<'_>,
-    id: &str,
-    f: impl FnOnce(LoadProgress) -> LoadProgress,
-) -> Response {
-    match own_job(state, access, id) {
-        Ok(job) => json(StatusCode::OK, &f(job.progress())),
-        Err(resp) => *resp,
     }
 }
 
