@@ -65,6 +65,8 @@ pub fn worker_options(cache_dir: PathBuf, capacity: u64) -> Result<WorkerOptions
             segment_size: None,
             writeback: Default::default(),
             memory_limit: 1 << 30,
+            policies: Default::default(),
+            egress_price_per_gb: lakecache_worker::metrics::DEFAULT_EGRESS_PRICE_PER_GB,
         },
         limits: HttpLimits::default(),
         access: Default::default(),

@@ -4,19 +4,18 @@
 use std::collections::HashMap;
 use std::ops::Range;
 use std::path::Path;
-use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, Weak};
 use std::time::Duration;
 
 use bytes::Bytes;
 use futures::Stream;
-use lakecache_protocol::{ListResponse, ObjectUri};
+use lakecache_protocol::{BucketTraffic, ListResponse, ObjectUri};
 use tokio::sync::{Notify, Semaphore};
 
 use crate::cache_dir::CacheDir;
 use crate::flight::SingleFlight;
 use crate::index::{Index, ObjectRecord, PageEntry};
-use crate::lru::Lru;
+use crate::lru::{Lru, Retention};
 use crate::metrics::Metrics;
 use crate::pages::{PageId, PageKey, PageReadError, PageStore, CHECK_BLOCK};
 use crate::store::{ObjectMeta, ObjectStore, StoreError};
@@ -44,6 +43,10 @@ pub struct CacheConfig {
     /// Memory for upload parts and pages being fetched, all requests
     /// together; work beyond it waits.
     pub memory_limit: u64,
+    /// Per-prefix pin, TTL, skip-cache and max-age rules.
+    pub policies: crate::policy::Policies,
+    /// Dollars per GB of S3 egress, for the egress-saved metric.
+    pub egress_price_per_gb: f64,
 }
 
 #[derive(Debug, Clone, thiserror::Error)]
@@ -104,8 +107,7 @@ pub struct Cache {
     /// Acknowledged writes not yet in S3 (`None`: write-back is off).
     pub(crate) writeback: Option<Arc<crate::writeback::WriteBack>>,
     /// Totals for `/v1/health` (the same counts feed the metrics).
-    hit_bytes: AtomicU64,
-    miss_bytes: AtomicU64,
+    traffic: std::sync::Mutex<std::collections::BTreeMap<String, BucketTraffic>>,
     /// Which random misses fetch whole blocks and which exactly.
     random_admission: crate::admission::RandomAdmission,
     /// Fails metadata calls fast while S3 is unreachable.
@@ -156,7 +158,21 @@ impl Cache {
             config.low_watermark,
             metrics.cache_used_bytes.clone(),
         );
-        lru.restore(index.load_pages()?);
+        let restored = index
+            .load_pages()?
+            .into_iter()
+            .map(|(key, seq, entry)| {
+                let fetched = if entry.fetched_ms > 0 {
+                    entry.fetched_ms
+                } else {
+                    now_ms()
+                };
+                let kept = retention(&config.policies, &entry.uri, fetched);
+                (key, seq, entry.len, kept)
+            })
+            .collect();
+        lru.restore(restored);
+        metrics.set_egress_price_per_gb(config.egress_price_per_gb);
         let readahead = (config.fetch_concurrency / 2).max(1);
         let writeback = crate::writeback::WriteBack::open(dir, config.writeback.clone())
             .map_err(|e| CacheError::Local(e.to_string()))?;
@@ -181,8 +197,7 @@ impl Cache {
             evict: Arc::new(Notify::new()),
             peers: Default::default(),
             preloads: Default::default(),
-            hit_bytes: AtomicU64::new(0),
-            miss_bytes: AtomicU64::new(0),
+            traffic: Default::default(),
             random_admission: Default::default(),
             s3_down: Default::default(),
         });
@@ -217,7 +232,13 @@ impl Cache {
             .map_err(join_failed)??;
         if let Some(rec) = rec {
             let age = now_ms().saturating_sub(rec.validated_ms);
-            let fresh = age >= 0 && (age as u128) < self.config.metadata_ttl.as_millis();
+            let ttl = self
+                .config
+                .policies
+                .for_uri(&uri.to_string())
+                .and_then(|p| p.max_age)
+                .unwrap_or(self.config.metadata_ttl);
+            let fresh = age >= 0 && (age as u128) < ttl.as_millis();
             // A record from a listing lacks the user metadata: HEAD once.
             if let (true, Some(user)) = (fresh, rec.user) {
                 return Ok(ObjectMeta {
@@ -490,9 +511,7 @@ impl Cache {
         if self.lru.contains(&key) {
             match self.read_local(key, id, sub.clone()).await {
                 Ok(bytes) => {
-                    self.metrics.hit(bytes.len() as u64);
-                    self.hit_bytes
-                        .fetch_add(bytes.len() as u64, Ordering::Relaxed);
+                    self.count_traffic(uri.bucket(), bytes.len() as u64, 0);
                     return Ok(bytes);
                 }
                 Err(PageReadError::Unfilled(_)) => partly_filled = true,
@@ -508,7 +527,16 @@ impl Cache {
                 }
             }
         }
-        let fetched = if sequential && !partly_filled {
+        let skip_cache = self
+            .config
+            .policies
+            .for_uri(&uri_s)
+            .is_some_and(|p| p.skip_cache);
+        let fetched = if skip_cache {
+            // Pass-through: exactly the bytes asked for, stored nowhere.
+            let range = id.offset + sub.start..id.offset + sub.end;
+            self.get_exact(uri, meta, range).await.map(|(data, _)| data)
+        } else if sequential && !partly_filled {
             self.fetch_page(uri, meta, idx, key, id)
                 .await
                 .map(|page| slice_within(&page, &sub))
@@ -538,9 +566,7 @@ impl Cache {
                 return Err(e);
             }
         };
-        self.metrics.miss(bytes.len() as u64);
-        self.miss_bytes
-            .fetch_add(bytes.len() as u64, Ordering::Relaxed);
+        self.count_traffic(uri.bucket(), 0, bytes.len() as u64);
         Ok(bytes)
     }
 
@@ -656,6 +682,7 @@ impl Cache {
                         etag: meta.etag.clone(),
                         index: id.index,
                         len: id.len,
+                        fetched_ms: 0,
                     },
                 );
                 let filled = tokio::task::spawn_blocking(move || {
@@ -693,6 +720,7 @@ impl Cache {
             etag,
             index: idx,
             len: id.len,
+            fetched_ms: 0,
         };
         let written = tokio::task::spawn_blocking(move || {
             this.pages.write(&key, &id, &data)?;
@@ -705,8 +733,16 @@ impl Cache {
         }
     }
 
-    pub(crate) fn index_page(&self, key: PageKey, entry: PageEntry) {
-        let seq = self.lru.insert(key, entry.len);
+    pub(crate) fn index_page(&self, key: PageKey, mut entry: PageEntry) {
+        let policy = self.config.policies.for_uri(&entry.uri);
+        if policy.is_some_and(|p| p.skip_cache) {
+            // A written object under a skip-cache prefix: nothing stays.
+            self.pages.remove(&key);
+            return;
+        }
+        entry.fetched_ms = now_ms();
+        let kept = retention(&self.config.policies, &entry.uri, entry.fetched_ms);
+        let seq = self.lru.insert_kept(key, entry.len, kept);
         if let Err(e) = self.index.put_page(&key, &entry, seq) {
             tracing::warn!(uri = %entry.uri, error = %e, "indexing page failed");
             self.lru.remove(&key);
@@ -740,7 +776,15 @@ impl Cache {
             let prev = last.insert(key.clone(), range.end);
             range.start == 0 || prev == Some(range.start)
         };
-        let window = u64::from(self.config.readahead_pages);
+        let mut window = u64::from(self.config.readahead_pages);
+        if self
+            .config
+            .policies
+            .for_uri(&key)
+            .is_some_and(|p| p.skip_cache)
+        {
+            window = 0; // nothing fetched ahead would be kept
+        }
         if !sequential || window == 0 {
             return sequential;
         }
@@ -915,22 +959,87 @@ impl Cache {
         self.closing.send_replace(true);
     }
 
-    /// Bytes served from local pages and bytes that needed S3, since start.
-    pub fn hit_miss_bytes(&self) -> (u64, u64) {
-        (
-            self.hit_bytes.load(Ordering::Relaxed),
-            self.miss_bytes.load(Ordering::Relaxed),
-        )
+    /// Evicts every page of the objects under `s3://bucket/prefix`,
+    /// pinned ones included (an operator asked); pending write-back data
+    /// is kept. Returns the pages and bytes freed.
+    pub async fn free(
+        self: &Arc<Self>,
+        bucket: &str,
+        prefix: &str,
+    ) -> Result<(u64, u64), CacheError> {
+        let this = self.clone();
+        let target = format!("s3://{bucket}/{prefix}");
+        tokio::task::spawn_blocking(move || {
+            let keys = this.index.pages_under(&target)?;
+            let mut bytes = 0;
+            let mut freed = Vec::with_capacity(keys.len());
+            for key in keys {
+                if let Some(len) = this.lru.remove(&key) {
+                    bytes += len;
+                    freed.push(key);
+                }
+                this.pages.remove(&key);
+            }
+            this.index.remove_pages(&freed)?;
+            this.metrics.evicted(freed.len() as u64, bytes);
+            tracing::info!(prefix = %target, pages = freed.len(), bytes, "freed on request");
+            Ok((freed.len() as u64, bytes))
+        })
+        .await
+        .map_err(join_failed)?
+    }
+
+    /// Bytes of pages under a pin policy.
+    pub fn pinned_bytes(&self) -> u64 {
+        self.lru.pinned_bytes()
+    }
+
+    fn count_traffic(&self, bucket: &str, hit: u64, miss: u64) {
+        self.metrics.traffic(bucket, hit, miss);
+        if let Ok(mut t) = self.traffic.lock() {
+            if let Some(b) = t.get_mut(bucket) {
+                b.hit_bytes += hit;
+                b.miss_bytes += miss;
+            } else {
+                t.insert(
+                    bucket.to_string(),
+                    BucketTraffic {
+                        hit_bytes: hit,
+                        miss_bytes: miss,
+                    },
+                );
+            }
+        }
+    }
+
+    /// Bytes served from local pages and bytes that needed S3 since
+    /// start, by bucket.
+    pub fn traffic(&self) -> std::collections::BTreeMap<String, BucketTraffic> {
+        self.traffic.lock().map(|t| t.clone()).unwrap_or_default()
+    }
+}
+
+/// How a page of `uri` stored at `fetched_ms` is kept.
+fn retention(policies: &crate::policy::Policies, uri: &str, fetched_ms: i64) -> Retention {
+    match policies.for_uri(uri) {
+        Some(p) if p.pin => Retention::Pinned,
+        Some(p) => match p.ttl {
+            Some(ttl) => Retention::ExpiresAtMs(fetched_ms.saturating_add(ttl.as_millis() as i64)),
+            None => Retention::Lru,
+        },
+        None => Retention::Lru,
     }
 }
 
 /// Evicts least-recently-used pages whenever usage passes the high
-/// watermark; exits when the cache is dropped.
+/// watermark, and pages whose TTL ran out (checked every second); exits
+/// when the cache is dropped.
 async fn evictor(cache: Weak<Cache>, wake: Arc<Notify>) {
     loop {
         let notified = wake.notified();
         let Some(this) = cache.upgrade() else { return };
-        let victims = this.lru.take_victims();
+        let mut victims = this.lru.take_expired(now_ms());
+        victims.extend(this.lru.take_victims());
         if !victims.is_empty() {
             let bytes: u64 = victims.iter().map(|(_, len)| len).sum();
             let count = victims.len() as u64;

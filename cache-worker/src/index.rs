@@ -26,6 +26,10 @@ pub struct PageEntry {
     pub etag: String,
     pub index: u64,
     pub len: u64,
+    /// When the page was stored (ms since the epoch; 0 in indexes from
+    /// before TTL policies, read as "now"). Set by `Cache::index_page`.
+    #[serde(default)]
+    pub fetched_ms: i64,
 }
 
 /// Cached HEAD result; `validated_ms` drives the metadata TTL.
@@ -94,7 +98,8 @@ impl Index {
     }
 
     /// Every page with its last access sequence and length.
-    pub fn load_pages(&self) -> Result<Vec<(PageKey, u64, u64)>, IndexError> {
+    /// Every indexed page: key, access sequence and entry.
+    pub fn load_pages(&self) -> Result<Vec<(PageKey, u64, PageEntry)>, IndexError> {
         let mut out = Vec::new();
         for item in self.db.iterator_cf(self.cf(CF_PAGES), IteratorMode::Start) {
             let (k, v) = item?;
@@ -112,7 +117,25 @@ impl Index {
                 .and_then(|raw| <[u8; 8]>::try_from(&raw[..]).ok())
                 .map(u64::from_be_bytes)
                 .unwrap_or(0);
-            out.push((key, seq, entry.len));
+            out.push((key, seq, entry));
+        }
+        Ok(out)
+    }
+
+    /// Keys of the pages of objects whose URI starts with `uri_prefix`.
+    pub fn pages_under(&self, uri_prefix: &str) -> Result<Vec<PageKey>, IndexError> {
+        let mut out = Vec::new();
+        for item in self.db.iterator_cf(self.cf(CF_PAGES), IteratorMode::Start) {
+            let (k, v) = item?;
+            let (Ok(key), Ok(entry)) = (
+                <[u8; 32]>::try_from(&k[..]),
+                serde_json::from_slice::<PageEntry>(&v),
+            ) else {
+                continue;
+            };
+            if entry.uri.starts_with(uri_prefix) {
+                out.push(PageKey(key));
+            }
         }
         Ok(out)
     }

@@ -15,6 +15,7 @@ pub mod metrics;
 mod outage;
 pub mod pages;
 mod placement;
+pub mod policy;
 pub mod preload;
 mod write;
 pub mod writeback;

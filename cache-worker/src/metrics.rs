@@ -4,24 +4,23 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
 
-use opentelemetry::metrics::{Counter, Histogram, Meter, MeterProvider as _};
+use lakecache_telemetry::{counter, seconds_histogram as seconds, MetricsRegistry};
+use opentelemetry::metrics::{Counter, Histogram};
 use opentelemetry::KeyValue;
-use opentelemetry_sdk::metrics::SdkMeterProvider;
-use prometheus::{Encoder, TextEncoder};
 
-const LATENCY_BUCKETS: &[f64] = &[
-    0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5,
-    5.0, 10.0, 30.0,
-];
+/// S3's list price for data transfer out to the internet (first 10 TB
+/// tier, us-east-1), in dollars per GB.
+pub const DEFAULT_EGRESS_PRICE_PER_GB: f64 = 0.09;
 
 pub struct Metrics {
-    registry: prometheus::Registry,
-    _provider: SdkMeterProvider,
+    registry: MetricsRegistry,
     requests: Counter<u64>,
     request_seconds: Histogram<f64>,
     served_bytes: Counter<u64>,
     hit_bytes: Counter<u64>,
     miss_bytes: Counter<u64>,
+    egress_saved_dollars: Counter<f64>,
+    egress_price_per_gb: AtomicU64,
     s3_requests: Counter<u64>,
     s3_bytes: Counter<u64>,
     s3_seconds: Histogram<f64>,
@@ -47,39 +46,10 @@ impl std::fmt::Debug for Metrics {
     }
 }
 
-fn counter(
-    meter: &Meter,
-    name: &'static str,
-    unit: &'static str,
-    help: &'static str,
-) -> Counter<u64> {
-    meter
-        .u64_counter(name)
-        .with_unit(unit)
-        .with_description(help)
-        .build()
-}
-
-fn seconds(meter: &Meter, name: &'static str, help: &'static str) -> Histogram<f64> {
-    meter
-        .f64_histogram(name)
-        .with_unit("s")
-        .with_description(help)
-        .with_boundaries(LATENCY_BUCKETS.to_vec())
-        .build()
-}
-
 impl Metrics {
     pub fn new() -> Result<Self, String> {
-        let registry = prometheus::Registry::new();
-        let exporter = opentelemetry_prometheus::exporter()
-            .with_registry(registry.clone())
-            .without_scope_info()
-            .without_target_info()
-            .build()
-            .map_err(|e| e.to_string())?;
-        let provider = SdkMeterProvider::builder().with_reader(exporter).build();
-        let meter = provider.meter("lakecache");
+        let registry = MetricsRegistry::new();
+        let meter = registry.meter("lakecache");
         let cache_used_bytes = Arc::new(AtomicU64::new(0));
         let cache_capacity_bytes = Arc::new(AtomicU64::new(0));
         let used = cache_used_bytes.clone();
@@ -191,13 +161,13 @@ impl Metrics {
                 &meter,
                 "lakecache_cache_hit",
                 "By",
-                "Bytes served from local pages",
+                "Bytes served from local pages by bucket (S3 egress saved)",
             ),
             miss_bytes: counter(
                 &meter,
                 "lakecache_cache_miss",
                 "By",
-                "Bytes that had to come from S3",
+                "Bytes that had to come from S3 by bucket",
             ),
             s3_requests: counter(
                 &meter,
@@ -242,10 +212,16 @@ impl Metrics {
                 "",
                 "Pages of written objects handed to the worker owning their segment",
             ),
+            egress_saved_dollars: meter
+                .f64_counter("lakecache_egress_saved_dollars")
+                .with_description(
+                    "S3 egress not paid for bytes served from pages, at the configured $/GB",
+                )
+                .build(),
+            egress_price_per_gb: AtomicU64::new(DEFAULT_EGRESS_PRICE_PER_GB.to_bits()),
             cache_used_bytes,
             cache_capacity_bytes,
             registry,
-            _provider: provider,
         })
     }
 
@@ -262,12 +238,25 @@ impl Metrics {
         self.served_bytes.add(bytes, &[]);
     }
 
-    pub fn hit(&self, bytes: u64) {
-        self.hit_bytes.add(bytes, &[]);
+    /// Bytes of `bucket` served from pages (`hit`) and fetched from S3
+    /// (`miss`); hits are S3 egress saved.
+    pub fn traffic(&self, bucket: &str, hit: u64, miss: u64) {
+        let labels = [KeyValue::new("bucket", bucket.to_string())];
+        if hit > 0 {
+            self.hit_bytes.add(hit, &labels);
+            let price = f64::from_bits(self.egress_price_per_gb.load(Ordering::Relaxed));
+            self.egress_saved_dollars
+                .add(hit as f64 / 1e9 * price, &labels);
+        }
+        if miss > 0 {
+            self.miss_bytes.add(miss, &labels);
+        }
     }
 
-    pub fn miss(&self, bytes: u64) {
-        self.miss_bytes.add(bytes, &[]);
+    /// The $/GB that `lakecache_egress_saved_dollars_total` counts at.
+    pub fn set_egress_price_per_gb(&self, price: f64) {
+        self.egress_price_per_gb
+            .store(price.to_bits(), Ordering::Relaxed);
     }
 
     fn record_s3_request(
@@ -320,11 +309,7 @@ impl Metrics {
 
     /// Prometheus text exposition of every instrument.
     pub fn render(&self) -> String {
-        let mut out = Vec::new();
-        if let Err(e) = TextEncoder::new().encode(&self.registry.gather(), &mut out) {
-            tracing::warn!(error = %e, "encoding metrics failed");
-        }
-        String::from_utf8_lossy(&out).into_owned()
+        self.registry.render()
     }
 }
 

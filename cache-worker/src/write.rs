@@ -295,6 +295,7 @@ impl Cache {
                             etag: etag.clone(),
                             index: page.index,
                             len,
+                            fetched_ms: 0,
                         },
                     ),
                     Err(e) => {

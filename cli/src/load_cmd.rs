@@ -163,7 +163,7 @@ impl LoadCmd {
     }
 }
 
-fn parse_spec(uri: &str, include: Option<String>) -> Result<LoadSpec> {
+pub(crate) fn parse_spec(uri: &str, include: Option<String>) -> Result<LoadSpec> {
     let rest = uri
         .strip_prefix("s3://")
         .with_context(|| format!("{uri:?} must start with s3://"))?;
@@ -179,12 +179,12 @@ fn parse_spec(uri: &str, include: Option<String>) -> Result<LoadSpec> {
     })
 }
 
-struct Workers {
-    clients: Vec<(String, WorkerClient)>,
+pub(crate) struct Workers {
+    pub(crate) clients: Vec<(String, WorkerClient)>,
 }
 
 impl Workers {
-    async fn open(cluster: &ClusterArgs) -> Result<Self> {
+    pub(crate) async fn open(cluster: &ClusterArgs) -> Result<Self> {
         let membership = cluster
             .registry()?
             .open(Duration::from_secs(5))

@@ -4,6 +4,7 @@
 mod client_cmds;
 mod cluster_args;
 mod etcd_args;
+mod free_cmd;
 mod load_cmd;
 mod mount_cmd;
 mod ring_cmd;
@@ -64,6 +65,8 @@ enum Command {
     Mount(mount_cmd::MountCmd),
     /// Preload s3://bucket/prefix into the workers' caches, with progress
     Load(Box<load_cmd::LoadCmd>),
+    /// Evict the cached pages under s3://bucket/prefix on every worker
+    Free(free_cmd::FreeCmd),
     /// Internal: started by `mount`; removes the mount if its client dies
     #[command(hide = true, name = "mount-guard")]
     MountGuard { mountpoint: std::path::PathBuf },
@@ -122,6 +125,7 @@ fn main() {
             Command::Token(cmd) => cmd.run(),
             Command::Mount(cmd) => cmd.run().await,
             Command::Load(cmd) => cmd.run().await,
+            Command::Free(cmd) => cmd.run().await,
             // Ran and exited before the runtime started.
             Command::MountGuard { .. } => Ok(()),
         }

@@ -15,6 +15,10 @@ pub struct StatusCmd {
     /// Print JSON instead of a table
     #[arg(long)]
     json: bool,
+    /// Dollars per GB of S3 egress, for the egress-saved column (S3's
+    /// internet egress list price by default)
+    #[arg(long, env = "LAKECACHE_EGRESS_PRICE_PER_GB", default_value_t = lakecache_worker::metrics::DEFAULT_EGRESS_PRICE_PER_GB)]
+    egress_price_per_gb: f64,
     #[command(flatten)]
     cluster: ClusterArgs,
 }
@@ -29,7 +33,40 @@ struct Row {
     hit_ratio: Option<f64>,
     /// Write-back backlog: acknowledged, not yet in S3.
     writeback: Option<lakecache_protocol::WriteBackStatus>,
+    #[serde(skip_serializing_if = "std::collections::BTreeMap::is_empty")]
+    buckets: std::collections::BTreeMap<String, lakecache_protocol::BucketTraffic>,
     error: Option<String>,
+}
+
+/// Egress saved for one bucket over the whole cluster.
+#[derive(Serialize)]
+struct BucketSaving {
+    bucket: String,
+    /// Served from the workers' pages: S3 egress not paid.
+    cache_bytes: u64,
+    /// Fetched from S3.
+    s3_bytes: u64,
+    saved_dollars: f64,
+}
+
+fn savings(rows: &[Row], price_per_gb: f64) -> Vec<BucketSaving> {
+    let mut by_bucket: std::collections::BTreeMap<&str, (u64, u64)> = Default::default();
+    for r in rows {
+        for (b, t) in &r.buckets {
+            let e = by_bucket.entry(b).or_default();
+            e.0 += t.hit_bytes;
+            e.1 += t.miss_bytes;
+        }
+    }
+    by_bucket
+        .into_iter()
+        .map(|(b, (cache, s3))| BucketSaving {
+            bucket: b.to_string(),
+            cache_bytes: cache,
+            s3_bytes: s3,
+            saved_dollars: cache as f64 / 1e9 * price_per_gb,
+        })
+        .collect()
 }
 
 impl StatusCmd {
@@ -70,6 +107,7 @@ impl StatusCmd {
                         cache_capacity_bytes: Some(h.cache_capacity_bytes),
                         hit_ratio: (total > 0).then(|| h.hit_bytes as f64 / total as f64),
                         writeback,
+                        buckets: h.buckets,
                         error: None,
                     }
                 }
@@ -81,17 +119,25 @@ impl StatusCmd {
                     cache_capacity_bytes: None,
                     hit_ratio: None,
                     writeback: None,
+                    buckets: Default::default(),
                     error: Some(e),
                 },
             }
         });
         let rows = futures::future::join_all(probes).await;
+        anyhow::ensure!(
+            (0.0..=100.0).contains(&self.egress_price_per_gb),
+            "--egress-price-per-gb must be 0..=100 dollars"
+        );
+        let saved = savings(&rows, self.egress_price_per_gb);
         if self.json {
             println!(
                 "{}",
                 serde_json::to_string_pretty(&serde_json::json!({
                     "registry": membership.describe(),
                     "members": rows,
+                    "egress_price_per_gb": self.egress_price_per_gb,
+                    "egress_saved": saved,
                 }))?
             );
             return Ok(());
@@ -135,6 +181,24 @@ impl StatusCmd {
                 // Copies of other workers' pending writes held here.
                 wb.map_or("-".to_string(), |w| w.replica_objects.to_string()),
             );
+        }
+        if !saved.is_empty() {
+            println!(
+                "\n{:<32} {:>12} {:>12} {:>14}",
+                "BUCKET",
+                "FROM-CACHE",
+                "FROM-S3",
+                format!("SAVED@${}/GB", self.egress_price_per_gb)
+            );
+            for b in &saved {
+                println!(
+                    "{:<32} {:>12} {:>12} {:>14}",
+                    b.bucket,
+                    ByteSize(b.cache_bytes).human(),
+                    ByteSize(b.s3_bytes).human(),
+                    format!("${:.2}", b.saved_dollars)
+                );
+            }
         }
         for r in &rows {
             if let Some(e) = r.writeback.as_ref().and_then(|w| w.last_error.as_ref()) {

@@ -190,6 +190,47 @@ pub struct WorkerSettings {
     /// client's view within it [default: 10s]
     #[arg(long, env = "LAKECACHE_LEASE_TTL")]
     pub lease_ttl: Option<Seconds>,
+    /// A cache rule for a prefix: "s3://bucket/prefix RULE..." with rules
+    /// pin (never evicted), ttl=DURATION (evicted that long after being
+    /// fetched), skip-cache (read from S3 every time, never stored) and
+    /// max-age=DURATION (metadata revalidated after this age). The longest
+    /// matching prefix applies (repeatable; ';' separates in the variable)
+    #[arg(long = "policy", env = "LAKECACHE_POLICY", value_delimiter = ';')]
+    pub policy: Option<Vec<String>>,
+    /// Dollars per GB of S3 egress, for the egress-saved figures in
+    /// metrics [default: 0.09, S3's internet egress list price]
+    #[arg(long, env = "LAKECACHE_EGRESS_PRICE_PER_GB")]
+    pub egress_price_per_gb: Option<f64>,
+}
+
+/// Parses one `--policy` value.
+pub fn parse_policy(text: &str) -> Result<lakecache_worker::policy::PrefixPolicy> {
+    let mut words = text.split_whitespace();
+    let prefix = words
+        .next()
+        .with_context(|| format!("empty --policy {text:?}"))?;
+    let mut policy = lakecache_worker::policy::PrefixPolicy {
+        prefix: prefix.to_string(),
+        ..Default::default()
+    };
+    let duration = |v: &str| -> Result<std::time::Duration> {
+        v.parse::<Seconds>()
+            .map(|s| s.0)
+            .map_err(anyhow::Error::msg)
+            .with_context(|| format!("in --policy {text:?}"))
+    };
+    for word in words {
+        match word.split_once('=') {
+            None if word == "pin" => policy.pin = true,
+            None if word == "skip-cache" => policy.skip_cache = true,
+            Some(("ttl", v)) => policy.ttl = Some(duration(v)?),
+            Some(("max-age", v)) => policy.max_age = Some(duration(v)?),
+            _ => bail!(
+                "unknown rule {word:?} in --policy {text:?}: use pin, skip-cache, ttl=DURATION or max-age=DURATION"
+            ),
+        }
+    }
+    Ok(policy)
 }
 
 /// Where and how a worker announces itself.
@@ -271,6 +312,8 @@ impl WorkerSettings {
                 insecure_http,
                 worker_id,
                 lease_ttl,
+                policy,
+                egress_price_per_gb,
             ]
         )
     }
@@ -363,6 +406,20 @@ impl WorkerSettings {
         if let Some(n) = self.write_replicas.filter(|n| !(1..=8).contains(n)) {
             bail!("--write-replicas must be 1..=8, got {n}");
         }
+        let policies = self
+            .policy
+            .iter()
+            .flatten()
+            .filter(|p| !p.trim().is_empty())
+            .map(|p| parse_policy(p))
+            .collect::<Result<Vec<_>>>()?;
+        let policies = lakecache_worker::policy::Policies::new(policies)?;
+        let egress_price_per_gb = self
+            .egress_price_per_gb
+            .unwrap_or(lakecache_worker::metrics::DEFAULT_EGRESS_PRICE_PER_GB);
+        if !(0.0..=100.0).contains(&egress_price_per_gb) {
+            bail!("--egress-price-per-gb must be 0..=100 dollars, got {egress_price_per_gb}");
+        }
         let max_attempts = self.s3_max_attempts.unwrap_or(5);
         if !(1..=20).contains(&max_attempts) {
             bail!("--s3-max-attempts must be 1..=20, got {max_attempts}");
@@ -425,6 +482,8 @@ impl WorkerSettings {
                 copy_part_limit: lakecache_worker::store::MAX_COPY_BYTES,
                 segment_size: Some(segment_size),
                 memory_limit,
+                policies,
+                egress_price_per_gb,
                 writeback: lakecache_worker::writeback::WriteBackConfig {
                     staging_limit: self
                         .write_staging_limit
@@ -599,6 +658,38 @@ mod tests {
         assert_eq!(opts.cache.page_size, 8 << 20);
         assert!(opts.cache.metadata_ttl.is_zero());
         assert_eq!(s3.max_attempts, 5);
+    }
+
+    #[test]
+    fn policies_parse_from_toml_and_bad_rules_name_themselves() {
+        let file: WorkerSettings = toml::from_str(
+            "insecure_http = true\nno_auth = true\npolicy = [\"s3://data/golden/ pin\", \"s3://data/hourly/ ttl=1h max-age=30s\", \"s3://data/tmp/ skip-cache\"]\negress_price_per_gb = 0.02\n",
+        )
+        .unwrap();
+        let (opts, _) = file.resolve().unwrap();
+        let p = &opts.cache.policies;
+        assert!(p.for_uri("s3://data/golden/x").unwrap().pin);
+        let hourly = p.for_uri("s3://data/hourly/x").unwrap();
+        assert_eq!(hourly.ttl, Some(std::time::Duration::from_secs(3600)));
+        assert_eq!(hourly.max_age, Some(std::time::Duration::from_secs(30)));
+        assert!(p.for_uri("s3://data/tmp/x").unwrap().skip_cache);
+        assert_eq!(opts.cache.egress_price_per_gb, 0.02);
+        for (rule, says) in [
+            ("s3://data/x pinned", "unknown rule \"pinned\""),
+            ("s3://data/x ttl=soon", "invalid duration"),
+            ("s3://data/x pin skip-cache", "pin keeps pages"),
+            ("data/x pin", "must look like s3://bucket/"),
+            ("s3://data/x", "sets nothing"),
+        ] {
+            let w = WorkerSettings {
+                policy: Some(vec![rule.to_string()]),
+                insecure_http: Some(true),
+                no_auth: Some(true),
+                ..Default::default()
+            };
+            let err = format!("{:#}", w.resolve().unwrap_err());
+            assert!(err.contains(says), "{rule}: {err}");
+        }
     }
 
     #[test]

@@ -25,9 +25,12 @@ pub use client::{
     OFFSET_HEADER,
 };
 pub use load::{
-    validate_load_id, LoadFailure, LoadProgress, LoadSpec, LoadState, MAX_LOAD_FAILURES_KEPT,
+    validate_load_id, FreeResult, FreeSpec, LoadFailure, LoadProgress, LoadSpec, LoadState,
+    MAX_LOAD_FAILURES_KEPT,
 };
-pub use types::{ErrorBody, ErrorCode, ErrorDetail, Health, ListEntry, ListResponse, ObjectStat};
+pub use types::{
+    BucketTraffic, ErrorBody, ErrorCode, ErrorDetail, Health, ListEntry, ListResponse, ObjectStat,
+};
 pub use uri::{validate_bucket, validate_key, InvalidUri, ObjectUri, MAX_KEY_BYTES};
 pub use user_meta::{
     user_meta_from_headers, validate_user_meta, with_user_meta, InvalidUserMeta, UserMeta,

@@ -114,3 +114,18 @@ mod tests {
         assert!(LoadState::Done.is_finished() && !LoadState::Running.is_finished());
     }
 }
+
+/// `POST /v1/free/{bucket}` body: evict the cached pages under a prefix.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct FreeSpec {
+    #[serde(default)]
+    pub prefix: String,
+}
+
+/// What one worker evicted.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct FreeResult {
+    pub pages: u64,
+    pub bytes: u64,
+}

@@ -267,6 +267,12 @@ impl Claims {
         in_scope(&self.write, &uri.to_string())
     }
 
+    /// Whether everything under `s3://bucket/prefix` lies in a writable
+    /// scope (evicting a prefix from the cache needs this).
+    pub fn may_write_prefix(&self, bucket: &str, prefix: &str) -> bool {
+        in_scope(&self.write, &format!("s3://{bucket}/{prefix}"))
+    }
+
     /// A listing of `bucket` under `prefix` may be served when the
     /// prefix lies inside a readable scope, or leads to one (the listing
     /// is then filtered with [`Claims::may_list_key`]).

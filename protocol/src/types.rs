@@ -150,4 +150,18 @@ pub struct Health {
     pub hit_bytes: u64,
     /// Bytes that had to come from S3 since the worker started.
     pub miss_bytes: u64,
+    /// Bytes of pages under pin policies (part of `cache_used_bytes`).
+    #[serde(default)]
+    pub pinned_bytes: u64,
+    /// The same two counts by bucket (absent from workers before 0.1.1).
+    #[serde(default)]
+    pub buckets: std::collections::BTreeMap<String, BucketTraffic>,
+}
+
+/// Bytes one worker served for one bucket from its pages (`hit_bytes`:
+/// S3 egress saved) and from S3 (`miss_bytes`).
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct BucketTraffic {
+    pub hit_bytes: u64,
+    pub miss_bytes: u64,
 }

@@ -145,6 +145,23 @@ impl Access<'_> {
         }
     }
 
+    /// Evicting a prefix: the allow-list, and write scope over all of it.
+    pub fn free(&self, bucket: &str, prefix: &str) -> Result<(), Denied> {
+        let target = format!("s3://{bucket}/{prefix}");
+        if !self.policy.allows_listing(&target) {
+            return Err(out_of_scope(format!(
+                "{target} is outside this worker's allow-list"
+            )));
+        }
+        match &self.claims {
+            Some(c) if !c.may_write_prefix(bucket, prefix) => Err(out_of_scope(format!(
+                "tenant {} may not evict {target} (needs write scope over all of it)",
+                self.tenant_label()
+            ))),
+            _ => Ok(()),
+        }
+    }
+
     /// Drops what the caller may not see from a listing it may make.
     pub fn filter_listing(&self, bucket: &str, listing: &mut ListResponse) {
         let policy = self.policy;

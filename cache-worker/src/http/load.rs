@@ -7,7 +7,9 @@
 use http::{Method, StatusCode};
 use http_body_util::BodyExt;
 use hyper::body::Incoming;
-use lakecache_protocol::{validate_bucket, validate_load_id, ErrorCode, LoadProgress, LoadSpec};
+use lakecache_protocol::{
+    validate_bucket, validate_load_id, ErrorCode, FreeResult, FreeSpec, LoadProgress, LoadSpec,
+};
 
 use super::auth::Access;
 use super::response::{error, json, Response};
@@ -60,39 +62,86 @@ pub(super) async fn route(
     }
 }
 
-async fn start(
+/// `POST /v1/free/{bucket}` with a JSON [`FreeSpec`]: evicts this
+/// worker's pages under the prefix.
+pub(super) async fn free(
     state: &AppState,
     access: &Access<'_>,
-    id: &str,
+    bucket: &str,
+    method: Method,
     req: http::Request<Incoming>,
-) -> Response {
+) -> (&'static str, Response) {
+    if method != Method::POST {
+        return ("invalid", super::routes::method_not_allowed("POST"));
+    }
+    let spec: FreeSpec = match read_spec(req, "free").await {
+        Ok(s) => s,
+        Err(resp) => return ("free", *resp),
+    };
+    if let Err(e) = validate_bucket(bucket) {
+        return ("free", error(ErrorCode::InvalidPath, e.to_string()));
+    }
+    if let Err(resp) = check_prefix(&spec.prefix) {
+        return ("free", *resp);
+    }
+    if let Err(denied) = access.free(bucket, &spec.prefix) {
+        return ("free", *denied);
+    }
+    let resp = match state.cache.free(bucket, &spec.prefix).await {
+        Ok((pages, bytes)) => json(StatusCode::OK, &FreeResult { pages, bytes }),
+        Err(e) => error(ErrorCode::Internal, format!("freeing pages: {e}")),
+    };
+    ("free", resp)
+}
+
+async fn read_spec<T: serde::de::DeserializeOwned>(
+    req: http::Request<Incoming>,
+    what: &str,
+) -> Result<T, Box<Response>> {
     let body = match http_body_util::Limited::new(req.into_body(), MAX_SPEC_BYTES)
         .collect()
         .await
     {
         Ok(b) => b.to_bytes(),
         Err(e) => {
-            return error(
+            return Err(Box::new(error(
                 ErrorCode::BadRequest,
-                format!("load spec body: {e} (at most {MAX_SPEC_BYTES} bytes)"),
-            )
+                format!("{what} spec body: {e} (at most {MAX_SPEC_BYTES} bytes)"),
+            )))
         }
     };
-    let spec: LoadSpec = match serde_json::from_slice(&body) {
+    serde_json::from_slice(&body)
+        .map_err(|e| Box::new(error(ErrorCode::BadRequest, format!("{what} spec: {e}"))))
+}
+
+fn check_prefix(prefix: &str) -> Result<(), Box<Response>> {
+    if prefix.len() > lakecache_protocol::MAX_KEY_BYTES
+        || prefix.chars().any(char::is_control)
+        || prefix.split('/').any(|c| c == "..")
+    {
+        return Err(Box::new(error(
+            ErrorCode::InvalidPath,
+            "prefix is too long, contains control characters or a '..' component",
+        )));
+    }
+    Ok(())
+}
+
+async fn start(
+    state: &AppState,
+    access: &Access<'_>,
+    id: &str,
+    req: http::Request<Incoming>,
+) -> Response {
+    let spec: LoadSpec = match read_spec(req, "load").await {
         Ok(s) => s,
-        Err(e) => return error(ErrorCode::BadRequest, format!("load spec: {e}")),
+        Err(resp) => return *resp,
     };
     if let Err(e) = validate_bucket(&spec.bucket) {
         return error(ErrorCode::InvalidPath, e.to_string());
     }
-    if spec.prefix.len() > lakecache_protocol::MAX_KEY_BYTES
-        || spec.prefix.chars().any(char::is_control)
-        || spec.prefix.split('/').any(|c| c == "..")
-    {
-        return error(
-            ErrorCode::InvalidPath,
-            "prefix is too long, contains control characters or a '..' component",
-        );
+    if let Err(resp) = check_prefix(&spec.prefix) {
+        return *resp;
     }
     if let Err(denied) = access.list(&spec.bucket, &spec.prefix) {
         return *denied;

@@ -121,6 +121,9 @@ async fn object_route(
             return super::load::route(state, access, rest, method, req).await;
         }
     }
+    if let Some(bucket) = path.strip_prefix("/v1/free/") {
+        return super::load::free(state, access, bucket, method, req).await;
+    }
     if let Some(rest) = path.strip_prefix("/v1/pages/") {
         return match method {
             Method::PUT => ("accept_pages", accept_pages(state, access, rest, req).await),
@@ -219,7 +222,9 @@ fn stat_body(uri: &ObjectUri, meta: &ObjectMeta) -> ObjectStat {
 }
 
 fn health(state: &AppState) -> Response {
-    let (hit_bytes, miss_bytes) = state.cache.hit_miss_bytes();
+    let buckets = state.cache.traffic();
+    let hit_bytes = buckets.values().map(|b| b.hit_bytes).sum();
+    let miss_bytes = buckets.values().map(|b| b.miss_bytes).sum();
     json(
         StatusCode::OK,
         &Health {
@@ -229,6 +234,8 @@ fn health(state: &AppState) -> Response {
             page_size: state.cache.page_size(),
             hit_bytes,
             miss_bytes,
+            pinned_bytes: state.cache.pinned_bytes(),
+            buckets,
         },
     )
 }

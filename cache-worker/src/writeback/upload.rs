@@ -305,6 +305,7 @@ impl Cache {
                             etag: s3_etag.clone(),
                             index,
                             len: to_id.len,
+                            fetched_ms: 0,
                         },
                     ),
                     Err(e) => {

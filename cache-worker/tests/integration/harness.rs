@@ -44,6 +44,8 @@ pub fn default_options(cache_dir: PathBuf) -> WorkerOptions {
             segment_size: None,
             writeback: Default::default(),
             memory_limit: 1 << 30,
+            policies: Default::default(),
+            egress_price_per_gb: lakecache_worker::metrics::DEFAULT_EGRESS_PRICE_PER_GB,
         },
         limits: HttpLimits::default(),
         access: Default::default(),

@@ -3,7 +3,7 @@
 use http_body_util::{BodyExt, Full};
 
 use super::{empty, ClientError, WorkerClient};
-use crate::{LoadProgress, LoadSpec};
+use crate::{FreeResult, FreeSpec, LoadProgress, LoadSpec};
 
 impl WorkerClient {
     /// Starts job `id` on this worker (or finds it running with `spec`).
@@ -35,10 +35,24 @@ impl WorkerClient {
         self.get_json("/v1/load").await
     }
 
-    async fn load_call(
+    /// Evicts this worker's cached pages under `s3://bucket/prefix`.
+    pub async fn free(&self, bucket: &str, prefix: &str) -> Result<FreeResult, ClientError> {
+        let spec = FreeSpec {
+            prefix: prefix.to_string(),
+        };
+        let body = serde_json::to_vec(&spec).map_err(|e| ClientError::Decode(e.to_string()))?;
+        let req = self
+            .request(http::Method::POST, &format!("/v1/free/{bucket}"))
+            .header(http::header::CONTENT_TYPE, "application/json")
+            .body(Full::new(body.into()).map_err(|e| match e {}).boxed())
+            .map_err(|e| ClientError::Decode(e.to_string()))?;
+        self.load_call(req).await
+    }
+
+    async fn load_call<T: serde::de::DeserializeOwned>(
         &self,
         req: http::Request<super::RequestBody>,
-    ) -> Result<LoadProgress, ClientError> {
+    ) -> Result<T, ClientError> {
         let resp = self.send_quick(req).await?;
         let body = self.collect(resp.into_body()).await?;
         serde_json::from_slice(&body).map_err(|e| ClientError::Decode(e.to_string()))
