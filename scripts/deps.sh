@@ -8,8 +8,9 @@ need_apt=()
 # etcd-client needs protoc; the cluster tests run a real etcd; the mount
 # needs fusermount3 (fuse3) and its tests and benchmarks run fio; TLS
 # tests make their certificates with openssl; the POSIX tests copy trees
-# with rsync.
-for pkg in libclang-dev clang g++ pkg-config protobuf-compiler etcd-server fuse3 fio openssl rsync; do
+# with rsync; a real Prometheus scrapes a worker and a mount and loads the
+# alert rules.
+for pkg in libclang-dev clang g++ pkg-config protobuf-compiler etcd-server fuse3 fio openssl rsync prometheus; do
   dpkg -s "$pkg" >/dev/null 2>&1 || need_apt+=("$pkg")
 done
 if ((${#need_apt[@]})); then

@@ -87,6 +87,11 @@ pub struct FuseArgs {
     /// environment), e.g. checkpoints/
     #[arg(long, env = "LAKECACHE_WRITE_BACK_PREFIXES", value_delimiter = ',')]
     pub write_back_prefix: Vec<String>,
+    /// Serve the mount's Prometheus metrics (/metrics) and its operations
+    /// in flight (/v1/inflight, JSON) on this address, e.g.
+    /// 127.0.0.1:9501. Unauthenticated: bind loopback or a private network
+    #[arg(long, env = "LAKECACHE_METRICS_LISTEN")]
+    pub metrics_listen: Option<std::net::SocketAddr>,
 }
 
 fn parse_mode(s: &str) -> Result<u16, String> {
@@ -227,7 +232,12 @@ impl MountCmd {
         if let Some(tier) = self.fuse.local_tier(None)? {
             fs = fs.with_local_tier(tier);
         }
-        serve(Arc::new(fs), &self.fuse.mount_options(&self.mountpoint)).await
+        serve(
+            Arc::new(fs),
+            &self.fuse.mount_options(&self.mountpoint),
+            self.fuse.metrics_listen,
+        )
+        .await
     }
 
     /// Starts this command again, detached, and returns once the mount
@@ -307,9 +317,31 @@ pub async fn check_bucket(cluster: &ClusterClient, bucket: &str, prefix: &str) -
     Ok(())
 }
 
+/// Starts the mount's metrics listener when an address was given.
+pub async fn serve_mount_metrics(
+    addr: Option<std::net::SocketAddr>,
+) -> Result<Option<lakecache_telemetry::MetricsListener>> {
+    let Some(addr) = addr else { return Ok(None) };
+    let m = lakecache_fuse::metrics::global();
+    let listener =
+        lakecache_telemetry::serve_metrics(addr, m.registry.clone(), Some(m.inflight.clone()))
+            .await
+            .with_context(|| format!("listening for mount metrics on {addr}"))?;
+    println!(
+        "mount metrics at http://{0}/metrics, operations in flight at http://{0}/v1/inflight",
+        listener.addr
+    );
+    Ok(Some(listener))
+}
+
 /// Mounts and serves until SIGINT/SIGTERM or an external unmount.
-pub async fn serve(fs: Arc<Fs>, options: &MountOptions) -> Result<()> {
+pub async fn serve(
+    fs: Arc<Fs>,
+    options: &MountOptions,
+    metrics_listen: Option<std::net::SocketAddr>,
+) -> Result<()> {
     let fs_tier = fs.local_tier().cloned();
+    let _metrics = serve_mount_metrics(metrics_listen).await?;
     let mut mounted = lakecache_fuse::mount(fs, tokio::runtime::Handle::current(), options)
         .context("mounting (needs /dev/fuse and fusermount3 from the fuse3 package)")?;
     println!(

@@ -170,6 +170,11 @@ impl UpCmd {
                 }
             }
         };
+        let _mount_metrics = if mounted.is_some() {
+            crate::mount_cmd::serve_mount_metrics(self.fuse.metrics_listen).await?
+        } else {
+            None
+        };
         if let Some(m) = &mounted {
             println!(
                 "  mount         {}  (s3://{})",

@@ -998,6 +998,8 @@ fn a_mount_can_do_what_its_token_allows_and_nothing_else() {
 
 #[path = "mount/local_tier.rs"]
 mod local_tier;
+#[path = "mount/observability.rs"]
+mod observability;
 #[path = "mount/posix.rs"]
 mod posix;
 #[path = "mount/writeback.rs"]

@@ -104,14 +104,42 @@ impl KernelAdapter {
         Fut: Future<Output = Result<T, FsError>> + Send + 'static,
         T: Send + 'static,
     {
+        self.spawn_at(op, ino, None, fut, reply)
+    }
+
+    /// [`Self::spawn`] for an operation at `(offset, size)` of a file;
+    /// every operation is timed, counted by errno, and listed in the
+    /// in-flight table while it runs.
+    fn spawn_at<T, Fut>(
+        &self,
+        op: &'static str,
+        ino: u64,
+        at: Option<(u64, u64)>,
+        fut: impl FnOnce(Arc<Fs>) -> Fut + Send + 'static,
+        reply: impl FnOnce(Result<T, FsError>) + Send + 'static,
+    ) where
+        Fut: Future<Output = Result<T, FsError>> + Send + 'static,
+        T: Send + 'static,
+    {
         let fs = self.fs.clone();
         let span = tracing::debug_span!("fuse", op, ino);
+        let metrics = crate::metrics::global();
+        let guard = metrics.inflight.start(
+            op,
+            fs.key_of(ino),
+            at.map(|(offset, _)| offset),
+            at.map(|(_, size)| size),
+        );
+        let started = std::time::Instant::now();
         self.runtime.spawn(tracing::Instrument::instrument(
             async move {
-                let result = fut(fs).await;
+                let result = guard.op().scope(fut(fs)).await;
+                let failed = result.as_ref().err().map(FsError::errno);
+                metrics.op(op, started.elapsed(), failed);
                 if let Err(e) = &result {
                     log_refusal(op, e);
                 }
+                drop(guard);
                 reply(result);
             },
             span,
@@ -436,12 +464,16 @@ impl Filesystem for KernelAdapter {
         reply: ReplyData,
     ) {
         tracing::trace!(ino = ino.0, offset, size, "fuse read");
-        self.spawn(
+        self.spawn_at(
             "read",
             ino.0,
+            Some((offset, u64::from(size))),
             move |fs| async move { fs.read(fh.0, offset, size).await },
             move |r| match r {
-                Ok(bytes) => reply.data(&bytes),
+                Ok(bytes) => {
+                    crate::metrics::global().read(bytes.len() as u64);
+                    reply.data(&bytes)
+                }
                 Err(e) => reply.error(errno(&e)),
             },
         );
@@ -461,9 +493,11 @@ impl Filesystem for KernelAdapter {
     ) {
         // The one copy: the kernel's buffer is only borrowed for this call.
         let data = bytes::Bytes::copy_from_slice(data);
-        self.spawn(
+        let size = data.len() as u64;
+        self.spawn_at(
             "write",
             ino.0,
+            Some((offset, size)),
             move |fs| async move { fs.write(fh.0, offset, data).await },
             move |r| match r {
                 Ok(n) => reply.written(n),

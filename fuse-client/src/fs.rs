@@ -121,6 +121,11 @@ fn read_tgid(pid: u32) -> Option<u32> {
 }
 
 impl Fs {
+    /// The S3 key behind an inode, for naming operations in flight.
+    pub fn key_of(&self, ino: u64) -> String {
+        self.inodes.get(ino).map(|n| n.key).unwrap_or_default()
+    }
+
     pub fn new(data: Arc<dyn DataPlane>, config: FsConfig) -> Self {
         let inodes = InodeTable::new(&config.prefix);
         tracing::debug!(bytes = config.memory_limit, "mount memory budget");

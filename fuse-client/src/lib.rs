@@ -13,6 +13,7 @@ pub mod fs;
 pub mod inode;
 pub mod local_tier;
 pub mod memory;
+pub mod metrics;
 pub mod mount;
 mod passthrough;
 pub mod posix;

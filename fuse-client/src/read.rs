@@ -31,6 +31,10 @@ struct Chunk {
     data: Option<Bytes>,
     /// Held against the mount's memory budget while the chunk lives.
     _memory: Reservation,
+    /// Fetched before any read asked for it (read-ahead proper).
+    speculative: bool,
+    /// Bytes of it returned to readers.
+    served: u64,
 }
 
 impl Chunk {
@@ -48,6 +52,10 @@ impl Drop for Chunk {
     fn drop(&mut self) {
         if let Some(task) = self.fetch.take() {
             task.abort();
+        }
+        if self.speculative && self.data.is_some() {
+            let len = self.range.end - self.range.start;
+            crate::metrics::global().readahead_wasted(len.saturating_sub(self.served));
         }
     }
 }
@@ -166,6 +174,7 @@ impl FileReader {
             self.tier_checked = local.1;
             match local.0 {
                 Ok(Some(bytes)) => {
+                    crate::metrics::global().tier_hit(bytes.len() as u64);
                     self.next_offset = self.next_offset.max(end);
                     return Ok(bytes);
                 }
@@ -236,6 +245,10 @@ impl FileReader {
             let bytes = chunk.bytes().await?;
             let from = (offset.max(chunk.range.start) - chunk.range.start) as usize;
             let to = (end.min(chunk.range.end) - chunk.range.start) as usize;
+            chunk.served += (to - from) as u64;
+            if chunk.speculative {
+                crate::metrics::global().readahead_hit((to - from) as u64);
+            }
             pieces.push(bytes.slice(from..to));
         }
         // Most reads fall inside one chunk: hand its bytes over uncopied.
@@ -279,7 +292,7 @@ impl FileReader {
             let tier = self.tier.clone();
             let budget = self.budget.clone();
             // read_exact: a chunk is whole or an error, never short.
-            let fetch = tokio::spawn(async move {
+            let work = async move {
                 let bytes = read_exact(data.as_ref(), &uri, r.clone(), &etag)
                     .await
                     .map_err(FsError::from)?;
@@ -287,12 +300,20 @@ impl FileReader {
                     fill_tier(&object, &budget, r.start, &bytes);
                 }
                 Ok(bytes)
-            });
+            };
+            // The worker it waits on shows in the in-flight table under
+            // the read that started it.
+            let fetch = match lakecache_telemetry::InFlight::current() {
+                Some(op) => tokio::spawn(op.scope(work)),
+                None => tokio::spawn(work),
+            };
             self.chunks.push_back(Chunk {
+                speculative: range.start >= demand,
                 range,
                 fetch: Some(fetch),
                 data: None,
                 _memory: memory,
+                served: 0,
             });
             pos = end;
         }

@@ -208,6 +208,7 @@ impl FileWriter {
         if let Some(outcome) = &self.outcome {
             return outcome.clone().map_err(FsError::UploadFailed);
         }
+        let started = std::time::Instant::now();
         // Data held back, and zeros for a size set by ftruncate and
         // never written over.
         if (self.written < self.fill_to || !self.held.is_empty()) && self.upload.is_none() {
@@ -251,6 +252,9 @@ impl FileWriter {
                 })
             }
         });
+        if let Ok(stat) = &result {
+            crate::metrics::global().upload(stat.size, started.elapsed());
+        }
         self.outcome = Some(result.clone());
         result.map_err(FsError::UploadFailed)
     }

@@ -264,6 +264,7 @@ impl ClusterClient {
             let Some(client) = state.clients.get(&member.id) else {
                 continue;
             };
+            lakecache_telemetry::InFlight::note_worker(&member.address);
             match op(client.clone()).await {
                 Ok(v) => return Ok(v),
                 Err(e) if e.is_retryable() => {
@@ -453,6 +454,9 @@ impl ClusterClient {
         let mut candidates = state.ring.replicas(&key, 0, self.options.attempts.max(1));
         // Prefer a worker not marked suspect.
         candidates.sort_by_key(|m| self.is_suspect(&m.id));
+        if let Some(m) = candidates.first() {
+            lakecache_telemetry::InFlight::note_worker(&m.address);
+        }
         candidates
             .first()
             .and_then(|m| state.clients.get(&m.id).cloned())

@@ -120,6 +120,12 @@ impl InFlight {
         });
     }
 
+    /// The operation the current task works for, if any; a task spawned
+    /// on its behalf runs under it with [`InFlightOp::scope`].
+    pub fn current() -> Option<Arc<InFlightOp>> {
+        CURRENT.try_with(Arc::clone).ok()
+    }
+
     /// The operations in flight, oldest first.
     pub fn snapshot(&self) -> Vec<InFlightView> {
         let ops: Vec<Arc<InFlightOp>> = match self.ops.lock() {

@@ -1,0 +1,153 @@
+//! The mount's metrics and its table of operations in flight, one set
+//! per process (a process serves one mount), exported on
+//! `--metrics-listen`.
+
+use std::sync::{Arc, OnceLock};
+use std::time::Duration;
+
+use lakecache_telemetry::{counter, seconds_histogram, InFlight, MetricsRegistry};
+use opentelemetry::metrics::{Counter, Histogram};
+use opentelemetry::KeyValue;
+
+pub struct MountMetrics {
+    pub registry: Arc<MetricsRegistry>,
+    pub inflight: Arc<InFlight>,
+    op_seconds: Histogram<f64>,
+    op_errors: Counter<u64>,
+    read_bytes: Counter<u64>,
+    tier_hit_bytes: Counter<u64>,
+    readahead_hit_bytes: Counter<u64>,
+    readahead_wasted_bytes: Counter<u64>,
+    upload_bytes: Counter<u64>,
+    upload_seconds: Histogram<f64>,
+}
+
+/// The process's mount metrics.
+pub fn global() -> &'static MountMetrics {
+    static METRICS: OnceLock<MountMetrics> = OnceLock::new();
+    METRICS.get_or_init(MountMetrics::new)
+}
+
+impl MountMetrics {
+    fn new() -> Self {
+        let registry = Arc::new(MetricsRegistry::new());
+        let inflight = InFlight::new();
+        let meter = registry.meter("lakecache-mount");
+        let table = inflight.clone();
+        meter
+            .u64_observable_gauge("lakecache_fuse_inflight_ops")
+            .with_description("FUSE operations being worked on now")
+            .with_callback(move |o| o.observe(table.len() as u64, &[]))
+            .build();
+        Self {
+            op_seconds: seconds_histogram(
+                &meter,
+                "lakecache_fuse_op_duration",
+                "FUSE operation latency by op, from the kernel's request to the reply",
+            ),
+            op_errors: counter(
+                &meter,
+                "lakecache_fuse_errors",
+                "",
+                "FUSE operations answered with an error, by op and errno",
+            ),
+            read_bytes: counter(
+                &meter,
+                "lakecache_fuse_read",
+                "By",
+                "Bytes returned to read(2) through FUSE",
+            ),
+            tier_hit_bytes: counter(
+                &meter,
+                "lakecache_fuse_local_tier_hit",
+                "By",
+                "Bytes read from the node-local tier instead of a worker",
+            ),
+            readahead_hit_bytes: counter(
+                &meter,
+                "lakecache_fuse_readahead_hit",
+                "By",
+                "Bytes served from read-ahead fetched before they were asked for",
+            ),
+            readahead_wasted_bytes: counter(
+                &meter,
+                "lakecache_fuse_readahead_wasted",
+                "By",
+                "Read-ahead bytes dropped without being read",
+            ),
+            upload_bytes: counter(
+                &meter,
+                "lakecache_fuse_upload",
+                "By",
+                "Bytes of files stored on flush, fsync or close",
+            ),
+            upload_seconds: seconds_histogram(
+                &meter,
+                "lakecache_fuse_upload_commit_duration",
+                "Time flush/fsync/close waited for an upload to be stored",
+            ),
+            registry,
+            inflight,
+        }
+    }
+
+    pub fn op(&self, op: &'static str, elapsed: Duration, errno: Option<i32>) {
+        let op_kv = KeyValue::new("op", op);
+        self.op_seconds
+            .record(elapsed.as_secs_f64(), std::slice::from_ref(&op_kv));
+        if let Some(errno) = errno {
+            self.op_errors
+                .add(1, &[op_kv, KeyValue::new("errno", errno_name(errno))]);
+        }
+    }
+
+    pub fn read(&self, bytes: u64) {
+        self.read_bytes.add(bytes, &[]);
+    }
+
+    pub fn tier_hit(&self, bytes: u64) {
+        self.tier_hit_bytes.add(bytes, &[]);
+    }
+
+    pub fn readahead_hit(&self, bytes: u64) {
+        self.readahead_hit_bytes.add(bytes, &[]);
+    }
+
+    pub fn readahead_wasted(&self, bytes: u64) {
+        self.readahead_wasted_bytes.add(bytes, &[]);
+    }
+
+    pub fn upload(&self, bytes: u64, elapsed: Duration) {
+        self.upload_bytes.add(bytes, &[]);
+        self.upload_seconds.record(elapsed.as_secs_f64(), &[]);
+    }
+}
+
+/// The symbolic name of the errnos the mount answers with.
+fn errno_name(errno: i32) -> String {
+    let name = match errno {
+        libc::ENOENT => "ENOENT",
+        libc::EIO => "EIO",
+        libc::EACCES => "EACCES",
+        libc::EPERM => "EPERM",
+        libc::EEXIST => "EEXIST",
+        libc::ENOTEMPTY => "ENOTEMPTY",
+        libc::ENOTDIR => "ENOTDIR",
+        libc::EISDIR => "EISDIR",
+        libc::EINVAL => "EINVAL",
+        libc::EBADF => "EBADF",
+        libc::ENOSPC => "ENOSPC",
+        libc::EROFS => "EROFS",
+        libc::EXDEV => "EXDEV",
+        libc::ENAMETOOLONG => "ENAMETOOLONG",
+        libc::EOPNOTSUPP => "EOPNOTSUPP",
+        libc::ESTALE => "ESTALE",
+        libc::EAGAIN => "EAGAIN",
+        libc::ETIMEDOUT => "ETIMEDOUT",
+        libc::EFBIG => "EFBIG",
+        libc::ENODATA => "ENODATA",
+        libc::ENOSYS => "ENOSYS",
+        other => return other.to_string(),
+    };
+    name.to_string()
+}
