@@ -13,6 +13,8 @@ need_apt=()
 for pkg in libclang-dev clang g++ pkg-config protobuf-compiler etcd-server fuse3 fio openssl rsync prometheus; do
   dpkg -s "$pkg" >/dev/null 2>&1 || need_apt+=("$pkg")
 done
+# `kubectl kustomize` renders the Kubernetes overlays in the tests.
+command -v kubectl >/dev/null 2>&1 || need_apt+=(kubernetes-client)
 if ((${#need_apt[@]})); then
   echo "installing: ${need_apt[*]}" >&2
   SUDO=""
@@ -52,5 +54,5 @@ setup_venv() {
   if [ ! -x "$LAKECACHE_VENV/bin/python" ]; then
     python3 -m venv "$LAKECACHE_VENV"
   fi
-  "$LAKECACHE_VENV/bin/pip" install -q -e "trainer[test]"
+  "$LAKECACHE_VENV/bin/pip" install -q -e "trainer[test]" -r deploy/tests/requirements.txt
 }

@@ -9,6 +9,7 @@ mod load_cmd;
 mod mount_cmd;
 mod ring_cmd;
 mod s3_cmd;
+mod sd_notify;
 mod status_cmd;
 mod sync_cmd;
 mod token_cmd;

@@ -348,6 +348,7 @@ pub async fn serve(
         "mounted at {} (Ctrl-C or SIGTERM unmounts)",
         mounted.mountpoint().display()
     );
+    crate::sd_notify::notify("READY=1\nSTATUS=mounted");
     tokio::select! {
         () = crate::shutdown_signal() => {
             tracing::info!("signal received; unmounting");
@@ -356,6 +357,7 @@ pub async fn serve(
             tracing::info!("unmounted from outside");
         }
     }
+    crate::sd_notify::notify("STOPPING=1");
     mounted.unmount().await.context("unmounting")?;
     flush_local_tier(&fs_tier);
     Ok(())

@@ -71,7 +71,9 @@ impl WorkerCmd {
             },
             None => None,
         };
+        crate::sd_notify::notify("READY=1\nSTATUS=serving");
         crate::shutdown_signal().await;
+        crate::sd_notify::notify("STOPPING=1");
         tracing::info!("shutting down");
         crate::drain_before_stop(&worker).await;
         if let Some(registration) = joined {
