@@ -54,5 +54,5 @@ setup_venv() {
   if [ ! -x "$LAKECACHE_VENV/bin/python" ]; then
     python3 -m venv "$LAKECACHE_VENV"
   fi
-  "$LAKECACHE_VENV/bin/pip" install -q -e "trainer[test]" -r deploy/tests/requirements.txt
+  "$LAKECACHE_VENV/bin/pip" install -q -e "trainer[test]" -r ops/tests/requirements.txt
 }

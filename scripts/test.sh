@@ -35,13 +35,13 @@ set +e
   "$LAKECACHE_VENV/bin/ruff" check .
   "$LAKECACHE_VENV/bin/ruff" format --check .
   # The POSIX conformance suite and the benchmark scripts, same rules.
-  "$LAKECACHE_VENV/bin/ruff" check --config pyproject.toml ../cli/tests/posix ../benches/fio ../deploy/tests
-  "$LAKECACHE_VENV/bin/ruff" format --check --config pyproject.toml ../deploy/tests
+  "$LAKECACHE_VENV/bin/ruff" check --config pyproject.toml ../cli/tests/posix ../benches/fio ../ops/tests
+  "$LAKECACHE_VENV/bin/ruff" format --check --config pyproject.toml ../ops/tests
   LAKECACHE_BIN="${CARGO_TARGET_DIR:-$PWD/../target}/debug/lakecache" \
     PATH="$LAKECACHE_VENV/bin:$PATH" "$LAKECACHE_VENV/bin/pytest" -q -rA
-  # Kubernetes manifests and systemd units (deploy/).
+  # Operations: Kubernetes manifests, systemd units, traces end to end.
   LAKECACHE_BIN="${CARGO_TARGET_DIR:-$PWD/../target}/debug/lakecache" \
-    "$LAKECACHE_VENV/bin/pytest" -q -rA -p no:cacheprovider ../deploy/tests
+    "$LAKECACHE_VENV/bin/pytest" -q -rA -p no:cacheprovider ../ops/tests
 ) 2>&1 | tee "$log"
 py_status=${PIPESTATUS[0]}
 scripts/scan_secrets.sh "$log" || py_status=1

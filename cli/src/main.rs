@@ -34,6 +34,20 @@ struct Cli {
     /// Log filter (tracing EnvFilter syntax), e.g. info or lakecache_worker=debug
     #[arg(long, global = true, env = "LAKECACHE_LOG", default_value = "info")]
     log: String,
+    /// Export traces over OTLP/HTTP to this collector, e.g.
+    /// http://127.0.0.1:4318 (spans go to /v1/traces); W3C traceparent
+    /// links the mount's FUSE ops, the worker's requests and S3 calls
+    #[arg(long, global = true, env = "LAKECACHE_OTLP_ENDPOINT")]
+    otlp_endpoint: Option<String>,
+    /// Fraction of new traces exported (a traced caller's decision is
+    /// kept downstream); lower it on busy mounts
+    #[arg(
+        long,
+        global = true,
+        env = "LAKECACHE_OTLP_SAMPLE_RATIO",
+        default_value_t = 1.0
+    )]
+    otlp_sample_ratio: f64,
     #[command(subcommand)]
     command: Command,
 }
@@ -73,20 +87,65 @@ enum Command {
     MountGuard { mountpoint: std::path::PathBuf },
 }
 
-fn init_tracing(filter: &str) {
-    let filter = tracing_subscriber::EnvFilter::try_new(filter).unwrap_or_else(|e| {
-        eprintln!("warning: invalid --log filter {filter:?} ({e}); using info");
+/// Logs to stderr by `--log`; with `--otlp-endpoint`, lakecache's own
+/// spans (FUSE ops, worker requests, S3 calls) are exported as well.
+fn init_tracing(cli: &Cli) -> Result<Option<lakecache_telemetry::trace::TraceExport>> {
+    use tracing_subscriber::filter::{LevelFilter, Targets};
+    use tracing_subscriber::layer::SubscriberExt as _;
+    use tracing_subscriber::util::SubscriberInitExt as _;
+    use tracing_subscriber::Layer as _;
+    let filter = tracing_subscriber::EnvFilter::try_new(&cli.log).unwrap_or_else(|e| {
+        eprintln!(
+            "warning: invalid --log filter {:?} ({e}); using info",
+            cli.log
+        );
         tracing_subscriber::EnvFilter::new("info")
     });
-    tracing_subscriber::fmt()
-        .with_env_filter(filter)
+    let fmt = tracing_subscriber::fmt::layer()
         .with_writer(std::io::stderr)
-        .init();
+        .with_filter(filter);
+    let (otlp, export) = match (&cli.otlp_endpoint, &cli.command) {
+        // The guard's job is to outlive the mount; it exports nothing.
+        (Some(endpoint), cmd) if !matches!(cmd, Command::MountGuard { .. }) => {
+            let (layer, export) = lakecache_telemetry::trace::otlp_layer(
+                endpoint,
+                service_name(cmd),
+                cli.otlp_sample_ratio,
+            )?;
+            // Only lakecache's spans: never the exporter's own HTTP calls.
+            let ours = Targets::new()
+                .with_target("lakecache_fuse::adapter", LevelFilter::DEBUG)
+                .with_target("lakecache", LevelFilter::INFO);
+            lakecache_protocol::trace_context::set_source(
+                lakecache_telemetry::trace::current_traceparent,
+            );
+            (Some(layer.with_filter(ours)), Some(export))
+        }
+        _ => (None, None),
+    };
+    tracing_subscriber::registry().with(fmt).with(otlp).init();
+    Ok(export)
+}
+
+fn service_name(cmd: &Command) -> &'static str {
+    match cmd {
+        Command::Worker(_) => "lakecache-worker",
+        Command::Mount(_) => "lakecache-mount",
+        Command::S3Server(_) => "lakecache-s3",
+        Command::Up(_) => "lakecache-up",
+        _ => "lakecache-cli",
+    }
 }
 
 fn main() {
     let cli = Cli::parse();
-    init_tracing(&cli.log);
+    let trace_export = match init_tracing(&cli) {
+        Ok(export) => export,
+        Err(e) => {
+            eprintln!("error: {e:#}");
+            std::process::exit(2);
+        }
+    };
     lakecache_protocol::memory::return_large_buffers_to_the_os();
     if let Command::MountGuard { mountpoint } = &cli.command {
         std::process::exit(lakecache_fuse::unmount_guard::run(mountpoint));
@@ -131,6 +190,9 @@ fn main() {
             Command::MountGuard { .. } => Ok(()),
         }
     });
+    // Spans still queued go out before the process ends.
+    drop(runtime);
+    drop(trace_export);
     if let Err(e) = result {
         eprintln!("error: {e:#}");
         std::process::exit(1);

@@ -303,6 +303,8 @@ impl FileReader {
             };
             // The worker it waits on shows in the in-flight table under
             // the read that started it.
+            // and the fetch stays in the read's trace.
+            let work = tracing::Instrument::in_current_span(work);
             let fetch = match lakecache_telemetry::InFlight::current() {
                 Some(op) => tokio::spawn(op.scope(work)),
                 None => tokio::spawn(work),

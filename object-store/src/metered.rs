@@ -4,6 +4,7 @@ use std::time::Instant;
 
 use bytes::Bytes;
 use lakecache_protocol::{ListResponse, ObjectUri, UserMeta};
+use tracing::Instrument as _;
 
 use crate::{CopyRange, ObjectMeta, ObjectStore, PartReceipt, StoreError, StoreMetrics};
 
@@ -41,7 +42,11 @@ impl<S: ObjectStore> MeteredStore<S> {
 impl<S: ObjectStore> ObjectStore for MeteredStore<S> {
     async fn head(&self, uri: &ObjectUri) -> Result<ObjectMeta, StoreError> {
         let t = Instant::now();
-        let r = self.inner.head(uri).await;
+        let r = self
+            .inner
+            .head(uri)
+            .instrument(tracing::info_span!("s3", op = "head_object"))
+            .await;
         self.record("head_object", t, 0, &r);
         r
     }
@@ -53,7 +58,11 @@ impl<S: ObjectStore> ObjectStore for MeteredStore<S> {
         etag: &str,
     ) -> Result<Bytes, StoreError> {
         let t = Instant::now();
-        let r = self.inner.get_range(uri, range, etag).await;
+        let r = self
+            .inner
+            .get_range(uri, range, etag)
+            .instrument(tracing::info_span!("s3", op = "get_object"))
+            .await;
         let n = r.as_ref().map(|b| b.len() as u64).unwrap_or(0);
         self.record("get_object", t, n, &r);
         r
@@ -83,7 +92,11 @@ impl<S: ObjectStore> ObjectStore for MeteredStore<S> {
         meta: &UserMeta,
     ) -> Result<String, StoreError> {
         let (t, n) = (Instant::now(), data.len() as u64);
-        let r = self.inner.put(uri, data, meta).await;
+        let r = self
+            .inner
+            .put(uri, data, meta)
+            .instrument(tracing::info_span!("s3", op = "put_object"))
+            .await;
         self.record("put_object", t, n, &r);
         r
     }
@@ -94,7 +107,11 @@ impl<S: ObjectStore> ObjectStore for MeteredStore<S> {
         meta: &UserMeta,
     ) -> Result<String, StoreError> {
         let t = Instant::now();
-        let r = self.inner.create_multipart(uri, meta).await;
+        let r = self
+            .inner
+            .create_multipart(uri, meta)
+            .instrument(tracing::info_span!("s3", op = "create_multipart_upload"))
+            .await;
         self.record("create_multipart_upload", t, 0, &r);
         r
     }
@@ -122,21 +139,33 @@ impl<S: ObjectStore> ObjectStore for MeteredStore<S> {
         parts: Vec<(i32, PartReceipt)>,
     ) -> Result<String, StoreError> {
         let t = Instant::now();
-        let r = self.inner.complete_multipart(uri, upload_id, parts).await;
+        let r = self
+            .inner
+            .complete_multipart(uri, upload_id, parts)
+            .instrument(tracing::info_span!("s3", op = "complete_multipart_upload"))
+            .await;
         self.record("complete_multipart_upload", t, 0, &r);
         r
     }
 
     async fn abort_multipart(&self, uri: &ObjectUri, upload_id: &str) -> Result<(), StoreError> {
         let t = Instant::now();
-        let r = self.inner.abort_multipart(uri, upload_id).await;
+        let r = self
+            .inner
+            .abort_multipart(uri, upload_id)
+            .instrument(tracing::info_span!("s3", op = "abort_multipart_upload"))
+            .await;
         self.record("abort_multipart_upload", t, 0, &r);
         r
     }
 
     async fn delete(&self, uri: &ObjectUri) -> Result<(), StoreError> {
         let t = Instant::now();
-        let r = self.inner.delete(uri).await;
+        let r = self
+            .inner
+            .delete(uri)
+            .instrument(tracing::info_span!("s3", op = "delete_object"))
+            .await;
         self.record("delete_object", t, 0, &r);
         r
     }
@@ -165,7 +194,11 @@ impl<S: ObjectStore> ObjectStore for MeteredStore<S> {
         meta: Option<&UserMeta>,
     ) -> Result<ObjectMeta, StoreError> {
         let t = Instant::now();
-        let r = self.inner.copy(from, etag, to, meta).await;
+        let r = self
+            .inner
+            .copy(from, etag, to, meta)
+            .instrument(tracing::info_span!("s3", op = "copy_object"))
+            .await;
         self.record("copy_object", t, 0, &r);
         r
     }

@@ -100,6 +100,32 @@ impl Default for S3Config {
     }
 }
 
+/// Adds the current span's `traceparent` to every S3 request (after
+/// signing: it is not a signed header), so the store's side of a slow read
+/// joins the trace.
+#[derive(Debug)]
+struct TraceParent;
+
+impl Intercept for TraceParent {
+    fn name(&self) -> &'static str {
+        "lakecache-traceparent"
+    }
+
+    fn modify_before_transmit(
+        &self,
+        ctx: &mut aws_sdk_s3::config::interceptors::BeforeTransmitInterceptorContextMut<'_>,
+        _rc: &RuntimeComponents,
+        _cfg: &mut ConfigBag,
+    ) -> Result<(), aws_sdk_s3::error::BoxError> {
+        if let Some(parent) = lakecache_protocol::trace_context::current() {
+            ctx.request_mut()
+                .headers_mut()
+                .insert("traceparent", parent);
+        }
+        Ok(())
+    }
+}
+
 /// Counts SDK-internal retries (attempts after the first) by operation.
 #[derive(Debug)]
 struct RetryCounter(Arc<dyn StoreMetrics>);
@@ -167,7 +193,8 @@ impl S3Store {
             // Many S3-compatible stores reject aws-chunked checksum trailers.
             .request_checksum_calculation(RequestChecksumCalculation::WhenRequired)
             .response_checksum_validation(ResponseChecksumValidation::WhenRequired)
-            .interceptor(RetryCounter(metrics.clone()));
+            .interceptor(RetryCounter(metrics.clone()))
+            .interceptor(TraceParent);
         if let Some(endpoint) = &config.endpoint {
             builder = builder.endpoint_url(endpoint);
         }

@@ -342,9 +342,12 @@ impl WorkerClient {
     }
 
     fn request(&self, method: http::Method, path: &str) -> http::request::Builder {
-        let builder = http::Request::builder()
+        let mut builder = http::Request::builder()
             .method(method)
             .uri(format!("{}{}", self.base, path));
+        if let Some(parent) = crate::trace_context::current() {
+            builder = builder.header("traceparent", parent);
+        }
         match &self.bearer {
             Some(value) => builder.header(http::header::AUTHORIZATION, value.clone()),
             None => builder,

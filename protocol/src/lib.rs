@@ -14,6 +14,7 @@ pub mod memory;
 pub mod testing;
 pub mod tls;
 pub mod token;
+pub mod trace_context;
 mod types;
 mod uri;
 mod user_meta;

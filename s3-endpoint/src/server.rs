@@ -178,7 +178,11 @@ async fn handle(
         }
         _ => req.map(s3s::Body::from),
     };
-    let resp = match service.call(req).await {
+    // One span per S3 request, joined to the caller's trace when it sent
+    // a traceparent (a worker reading for a traced FUSE read).
+    let span = tracing::info_span!("s3_request", op = ?op, method = %req.method(), path = %req.uri().path());
+    lakecache_telemetry::trace::adopt_remote_parent(&span, req.headers());
+    let resp = match tracing::Instrument::instrument(service.call(req), span).await {
         Ok(resp) => resp,
         Err(err) => {
             tracing::error!(?err, "s3 service failed");

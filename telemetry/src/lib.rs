@@ -10,6 +10,7 @@ mod inflight;
 mod listener;
 mod prometheus_text;
 mod registry;
+pub mod trace;
 
 pub use inflight::{InFlight, InFlightOp, InFlightView, OpGuard};
 pub use listener::{serve_metrics, MetricsListener};

@@ -70,6 +70,7 @@ async fn handle(
         tenant = tracing::field::Empty,
         status = tracing::field::Empty,
     );
+    lakecache_telemetry::trace::adopt_remote_parent(&span, req.headers());
     async move {
         let (op, resp) = routes::route(&state, req).await;
         let status = resp.status().as_u16();

@@ -13,24 +13,17 @@ import shlex
 import shutil
 import socket
 import subprocess
-import time
 import urllib.request
 from pathlib import Path
 
 import kubernetes_validate
 import pytest
 import yaml
+from helpers import S3_ENV, free_port, lakecache_bin, start_s3
 
-DEPLOY = Path(__file__).resolve().parent.parent
+DEPLOY = Path(__file__).resolve().parent.parent.parent / "deploy"
 OVERLAYS = sorted(p for p in (DEPLOY / "kubernetes" / "overlays").iterdir() if p.is_dir())
 K8S_VERSION = "1.33.0"
-
-
-def lakecache_bin() -> str:
-    path = os.environ.get("LAKECACHE_BIN")
-    if not path or not Path(path).exists():
-        pytest.fail("LAKECACHE_BIN must point at a built lakecache binary")
-    return path
 
 
 def render(overlay: Path) -> list[dict]:
@@ -125,19 +118,6 @@ def unit_lines(unit: str, key: str) -> list[str]:
     return [line.split("=", 1)[1] for line in text.splitlines() if line.startswith(f"{key}=")]
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def wait_for(what: str, ok, secs: float = 30.0) -> None:
-    deadline = time.monotonic() + secs
-    while not ok():
-        assert time.monotonic() < deadline, f"timed out waiting for {what}"
-        time.sleep(0.1)
-
-
 def run_unit_command(line: str, replace: dict[str, str], env: dict[str, str]) -> list[str]:
     """A unit's command line as systemd would run it: ${VAR} from the
     environment file, paths moved into the test's directory."""
@@ -150,11 +130,7 @@ def run_unit_command(line: str, replace: dict[str, str], env: dict[str, str]) ->
 def test_systemd_units_run_as_written_and_report_readiness(tmp_path: Path) -> None:
     binary = lakecache_bin()
     s3_port, worker_port = free_port(), free_port()
-    s3 = subprocess.Popen(
-        [binary, "s3-server", "--root", str(tmp_path / "s3"), "--listen", f"127.0.0.1:{s3_port}",
-         "--access-key", "unit-test", "--secret-key", "unit-test-secret", "--bucket", "data"],
-        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-    )  # fmt: skip
+    s3 = start_s3(binary, tmp_path / "s3", s3_port)
     procs = [s3]
     mnt = tmp_path / "mnt"
     try:
@@ -169,12 +145,7 @@ def test_systemd_units_run_as_written_and_report_readiness(tmp_path: Path) -> No
             f's3_endpoint = "http://127.0.0.1:{s3_port}"\ns3_path_style = true\n'
         )
         env = dict(os.environ)
-        env.update(
-            NOTIFY_SOCKET=str(notify_path),
-            AWS_ACCESS_KEY_ID="unit-test",
-            AWS_SECRET_ACCESS_KEY="unit-test-secret",
-            AWS_REGION="us-east-1",
-        )
+        env.update(S3_ENV, NOTIFY_SOCKET=str(notify_path))
         replace = {
             "/usr/local/bin/lakecache": binary,
             "/etc/lakecache/worker.toml": str(config),
