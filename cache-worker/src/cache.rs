@@ -47,6 +47,11 @@ pub struct CacheConfig {
     pub policies: crate::policy::Policies,
     /// Dollars per GB of S3 egress, for the egress-saved metric.
     pub egress_price_per_gb: f64,
+    /// Cache bytes each named tenant may hold (pending write-back data
+    /// included); tenants not named share what is left by plain LRU.
+    pub tenant_quotas: std::collections::BTreeMap<String, u64>,
+    /// S3 requests per second each named tenant's work may make.
+    pub tenant_s3_rps: std::collections::BTreeMap<String, u32>,
 }
 
 #[derive(Debug, Clone, thiserror::Error)]
@@ -167,8 +172,13 @@ impl Cache {
                 } else {
                     now_ms()
                 };
-                let kept = retention(&config.policies, &entry.uri, fetched);
-                (key, seq, entry.len, kept)
+                crate::lru::RestoredPage {
+                    key,
+                    seq,
+                    len: entry.len,
+                    retention: retention(&config.policies, &entry.uri, fetched),
+                    tenant: entry.tenant.as_deref().map(Arc::from),
+                }
             })
             .collect();
         lru.restore(restored);
@@ -204,6 +214,7 @@ impl Cache {
         tokio::spawn(evictor(Arc::downgrade(&cache), cache.evict.clone()));
         if let Some(wb) = &cache.writeback {
             let _ = cache.metrics.writeback.set(Arc::downgrade(wb));
+            let _ = cache.metrics.cache.set(Arc::downgrade(&cache));
             tokio::spawn(crate::writeback::uploader(
                 Arc::downgrade(&cache),
                 wb.clone(),
@@ -269,7 +280,7 @@ impl Cache {
                     Err(crate::outage::Blocked::Open) => Err(crate::outage::OutageBreaker::unavailable()),
                     allowed => {
                         let (probe, target) = (this.clone(), uri.clone());
-                        let head = tokio::spawn(async move {
+                        let head = crate::tenant::spawn(async move {
                             let r = probe.store.head(&target).await;
                             probe.s3_down.observe(r)
                         });
@@ -414,30 +425,37 @@ impl Cache {
             )
         };
         let state = (self.clone(), uri.clone(), meta.clone(), range, first);
+        // The body is polled after the request's task-local scope ended.
+        let tenant = crate::tenant::current();
         Ok(futures::stream::unfold(
             state,
-            move |(cache, uri, meta, range, first)| async move {
-                if range.is_empty() {
-                    return None;
-                }
-                let piece = match first {
-                    Some(p) => Ok(p),
-                    None => {
-                        cache
-                            .next_piece(&uri, &meta, range.start, range.end, seq)
+            move |(cache, uri, meta, range, first)| {
+                let tenant = tenant.clone();
+                async move {
+                    if range.is_empty() {
+                        return None;
+                    }
+                    let piece = match first {
+                        Some(p) => Ok(p),
+                        None => {
+                            crate::tenant::scope(
+                                tenant,
+                                cache.next_piece(&uri, &meta, range.start, range.end, seq),
+                            )
                             .await
-                    }
-                };
-                match piece {
-                    Ok(bytes) => {
-                        let next = range.start + bytes.len() as u64..range.end;
-                        cache.metrics.served(bytes.len() as u64);
-                        Some((Ok(bytes), (cache, uri, meta, next, None)))
-                    }
-                    Err(e) => {
-                        tracing::warn!(%uri, error = %e, "read failed mid-stream");
-                        let done = range.end..range.end;
-                        Some((Err(e), (cache, uri, meta, done, None)))
+                        }
+                    };
+                    match piece {
+                        Ok(bytes) => {
+                            let next = range.start + bytes.len() as u64..range.end;
+                            cache.metrics.served(bytes.len() as u64);
+                            Some((Ok(bytes), (cache, uri, meta, next, None)))
+                        }
+                        Err(e) => {
+                            tracing::warn!(%uri, error = %e, "read failed mid-stream");
+                            let done = range.end..range.end;
+                            Some((Err(e), (cache, uri, meta, done, None)))
+                        }
                     }
                 }
             },
@@ -683,6 +701,7 @@ impl Cache {
                         index: id.index,
                         len: id.len,
                         fetched_ms: 0,
+                        tenant: crate::tenant::current().map(|t| t.to_string()),
                     },
                 );
                 let filled = tokio::task::spawn_blocking(move || {
@@ -721,6 +740,7 @@ impl Cache {
             index: idx,
             len: id.len,
             fetched_ms: 0,
+            tenant: crate::tenant::current().map(|t| t.to_string()),
         };
         let written = tokio::task::spawn_blocking(move || {
             this.pages.write(&key, &id, &data)?;
@@ -742,16 +762,69 @@ impl Cache {
         }
         entry.fetched_ms = now_ms();
         let kept = retention(&self.config.policies, &entry.uri, entry.fetched_ms);
-        let seq = self.lru.insert_kept(key, entry.len, kept);
+        let tenant = entry.tenant.as_deref().map(Arc::<str>::from);
+        let seq = self.lru.insert_kept(key, entry.len, kept, tenant.clone());
         if let Err(e) = self.index.put_page(&key, &entry, seq) {
             tracing::warn!(uri = %entry.uri, error = %e, "indexing page failed");
             self.lru.remove(&key);
             self.pages.remove(&key);
             return;
         }
+        if let Some(tenant) = tenant {
+            self.enforce_quota(&tenant);
+        }
         if self.lru.over_high_watermark() {
             self.evict.notify_one();
         }
+    }
+
+    /// A tenant over its quota (pages plus its pending write-back data,
+    /// which is never evicted) loses its own least-recently-used pages,
+    /// so one team's scan cannot flush another team's dataset.
+    fn enforce_quota(&self, tenant: &str) {
+        let Some(&quota) = self.config.tenant_quotas.get(tenant) else {
+            return;
+        };
+        let pending = self
+            .writeback
+            .as_ref()
+            .map_or(0, |wb| wb.pending_bytes_of_tenant(tenant));
+        if self.lru.tenant_used(tenant) + pending <= quota {
+            return;
+        }
+        let victims = self
+            .lru
+            .take_tenant_victims(tenant, quota.saturating_sub(pending));
+        let bytes: u64 = victims.iter().map(|(_, len)| len).sum();
+        let keys: Vec<PageKey> = victims.iter().map(|(k, _)| *k).collect();
+        if let Err(e) = self.index.remove_pages(&keys) {
+            tracing::warn!(tenant, error = %e, "evicting pages from index failed");
+        }
+        for key in &keys {
+            self.pages.remove(key);
+        }
+        self.metrics.evicted(keys.len() as u64, bytes);
+        self.metrics.quota_evicted(tenant, bytes);
+    }
+
+    /// Each tenant's cached bytes, quota and pending write-back bytes.
+    pub fn tenant_usage(
+        &self,
+    ) -> std::collections::BTreeMap<String, lakecache_protocol::TenantUsage> {
+        let mut out: std::collections::BTreeMap<String, lakecache_protocol::TenantUsage> =
+            Default::default();
+        for (tenant, bytes) in self.lru.tenant_usage() {
+            out.entry(tenant).or_default().cache_bytes = bytes;
+        }
+        for (tenant, quota) in &self.config.tenant_quotas {
+            out.entry(tenant.clone()).or_default().quota_bytes = Some(*quota);
+        }
+        if let Some(wb) = &self.writeback {
+            for (tenant, bytes) in wb.pending_bytes_by_tenant() {
+                out.entry(tenant).or_default().pending_bytes = bytes;
+            }
+        }
+        out
     }
 
     /// Records where this read ends and says whether it continues the
@@ -805,12 +878,14 @@ impl Cache {
             };
             let id = PageId::new(&key, &meta.etag, idx, ps, meta.size);
             let (this, uri, meta) = (self.clone(), uri.clone(), meta.clone());
-            tokio::spawn(async move {
+            // Read-ahead pages belong to the reader's tenant too.
+            let tenant = crate::tenant::current();
+            tokio::spawn(crate::tenant::scope(tenant, async move {
                 let _permit = permit;
                 if let Err(e) = this.fetch_page(&uri, &meta, idx, page_key, id).await {
                     tracing::debug!(%uri, page = idx, error = %e, "read-ahead failed");
                 }
-            });
+            }));
         }
         sequential
     }

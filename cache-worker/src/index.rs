@@ -30,6 +30,9 @@ pub struct PageEntry {
     /// before TTL policies, read as "now"). Set by `Cache::index_page`.
     #[serde(default)]
     pub fetched_ms: i64,
+    /// The tenant whose request fetched it (its quota counts it).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub tenant: Option<String>,
 }
 
 /// Cached HEAD result; `validated_ms` drives the metadata TTL.

@@ -89,6 +89,10 @@ pub struct PendingObject {
     /// times).
     #[serde(default, skip_serializing_if = "std::collections::BTreeMap::is_empty")]
     pub meta: lakecache_protocol::UserMeta,
+    /// The tenant that wrote it: its quota counts the bytes until S3 has
+    /// them.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub tenant: Option<String>,
 }
 
 /// The primary of a replica entry.

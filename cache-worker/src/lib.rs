@@ -17,6 +17,8 @@ pub mod pages;
 mod placement;
 pub mod policy;
 pub mod preload;
+pub mod tenant;
+mod tenant_rate;
 mod write;
 pub mod writeback;
 
@@ -151,6 +153,14 @@ pub async fn start_worker(
     store: Arc<dyn ObjectStore>,
     metrics: Arc<Metrics>,
 ) -> Result<RunningWorker, WorkerError> {
+    let store: Arc<dyn ObjectStore> = if options.cache.tenant_s3_rps.is_empty() {
+        store
+    } else {
+        Arc::new(tenant_rate::TenantRateLimited::new(
+            store,
+            &options.cache.tenant_s3_rps,
+        ))
+    };
     let cache = Cache::open(
         &options.cache_dir,
         options.cache.clone(),

@@ -21,6 +21,25 @@ struct Inner {
     pinned: HashSet<PageKey>,
     /// Pages under a TTL policy: when (ms since the epoch) they go.
     expires_ms: HashMap<PageKey, i64>,
+    /// Pages fetched for a tenant, and each tenant's share.
+    tenant_of: HashMap<PageKey, Arc<str>>,
+    tenants: HashMap<Arc<str>, TenantPages>,
+}
+
+/// One tenant's pages: bytes, and the evictable ones in access order.
+#[derive(Default)]
+struct TenantPages {
+    used: u64,
+    by_seq: BTreeMap<u64, PageKey>,
+}
+
+/// A page from the index, restored at start.
+pub struct RestoredPage {
+    pub key: PageKey,
+    pub seq: u64,
+    pub len: u64,
+    pub retention: Retention,
+    pub tenant: Option<Arc<str>>,
 }
 
 /// How a page is kept, from the policy of its object's prefix.
@@ -54,7 +73,42 @@ impl Inner {
         self.pinned.remove(key);
         self.expires_ms.remove(key);
         self.used -= len;
+        if let Some(tenant) = self.tenant_of.remove(key) {
+            if let Some(t) = self.tenants.get_mut(&tenant) {
+                t.used -= len;
+                t.by_seq.remove(&seq);
+                if t.used == 0 {
+                    self.tenants.remove(&tenant);
+                }
+            }
+        }
         Some(len)
+    }
+
+    fn add(
+        &mut self,
+        key: PageKey,
+        len: u64,
+        retention: Retention,
+        tenant: Option<Arc<str>>,
+    ) -> u64 {
+        self.forget(&key);
+        let seq = self.next_seq;
+        self.next_seq += 1;
+        self.by_key.insert(key, (seq, len));
+        self.by_seq.insert(seq, key);
+        self.used += len;
+        self.set_retention(key, seq, retention);
+        if let Some(tenant) = tenant {
+            let t = self.tenants.entry(tenant.clone()).or_default();
+            t.used += len;
+            // Pinned pages count against the tenant but are never evicted.
+            if retention != Retention::Pinned {
+                t.by_seq.insert(seq, key);
+            }
+            self.tenant_of.insert(key, tenant);
+        }
+        seq
     }
 }
 
@@ -83,16 +137,11 @@ impl Lru {
 
     /// Restores state loaded from the index (oldest first after sorting):
     /// key, access sequence, length and retention.
-    pub fn restore(&self, mut pages: Vec<(PageKey, u64, u64, Retention)>) {
-        pages.sort_by_key(|(_, seq, _, _)| *seq);
+    pub fn restore(&self, mut pages: Vec<RestoredPage>) {
+        pages.sort_by_key(|p| p.seq);
         let mut inner = self.lock();
-        for (key, _, len, retention) in pages {
-            let seq = inner.next_seq;
-            inner.next_seq += 1;
-            inner.by_key.insert(key, (seq, len));
-            inner.by_seq.insert(seq, key);
-            inner.used += len;
-            inner.set_retention(key, seq, retention);
+        for p in pages {
+            inner.add(p.key, p.len, p.retention, p.tenant);
         }
         self.used_gauge.store(inner.used, Ordering::Relaxed);
     }
@@ -100,23 +149,57 @@ impl Lru {
     /// Adds or refreshes a page kept by LRU; returns its access sequence.
     #[cfg(test)]
     pub fn insert(&self, key: PageKey, len: u64) -> u64 {
-        self.insert_kept(key, len, Retention::Lru)
+        self.insert_kept(key, len, Retention::Lru, None)
     }
 
-    /// Adds or refreshes a page; returns its new access sequence.
-    pub fn insert_kept(&self, key: PageKey, len: u64, retention: Retention) -> u64 {
+    /// Adds or refreshes a page, fetched for `tenant`; returns its new
+    /// access sequence.
+    pub fn insert_kept(
+        &self,
+        key: PageKey,
+        len: u64,
+        retention: Retention,
+        tenant: Option<Arc<str>>,
+    ) -> u64 {
         let mut inner = self.lock();
-        let seq = inner.next_seq;
-        inner.next_seq += 1;
-        if let Some((old_seq, old_len)) = inner.by_key.insert(key, (seq, len)) {
-            inner.by_seq.remove(&old_seq);
-            inner.used -= old_len;
-        }
-        inner.by_seq.insert(seq, key);
-        inner.used += len;
-        inner.set_retention(key, seq, retention);
+        let seq = inner.add(key, len, retention, tenant);
         self.used_gauge.store(inner.used, Ordering::Relaxed);
         seq
+    }
+
+    /// Bytes of each tenant's pages.
+    pub fn tenant_usage(&self) -> Vec<(String, u64)> {
+        let inner = self.lock();
+        let mut out: Vec<(String, u64)> = inner
+            .tenants
+            .iter()
+            .map(|(t, p)| (t.to_string(), p.used))
+            .collect();
+        out.sort();
+        out
+    }
+
+    pub fn tenant_used(&self, tenant: &str) -> u64 {
+        self.lock().tenants.get(tenant).map_or(0, |t| t.used)
+    }
+
+    /// Takes `tenant`'s least-recently-used pages out of the accounting
+    /// until its bytes are at most `down_to`; the caller deletes them.
+    pub fn take_tenant_victims(&self, tenant: &str, down_to: u64) -> Vec<(PageKey, u64)> {
+        let mut inner = self.lock();
+        let mut victims = Vec::new();
+        loop {
+            let next = match inner.tenants.get(tenant) {
+                Some(t) if t.used > down_to => t.by_seq.first_key_value().map(|(_, k)| *k),
+                _ => None,
+            };
+            let Some(key) = next else { break };
+            if let Some(len) = inner.forget(&key) {
+                victims.push((key, len));
+            }
+        }
+        self.used_gauge.store(inner.used, Ordering::Relaxed);
+        victims
     }
 
     /// Marks a page as just used; `None` if it is not tracked.
@@ -131,6 +214,12 @@ impl Lru {
         inner.by_seq.remove(&old_seq);
         inner.by_seq.insert(seq, *key);
         inner.by_key.insert(*key, (seq, len));
+        if let Some(tenant) = inner.tenant_of.get(key).cloned() {
+            if let Some(t) = inner.tenants.get_mut(&tenant) {
+                t.by_seq.remove(&old_seq);
+                t.by_seq.insert(seq, *key);
+            }
+        }
         Some(seq)
     }
 
@@ -252,8 +341,8 @@ mod tests {
     #[test]
     fn pinned_pages_are_never_victims_and_expired_pages_leave_on_time() {
         let lru = Lru::new(100, 0.9, 0.5, Arc::default());
-        lru.insert_kept(key(0), 30, Retention::Pinned);
-        lru.insert_kept(key(1), 10, Retention::ExpiresAtMs(1_000));
+        lru.insert_kept(key(0), 30, Retention::Pinned, None);
+        lru.insert_kept(key(1), 10, Retention::ExpiresAtMs(1_000), None);
         for i in 2..8 {
             lru.insert(key(i), 10);
         }
@@ -266,13 +355,45 @@ mod tests {
         assert!(lru.contains(&key(0)));
         assert_eq!(lru.used(), 50);
         // The TTL page was evicted by LRU already or goes at its time.
-        lru.insert_kept(key(9), 10, Retention::ExpiresAtMs(2_000));
+        lru.insert_kept(key(9), 10, Retention::ExpiresAtMs(2_000), None);
         assert!(lru.take_expired(1_999).iter().all(|(k, _)| *k != key(9)));
         assert_eq!(lru.take_expired(2_000), vec![(key(9), 10)]);
         assert!(!lru.contains(&key(9)));
         // Removing a pinned page releases its bytes.
         assert_eq!(lru.remove(&key(0)), Some(30));
         assert_eq!(lru.pinned_bytes(), 0);
+    }
+
+    #[test]
+    fn a_tenant_over_its_share_loses_its_own_oldest_pages_first() {
+        let lru = Lru::new(1000, 0.9, 0.5, Arc::default());
+        let (a, b): (Arc<str>, Arc<str>) = ("team-a".into(), "team-b".into());
+        lru.insert_kept(key(0), 100, Retention::Lru, Some(a.clone()));
+        lru.insert_kept(key(1), 100, Retention::Pinned, Some(b.clone()));
+        for i in 2..8 {
+            lru.insert_kept(key(i), 100, Retention::Lru, Some(b.clone()));
+        }
+        lru.touch(&key(2)); // b's oldest evictable is now key(3)
+        assert_eq!(lru.tenant_used("team-b"), 700);
+        let victims: Vec<PageKey> = lru
+            .take_tenant_victims("team-b", 450)
+            .into_iter()
+            .map(|(k, _)| k)
+            .collect();
+        assert_eq!(victims, vec![key(3), key(4), key(5)]);
+        assert_eq!(lru.tenant_used("team-b"), 400);
+        assert!(lru.contains(&key(0)), "another tenant's page was taken");
+        assert!(lru.contains(&key(1)), "a pinned page was taken");
+        // Pinned pages are never victims, even below the target.
+        let rest = lru.take_tenant_victims("team-b", 0);
+        assert_eq!(rest.len(), 3);
+        assert_eq!(lru.tenant_used("team-b"), 100);
+        assert_eq!(
+            lru.tenant_usage(),
+            vec![("team-a".to_string(), 100), ("team-b".to_string(), 100)]
+        );
+        lru.remove(&key(1));
+        assert_eq!(lru.tenant_usage(), vec![("team-a".to_string(), 100)]);
     }
 
     #[test]

@@ -20,6 +20,7 @@ pub struct Metrics {
     hit_bytes: Counter<u64>,
     miss_bytes: Counter<u64>,
     egress_saved_dollars: Counter<f64>,
+    quota_evicted_bytes: Counter<u64>,
     egress_price_per_gb: AtomicU64,
     s3_requests: Counter<u64>,
     s3_bytes: Counter<u64>,
@@ -35,6 +36,8 @@ pub struct Metrics {
     writeback_failures: Counter<u64>,
     /// The write-back state the backlog gauges read, once the cache opened.
     pub writeback: Arc<std::sync::OnceLock<std::sync::Weak<crate::writeback::WriteBack>>>,
+    /// The cache the per-tenant gauges read, once it opened.
+    pub cache: Arc<std::sync::OnceLock<std::sync::Weak<crate::cache::Cache>>>,
     /// Read by the gauges at scrape time.
     pub cache_used_bytes: Arc<AtomicU64>,
     pub cache_capacity_bytes: Arc<AtomicU64>,
@@ -120,7 +123,42 @@ impl Metrics {
                 })
                 .build();
         }
+        let cache: Arc<std::sync::OnceLock<std::sync::Weak<crate::cache::Cache>>> = Arc::default();
+        type PickTenant = fn(&lakecache_protocol::TenantUsage) -> Option<u64>;
+        let per_tenant: [(&'static str, &'static str, PickTenant); 3] = [
+            (
+                "lakecache_tenant_cache_used",
+                "Bytes of pages fetched for each tenant",
+                |t| Some(t.cache_bytes),
+            ),
+            (
+                "lakecache_tenant_writeback_pending",
+                "Each tenant's write-back bytes not yet in S3",
+                |t| Some(t.pending_bytes),
+            ),
+            ("lakecache_tenant_quota", "Each tenant's cache quota", |t| {
+                t.quota_bytes
+            }),
+        ];
+        for (name, help, pick) in per_tenant {
+            let cache = cache.clone();
+            meter
+                .u64_observable_gauge(name)
+                .with_unit("By")
+                .with_description(help)
+                .with_callback(move |o| {
+                    if let Some(c) = cache.get().and_then(std::sync::Weak::upgrade) {
+                        for (tenant, usage) in c.tenant_usage() {
+                            if let Some(v) = pick(&usage) {
+                                o.observe(v, &[KeyValue::new("tenant", tenant)]);
+                            }
+                        }
+                    }
+                })
+                .build();
+        }
         Ok(Self {
+            cache,
             writeback,
             writeback_uploaded_objects: counter(
                 &meter,
@@ -219,6 +257,12 @@ impl Metrics {
                 )
                 .build(),
             egress_price_per_gb: AtomicU64::new(DEFAULT_EGRESS_PRICE_PER_GB.to_bits()),
+            quota_evicted_bytes: counter(
+                &meter,
+                "lakecache_tenant_quota_evicted",
+                "By",
+                "Bytes of a tenant's pages evicted because it was over its quota",
+            ),
             cache_used_bytes,
             cache_capacity_bytes,
             registry,
@@ -251,6 +295,12 @@ impl Metrics {
         if miss > 0 {
             self.miss_bytes.add(miss, &labels);
         }
+    }
+
+    /// Bytes evicted because `tenant` was over its quota.
+    pub fn quota_evicted(&self, tenant: &str, bytes: u64) {
+        self.quota_evicted_bytes
+            .add(bytes, &[KeyValue::new("tenant", tenant.to_string())]);
     }
 
     /// The $/GB that `lakecache_egress_saved_dollars_total` counts at.

@@ -122,7 +122,7 @@ mod tests {
         let both = PrefixPolicy {
             pin: true,
             skip_cache: true,
-            ..p("s3://b/x")
+            ..p("s3://bkt/x")
         };
         assert!(matches!(
             Policies::new(vec![both]),
@@ -131,7 +131,7 @@ mod tests {
         let ttl_pin = PrefixPolicy {
             pin: true,
             ttl: Some(Duration::from_secs(5)),
-            ..p("s3://b/x")
+            ..p("s3://bkt/x")
         };
         assert!(matches!(
             Policies::new(vec![ttl_pin]),
@@ -148,16 +148,16 @@ mod tests {
             );
         }
         assert_eq!(
-            Policies::new(vec![p("s3://b/")]),
-            Err(PolicyError::Empty("s3://b/".into()))
+            Policies::new(vec![p("s3://bkt/")]),
+            Err(PolicyError::Empty("s3://bkt/".into()))
         );
         let pin = PrefixPolicy {
             pin: true,
-            ..p("s3://b/")
+            ..p("s3://bkt/")
         };
         assert_eq!(
             Policies::new(vec![pin.clone(), pin]),
-            Err(PolicyError::Duplicate("s3://b/".into()))
+            Err(PolicyError::Duplicate("s3://bkt/".into()))
         );
     }
 }

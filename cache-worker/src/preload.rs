@@ -109,7 +109,9 @@ impl Preloads {
         jobs.push(job.clone());
         drop(jobs);
         let (run, cache, slots) = (job.clone(), cache.clone(), self.slots.clone());
-        tokio::spawn(async move {
+        // A job's pages and S3 requests count for the tenant that started it.
+        let tenant = job.tenant.as_deref().map(Arc::<str>::from);
+        tokio::spawn(crate::tenant::scope(tenant, async move {
             let outcome = tokio::select! {
                 r = run.run(&cache, &slots, include.as_ref()) => r,
                 _ = run.cancel.notified() => Ok(()),
@@ -121,7 +123,7 @@ impl Preloads {
             };
             tracing::info!(job = %run.id, state = ?state.0, fetched = run.bytes_fetched.load(Ordering::Relaxed), "load job ended");
             *lock(&run.finished) = Some(state);
-        });
+        }));
         Ok(job)
     }
 

@@ -233,7 +233,7 @@ impl Cache {
         let number = up.next_part;
         up.next_part += 1;
         let (store, uri, id) = (self.store.clone(), uri.clone(), up.id.clone());
-        up.in_flight.push_back(tokio::spawn(async move {
+        up.in_flight.push_back(crate::tenant::spawn(async move {
             let _memory = memory;
             store
                 .upload_part(&uri, &id, number, data)
@@ -277,6 +277,7 @@ impl Cache {
         }
         let ps = self.config.page_size;
         let this = self.clone();
+        let tenant = crate::tenant::current().map(|t| t.to_string());
         let committed = tokio::task::spawn_blocking(move || {
             for page in staged {
                 this.lru.release_staging(page.file.len);
@@ -296,6 +297,7 @@ impl Cache {
                             index: page.index,
                             len,
                             fetched_ms: 0,
+                            tenant: tenant.clone(),
                         },
                     ),
                     Err(e) => {

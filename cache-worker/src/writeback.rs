@@ -437,6 +437,28 @@ impl WriteBack {
         status
     }
 
+    /// Bytes `tenant` wrote that are acknowledged and not yet in S3.
+    pub fn pending_bytes_of_tenant(&self, tenant: &str) -> u64 {
+        let journal = lock(&self.journal);
+        journal
+            .pending()
+            .filter(|p| p.replica_of.is_none() && p.tenant.as_deref() == Some(tenant))
+            .map(|p| p.size)
+            .sum()
+    }
+
+    /// [`Self::pending_bytes_of_tenant`] for every tenant with some.
+    pub fn pending_bytes_by_tenant(&self) -> Vec<(String, u64)> {
+        let journal = lock(&self.journal);
+        let mut by: std::collections::BTreeMap<String, u64> = Default::default();
+        for p in journal.pending().filter(|p| p.replica_of.is_none()) {
+            if let Some(t) = &p.tenant {
+                *by.entry(t.clone()).or_default() += p.size;
+            }
+        }
+        by.into_iter().collect()
+    }
+
     /// Where dirty page `index` of a pending version lives.
     pub(crate) fn page_key(uri: &str, version: &str, index: u64) -> PageKey {
         PageKey::new(uri, version, index)

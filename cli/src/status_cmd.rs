@@ -35,6 +35,8 @@ struct Row {
     writeback: Option<lakecache_protocol::WriteBackStatus>,
     #[serde(skip_serializing_if = "std::collections::BTreeMap::is_empty")]
     buckets: std::collections::BTreeMap<String, lakecache_protocol::BucketTraffic>,
+    #[serde(skip_serializing_if = "std::collections::BTreeMap::is_empty")]
+    tenants: std::collections::BTreeMap<String, lakecache_protocol::TenantUsage>,
     error: Option<String>,
 }
 
@@ -108,6 +110,7 @@ impl StatusCmd {
                         hit_ratio: (total > 0).then(|| h.hit_bytes as f64 / total as f64),
                         writeback,
                         buckets: h.buckets,
+                        tenants: h.tenants,
                         error: None,
                     }
                 }
@@ -120,6 +123,7 @@ impl StatusCmd {
                     hit_ratio: None,
                     writeback: None,
                     buckets: Default::default(),
+                    tenants: Default::default(),
                     error: Some(e),
                 },
             }
@@ -197,6 +201,35 @@ impl StatusCmd {
                     ByteSize(b.cache_bytes).human(),
                     ByteSize(b.s3_bytes).human(),
                     format!("${:.2}", b.saved_dollars)
+                );
+            }
+        }
+        let mut tenants: std::collections::BTreeMap<&str, (u64, u64, Option<u64>)> =
+            Default::default();
+        for r in &rows {
+            for (t, u) in &r.tenants {
+                let e = tenants.entry(t).or_default();
+                e.0 += u.cache_bytes;
+                e.1 += u.pending_bytes;
+                // Quotas are per worker; the cluster's is their sum.
+                e.2 = match (e.2, u.quota_bytes) {
+                    (Some(a), Some(b)) => Some(a + b),
+                    (a, b) => a.or(b),
+                };
+            }
+        }
+        if !tenants.is_empty() {
+            println!(
+                "\n{:<32} {:>12} {:>12} {:>12}",
+                "TENANT", "CACHED", "PENDING", "QUOTA"
+            );
+            for (t, (cached, pending, quota)) in &tenants {
+                println!(
+                    "{:<32} {:>12} {:>12} {:>12}",
+                    t,
+                    ByteSize(*cached).human(),
+                    ByteSize(*pending).human(),
+                    quota.map_or("-".to_string(), |q| ByteSize(q).human())
                 );
             }
         }

@@ -197,10 +197,55 @@ pub struct WorkerSettings {
     /// matching prefix applies (repeatable; ';' separates in the variable)
     #[arg(long = "policy", env = "LAKECACHE_POLICY", value_delimiter = ';')]
     pub policy: Option<Vec<String>>,
+    /// Cache bytes a tenant may hold, as TENANT=SIZE (e.g. team-a=200GiB;
+    /// repeatable, ',' separates in the variable). A tenant over it loses
+    /// its own least-recently-used pages first; its pending write-back
+    /// data counts but is never evicted
+    #[arg(
+        long = "tenant-quota",
+        env = "LAKECACHE_TENANT_QUOTA",
+        value_delimiter = ','
+    )]
+    pub tenant_quota: Option<Vec<String>>,
+    /// S3 requests per second a tenant's reads and writes may cause, as
+    /// TENANT=N (repeatable); over it, that tenant's requests wait
+    #[arg(
+        long = "tenant-s3-rps",
+        env = "LAKECACHE_TENANT_S3_RPS",
+        value_delimiter = ','
+    )]
+    pub tenant_s3_rps: Option<Vec<String>>,
     /// Dollars per GB of S3 egress, for the egress-saved figures in
     /// metrics [default: 0.09, S3's internet egress list price]
     #[arg(long, env = "LAKECACHE_EGRESS_PRICE_PER_GB")]
     pub egress_price_per_gb: Option<f64>,
+}
+
+/// `TENANT=VALUE` settings by tenant, each value checked by `parse`.
+fn per_tenant<T>(
+    values: Option<&[String]>,
+    flag: &str,
+    parse: impl Fn(&str) -> Result<T, String>,
+) -> Result<std::collections::BTreeMap<String, T>> {
+    let mut out = std::collections::BTreeMap::new();
+    for item in values
+        .unwrap_or_default()
+        .iter()
+        .filter(|v| !v.trim().is_empty())
+    {
+        let (tenant, value) = item
+            .split_once('=')
+            .with_context(|| format!("{flag} {item:?}: expected TENANT=VALUE"))?;
+        let tenant = tenant.trim();
+        if tenant.is_empty() {
+            bail!("{flag} {item:?}: the tenant name is empty");
+        }
+        let value = parse(value.trim()).map_err(|e| anyhow::anyhow!("{flag} {item:?}: {e}"))?;
+        if out.insert(tenant.to_string(), value).is_some() {
+            bail!("{flag} names tenant {tenant:?} twice");
+        }
+    }
+    Ok(out)
 }
 
 /// Parses one `--policy` value.
@@ -314,6 +359,8 @@ impl WorkerSettings {
                 lease_ttl,
                 policy,
                 egress_price_per_gb,
+                tenant_quota,
+                tenant_s3_rps,
             ]
         )
     }
@@ -420,6 +467,15 @@ impl WorkerSettings {
         if !(0.0..=100.0).contains(&egress_price_per_gb) {
             bail!("--egress-price-per-gb must be 0..=100 dollars, got {egress_price_per_gb}");
         }
+        let tenant_quotas = per_tenant(self.tenant_quota.as_deref(), "--tenant-quota", |v| {
+            v.parse::<ByteSize>().map(|s| s.0)
+        })?;
+        let tenant_s3_rps = per_tenant(self.tenant_s3_rps.as_deref(), "--tenant-s3-rps", |v| {
+            v.parse::<u32>()
+                .ok()
+                .filter(|n| (1..=1_000_000).contains(n))
+                .ok_or_else(|| "expected 1..=1000000 requests per second".to_string())
+        })?;
         let max_attempts = self.s3_max_attempts.unwrap_or(5);
         if !(1..=20).contains(&max_attempts) {
             bail!("--s3-max-attempts must be 1..=20, got {max_attempts}");
@@ -484,6 +540,8 @@ impl WorkerSettings {
                 memory_limit,
                 policies,
                 egress_price_per_gb,
+                tenant_quotas,
+                tenant_s3_rps,
                 writeback: lakecache_worker::writeback::WriteBackConfig {
                     staging_limit: self
                         .write_staging_limit
@@ -674,6 +732,34 @@ mod tests {
         assert_eq!(hourly.max_age, Some(std::time::Duration::from_secs(30)));
         assert!(p.for_uri("s3://data/tmp/x").unwrap().skip_cache);
         assert_eq!(opts.cache.egress_price_per_gb, 0.02);
+        let tenants = WorkerSettings {
+            tenant_quota: Some(vec!["team-a=200GiB".into(), "scan=1TiB".into()]),
+            tenant_s3_rps: Some(vec!["scan=500".into()]),
+            insecure_http: Some(true),
+            no_auth: Some(true),
+            ..Default::default()
+        };
+        let (opts, _) = tenants.resolve().unwrap();
+        assert_eq!(opts.cache.tenant_quotas["team-a"], 200 << 30);
+        assert_eq!(opts.cache.tenant_s3_rps["scan"], 500);
+        for (quota, rps, says) in [
+            ("team-a", "", "expected TENANT=VALUE"),
+            ("=1GiB", "", "tenant name is empty"),
+            ("a=1GiB,a=2GiB", "", "twice"),
+            ("a=lots", "", "--tenant-quota"),
+            ("", "a=0", "1..=1000000"),
+        ] {
+            let split = |v: &str| (!v.is_empty()).then(|| v.split(',').map(String::from).collect());
+            let w = WorkerSettings {
+                tenant_quota: split(quota),
+                tenant_s3_rps: split(rps),
+                insecure_http: Some(true),
+                no_auth: Some(true),
+                ..Default::default()
+            };
+            let err = format!("{:#}", w.resolve().unwrap_err());
+            assert!(err.contains(says), "{quota} {rps}: {err}");
+        }
         for (rule, says) in [
             ("s3://data/x pinned", "unknown rule \"pinned\""),
             ("s3://data/x ttl=soon", "invalid duration"),

@@ -156,6 +156,20 @@ pub struct Health {
     /// The same two counts by bucket (absent from workers before 0.1.1).
     #[serde(default)]
     pub buckets: std::collections::BTreeMap<String, BucketTraffic>,
+    /// Cache use by tenant (tenants with pages, pending data or a quota).
+    #[serde(default)]
+    pub tenants: std::collections::BTreeMap<String, TenantUsage>,
+}
+
+/// One tenant's share of a worker's cache.
+#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct TenantUsage {
+    /// Bytes of pages its requests fetched.
+    pub cache_bytes: u64,
+    /// Its acknowledged write-back data not yet in S3 (never evicted).
+    pub pending_bytes: u64,
+    /// The most it may hold, when the worker sets one.
+    pub quota_bytes: Option<u64>,
 }
 
 /// Bytes one worker served for one bucket from its pages (`hit_bytes`:

@@ -96,7 +96,9 @@ pub async fn route(state: &AppState, req: http::Request<Incoming>) -> (&'static 
         Ok(slot) => slot,
         Err(busy) => return ("throttled", *busy),
     };
-    let (op, resp) = object_route(state, &access, &path, method, req).await;
+    let tenant = access.tenant().map(std::sync::Arc::<str>::from);
+    let (op, resp) =
+        crate::tenant::scope(tenant, object_route(state, &access, &path, method, req)).await;
     (op, Admitted::wrap(resp, slot))
 }
 
@@ -236,6 +238,7 @@ fn health(state: &AppState) -> Response {
             miss_bytes,
             pinned_bytes: state.cache.pinned_bytes(),
             buckets,
+            tenants: state.cache.tenant_usage(),
         },
     )
 }
@@ -555,7 +558,7 @@ async fn write(
     });
     if mode == WriteMode::Back {
         let (cache, task_uri) = (state.cache.clone(), uri.clone());
-        let taken = tokio::spawn(async move {
+        let taken = crate::tenant::spawn(async move {
             cache
                 .write_back(&task_uri, Box::pin(body), client_crc, role, user)
                 .await
@@ -570,7 +573,8 @@ async fn write(
     // drops this handler, but the task sees the body end in an error and
     // aborts the multipart upload and frees its staged pages.
     let (cache, task_uri) = (state.cache.clone(), uri.clone());
-    let upload = tokio::spawn(async move { cache.write(&task_uri, Box::pin(body), &user).await });
+    let upload =
+        crate::tenant::spawn(async move { cache.write(&task_uri, Box::pin(body), &user).await });
     match upload.await {
         Ok(Ok(meta)) => json(StatusCode::OK, &stat_body(&uri, &meta)),
         Ok(Err(e)) => cache_error(&e),
@@ -761,7 +765,7 @@ async fn list(state: &AppState, access: &Access<'_>, bucket: &str, query: &str) 
                 use tracing::Instrument as _;
                 let cache = state.cache.clone();
                 let bucket = bucket.to_string();
-                let work = tokio::spawn(
+                let work = crate::tenant::spawn(
                     async move {
                         cache.add_user_meta(&bucket, &mut resp).await;
                         resp

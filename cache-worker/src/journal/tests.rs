@@ -16,6 +16,7 @@ fn object(uri: &str, size: u64) -> PendingObject {
         replicas: Vec::new(),
         // Round-trips with the rest: the mount's mode and times.
         meta: [("mode".to_string(), "33188".to_string())].into(),
+        tenant: Some("team-a".into()),
     }
 }
 

@@ -185,6 +185,7 @@ impl Cache {
             replica_of: None,
             replicas: Vec::new(),
             meta: UserMeta::new(),
+            tenant: crate::tenant::current().map(|t| t.to_string()),
         })
     }
 

@@ -306,6 +306,7 @@ impl Cache {
                             index,
                             len: to_id.len,
                             fetched_ms: 0,
+                            tenant: None,
                         },
                     ),
                     Err(e) => {

@@ -266,6 +266,7 @@ fn delete_record(uri: &str, version: String, page_size: u64) -> PendingObject {
         replica_of: None,
         replicas: Vec::new(),
         meta: Default::default(),
+        tenant: None,
     }
 }
 
@@ -283,6 +284,7 @@ fn dirty_record(uri: &ObjectUri, meta: &ObjectMeta, seq: u64, page_size: u64) ->
         replica_of: None,
         replicas: Vec::new(),
         meta: meta.user.clone(),
+        tenant: None,
     }
 }
 

@@ -46,6 +46,8 @@ pub fn default_options(cache_dir: PathBuf) -> WorkerOptions {
             memory_limit: 1 << 30,
             policies: Default::default(),
             egress_price_per_gb: lakecache_worker::metrics::DEFAULT_EGRESS_PRICE_PER_GB,
+            tenant_quotas: Default::default(),
+            tenant_s3_rps: Default::default(),
         },
         limits: HttpLimits::default(),
         access: Default::default(),

@@ -15,6 +15,7 @@ mod power_loss;
 mod reads;
 mod replicas;
 mod store_faults;
+mod tenants;
 mod tls;
 mod writeback;
 mod writes;

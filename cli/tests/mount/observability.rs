@@ -53,10 +53,37 @@ fn prometheus_scrapes_worker_and_mount_and_every_dashboard_query_returns_data() 
         Path::new(PROMETHEUS).exists(),
         "Debian's prometheus package is missing (scripts/deps.sh installs it)"
     );
-    let mut env = Env::start(1);
+    // A tenant with a quota, so the per-tenant panels have data.
+    let keys_dir = tempfile::tempdir().unwrap();
+    let token = token_file(
+        keys_dir.path(),
+        "team.token",
+        &[
+            "--tenant",
+            "team-a",
+            "--allow-write",
+            &format!("s3://{BUCKET}/"),
+        ],
+    );
+    let keys = keys_dir.path().join("keys");
+    let mut env = Env::start_full(
+        1,
+        &[],
+        &[
+            "--auth-keys",
+            keys.to_str().unwrap(),
+            "--tenant-quota",
+            "team-a=1GiB",
+        ],
+    );
     let metrics_port = free_port();
     env.put("data/a.bin", Bytes::from(pattern(6 << 20, 1)));
-    env.mount_with(&["--metrics-listen", &format!("127.0.0.1:{metrics_port}")]);
+    env.mount_with(&[
+        "--metrics-listen",
+        &format!("127.0.0.1:{metrics_port}"),
+        "--token-file",
+        token.to_str().unwrap(),
+    ]);
     let worker_port = env.workers[0].0;
 
     let prom_dir = env.dir.path().join("prometheus");
