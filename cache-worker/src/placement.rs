@@ -39,6 +39,13 @@ pub trait Placement: Send + Sync {
     fn me(&self) -> Option<String> {
         None
     }
+
+    /// Whether this worker is among the first `copies` workers on the
+    /// ring for `segment` of `uri` (the owner, then its successors).
+    fn holds(&self, uri: &ObjectUri, segment: u64, copies: usize) -> bool {
+        let _ = copies;
+        self.remote_owner(uri, segment).is_none()
+    }
 }
 
 /// The ring view and a pooled client per peer.

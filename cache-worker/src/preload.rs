@@ -259,7 +259,8 @@ impl LoadJob {
                 Err(e) => return self.failed(&entry.key, 0, e.to_string()),
             }
         }
-        let pages = owned_pages(cache, &uri, &meta);
+        let copies = self.spec.replicas.unwrap_or(1) as usize;
+        let pages = owned_pages(cache, &uri, &meta, copies);
         let owned: u64 = pages.iter().map(|&(_, len)| len).sum();
         self.bytes_owned.fetch_add(owned, Ordering::Relaxed);
         let left = |i: usize| pages[i..].iter().map(|&(_, l)| l).sum::<u64>();
@@ -323,8 +324,14 @@ impl LoadJob {
 }
 
 /// (page index, page length) of every page of `meta` in a segment this
-/// worker owns; all of them when the worker is in no ring.
-fn owned_pages(cache: &Cache, uri: &ObjectUri, meta: &ObjectMeta) -> Vec<(u64, u64)> {
+/// worker holds one of `copies` copies of; all of them when the worker is
+/// in no ring.
+fn owned_pages(
+    cache: &Cache,
+    uri: &ObjectUri,
+    meta: &ObjectMeta,
+    copies: usize,
+) -> Vec<(u64, u64)> {
     let ps = cache.page_size();
     let placement = cache.peers.placement();
     let segment = cache.config.segment_size.filter(|s| *s > 0);
@@ -337,7 +344,7 @@ fn owned_pages(cache: &Cache, uri: &ObjectUri, meta: &ObjectMeta) -> Vec<(u64, u
             let s = idx * ps / seg;
             *owners
                 .entry(s)
-                .or_insert_with(|| placement.remote_owner(uri, s).is_none())
+                .or_insert_with(|| placement.holds(uri, s, copies))
         })
         .map(|idx| (idx, ps.min(meta.size - idx * ps)))
         .collect()

@@ -24,6 +24,10 @@ pub struct LoadCmd {
     /// Only keys (after the prefix) matching this glob, e.g. '*.bin'
     #[arg(long)]
     include: Option<String>,
+    /// Keep each segment on this many workers (its owner and the next on
+    /// the ring), so reads stay warm when the owner is down
+    #[arg(long, default_value_t = 1, value_parser = clap::value_parser!(u32).range(1..=lakecache_protocol::MAX_LOAD_REPLICAS as i64))]
+    replicas: u32,
     /// Start the job, print its id and return
     #[arg(long)]
     background: bool,
@@ -129,7 +133,8 @@ impl LoadCmd {
         let uri = self
             .uri
             .context("give s3://bucket/prefix to load, or `load status ID` / `load cancel ID`")?;
-        let spec = parse_spec(&uri, self.include)?;
+        let mut spec = parse_spec(&uri, self.include)?;
+        spec.replicas = (self.replicas > 1).then_some(self.replicas);
         let id = match self.id {
             Some(id) => {
                 validate_load_id(&id).map_err(anyhow::Error::msg)?;
@@ -176,6 +181,7 @@ pub(crate) fn parse_spec(uri: &str, include: Option<String>) -> Result<LoadSpec>
         bucket: bucket.to_string(),
         prefix: prefix.to_string(),
         include,
+        replicas: None,
     })
 }
 

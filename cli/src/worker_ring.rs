@@ -78,4 +78,11 @@ impl Placement for RingPlacement {
     fn me(&self) -> Option<String> {
         Some(self.me.clone())
     }
+
+    fn holds(&self, uri: &ObjectUri, segment: u64, copies: usize) -> bool {
+        self.cluster
+            .replicas_of(uri, segment, copies.max(1))
+            .iter()
+            .any(|m| m.address == self.me)
+    }
 }

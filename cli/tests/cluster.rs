@@ -399,6 +399,25 @@ fn segment_owners(c: &Cluster, uri: &str, segments: u64) -> Vec<String> {
     })
 }
 
+/// The ids of the first `copies` workers on the ring for each segment.
+fn segment_replicas(c: &Cluster, uri: &str, segments: u64, copies: usize) -> Vec<Vec<String>> {
+    let rt = tokio::runtime::Runtime::new().unwrap();
+    rt.block_on(async {
+        let m = c.etcd_membership().await;
+        let client = ClusterClient::new(Arc::new(m), c.options(), None);
+        let uri: ObjectUri = uri.parse().unwrap();
+        (0..segments)
+            .map(|s| {
+                client
+                    .replicas_of(&uri, s, copies)
+                    .into_iter()
+                    .map(|m| m.id)
+                    .collect()
+            })
+            .collect()
+    })
+}
+
 #[test]
 fn a_hung_worker_costs_seconds_not_a_minute() {
     const MIB: u64 = 1 << 20;
@@ -1190,4 +1209,54 @@ fn load_spreads_over_the_ring_resumes_and_leaves_reads_to_the_cache() {
     );
     let out = run(&["data/shards"]);
     assert!(String::from_utf8_lossy(&out.stderr).contains("must start with s3://"));
+    let out = run(&["s3://data/shards/", "--replicas", "9"]);
+    assert!(!out.status.success());
+
+    // free evicts the prefix on every worker; a load with --replicas 2
+    // then keeps every segment on its owner and the next worker.
+    let reg = c.registry();
+    let out = c.cli(&["free", "s3://data/shards/", "--registry", &reg]);
+    let stdout = String::from_utf8_lossy(&out.stdout).to_string();
+    eprintln!("--- free\n{stdout}");
+    assert!(
+        out.status.success() && stdout.contains("on 3 of 3 workers"),
+        "{stdout}"
+    );
+    let misses_before = workers_metric(&c, "lakecache_cache_miss");
+    let out = run(&[
+        "s3://data/shards/",
+        "--include",
+        "*.bin",
+        "--replicas",
+        "2",
+        "--id",
+        "twice",
+    ]);
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let fetched = workers_metric(&c, "lakecache_cache_miss") - misses_before;
+    assert_eq!(fetched as u64, 2 * wanted, "two copies of every byte");
+    let replicas_a = segment_replicas(&c, "s3://data/shards/a.bin", 3, 2);
+    for (id, port, _) in &c.workers {
+        let p = rt
+            .block_on(
+                c.worker_client(*port, Duration::from_secs(5))
+                    .load_status("twice"),
+            )
+            .unwrap();
+        let mut expect = 0;
+        for (s, holders) in replicas_a.iter().enumerate() {
+            if holders.contains(id) {
+                expect += (150 * MIB - s as u64 * 64 * MIB).min(64 * MIB);
+            }
+        }
+        let b_holders = &segment_replicas(&c, "s3://data/shards/b.bin", 1, 2)[0];
+        if b_holders.contains(id) {
+            expect += 5 * MIB + 123;
+        }
+        assert_eq!(p.bytes_owned, expect, "worker {id}: {p:?}");
+    }
 }

@@ -27,7 +27,7 @@ pub use client::{
 };
 pub use load::{
     validate_load_id, FreeResult, FreeSpec, LoadFailure, LoadProgress, LoadSpec, LoadState,
-    MAX_LOAD_FAILURES_KEPT,
+    MAX_LOAD_FAILURES_KEPT, MAX_LOAD_REPLICAS,
 };
 pub use types::{
     BucketTraffic, ErrorBody, ErrorCode, ErrorDetail, Health, ListEntry, ListResponse, ObjectStat,

@@ -14,7 +14,14 @@ pub struct LoadSpec {
     pub prefix: String,
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub include: Option<String>,
+    /// How many workers keep each segment: its owner and the next ones
+    /// on the ring, which serve it when the owner is down (default 1).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub replicas: Option<u32>,
 }
+
+/// The most copies of a segment a load may ask for.
+pub const MAX_LOAD_REPLICAS: u32 = 8;
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize, Default)]
 #[serde(rename_all = "snake_case")]

@@ -72,6 +72,8 @@ pub enum Fault {
     /// Flip a bit of the request body on its way in (a NIC or proxy that
     /// damages data): a checksum the client sent must catch it.
     CorruptRequestBody,
+    /// Answer normally after this many milliseconds (a far-away lake).
+    Delay { ms: u64 },
 }
 
 #[derive(Debug)]

@@ -156,6 +156,9 @@ async fn handle(
     let op = S3Op::classify(req.method(), req.uri());
     let fault = faults.on_request(op);
     match fault {
+        Some(Fault::Delay { ms }) => {
+            tokio::time::sleep(std::time::Duration::from_millis(ms)).await;
+        }
         Some(Fault::SlowDown) => {
             return Ok(error_response(
                 http::StatusCode::SERVICE_UNAVAILABLE,

@@ -143,6 +143,18 @@ async fn start(
     if let Err(resp) = check_prefix(&spec.prefix) {
         return *resp;
     }
+    if let Some(n) = spec
+        .replicas
+        .filter(|n| !(1..=lakecache_protocol::MAX_LOAD_REPLICAS).contains(n))
+    {
+        return error(
+            ErrorCode::BadRequest,
+            format!(
+                "replicas must be 1..={}, got {n}",
+                lakecache_protocol::MAX_LOAD_REPLICAS
+            ),
+        );
+    }
     if let Err(denied) = access.list(&spec.bucket, &spec.prefix) {
         return *denied;
     }

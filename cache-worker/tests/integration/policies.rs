@@ -179,3 +179,67 @@ async fn free_refuses_bad_prefixes_and_methods_with_clear_errors() {
     assert_eq!(status, 400, "{text}");
     assert!(text.contains("unknown field"), "{text}");
 }
+
+/// A big preload runs in its own fetch slots: a reader's cold read on the
+/// same worker finishes while the load is still going, instead of
+/// queueing behind it. S3 is slowed (300 ms per GET) so the load lasts.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_running_load_does_not_hold_up_other_reads() {
+    use lakecache_protocol::{LoadSpec, LoadState};
+    use lakecache_s3_endpoint::{Fault, S3Op};
+    let h = Harness::start().await;
+    for i in 0..24 {
+        h.put_direct(
+            &format!("bulk/{i:02}.bin"),
+            &data((8 * MIB) as usize, 40 + i),
+        )
+        .await;
+    }
+    let hot = data((2 * MIB) as usize, 99);
+    h.put_direct("hot/x.bin", &hot).await;
+    h.faults()
+        .inject(S3Op::GetObject, Fault::Delay { ms: 300 }, u32::MAX);
+    let spec = LoadSpec {
+        bucket: BUCKET.into(),
+        prefix: "bulk/".into(),
+        include: None,
+        replicas: None,
+    };
+    h.client.load_start("bulk", &spec).await.unwrap();
+    // Wait until the load is fetching.
+    let started = std::time::Instant::now();
+    loop {
+        let p = h.client.load_status("bulk").await.unwrap();
+        if p.bytes_fetched > 0 {
+            break;
+        }
+        assert!(started.elapsed() < Duration::from_secs(30), "{p:?}");
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    let read_started = std::time::Instant::now();
+    let got = h.client.read(&uri("hot/x.bin"), None).await.unwrap();
+    let read_took = read_started.elapsed();
+    assert_eq!(sha(&got), sha(&hot));
+    let during = h.client.load_status("bulk").await.unwrap();
+    eprintln!(
+        "cold 2 MiB read took {read_took:?} while the load had {} of {} bytes",
+        during.bytes_fetched, during.bytes_owned
+    );
+    assert_eq!(
+        during.state,
+        LoadState::Running,
+        "the read waited for the whole load: {during:?}"
+    );
+    h.faults().clear();
+    let started = std::time::Instant::now();
+    loop {
+        let p = h.client.load_status("bulk").await.unwrap();
+        if p.state != LoadState::Running {
+            assert_eq!(p.state, LoadState::Done, "{p:?}");
+            assert_eq!(p.bytes_fetched + p.bytes_cached, 24 * 8 * MIB, "{p:?}");
+            break;
+        }
+        assert!(started.elapsed() < Duration::from_secs(120), "{p:?}");
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+}
