@@ -107,7 +107,7 @@ pub struct ReplicaOf {
 #[derive(Debug, Serialize, Deserialize)]
 #[serde(tag = "op", rename_all = "snake_case")]
 enum Record {
-    Pending(PendingObject),
+    Pending(Box<PendingObject>),
     Uploaded { seq: u64, etag: String },
 }
 
@@ -264,7 +264,7 @@ impl Journal {
         match record {
             Record::Pending(p) => {
                 self.next_seq = self.next_seq.max(p.seq + 1);
-                self.pending.insert(p.seq, p);
+                self.pending.insert(p.seq, *p);
             }
             Record::Uploaded { seq, .. } => {
                 self.pending.remove(&seq);
@@ -287,7 +287,7 @@ impl Journal {
     pub fn add_pending(&mut self, mut object: PendingObject) -> Result<u64, JournalError> {
         let seq = self.next_seq;
         object.seq = seq;
-        self.append(&Record::Pending(object.clone()))?;
+        self.append(&Record::Pending(Box::new(object.clone())))?;
         self.next_seq += 1;
         self.pending.insert(seq, object);
         Ok(seq)
@@ -334,7 +334,7 @@ impl Journal {
             .pending
             .values()
             .cloned()
-            .map(Record::Pending)
+            .map(|p| Record::Pending(Box::new(p)))
             .collect();
         Self::write_new(&self.path, &self.worker_id, &records)?;
         self.file = OpenOptions::new()

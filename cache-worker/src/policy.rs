@@ -66,7 +66,7 @@ impl Policies {
                 return Err(PolicyError::Empty(p.prefix.clone()));
             }
         }
-        list.sort_by(|a, b| b.prefix.len().cmp(&a.prefix.len()));
+        list.sort_by_key(|p| std::cmp::Reverse(p.prefix.len()));
         if let Some(w) = list.windows(2).find(|w| w[0].prefix == w[1].prefix) {
             return Err(PolicyError::Duplicate(w[0].prefix.clone()));
         }

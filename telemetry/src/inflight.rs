@@ -143,7 +143,7 @@ impl InFlight {
                 worker: o.worker.lock().ok().and_then(|w| w.clone()),
             })
             .collect();
-        rows.sort_by(|a, b| b.age_ms.cmp(&a.age_ms));
+        rows.sort_by_key(|r| std::cmp::Reverse(r.age_ms));
         rows
     }
 

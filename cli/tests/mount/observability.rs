@@ -145,7 +145,7 @@ fn prometheus_scrapes_worker_and_mount_and_every_dashboard_query_returns_data() 
     // The warm read is all hits; the cold one misses at least its first
     // page (the worker's own read-ahead turns the rest into hits).
     assert!(
-        seen >= 0.5 && seen < 1.0,
+        (0.5..1.0).contains(&seen),
         "one cold and one warm read: {seen}"
     );
 
