@@ -388,15 +388,10 @@ fn put_streamed(c: &Cluster, key: &str, mib: u64) -> String {
 
 /// The id of the worker owning each 64 MiB segment of `uri`.
 fn segment_owners(c: &Cluster, uri: &str, segments: u64) -> Vec<String> {
-    let rt = tokio::runtime::Runtime::new().unwrap();
-    rt.block_on(async {
-        let m = c.etcd_membership().await;
-        let client = ClusterClient::new(Arc::new(m), c.options(), None);
-        let uri: ObjectUri = uri.parse().unwrap();
-        (0..segments)
-            .map(|s| client.owner_of(&uri, s * 64 * (1 << 20)).unwrap().id)
-            .collect()
-    })
+    segment_replicas(c, uri, segments, 1)
+        .into_iter()
+        .map(|mut holders| holders.remove(0))
+        .collect()
 }
 
 /// The ids of the first `copies` workers on the ring for each segment.

@@ -27,16 +27,27 @@ fn token_client(h: &Harness, key: &SigningKey, tenant: &str) -> WorkerClient {
         .unwrap()
 }
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
-async fn a_scanning_tenant_evicts_its_own_pages_not_another_teams_dataset() {
+/// A worker that requires tokens, tuned by `tune`, and its signing key.
+async fn with_tokens(
+    tune: impl FnOnce(&mut lakecache_worker::WorkerOptions),
+) -> (Harness, SigningKey) {
     let key = SigningKey::generate("k1");
     let keys = KeyRing::new(key.clone(), None);
-    let mut h = Harness::with(|o| {
+    let h = Harness::with(|o| {
         o.access = AccessPolicy {
             keys: Some(keys),
             allow: Vec::new(),
             protect_metrics: false,
         };
+        tune(o);
+    })
+    .await;
+    (h, key)
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_scanning_tenant_evicts_its_own_pages_not_another_teams_dataset() {
+    let (mut h, key) = with_tokens(|o| {
         o.cache.capacity = 64 * MIB;
         o.cache.tenant_quotas = [("scanner".to_string(), 8 * MIB)].into();
     })
@@ -88,14 +99,7 @@ async fn a_scanning_tenant_evicts_its_own_pages_not_another_teams_dataset() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn pending_write_back_counts_against_its_tenant_and_is_never_evicted() {
-    let key = SigningKey::generate("k1");
-    let keys = KeyRing::new(key.clone(), None);
-    let h = Harness::with(|o| {
-        o.access = AccessPolicy {
-            keys: Some(keys),
-            allow: Vec::new(),
-            protect_metrics: false,
-        };
+    let (h, key) = with_tokens(|o| {
         o.cache.tenant_quotas = [("team-b".to_string(), 6 * MIB)].into();
     })
     .await;
@@ -142,14 +146,7 @@ async fn pending_write_back_counts_against_its_tenant_and_is_never_evicted() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn a_tenant_over_its_s3_rate_waits_and_others_do_not() {
-    let key = SigningKey::generate("k1");
-    let keys = KeyRing::new(key.clone(), None);
-    let h = Harness::with(|o| {
-        o.access = AccessPolicy {
-            keys: Some(keys),
-            allow: Vec::new(),
-            protect_metrics: false,
-        };
+    let (h, key) = with_tokens(|o| {
         o.cache.tenant_s3_rps = [("slow".to_string(), 5)].into();
     })
     .await;
