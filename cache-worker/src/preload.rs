@@ -223,14 +223,28 @@ impl LoadJob {
                 .collect();
             self.objects_listed
                 .fetch_add(wanted.len() as u64, Ordering::Relaxed);
+            // The page's share is known before it is fetched, so progress
+            // has its total (and an ETA) once the listing ends.
+            let copies = self.copies();
+            let listed: u64 = wanted
+                .iter()
+                .filter(|e| !crate::writeback::is_cache_version(&e.etag))
+                .filter_map(|e| {
+                    let uri = ObjectUri::new(&self.spec.bucket, &e.key).ok()?;
+                    Some(owned_bytes(cache, &uri, e.size, copies))
+                })
+                .sum();
+            self.bytes_owned.fetch_add(listed, Ordering::Relaxed);
+            token = page.next_token;
+            if token.is_none() {
+                self.listing_done.store(true, Ordering::Relaxed);
+            }
             futures::stream::iter(wanted)
                 .for_each_concurrent(LOAD_PAGES_IN_FLIGHT, |entry| async move {
                     self.load_object(cache, slots, entry).await;
                 })
                 .await;
-            token = page.next_token;
             if token.is_none() {
-                self.listing_done.store(true, Ordering::Relaxed);
                 return Ok(());
             }
         }
@@ -259,10 +273,17 @@ impl LoadJob {
                 Err(e) => return self.failed(&entry.key, 0, e.to_string()),
             }
         }
-        let copies = self.spec.replicas.unwrap_or(1) as usize;
-        let pages = owned_pages(cache, &uri, &meta, copies);
+        let pages = owned_pages(cache, &uri, &meta, self.copies());
         let owned: u64 = pages.iter().map(|&(_, len)| len).sum();
-        self.bytes_owned.fetch_add(owned, Ordering::Relaxed);
+        // Counted from the listed size; a HEAD may have found another.
+        let listed = owned_bytes(cache, &uri, entry.size, self.copies());
+        if owned >= listed {
+            self.bytes_owned
+                .fetch_add(owned - listed, Ordering::Relaxed);
+        } else {
+            self.bytes_owned
+                .fetch_sub(listed - owned, Ordering::Relaxed);
+        }
         let left = |i: usize| pages[i..].iter().map(|&(_, l)| l).sum::<u64>();
         let mut retried = false;
         let mut i = 0;
@@ -309,6 +330,11 @@ impl LoadJob {
         Ok(())
     }
 
+    /// How many workers keep each segment.
+    fn copies(&self) -> usize {
+        self.spec.replicas.unwrap_or(1) as usize
+    }
+
     fn failed(&self, key: &str, bytes: u64, reason: String) {
         tracing::warn!(job = %self.id, key, %reason, "load: object failed");
         self.objects_failed.fetch_add(1, Ordering::Relaxed);
@@ -321,6 +347,22 @@ impl LoadJob {
             });
         }
     }
+}
+
+/// Bytes of an object of `size` this worker loads (see [`owned_pages`]);
+/// none for pending write-back versions and empty objects, which are
+/// skipped.
+fn owned_bytes(cache: &Cache, uri: &ObjectUri, size: u64, copies: usize) -> u64 {
+    let meta = ObjectMeta {
+        size,
+        etag: String::new(),
+        last_modified_ms: 0,
+        user: Default::default(),
+    };
+    owned_pages(cache, uri, &meta, copies)
+        .iter()
+        .map(|&(_, len)| len)
+        .sum()
 }
 
 /// (page index, page length) of every page of `meta` in a segment this

@@ -125,6 +125,12 @@ fn up_serves_put_cat_stat_ls_and_shuts_down_cleanly() {
         "put: {}",
         String::from_utf8_lossy(&put.stderr)
     );
+    // A command that worked says nothing on stderr (no library chatter).
+    assert!(
+        put.stderr.is_empty(),
+        "put wrote to stderr: {}",
+        String::from_utf8_lossy(&put.stderr)
+    );
 
     let cat = client(
         &up,

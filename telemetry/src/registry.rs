@@ -55,6 +55,14 @@ impl MetricReader for SharedReader {
     }
 }
 
+impl Drop for MetricsRegistry {
+    fn drop(&mut self) {
+        // Shut down here, quietly: a provider dropped without it logs an
+        // INFO line, which every short CLI command would print.
+        let _ = self.provider.shutdown();
+    }
+}
+
 impl Default for MetricsRegistry {
     fn default() -> Self {
         Self::new()
