@@ -10,6 +10,7 @@ mod mount_cmd;
 mod ring_cmd;
 mod s3_cmd;
 mod sd_notify;
+mod snapshot_cmd;
 mod status_cmd;
 mod sync_cmd;
 mod token_cmd;
@@ -82,6 +83,8 @@ enum Command {
     Load(Box<load_cmd::LoadCmd>),
     /// Evict the cached pages under s3://bucket/prefix on every worker
     Free(free_cmd::FreeCmd),
+    /// Dataset snapshots: a checked manifest of a prefix to pin mounts to
+    Snapshot(snapshot_cmd::SnapshotCmd),
     /// Internal: started by `mount`; removes the mount if its client dies
     #[command(hide = true, name = "mount-guard")]
     MountGuard { mountpoint: std::path::PathBuf },
@@ -186,6 +189,7 @@ fn main() {
             Command::Mount(cmd) => cmd.run().await,
             Command::Load(cmd) => cmd.run().await,
             Command::Free(cmd) => cmd.run().await,
+            Command::Snapshot(cmd) => cmd.run().await,
             // Ran and exited before the runtime started.
             Command::MountGuard { .. } => Ok(()),
         }

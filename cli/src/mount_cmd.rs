@@ -188,6 +188,11 @@ pub struct MountCmd {
     cluster: ClusterArgs,
     #[command(flatten)]
     fuse: FuseArgs,
+    /// Pin the mount to a snapshot manifest (`lakecache snapshot create`):
+    /// read-only, exactly the objects it lists, each read at its recorded
+    /// ETag; an object changed since fails with both ETags named
+    #[arg(long, env = "LAKECACHE_SNAPSHOT")]
+    snapshot: Option<String>,
     /// Detach: return once the mount is ready, keep serving in the background
     #[arg(long)]
     daemon: bool,
@@ -228,16 +233,31 @@ impl MountCmd {
         }
         let cluster = self.cluster.connect().await?;
         check_bucket(&cluster, &bucket, &prefix).await?;
-        let mut fs = Fs::new(cluster, config);
+        let data: Arc<dyn lakecache_fuse::DataPlane> = match &self.snapshot {
+            None => cluster,
+            Some(manifest) => {
+                let snap = crate::snapshot_cmd::load(&cluster, manifest).await?;
+                if snap.bucket != bucket {
+                    bail!(
+                        "snapshot {manifest} is of s3://{}/{}; it cannot back a mount of {}",
+                        snap.bucket,
+                        snap.prefix,
+                        self.source
+                    );
+                }
+                tracing::info!(%manifest, objects = snap.objects.len(), checksum = %snap.checksum, "mount pinned to snapshot");
+                Arc::new(lakecache_fuse::data_plane::SnapshotDataPlane::new(
+                    cluster, snap,
+                ))
+            }
+        };
+        let mut fs = Fs::new(data, config);
         if let Some(tier) = self.fuse.local_tier(None)? {
             fs = fs.with_local_tier(tier);
         }
-        serve(
-            Arc::new(fs),
-            &self.fuse.mount_options(&self.mountpoint),
-            self.fuse.metrics_listen,
-        )
-        .await
+        let mut options = self.fuse.mount_options(&self.mountpoint);
+        options.read_only |= self.snapshot.is_some();
+        serve(Arc::new(fs), &options, self.fuse.metrics_listen).await
     }
 
     /// Starts this command again, detached, and returns once the mount

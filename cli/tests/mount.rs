@@ -1002,5 +1002,7 @@ mod local_tier;
 mod observability;
 #[path = "mount/posix.rs"]
 mod posix;
+#[path = "mount/snapshot.rs"]
+mod snapshot;
 #[path = "mount/writeback.rs"]
 mod writeback;

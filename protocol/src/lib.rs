@@ -11,6 +11,7 @@ mod load;
 pub mod member_sig;
 pub mod memory;
 #[doc(hidden)]
+pub mod snapshot;
 pub mod testing;
 pub mod tls;
 pub mod token;

@@ -6,6 +6,7 @@
 mod cluster;
 mod faulty;
 mod memory;
+mod snapshot;
 
 use std::error::Error as StdError;
 use std::ops::Range;
@@ -19,6 +20,7 @@ use lakecache_protocol::{ListResponse, ObjectStat, ObjectUri, UserMeta, WriteMod
 
 pub use faulty::{DataFault, DataOp, FaultyDataPlane};
 pub use memory::{MemoryDataPlane, Quirks};
+pub use snapshot::SnapshotDataPlane;
 
 /// The body of a streaming upload: chunks in file order.
 pub type ByteStream = Pin<Box<dyn Stream<Item = Bytes> + Send + Sync>>;
@@ -54,6 +56,13 @@ pub enum DataError {
     /// throttling: the answer is unknown, not "no".
     #[error("the object store is unavailable: {0}")]
     StoreUnavailable(String),
+    /// A mount pinned to a snapshot met an object that changed since.
+    #[error("{key} changed since the snapshot: the snapshot pins ETag {pinned}, S3 now has {current}; the pinned version is not readable")]
+    SnapshotMismatch {
+        key: String,
+        pinned: String,
+        current: String,
+    },
     /// An upload whose body the store stopped reading before the end.
     #[error("the upload ended before all its data was sent")]
     UploadCut,

@@ -1,0 +1,149 @@
+//! `lakecache snapshot create s3://bucket/prefix s3://bucket/manifest.json`:
+//! records every object under the prefix (key, size, ETag) in a checked
+//! manifest, stored as an object; `lakecache mount --snapshot` pins a
+//! mount to it. `snapshot show` prints one after checking it.
+
+use std::sync::Arc;
+
+use anyhow::{bail, Context, Result};
+use clap::{Args, Subcommand};
+use lakecache_protocol::snapshot::{Snapshot, SnapshotEntry, MAX_SNAPSHOT_OBJECTS};
+use lakecache_protocol::ObjectUri;
+use lakecache_registry::ClusterClient;
+
+use crate::cluster_args::ClusterArgs;
+use crate::units::ByteSize;
+
+#[derive(Args)]
+pub struct SnapshotCmd {
+    #[command(subcommand)]
+    action: SnapshotAction,
+}
+
+#[derive(Subcommand)]
+enum SnapshotAction {
+    /// List s3://bucket/prefix and store its manifest at s3://bucket/key
+    Create {
+        /// The dataset: s3://bucket/prefix
+        source: String,
+        /// Where the manifest is stored: s3://bucket/key.json
+        manifest: String,
+        #[command(flatten)]
+        cluster: ClusterArgs,
+    },
+    /// Check a stored manifest and summarise it
+    Show {
+        manifest: String,
+        #[command(flatten)]
+        cluster: ClusterArgs,
+    },
+}
+
+impl SnapshotCmd {
+    pub async fn run(self) -> Result<()> {
+        match self.action {
+            SnapshotAction::Create {
+                source,
+                manifest,
+                cluster,
+            } => create(&source, &manifest, &cluster).await,
+            SnapshotAction::Show { manifest, cluster } => {
+                let client = cluster.connect().await?;
+                let snap = load(&client, &manifest).await?;
+                let bytes: u64 = snap.objects.iter().map(|o| o.size).sum();
+                println!(
+                    "snapshot of s3://{}/{}: {} objects, {}, checksum {}",
+                    snap.bucket,
+                    snap.prefix,
+                    snap.objects.len(),
+                    ByteSize(bytes).human(),
+                    snap.checksum
+                );
+                Ok(())
+            }
+        }
+    }
+}
+
+fn object_uri(s: &str, what: &str) -> Result<ObjectUri> {
+    s.parse::<ObjectUri>()
+        .map_err(|e| anyhow::anyhow!("{what} {s:?}: {e} (expected s3://bucket/key)"))
+}
+
+async fn create(source: &str, manifest: &str, cluster: &ClusterArgs) -> Result<()> {
+    let (bucket, prefix) = crate::mount_cmd::parse_source(source)?;
+    let target = object_uri(manifest, "manifest")?;
+    if target.bucket() == bucket && target.key().starts_with(&prefix) {
+        bail!(
+            "the manifest {manifest} would be inside the dataset it describes; store it elsewhere"
+        );
+    }
+    let client = cluster.connect().await?;
+    let mut objects = Vec::new();
+    let mut token: Option<String> = None;
+    loop {
+        let page = client
+            .list(&bucket, &prefix, None, token.as_deref(), Some(1000))
+            .await
+            .with_context(|| format!("listing {source}"))?;
+        for e in page.objects {
+            let mut entry = SnapshotEntry {
+                key: e.key,
+                size: e.size,
+                etag: e.etag,
+                last_modified_ms: e.last_modified_ms,
+                version_id: None,
+            };
+            // Some S3-compatible stores list without ETags: ask.
+            if entry.etag.is_empty() {
+                let uri = ObjectUri::new(&bucket, &entry.key)?;
+                let stat = client
+                    .stat(&uri)
+                    .await
+                    .with_context(|| format!("HEAD {uri}"))?;
+                entry.etag = stat.etag;
+                entry.size = stat.size;
+            }
+            objects.push(entry);
+        }
+        if objects.len() > MAX_SNAPSHOT_OBJECTS {
+            bail!(
+                "{source} has more than {MAX_SNAPSHOT_OBJECTS} objects; snapshot a narrower prefix"
+            );
+        }
+        match page.next_token {
+            Some(t) => token = Some(t),
+            None => break,
+        }
+    }
+    let now_ms = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map_or(0, |d| d.as_millis() as i64);
+    let snap = Snapshot::new(&bucket, &prefix, now_ms, objects);
+    let bytes: u64 = snap.objects.iter().map(|o| o.size).sum();
+    client
+        .put(&target, snap.to_json().into())
+        .await
+        .with_context(|| format!("storing the manifest at {manifest}"))?;
+    println!(
+        "snapshot of {source}: {} objects, {}, checksum {} -> {manifest}",
+        snap.objects.len(),
+        ByteSize(bytes).human(),
+        snap.checksum
+    );
+    Ok(())
+}
+
+/// Reads and checks the manifest stored at `manifest`.
+pub async fn load(client: &Arc<ClusterClient>, manifest: &str) -> Result<Snapshot> {
+    let uri = object_uri(manifest, "snapshot")?;
+    let stat = client
+        .stat(&uri)
+        .await
+        .with_context(|| format!("reading the snapshot manifest {manifest}"))?;
+    let bytes = client
+        .read(&uri, 0..stat.size, Some(&stat.etag))
+        .await
+        .with_context(|| format!("reading the snapshot manifest {manifest}"))?;
+    Snapshot::from_json(&bytes).with_context(|| format!("snapshot manifest {manifest}"))
+}
