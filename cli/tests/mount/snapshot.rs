@@ -78,16 +78,14 @@ fn a_snapshot_mount_reads_the_recorded_versions_and_names_a_changed_object() {
     }
     wait_mounted(&env.mountpoint(), false);
 
-    // A tampered manifest is refused before mounting.
+    // A tampered manifest is refused before mounting. (A new key: the
+    // worker may still serve the old manifest within its metadata TTL.)
     let text = String::from_utf8(manifest).unwrap().replace(&old_c, &new_c);
-    env.put("snapshots/ds-1.json", Bytes::from(text));
-    let out = env
-        .mount_command()
-        .args(["--snapshot", "s3://data/snapshots/ds-1.json"])
-        .output()
-        .unwrap();
-    assert!(!out.status.success());
-    let err = String::from_utf8_lossy(&out.stderr);
+    env.put("snapshots/ds-tampered.json", Bytes::from(text));
+    let mut cmd = env.mount_command();
+    cmd.args(["--snapshot", "s3://data/snapshots/ds-tampered.json"]);
+    let (ok, err) = run_bounded(cmd, Duration::from_secs(60));
+    assert!(!ok, "a tampered manifest was mounted");
     assert!(err.contains("checksum mismatch"), "{err}");
     // A manifest inside the dataset it describes is refused.
     let out = cli(
@@ -101,4 +99,29 @@ fn a_snapshot_mount_reads_the_recorded_versions_and_names_a_changed_object() {
     );
     assert!(!out.status.success());
     assert!(String::from_utf8_lossy(&out.stderr).contains("inside the dataset"));
+}
+
+/// Runs `cmd` to its end, killing it after `limit` (a mount that
+/// wrongly starts would otherwise hold the test forever).
+fn run_bounded(mut cmd: Command, limit: Duration) -> (bool, String) {
+    let err_path = tempfile::NamedTempFile::new().unwrap();
+    let mut child = cmd
+        .stdout(Stdio::null())
+        .stderr(err_path.reopen().unwrap())
+        .spawn()
+        .unwrap();
+    let deadline = Instant::now() + limit;
+    let status = loop {
+        if let Some(status) = child.try_wait().unwrap() {
+            break Some(status);
+        }
+        if Instant::now() > deadline {
+            let _ = child.kill();
+            let _ = child.wait();
+            break None;
+        }
+        std::thread::sleep(Duration::from_millis(100));
+    };
+    let err = fs::read_to_string(err_path.path()).unwrap_or_default();
+    (status.is_some_and(|s| s.success()), err)
 }

@@ -34,9 +34,7 @@ impl SnapshotDataPlane {
     }
 
     fn read_only() -> DataError {
-        DataError::Denied(format!(
-            "the mount is pinned to a snapshot and is read-only"
-        ))
+        DataError::Denied("the mount is pinned to a snapshot and is read-only".to_string())
     }
 }
 
