@@ -54,5 +54,9 @@ setup_venv() {
   if [ ! -x "$LAKECACHE_VENV/bin/python" ]; then
     python3 -m venv "$LAKECACHE_VENV"
   fi
+  "$LAKECACHE_VENV/bin/pip" install -q "maturin>=1.7,<2"
+  # The Python client (PyO3 over the Rust cluster client), built by maturin
+  # into the venv; the trainer's loader lives in it.
+  (cd pyclient && VIRTUAL_ENV="$LAKECACHE_VENV" "$LAKECACHE_VENV/bin/maturin" develop -q --strip)
   "$LAKECACHE_VENV/bin/pip" install -q -e "trainer[test]" -r ops/tests/requirements.txt
 }

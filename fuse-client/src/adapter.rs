@@ -121,12 +121,50 @@ impl KernelAdapter {
         Fut: Future<Output = Result<T, FsError>> + Send + 'static,
         T: Send + 'static,
     {
+        let path = self.fs.key_of(ino);
+        self.spawn_op(op, ino, path, at, fut, reply)
+    }
+
+    /// [`Self::spawn`] for an operation on `name` in directory `parent`:
+    /// the in-flight table shows the child's path, not the directory's.
+    fn spawn_child<T, Fut>(
+        &self,
+        op: &'static str,
+        parent: u64,
+        name: &str,
+        fut: impl FnOnce(Arc<Fs>) -> Fut + Send + 'static,
+        reply: impl FnOnce(Result<T, FsError>) + Send + 'static,
+    ) where
+        Fut: Future<Output = Result<T, FsError>> + Send + 'static,
+        T: Send + 'static,
+    {
+        let dir = self.fs.key_of(parent);
+        let path = if dir.is_empty() || dir.ends_with('/') {
+            format!("{dir}{name}")
+        } else {
+            format!("{dir}/{name}")
+        };
+        self.spawn_op(op, parent, path, None, fut, reply)
+    }
+
+    fn spawn_op<T, Fut>(
+        &self,
+        op: &'static str,
+        ino: u64,
+        path: String,
+        at: Option<(u64, u64)>,
+        fut: impl FnOnce(Arc<Fs>) -> Fut + Send + 'static,
+        reply: impl FnOnce(Result<T, FsError>) + Send + 'static,
+    ) where
+        Fut: Future<Output = Result<T, FsError>> + Send + 'static,
+        T: Send + 'static,
+    {
         let fs = self.fs.clone();
         let span = tracing::debug_span!("fuse", op, ino);
         let metrics = crate::metrics::global();
         let guard = metrics.inflight.start(
             op,
-            fs.key_of(ino),
+            path,
             at.map(|(offset, _)| offset),
             at.map(|(_, size)| size),
         );
@@ -186,9 +224,10 @@ impl Filesystem for KernelAdapter {
         };
         let ttl = self.fs.config().entry_ttl;
         let this = self.clone();
-        self.spawn(
+        self.spawn_child(
             "lookup",
             parent.0,
+            &name.clone(),
             move |fs| async move { fs.lookup(parent.0, &name).await },
             move |r| match r {
                 Ok(node) => reply.entry(&ttl, &this.attr(&node), Generation(0)),

@@ -17,6 +17,20 @@ def _size(text: str) -> int:
     return int(t)
 
 
+def _duration(text: str) -> float:
+    t = text.strip().lower()
+    scale = {"ms": 0.001, "s": 1.0, "m": 60.0, "h": 3600.0}
+    for suffix in ("ms", "s", "m", "h"):
+        if t.endswith(suffix):
+            value = float(t[: -len(suffix)])
+            break
+    else:
+        value, suffix = float(t), "s"
+    if value <= 0:
+        raise argparse.ArgumentTypeError(f"{text!r} must be positive")
+    return value * scale[suffix]
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="lakecache-train")
     sub = p.add_subparsers(dest="cmd", required=True)
@@ -58,6 +72,50 @@ def main(argv: list[str] | None = None) -> int:
         action="store_true",
         help="load checkpoints without a signed manifest (DeepSpeed unpickles them)",
     )
+
+    r.add_argument(
+        "--snapshot",
+        help="lakecache snapshot manifest (local file) the data must match; its checksum "
+        "is recorded in every checkpoint",
+    )
+    r.add_argument(
+        "--allow-data-change",
+        action="store_true",
+        help="resume even though the data differs from the checkpoint's",
+    )
+    r.add_argument(
+        "--stuck-timeout",
+        type=_duration,
+        default=1800.0,
+        help="exit (code 75) with stacks and in-flight reads when no step completes for "
+        "this long, e.g. 30m, 90s [default: 30m]",
+    )
+    r.add_argument(
+        "--mount-metrics",
+        help="the lakecache mount's --metrics-listen address, for the reads a stuck "
+        "step waits on [env LAKECACHE_MOUNT_METRICS]",
+    )
+    r.add_argument(
+        "--checkpoint-sync",
+        choices=["cache", "s3"],
+        default="cache",
+        help="move `latest` once the checkpoint is durable in the cache, or once it is in S3",
+    )
+    r.add_argument(
+        "--keep-checkpoints",
+        type=int,
+        default=0,
+        help="keep the newest K checkpoints, deleting older ones after `latest` moved "
+        "[default: 0, keep all]",
+    )
+    r.add_argument(
+        "--reshard-on-resize",
+        action="store_true",
+        help="resume a checkpoint written by another number of ranks: load the weights, "
+        "start the optimizer state afresh, reshard the rest of the epoch",
+    )
+    r.add_argument("--log-every", type=int, default=1, help="loss and metrics every N steps")
+    r.add_argument("--inject-hang", help=argparse.SUPPRESS)
 
     e = sub.add_parser("export", help="consolidated safetensors from a checkpoint")
     e.add_argument("--checkpoint-dir", required=True)
@@ -106,9 +164,18 @@ def main(argv: list[str] | None = None) -> int:
                     crash_after_step=a.crash_after_step,
                     checkpoint_key_file=a.checkpoint_key_file,
                     allow_unsigned_checkpoints=a.allow_unsigned_checkpoints,
+                    snapshot=a.snapshot,
+                    allow_data_change=a.allow_data_change,
+                    stuck_timeout=a.stuck_timeout,
+                    mount_metrics=a.mount_metrics,
+                    checkpoint_sync=a.checkpoint_sync,
+                    keep_checkpoints=a.keep_checkpoints,
+                    log_every=a.log_every,
+                    inject_hang=a.inject_hang,
+                    reshard_on_resize=a.reshard_on_resize,
                 )
             )
-            short = {k: v for k, v in summary.items() if k != "losses"}
+            short = {k: v for k, v in summary.items() if k not in ("losses", "time_breakdown")}
             print(json.dumps(short))
         else:
             from .export import export

@@ -4,77 +4,17 @@ a worker, FUSE) started from the binary in $LAKECACHE_BIN."""
 from __future__ import annotations
 
 import json
-import os
-import signal
-import socket
 import subprocess
 import sys
-import tempfile
 from pathlib import Path
 
 import numpy as np
 import pytest
+from trainenv import BIN, ENV, KEY_FILE  # noqa: F401
+from trainenv import free_port as _free_port
 
 from lakecache_trainer.loader import TokenLoader
 from lakecache_trainer.shards import ShardError, read_header, write_shard
-
-BIN = os.environ.get("LAKECACHE_BIN", "lakecache")
-# The checkpoint signing key lives on local disk, never on the mount.
-KEY_FILE = Path(tempfile.mkdtemp(prefix="lakecache-ckpt-key-")) / "key"
-KEY_FILE.write_bytes(os.urandom(32).hex().encode())
-# DeepSpeed JIT-builds its CPU ops with the venv's ninja.
-ENV = {
-    **os.environ,
-    "DS_ACCELERATOR": "cpu",
-    "OMP_NUM_THREADS": "1",
-    "PATH": f"{Path(sys.executable).parent}:{os.environ.get('PATH', '')}",
-    "LAKECACHE_CHECKPOINT_KEY_FILE": str(KEY_FILE),
-}
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-@pytest.fixture(scope="module")
-def mount(tmp_path_factory):
-    d = tmp_path_factory.mktemp("lakecache")
-    mnt = d / "mnt"
-    proc = subprocess.Popen(
-        [
-            BIN,
-            "up",
-            "--dir",
-            str(d / "data"),
-            "--mount",
-            str(mnt),
-            "--s3-listen",
-            "127.0.0.1:0",
-            "--listen",
-            "127.0.0.1:0",
-            "--cache-size",
-            "2GiB",
-        ],
-        stdout=subprocess.PIPE,
-        stderr=subprocess.DEVNULL,
-        text=True,
-    )
-    worker = None
-    token_file = None
-    assert proc.stdout is not None
-    for line in proc.stdout:
-        if line.strip().startswith("worker"):
-            worker = line.split()[1].removeprefix("http://")
-        if line.strip().startswith("token file"):
-            token_file = line.split()[2]
-        if line.startswith("try:"):
-            break
-    assert worker and token_file, "lakecache up did not start"
-    yield mnt, worker, token_file
-    proc.send_signal(signal.SIGTERM)
-    assert proc.wait(timeout=60) == 0
 
 
 def lakecache(*args: str) -> str:
@@ -83,14 +23,19 @@ def lakecache(*args: str) -> str:
 
 
 def train(
-    args: list[str], data: Path, ckpt: Path, metrics: Path, env: dict | None = None
+    args: list[str],
+    data: Path,
+    ckpt: Path,
+    metrics: Path,
+    env: dict | None = None,
+    nproc: int = 2,
 ) -> subprocess.CompletedProcess:
     cmd = [
         sys.executable,
         "-m",
         "torch.distributed.run",
         "--nproc_per_node",
-        "2",
+        str(nproc),
         "--master_port",
         str(_free_port()),
         "-m",
@@ -123,7 +68,7 @@ def losses(metrics: Path) -> dict[int, float]:
     out = {}
     for line in metrics.read_text().splitlines():
         rec = json.loads(line)
-        if "step" in rec and not rec.get("summary"):
+        if "step" in rec and not rec.get("summary") and not rec.get("header"):
             out[rec["step"]] = rec["loss"]
     return out
 
@@ -162,6 +107,19 @@ def test_interrupted_and_resumed_run_matches_an_uninterrupted_one(mount, tmp_pat
     resumed = train([], data, run_dir, tmp_path / "b.jsonl")
     assert resumed.returncode == 0, resumed.stderr[-4000:]
     assert "resumed from" in resumed.stdout
+    # Where the time went, printed and in the metrics.
+    assert "time breakdown over" in resumed.stdout
+    records = [json.loads(line) for line in (tmp_path / "b.jsonl").read_text().splitlines()]
+    header, summary = records[0], records[-1]
+    assert header["header"] and header["start_step"] == 4 and header["world_size"] == 2
+    assert header["shard_order_seed"] == 1234 and header["trainer_version"]
+    assert len(header["dataset"]["shard_set_sha256"]) == 64
+    breakdown = summary["time_breakdown"]
+    assert breakdown["forward_backward_s"] > 0 and breakdown["checkpoint_s"] > 0
+    # The run identity is in the checkpoint and covered by its signature.
+    saved = json.loads((run_dir / "step8" / "run.json").read_text())
+    assert saved["dataset"] == header["dataset"]
+    assert "run.json" in (run_dir / "step8" / "manifest.json").read_text()
 
     want = losses(tmp_path / "ref.jsonl")
     before = losses(tmp_path / "a.jsonl")
@@ -247,6 +205,63 @@ def test_interrupted_and_resumed_run_matches_an_uninterrupted_one(mount, tmp_pat
     assert refused.returncode != 0
     assert "only signed checkpoints are loaded" in refused.stderr + refused.stdout
     assert not marker.exists()
+
+
+def test_resume_refuses_other_data_or_world_size_and_keeps_k(mount, tmp_path):
+    mnt, worker, token_file = mount
+    data = mnt / "datasets" / "resume"
+    prep = subprocess.run(
+        [sys.executable, "-m", "lakecache_trainer.cli", "prepare", "--out", str(data),
+         "--synthetic", "2MiB", "--shard-tokens", "300000"],
+        capture_output=True, text=True, env=ENV,
+    )  # fmt: skip
+    assert prep.returncode == 0, prep.stderr
+    run_dir = mnt / "checkpoints" / "resume"
+    # `--checkpoint-sync s3` runs `lakecache sync` against this cluster.
+    env = {**ENV, "LAKECACHE_BIN": BIN, "LAKECACHE_WORKER": worker,
+           "LAKECACHE_TOKEN_FILE": token_file}  # fmt: skip
+    first = train(
+        ["--steps", "4", "--save-every", "2", "--keep-checkpoints", "1",
+         "--checkpoint-sync", "s3"],
+        data, run_dir, tmp_path / "a.jsonl", env=env,
+    )  # fmt: skip
+    assert first.returncode == 0, first.stderr[-4000:]
+    assert "deleted checkpoint step2 (--keep-checkpoints 1)" in first.stdout
+    assert sorted(p.name for p in run_dir.iterdir() if p.is_dir()) == ["step4"]
+    listing = lakecache(
+        "ls", "s3://lakecache/checkpoints/resume/step4/", "--worker", worker,
+        "--token-file", token_file,
+    )  # fmt: skip
+    assert "run.json" in listing and "loader_rank1.pt" in listing
+
+    # Another shard appears: the resume refuses, naming it.
+    extra = data / "zz-extra.bin"
+    extra.write_bytes(next(data.glob("*.bin")).read_bytes())
+    refused = train(["--steps", "6"], data, run_dir, tmp_path / "b.jsonl")
+    out = refused.stdout + refused.stderr
+    assert refused.returncode != 0
+    assert "refusing to resume: the checkpoint was trained on other data" in out
+    assert "1 shard(s) added: zz-extra.bin" in out and "--allow-data-change" in out
+    extra.unlink()
+
+    # Fewer ranks: refused, then resharded when asked.
+    fewer = train(["--steps", "6"], data, run_dir, tmp_path / "c.jsonl", nproc=1)
+    assert fewer.returncode != 0
+    assert "written by 2 ranks and this run has 1" in fewer.stdout + fewer.stderr
+    resharded = train(
+        ["--steps", "6", "--reshard-on-resize"], data, run_dir, tmp_path / "d.jsonl", nproc=1
+    )
+    assert resharded.returncode == 0, resharded.stderr[-4000:]
+    assert "world size 2 -> 1: the rest of epoch 0 was resharded over 1 ranks" in resharded.stdout
+    assert (run_dir / "latest").read_text() == "step6"
+
+    # Changed data, allowed.
+    extra.write_bytes(next(data.glob("*.bin")).read_bytes())
+    allowed = train(
+        ["--steps", "8", "--allow-data-change"], data, run_dir, tmp_path / "e.jsonl", nproc=1
+    )
+    assert allowed.returncode == 0, allowed.stderr[-4000:]
+    assert "data changed since the checkpoint (allowed): 1 shard(s) added" in allowed.stdout
 
 
 def _evil_pickle(marker: Path) -> bytes:

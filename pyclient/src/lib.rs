@@ -1,0 +1,279 @@
+//! `lakecache._native`: the cluster client the mount uses, for Python.
+//!
+//! Reads go through the same [`ClusterClient`] as the FUSE mount (ring
+//! placement, replica failover, ETag-pinned reads) and, with a snapshot,
+//! through the same [`SnapshotDataPlane`]. Every blocking call releases
+//! the GIL, so reader threads in Python run in parallel.
+
+use std::ops::Range;
+use std::path::PathBuf;
+use std::sync::Arc;
+use std::time::Duration;
+
+use lakecache_fuse::data_plane::{read_exact, SnapshotDataPlane};
+use lakecache_fuse::{DataError, DataPlane};
+use lakecache_protocol::snapshot::Snapshot;
+use lakecache_protocol::ObjectUri;
+use lakecache_registry::{ClusterClient, ClusterOptions, RegistryUrl, RingOptions};
+use pyo3::exceptions::{PyFileNotFoundError, PyOSError, PyPermissionError, PyValueError};
+use pyo3::prelude::*;
+use pyo3::types::PyBytes;
+
+pyo3::create_exception!(
+    _native,
+    SnapshotMismatchError,
+    PyOSError,
+    "An object changed in S3 since the snapshot it is read through was taken."
+);
+pyo3::create_exception!(
+    _native,
+    ObjectChangedError,
+    PyOSError,
+    "The object is no longer the version that was opened."
+);
+
+fn to_py(uri: &str, e: DataError) -> PyErr {
+    match e {
+        DataError::NotFound => PyFileNotFoundError::new_err(format!("{uri}: no such object")),
+        DataError::Denied(why) => PyPermissionError::new_err(format!("{uri}: {why}")),
+        e @ DataError::SnapshotMismatch { .. } => SnapshotMismatchError::new_err(e.to_string()),
+        e @ DataError::Changed { .. } => ObjectChangedError::new_err(format!("{uri}: {e}")),
+        e @ DataError::InvalidRange { .. } => PyValueError::new_err(format!("{uri}: {e}")),
+        e => PyOSError::new_err(format!("{uri}: {}", lakecache_fuse::Chain(&e))),
+    }
+}
+
+fn parse_uri(uri: &str) -> PyResult<ObjectUri> {
+    let s3 = match uri.strip_prefix("lakecache://") {
+        Some(rest) => format!("s3://{rest}"),
+        None => uri.to_string(),
+    };
+    s3.parse::<ObjectUri>()
+        .map_err(|e| PyValueError::new_err(format!("{uri:?}: {e} (expected s3://bucket/key)")))
+}
+
+/// A connection to a lakecache cluster.
+#[pyclass(frozen, module = "lakecache._native")]
+struct Client {
+    rt: tokio::runtime::Runtime,
+    data: Arc<dyn DataPlane>,
+    snapshot_checksum: Option<String>,
+}
+
+#[pymethods]
+impl Client {
+    /// registry: `static:HOST:PORT,...`, `file:/path` or `etcd://HOST:PORT[/prefix]`;
+    /// worker: a single HOST:PORT when no registry is given.
+    #[new]
+    #[pyo3(signature = (registry=None, worker=None, token_file=None, tls_ca=None,
+                        snapshot=None, segment_size=None, progress_timeout_s=2.0, threads=4))]
+    #[allow(clippy::too_many_arguments)]
+    fn new(
+        py: Python<'_>,
+        registry: Option<String>,
+        worker: Option<String>,
+        token_file: Option<PathBuf>,
+        tls_ca: Option<PathBuf>,
+        snapshot: Option<String>,
+        segment_size: Option<u64>,
+        progress_timeout_s: f64,
+        threads: usize,
+    ) -> PyResult<Self> {
+        let registry: RegistryUrl = match (registry, worker) {
+            (Some(r), _) => r.parse(),
+            (None, Some(w)) => format!("static:{w}").parse(),
+            (None, None) => "static:127.0.0.1:9500".parse(),
+        }
+        .map_err(|e| PyValueError::new_err(format!("registry: {e}")))?;
+        let token = match token_file {
+            Some(path) => {
+                let text = std::fs::read_to_string(&path).map_err(|e| {
+                    PyOSError::new_err(format!("reading token_file {}: {e}", path.display()))
+                })?;
+                let t = text.trim().to_string();
+                if t.is_empty() {
+                    return Err(PyValueError::new_err(format!(
+                        "token_file {} is empty",
+                        path.display()
+                    )));
+                }
+                Some(t)
+            }
+            None => None,
+        };
+        let tls = match tls_ca {
+            Some(ca) => Some(
+                lakecache_protocol::tls::ClientTls::load(&ca, None)
+                    .map_err(|e| PyValueError::new_err(format!("tls_ca: {e}")))?,
+            ),
+            None => None,
+        };
+        if !(progress_timeout_s.is_finite() && progress_timeout_s > 0.0) {
+            return Err(PyValueError::new_err("progress_timeout_s must be > 0"));
+        }
+        let rt = tokio::runtime::Builder::new_multi_thread()
+            .worker_threads(threads.clamp(1, 64))
+            .enable_all()
+            .thread_name("lakecache-client")
+            .build()
+            .map_err(|e| PyOSError::new_err(format!("starting the client runtime: {e}")))?;
+        let mut options = ClusterOptions {
+            ring: RingOptions {
+                segment_size: segment_size.unwrap_or(lakecache_registry::DEFAULT_SEGMENT_SIZE),
+                ..RingOptions::default()
+            },
+            progress_timeout: Duration::from_secs_f64(progress_timeout_s),
+            s3_fallback: false,
+            token,
+            tls,
+            ..ClusterOptions::default()
+        };
+        let (data, checksum) = py.detach(|| {
+            rt.block_on(async {
+                let membership = registry
+                    .open(Duration::from_secs(5))
+                    .await
+                    .map_err(|e| PyOSError::new_err(format!("opening the registry: {e}")))?;
+                if let Ok(Some(recorded)) = registry.advertised_ring(Duration::from_secs(5)).await {
+                    options.ring.segment_size = recorded.segment_size;
+                    options.ring.vnodes = recorded.vnodes;
+                }
+                let client = ClusterClient::new(membership, options, None);
+                if client.members().is_empty() {
+                    return Err(PyOSError::new_err("no workers registered in the registry"));
+                }
+                let plane: Arc<dyn DataPlane> = client;
+                match snapshot {
+                    None => Ok((plane, None)),
+                    Some(manifest) => {
+                        let snap = load_snapshot(plane.as_ref(), &manifest).await?;
+                        let sum = snap.checksum.clone();
+                        let pinned: Arc<dyn DataPlane> =
+                            Arc::new(SnapshotDataPlane::new(plane, snap));
+                        Ok((pinned, Some(sum)))
+                    }
+                }
+            })
+        })?;
+        Ok(Self {
+            rt,
+            data,
+            snapshot_checksum: checksum,
+        })
+    }
+
+    /// The checksum of the snapshot this client is pinned to, if any.
+    #[getter]
+    fn snapshot_checksum(&self) -> Option<String> {
+        self.snapshot_checksum.clone()
+    }
+
+    /// `{"size", "etag", "last_modified_ms"}` of one object.
+    fn stat(&self, py: Python<'_>, uri: &str) -> PyResult<(u64, String, i64)> {
+        let parsed = parse_uri(uri)?;
+        let stat = py
+            .detach(|| self.rt.block_on(self.data.stat(&parsed)))
+            .map_err(|e| to_py(uri, e))?;
+        Ok((stat.size, stat.etag, stat.last_modified_ms))
+    }
+
+    /// Bytes `start..end` of the object's version `etag`; exactly that many.
+    fn read<'py>(
+        &self,
+        py: Python<'py>,
+        uri: &str,
+        start: u64,
+        end: u64,
+        etag: &str,
+    ) -> PyResult<Bound<'py, PyBytes>> {
+        let parsed = parse_uri(uri)?;
+        if end < start {
+            return Err(PyValueError::new_err(format!(
+                "range {start}..{end} is reversed"
+            )));
+        }
+        if end == start {
+            return Ok(PyBytes::new(py, b""));
+        }
+        let range: Range<u64> = start..end;
+        let bytes = py
+            .detach(|| {
+                self.rt
+                    .block_on(read_exact(self.data.as_ref(), &parsed, range, etag))
+            })
+            .map_err(|e| to_py(uri, e))?;
+        Ok(PyBytes::new(py, &bytes))
+    }
+
+    /// Every object and common prefix under `uri` (a bucket and key
+    /// prefix), all pages: `([(key, size, etag)], [prefix])`.
+    #[pyo3(signature = (uri, delimiter=None))]
+    #[allow(clippy::type_complexity)]
+    fn list(
+        &self,
+        py: Python<'_>,
+        uri: &str,
+        delimiter: Option<&str>,
+    ) -> PyResult<(Vec<(String, u64, String)>, Vec<String>)> {
+        let (bucket, prefix) = split_prefix(uri)?;
+        py.detach(|| {
+            self.rt.block_on(async {
+                let mut objects = Vec::new();
+                let mut prefixes = Vec::new();
+                let mut token: Option<String> = None;
+                loop {
+                    let page = self
+                        .data
+                        .list(&bucket, &prefix, delimiter, token.as_deref(), None)
+                        .await
+                        .map_err(|e| to_py(uri, e))?;
+                    objects.extend(page.objects.into_iter().map(|o| (o.key, o.size, o.etag)));
+                    prefixes.extend(page.common_prefixes);
+                    match page.next_token {
+                        Some(t) if Some(&t) != token.as_ref() => token = Some(t),
+                        _ => break,
+                    }
+                }
+                Ok((objects, prefixes))
+            })
+        })
+    }
+}
+
+fn split_prefix(uri: &str) -> PyResult<(String, String)> {
+    let rest = uri
+        .strip_prefix("s3://")
+        .or_else(|| uri.strip_prefix("lakecache://"))
+        .ok_or_else(|| {
+            PyValueError::new_err(format!("{uri:?} must start with s3:// or lakecache://"))
+        })?;
+    let (bucket, prefix) = rest.split_once('/').unwrap_or((rest, ""));
+    if bucket.is_empty() {
+        return Err(PyValueError::new_err(format!("{uri:?} names no bucket")));
+    }
+    Ok((bucket.to_string(), prefix.to_string()))
+}
+
+async fn load_snapshot(data: &dyn DataPlane, manifest: &str) -> PyResult<Snapshot> {
+    let uri = parse_uri(manifest)?;
+    let stat = data.stat(&uri).await.map_err(|e| to_py(manifest, e))?;
+    let bytes = read_exact(data, &uri, 0..stat.size, &stat.etag)
+        .await
+        .map_err(|e| to_py(manifest, e))?;
+    Snapshot::from_json(&bytes)
+        .map_err(|e| PyValueError::new_err(format!("snapshot manifest {manifest}: {e}")))
+}
+
+#[pymodule]
+fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
+    m.add_class::<Client>()?;
+    m.add(
+        "SnapshotMismatchError",
+        m.py().get_type::<SnapshotMismatchError>(),
+    )?;
+    m.add(
+        "ObjectChangedError",
+        m.py().get_type::<ObjectChangedError>(),
+    )?;
+    Ok(())
+}

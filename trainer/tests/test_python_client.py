@@ -1,0 +1,161 @@
+"""The FUSE-free Python client (`lakecache` package, PyO3 over the Rust
+cluster client) against a real `lakecache up` cluster: fsspec reads,
+version pinning, snapshots, the token-shard dataset, and the trainer
+reading `--data lakecache://...`."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import fsspec
+import lakecache
+import numpy as np
+import pytest
+import torch
+from lakecache.dataset import TokenShardDataset
+from lakecache.loader import TokenLoader
+from lakecache.shards import write_shard
+from trainenv import BIN, ENV
+
+
+def cli(worker: str, token_file: str, *args: str) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [BIN, *args, "--worker", worker, "--token-file", token_file],
+        capture_output=True,
+        text=True,
+    )
+
+
+def test_fsspec_lists_reads_and_refuses_clearly(mount):
+    mnt, worker, token_file = mount
+    d = mnt / "pyclient" / "fs"
+    (d / "sub").mkdir(parents=True)
+    payload = np.random.default_rng(1).integers(0, 256, 5 << 20, dtype=np.uint8).tobytes()
+    (d / "big.bin").write_bytes(payload)
+    (d / "sub" / "small.txt").write_bytes(b"hello")
+
+    fs = fsspec.filesystem("lakecache", worker=worker, token_file=token_file)
+    names = fs.ls("lakecache://lakecache/pyclient/fs", detail=False)
+    assert names == ["lakecache/pyclient/fs/big.bin", "lakecache/pyclient/fs/sub"]
+    info = fs.info("lakecache://lakecache/pyclient/fs/big.bin")
+    assert info["size"] == len(payload) and info["type"] == "file"
+    assert fs.info("lakecache/pyclient/fs/sub")["type"] == "directory"
+    with fs.open("lakecache://lakecache/pyclient/fs/big.bin", "rb") as f:
+        assert f.read() == payload
+        f.seek(3_000_001)
+        assert f.read(1000) == payload[3_000_001:3_001_001]
+    assert fs.cat_file("lakecache/pyclient/fs/sub/small.txt") == b"hello"
+
+    with pytest.raises(FileNotFoundError):
+        fs.info("lakecache/pyclient/fs/missing.bin")
+    with pytest.raises(PermissionError, match="read-only"):
+        fs.open("lakecache/pyclient/fs/new.bin", "wb")
+    with pytest.raises(ValueError, match="expected s3://bucket/key"):
+        fs.client.stat("not-a-uri")
+    # A token that is not the cluster's is refused with the worker's reason.
+    bad = mnt.parent / "bad-token"
+    bad.write_text("lc1.not-a-real-token")
+    other = lakecache.Client(worker=worker, token_file=str(bad))
+    with pytest.raises(PermissionError):
+        other.stat("s3://lakecache/pyclient/fs/big.bin")
+
+    # Changed while open: the open file is pinned to its ETag.
+    f = fs.open("lakecache/pyclient/fs/sub/small.txt", "rb", cache_type="none")
+    (d / "sub" / "small.txt").write_bytes(b"HELLO, changed")
+    with pytest.raises(lakecache.ObjectChangedError):
+        f.read()
+    assert fs.cat_file("lakecache/pyclient/fs/sub/small.txt") == b"HELLO, changed"
+
+
+def test_a_snapshot_client_serves_recorded_versions_and_names_a_changed_one(mount):
+    mnt, worker, token_file = mount
+    d = mnt / "pyclient" / "snap"
+    d.mkdir(parents=True)
+    (d / "a.bin").write_bytes(b"a" * 1000)
+    (d / "b.bin").write_bytes(b"b" * 1000)
+    made = cli(worker, token_file, "snapshot", "create", "s3://lakecache/pyclient/snap",
+               "s3://lakecache/pyclient-snapshots/snap-1.json")  # fmt: skip
+    assert made.returncode == 0, made.stderr
+    (d / "b.bin").write_bytes(b"B" * 1000)  # changed after the snapshot
+    (d / "c.bin").write_bytes(b"c")  # added after it
+
+    client = lakecache.Client(
+        worker=worker,
+        token_file=token_file,
+        snapshot="s3://lakecache/pyclient-snapshots/snap-1.json",
+    )
+    assert client.snapshot_checksum and len(client.snapshot_checksum) == 64
+    objects, _ = client.list("s3://lakecache/pyclient/snap/")
+    # (The mount's mkdir left a directory marker, which the snapshot keeps.)
+    files = [k for k, _, _ in objects if not k.endswith("/")]
+    assert files == ["pyclient/snap/a.bin", "pyclient/snap/b.bin"]
+    size, etag, _ = client.stat("s3://lakecache/pyclient/snap/a.bin")
+    assert client.read("s3://lakecache/pyclient/snap/a.bin", 0, size, etag) == b"a" * 1000
+    with pytest.raises(FileNotFoundError):
+        client.stat("s3://lakecache/pyclient/snap/c.bin")
+    size, etag, _ = client.stat("s3://lakecache/pyclient/snap/b.bin")
+    with pytest.raises(lakecache.SnapshotMismatchError) as err:
+        client.read("s3://lakecache/pyclient/snap/b.bin", 0, size, etag)
+    print(err.value)
+    assert "changed since the snapshot" in str(err.value)
+    assert f"pins ETag {etag}" in str(err.value)
+
+
+def _batches(source, n: int) -> list[torch.Tensor]:
+    return [next(source)[0].clone() for _ in range(n)]
+
+
+def test_dataset_matches_the_trainers_loader_and_the_trainer_reads_lakecache_uris(mount, tmp_path):
+    mnt, worker, token_file = mount
+    d = mnt / "pyclient" / "tokens"
+    d.mkdir(parents=True)
+    for i in range(4):
+        write_shard(d / f"shard{i}.bin", (np.arange(30_000) * (i + 1)) % 257)
+    uri = "lakecache://lakecache/pyclient/tokens"
+    client = {"worker": worker, "token_file": token_file}
+
+    # The same batches as the loader reading the mounted directory.
+    local = TokenLoader(sorted(str(p) for p in d.glob("*.bin")), 1, 2, 32, 4, seed=7)
+    want = _batches(local, 30)
+    local.close()
+    ds = TokenShardDataset(uri, seq_len=32, micro_batch=4, seed=7, rank=1, world_size=2, **client)
+    it = iter(ds)
+    got = _batches(it, 30)
+    assert all(torch.equal(a, b) for a, b in zip(got, want, strict=True))
+    # Resumable: a new dataset from the state continues where this one is.
+    state = ds.state_dict()
+    following = next(it)[0]
+    ds2 = TokenShardDataset(uri, seq_len=32, micro_batch=4, seed=7, rank=1, world_size=2, **client)
+    ds2.load_state_dict(state)
+    assert torch.equal(next(iter(ds2))[0], following)
+    # Rank 0 reads other shards.
+    ds0 = TokenShardDataset(uri, seq_len=32, micro_batch=4, seed=7, rank=0, world_size=2, **client)
+    assert not torch.equal(next(iter(ds0))[0], want[0])
+
+    # The trainer on `--data lakecache://...`, pinned to a snapshot in S3.
+    made = cli(worker, token_file, "snapshot", "create", "s3://lakecache/pyclient/tokens",
+               "s3://lakecache/pyclient-snapshots/tokens.json")  # fmt: skip
+    assert made.returncode == 0, made.stderr
+    env = {k: v for k, v in ENV.items() if k != "LAKECACHE_CHECKPOINT_KEY_FILE"}
+    env.update(LAKECACHE_WORKER=worker, LAKECACHE_TOKEN_FILE=token_file)
+    metrics = tmp_path / "m.jsonl"
+    run = subprocess.run(
+        [sys.executable, "-m", "lakecache_trainer.cli", "run", "--data", uri,
+         "--snapshot", "s3://lakecache/pyclient-snapshots/tokens.json",
+         "--checkpoint-dir", str(tmp_path / "ck"), "--model", "tiny", "--seq-len", "32",
+         "--micro-batch", "2", "--steps", "3", "--save-every", "0", "--metrics", str(metrics)],
+        capture_output=True, text=True, env=env, timeout=600,
+    )  # fmt: skip
+    assert run.returncode == 0, run.stderr[-4000:]
+    header = json.loads(metrics.read_text().splitlines()[0])
+    snap = json.loads(
+        subprocess.run(
+            [BIN, "cat", "s3://lakecache/pyclient-snapshots/tokens.json", "--worker", worker,
+             "--token-file", token_file],
+            capture_output=True, text=True, check=True,
+        ).stdout
+    )  # fmt: skip
+    assert header["dataset"]["snapshot_checksum"] == snap["checksum"]
+    assert [name for name, _ in header["dataset"]["shards"]] == [f"shard{i}.bin" for i in range(4)]

@@ -1,0 +1,182 @@
+"""The stuck-step watchdog against injected hangs: a rank that sleeps, and
+a read from a lakecache mount that blocks because S3 stopped answering
+(the endpoint is SIGSTOPped). Each must end the job with EXIT_STUCK,
+stacks, the mount's in-flight reads and the last good checkpoint."""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+from trainenv import BIN, ENV, free_port
+
+from lakecache_trainer.shards import write_shard
+from lakecache_trainer.watchdog import EXIT_STUCK
+
+S3_ENV = {
+    "AWS_ACCESS_KEY_ID": "wd-test",
+    "AWS_SECRET_ACCESS_KEY": "wd-test-secret",
+    "AWS_REGION": "us-east-1",
+}
+# Checkpoints on local disk here: no signing key may live beside them.
+LOCAL_ENV = {k: v for k, v in ENV.items() if k != "LAKECACHE_CHECKPOINT_KEY_FILE"}
+
+
+def _wait(what: str, ok, secs: float = 30.0) -> None:
+    deadline = time.monotonic() + secs
+    while not ok():
+        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        time.sleep(0.1)
+
+
+def _port_open(port: int) -> bool:
+    with socket.socket() as s:
+        return s.connect_ex(("127.0.0.1", port)) == 0
+
+
+def _run_args(data: Path, ckpt: Path, *extra: str) -> list[str]:
+    return [
+        "-m", "lakecache_trainer.cli", "run", "--data", str(data),
+        "--checkpoint-dir", str(ckpt), "--model", "tiny", "--seq-len", "32",
+        "--micro-batch", "2", "--warmup", "1", "--allow-unsigned-checkpoints", *extra,
+    ]  # fmt: skip
+
+
+def test_a_sleeping_rank_ends_the_job_naming_the_last_checkpoint(tmp_path):
+    data = tmp_path / "data"
+    data.mkdir()
+    for i in range(2):
+        write_shard(data / f"s{i}.bin", (np.arange(20000) * (i + 3)) % 257)
+    ckpt = tmp_path / "ck"
+    cmd = [
+        sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2",
+        "--master_port", str(free_port()),
+        *_run_args(data, ckpt, "--steps", "8", "--save-every", "2",
+                   "--stuck-timeout", "8s", "--inject-hang", "1:4"),
+    ]  # fmt: skip
+    t0 = time.monotonic()
+    done = subprocess.run(cmd, capture_output=True, text=True, env=LOCAL_ENV, timeout=600)
+    out = done.stdout + done.stderr
+    assert done.returncode != 0
+    assert "rank 1: hanging before step 4 (--inject-hang)" in out
+    reason = [line for line in out.splitlines() if "lakecache-train: stuck:" in line]
+    assert reason, out[-4000:]
+    print("\n".join(reason))
+    assert f"last good checkpoint: {ckpt}/step2" in reason[0]
+    assert "last completed step 3" in reason[0]
+    assert f"exiting with code {EXIT_STUCK}" in reason[0]
+    assert f"exitcode  : {EXIT_STUCK}" in out  # torchrun names the rank's code
+    # The sleeping rank's stack shows where it sleeps.
+    assert "time.sleep(10**6)" in out
+    assert time.monotonic() - t0 < 300
+
+
+def test_a_blocked_mount_read_is_named_with_the_mounts_inflight_reads(tmp_path):
+    s3_port, worker_port, metrics_port = free_port(), free_port(), free_port()
+    env = {**os.environ, **S3_ENV}
+    s3 = subprocess.Popen(
+        [BIN, "s3-server", "--root", str(tmp_path / "s3"), "--listen", f"127.0.0.1:{s3_port}",
+         "--access-key", S3_ENV["AWS_ACCESS_KEY_ID"],
+         "--secret-key", S3_ENV["AWS_SECRET_ACCESS_KEY"], "--bucket", "data"],
+        env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+    )  # fmt: skip
+    procs = [s3]
+    mnt = tmp_path / "mnt"
+    try:
+        _wait("the s3 endpoint", lambda: _port_open(s3_port))
+        procs.append(
+            subprocess.Popen(
+                [
+                    BIN,
+                    "worker",
+                    "--listen",
+                    f"127.0.0.1:{worker_port}",
+                    "--insecure-http",
+                    "--no-auth",
+                    "--cache-dir",
+                    str(tmp_path / "cache"),
+                    "--cache-size",
+                    "1GiB",
+                    "--s3-endpoint",
+                    f"http://127.0.0.1:{s3_port}",
+                    "--s3-path-style",
+                ],
+                env=env,
+                stdout=subprocess.DEVNULL,
+                stderr=subprocess.DEVNULL,
+            )  # fmt: skip
+        )
+        _wait("the worker", lambda: _port_open(worker_port))
+        registry = f"static:127.0.0.1:{worker_port}"
+        # A read waits on the worker as long as it takes: no S3 fallback,
+        # no progress timeout, so only the watchdog can end it.
+        procs.append(
+            subprocess.Popen(
+                [
+                    BIN,
+                    "mount",
+                    "s3://data",
+                    str(mnt),
+                    "--registry",
+                    registry,
+                    "--metrics-listen",
+                    f"127.0.0.1:{metrics_port}",
+                    "--no-s3-fallback",
+                    "--progress-timeout",
+                    "1h",
+                ],
+                env=env,
+                stdout=subprocess.DEVNULL,
+                stderr=subprocess.DEVNULL,
+            )  # fmt: skip
+        )
+        _wait("the mount", lambda: os.path.ismount(mnt))
+        data = mnt / "ds"
+        data.mkdir()
+        for i in range(2):
+            write_shard(data / f"s{i}.bin", (np.arange(20000) * (i + 3)) % 257)
+        os.listdir(data)  # the listing is now known to the mount
+        freed = subprocess.run(
+            [BIN, "free", "s3://data/ds/", "--registry", registry],
+            capture_output=True, text=True,
+        )  # fmt: skip
+        assert freed.returncode == 0, freed.stderr
+        Path("/proc/sys/vm/drop_caches").write_text("3")
+        s3.send_signal(signal.SIGSTOP)
+        try:
+            done = subprocess.run(
+                [sys.executable, *_run_args(data, tmp_path / "ck", "--steps", "2",
+                                            "--stuck-timeout", "6s",
+                                            "--mount-metrics", f"127.0.0.1:{metrics_port}")],
+                capture_output=True, text=True, env=LOCAL_ENV, timeout=600,
+            )  # fmt: skip
+        finally:
+            s3.send_signal(signal.SIGCONT)
+        err = done.stderr
+        assert done.returncode == EXIT_STUCK, (done.returncode, err[-4000:])
+        reason = [line for line in err.splitlines() if "lakecache-train: stuck:" in line]
+        assert reason, err[-4000:]
+        print(reason[0])
+        assert "while listing and opening the dataset shards" in reason[0]
+        assert "last good checkpoint: none" in reason[0]
+        inflight = err.split("in-flight operations", 1)[1].split("lakecache-train: stuck:")[0]
+        print("in-flight:" + inflight)
+        assert '"path": "ds' in inflight, inflight
+        assert f'"worker": "127.0.0.1:{worker_port}"' in inflight, inflight
+        assert "read_header" in err or "list_shards" in err  # the stacks
+    finally:
+        for p in reversed(procs):
+            p.send_signal(signal.SIGCONT)
+            p.terminate()
+            try:
+                p.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                p.kill()
+        if os.path.ismount(mnt):
+            subprocess.run(["fusermount3", "-u", "-z", str(mnt)], check=False)
