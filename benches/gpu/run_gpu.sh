@@ -7,7 +7,7 @@
 #      cold (empty worker cache) and warm: tokens/s ratio mount/local;
 #   3. a 1B model with and without offload_optimizer: GPU memory, tokens/s.
 # Needs: a release `lakecache` binary ($LAKECACHE_BIN), PyTorch with CUDA,
-# and DeepSpeed + transformers installed (wheels carried in: $WHEELS).
+# and DeepSpeed + transformers + the lakecache client wheel (carried in: $WHEELS).
 # Writes $OUT/gpu-results.md and the JSONL of every run.
 set -euo pipefail
 cd "$(dirname "$0")/../.."
@@ -18,8 +18,12 @@ DATA_GIB=${DATA_GIB:-4}
 BIG=${BIG:-3b}
 STEPS=${STEPS:-20}
 mkdir -p "$OUT" "$WORK"
+# The lakecache Python client (the trainer's loader lives in it): a wheel
+# built with `maturin build --release` where Rust is, or built here.
 if [ -n "${WHEELS:-}" ]; then
-  pip install -q --no-index --find-links "$WHEELS" deepspeed transformers safetensors ninja
+  pip install -q --no-index --find-links "$WHEELS" deepspeed transformers safetensors ninja lakecache
+else
+  pip install -q ./pyclient
 fi
 pip install -q --no-deps --no-build-isolation -e trainer
 export PATH="$(dirname "$(command -v python)"):$PATH"

@@ -10,6 +10,7 @@ use std::path::PathBuf;
 use std::sync::Arc;
 use std::time::Duration;
 
+use futures::{StreamExt, TryStreamExt};
 use lakecache_fuse::data_plane::{read_exact, SnapshotDataPlane};
 use lakecache_fuse::{DataError, DataPlane};
 use lakecache_protocol::snapshot::Snapshot;
@@ -18,6 +19,10 @@ use lakecache_registry::{ClusterClient, ClusterOptions, RegistryUrl, RingOptions
 use pyo3::exceptions::{PyFileNotFoundError, PyOSError, PyPermissionError, PyValueError};
 use pyo3::prelude::*;
 use pyo3::types::PyBytes;
+
+/// Reads larger than this are split into pieces fetched concurrently.
+const READ_PIECE: u64 = 2 << 20;
+const PIECES_IN_FLIGHT: usize = 8;
 
 pyo3::create_exception!(
     _native,
@@ -195,14 +200,30 @@ impl Client {
         if end == start {
             return Ok(PyBytes::new(py, b""));
         }
-        let range: Range<u64> = start..end;
-        let bytes = py
+        // Pieces fetched concurrently, as the mount's read-ahead would: one
+        // large read is otherwise one sequential stream.
+        let pieces: Vec<Range<u64>> = (start..end)
+            .step_by(READ_PIECE as usize)
+            .map(|s| s..(s + READ_PIECE).min(end))
+            .collect();
+        let parts: Vec<bytes::Bytes> = py
             .detach(|| {
-                self.rt
-                    .block_on(read_exact(self.data.as_ref(), &parsed, range, etag))
+                self.rt.block_on(
+                    futures::stream::iter(pieces)
+                        .map(|r| read_exact(self.data.as_ref(), &parsed, r, etag))
+                        .buffered(PIECES_IN_FLIGHT)
+                        .try_collect(),
+                )
             })
             .map_err(|e| to_py(uri, e))?;
-        Ok(PyBytes::new(py, &bytes))
+        PyBytes::new_with(py, (end - start) as usize, |out| {
+            let mut at = 0;
+            for p in &parts {
+                out[at..at + p.len()].copy_from_slice(p);
+                at += p.len();
+            }
+            Ok(())
+        })
     }
 
     /// Every object and common prefix under `uri` (a bucket and key

@@ -118,4 +118,5 @@ class LakecacheFile(AbstractBufferedFile):
         end = min(end, self.size)
         if start >= end:
             return b""
+        # The client splits large ranges into pieces fetched concurrently.
         return self.fs.client.read(self.fs._uri(self.path), start, end, self.etag)
