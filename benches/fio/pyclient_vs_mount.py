@@ -25,10 +25,9 @@ import time
 from pathlib import Path
 
 import numpy as np
-from run import BUCKET, Cluster, drop_caches
-
 from lakecache.fsspec_fs import LakecacheFileSystem
 from lakecache.shards import open_shard, read_header, write_shard
+from run import BUCKET, Cluster, drop_caches
 
 READ = 16 << 20  # the trainer loader's read size
 
