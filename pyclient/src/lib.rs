@@ -16,6 +16,7 @@ use lakecache_fuse::{DataError, DataPlane};
 use lakecache_protocol::snapshot::Snapshot;
 use lakecache_protocol::ObjectUri;
 use lakecache_registry::{ClusterClient, ClusterOptions, RegistryUrl, RingOptions};
+use lakecache_store::{NoMetrics, ObjectStore, S3Config, S3Store};
 use pyo3::exceptions::{PyFileNotFoundError, PyOSError, PyPermissionError, PyValueError};
 use pyo3::prelude::*;
 use pyo3::types::PyBytes;
@@ -71,7 +72,9 @@ impl Client {
     /// worker: a single HOST:PORT when no registry is given.
     #[new]
     #[pyo3(signature = (registry=None, worker=None, token_file=None, tls_ca=None,
-                        snapshot=None, segment_size=None, progress_timeout_s=2.0, threads=4))]
+                        snapshot=None, segment_size=None, progress_timeout_s=2.0, threads=4,
+                        s3_fallback=false, s3_endpoint=None, s3_region=None,
+                        s3_path_style=false))]
     #[allow(clippy::too_many_arguments)]
     fn new(
         py: Python<'_>,
@@ -83,6 +86,10 @@ impl Client {
         segment_size: Option<u64>,
         progress_timeout_s: f64,
         threads: usize,
+        s3_fallback: bool,
+        s3_endpoint: Option<String>,
+        s3_region: Option<String>,
+        s3_path_style: bool,
     ) -> PyResult<Self> {
         let registry: RegistryUrl = match (registry, worker) {
             (Some(r), _) => r.parse(),
@@ -128,7 +135,7 @@ impl Client {
                 ..RingOptions::default()
             },
             progress_timeout: Duration::from_secs_f64(progress_timeout_s),
-            s3_fallback: false,
+            s3_fallback,
             token,
             tls,
             ..ClusterOptions::default()
@@ -143,7 +150,20 @@ impl Client {
                     options.ring.segment_size = recorded.segment_size;
                     options.ring.vnodes = recorded.vnodes;
                 }
-                let client = ClusterClient::new(membership, options, None);
+                // When no worker answers, read S3 directly (credentials from
+                // the standard AWS chain), as the mount does.
+                let s3: Option<Arc<dyn ObjectStore>> = if s3_fallback {
+                    let config = S3Config {
+                        endpoint: s3_endpoint,
+                        region: s3_region.unwrap_or_else(|| "us-east-1".into()),
+                        path_style: s3_path_style,
+                        ..S3Config::default()
+                    };
+                    Some(Arc::new(S3Store::new(&config, Arc::new(NoMetrics)).await))
+                } else {
+                    None
+                };
+                let client = ClusterClient::new(membership, options, s3);
                 if client.members().is_empty() {
                     return Err(PyOSError::new_err("no workers registered in the registry"));
                 }

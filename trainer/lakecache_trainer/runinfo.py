@@ -42,14 +42,9 @@ def load_snapshot(path: str, client: Any = None) -> dict:
     try:
         if path.startswith(("s3://", "lakecache://")):
             if client is None:
-                from lakecache import Client
+                from lakecache.fsspec_fs import connect
 
-                client = Client(
-                    registry=os.environ.get("LAKECACHE_REGISTRY"),
-                    worker=os.environ.get("LAKECACHE_WORKER"),
-                    token_file=os.environ.get("LAKECACHE_TOKEN_FILE"),
-                    tls_ca=os.environ.get("LAKECACHE_TLS_CA"),
-                )
+                client = connect()
             size, etag, _ = client.stat(path)
             raw = client.read(path, 0, size, etag)
         else:

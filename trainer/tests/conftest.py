@@ -41,6 +41,8 @@ def mount(tmp_path_factory):
             worker = line.split()[1].removeprefix("http://")
         if line.strip().startswith("token file"):
             token_file = line.split()[2]
+        if line.strip().startswith("S3 endpoint"):
+            (mnt.parent / "s3-endpoint").write_text(line.split()[2])
         if line.startswith("try:"):
             break
     assert worker and token_file, "lakecache up did not start"

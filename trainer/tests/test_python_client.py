@@ -6,6 +6,7 @@ reading `--data lakecache://...`."""
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 
@@ -17,7 +18,7 @@ import torch
 from lakecache.dataset import TokenShardDataset
 from lakecache.loader import TokenLoader
 from lakecache.shards import write_shard
-from trainenv import BIN, ENV
+from trainenv import BIN, ENV, free_port
 
 
 def cli(worker: str, token_file: str, *args: str) -> subprocess.CompletedProcess:
@@ -67,6 +68,36 @@ def test_fsspec_lists_reads_and_refuses_clearly(mount):
     with pytest.raises(lakecache.ObjectChangedError):
         f.read()
     assert fs.cat_file("lakecache/pyclient/fs/sub/small.txt") == b"HELLO, changed"
+
+
+def test_with_no_worker_answering_reads_go_to_s3_only_when_allowed(mount):
+    mnt, _, token_file = mount
+    d = mnt / "pyclient" / "fallback"
+    d.mkdir(parents=True)
+    (d / "x.bin").write_bytes(b"x" * 3000)
+    endpoint = (mnt.parent / "s3-endpoint").read_text().strip()
+    creds = dict(
+        line.split("=", 1) for line in (mnt.parent / "data" / "s3-credentials").read_text().split()
+    )
+    dead = f"127.0.0.1:{free_port()}"  # nothing listens there
+    cut_off = lakecache.Client(worker=dead, token_file=token_file, progress_timeout_s=0.5)
+    with pytest.raises(OSError, match=dead):
+        cut_off.stat("s3://lakecache/pyclient/fallback/x.bin")
+    old = {k: os.environ.get(k) for k in creds}
+    os.environ.update(creds)  # the standard AWS chain, as for the mount
+    try:
+        direct = lakecache.Client(
+            worker=dead, token_file=token_file, progress_timeout_s=0.5, s3_fallback=True,
+            s3_endpoint=endpoint, s3_path_style=True,
+        )  # fmt: skip
+        size, etag, _ = direct.stat("s3://lakecache/pyclient/fallback/x.bin")
+        assert direct.read("s3://lakecache/pyclient/fallback/x.bin", 0, size, etag) == b"x" * 3000
+    finally:
+        for k, v in old.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
 
 
 def test_a_snapshot_client_serves_recorded_versions_and_names_a_changed_one(mount):

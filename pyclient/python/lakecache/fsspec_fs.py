@@ -16,6 +16,44 @@ from fsspec.spec import AbstractBufferedFile, AbstractFileSystem
 from ._native import Client
 
 
+def _env_flag(name: str) -> bool | None:
+    value = os.environ.get(name)
+    if value is None:
+        return None
+    return value.strip().lower() in ("1", "true", "yes", "on")
+
+
+def connect(
+    registry: str | None = None,
+    worker: str | None = None,
+    token_file: str | None = None,
+    tls_ca: str | None = None,
+    snapshot: str | None = None,
+    s3_fallback: bool | None = None,
+    s3_endpoint: str | None = None,
+    s3_region: str | None = None,
+    s3_path_style: bool | None = None,
+) -> Client:
+    """A Client with the CLI's defaults and environment variables. As for
+    the mount, a read no worker can answer goes straight to S3 unless
+    `s3_fallback=False` (or $LAKECACHE_NO_S3_FALLBACK=1)."""
+    if s3_fallback is None:
+        s3_fallback = not _env_flag("LAKECACHE_NO_S3_FALLBACK")
+    if s3_path_style is None:
+        s3_path_style = bool(_env_flag("LAKECACHE_S3_PATH_STYLE"))
+    return Client(
+        registry=registry or os.environ.get("LAKECACHE_REGISTRY"),
+        worker=worker or os.environ.get("LAKECACHE_WORKER"),
+        token_file=token_file or os.environ.get("LAKECACHE_TOKEN_FILE"),
+        tls_ca=tls_ca or os.environ.get("LAKECACHE_TLS_CA"),
+        snapshot=snapshot,
+        s3_fallback=s3_fallback,
+        s3_endpoint=s3_endpoint or os.environ.get("LAKECACHE_S3_ENDPOINT"),
+        s3_region=s3_region or os.environ.get("LAKECACHE_S3_REGION"),
+        s3_path_style=s3_path_style,
+    )
+
+
 class LakecacheFileSystem(AbstractFileSystem):
     protocol = ("lakecache",)
     root_marker = ""
@@ -28,15 +66,23 @@ class LakecacheFileSystem(AbstractFileSystem):
         tls_ca: str | None = None,
         snapshot: str | None = None,
         client: Client | None = None,
+        s3_fallback: bool | None = None,
+        s3_endpoint: str | None = None,
+        s3_region: str | None = None,
+        s3_path_style: bool | None = None,
         **kwargs: Any,
     ) -> None:
         super().__init__(**kwargs)
-        self.client = client or Client(
-            registry=registry or os.environ.get("LAKECACHE_REGISTRY"),
-            worker=worker or os.environ.get("LAKECACHE_WORKER"),
-            token_file=token_file or os.environ.get("LAKECACHE_TOKEN_FILE"),
-            tls_ca=tls_ca or os.environ.get("LAKECACHE_TLS_CA"),
+        self.client = client or connect(
+            registry=registry,
+            worker=worker,
+            token_file=token_file,
+            tls_ca=tls_ca,
             snapshot=snapshot,
+            s3_fallback=s3_fallback,
+            s3_endpoint=s3_endpoint,
+            s3_region=s3_region,
+            s3_path_style=s3_path_style,
         )
 
     @classmethod
