@@ -106,6 +106,27 @@ impl ObjectStore for TenantRateLimited {
         self.inner.get_range(uri, range, etag).await
     }
 
+    async fn current_version(
+        &self,
+        uri: &ObjectUri,
+    ) -> Result<(ObjectMeta, Option<String>), StoreError> {
+        self.admit().await;
+        self.inner.current_version(uri).await
+    }
+
+    async fn get_range_version(
+        &self,
+        uri: &ObjectUri,
+        range: Range<u64>,
+        version_id: &str,
+        etag: &str,
+    ) -> Result<Bytes, StoreError> {
+        self.admit().await;
+        self.inner
+            .get_range_version(uri, range, version_id, etag)
+            .await
+    }
+
     async fn list(
         &self,
         bucket: &str,

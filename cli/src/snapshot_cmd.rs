@@ -116,6 +116,7 @@ async fn create(source: &str, manifest: &str, cluster: &ClusterArgs) -> Result<(
             None => break,
         }
     }
+    let versioned = record_versions(&client, &bucket, &mut objects).await?;
     let now_ms = std::time::SystemTime::now()
         .duration_since(std::time::UNIX_EPOCH)
         .map_or(0, |d| d.as_millis() as i64);
@@ -126,12 +127,59 @@ async fn create(source: &str, manifest: &str, cluster: &ClusterArgs) -> Result<(
         .await
         .with_context(|| format!("storing the manifest at {manifest}"))?;
     println!(
-        "snapshot of {source}: {} objects, {}, checksum {} -> {manifest}",
+        "snapshot of {source}: {} objects, {}{}, checksum {} -> {manifest}",
         snap.objects.len(),
         ByteSize(bytes).human(),
+        if versioned {
+            ", with S3 version ids"
+        } else {
+            ""
+        },
         snap.checksum
     );
     Ok(())
+}
+
+/// In a versioned bucket, records each object's VersionId (a HEAD each, 32
+/// at a time), so a snapshot mount can still read a version after it is
+/// overwritten. Size and ETag come from the same HEAD as the version id.
+/// Returns whether the bucket is versioned (its first object has one).
+async fn record_versions(
+    client: &std::sync::Arc<lakecache_registry::ClusterClient>,
+    bucket: &str,
+    objects: &mut [SnapshotEntry],
+) -> Result<bool> {
+    use futures::{StreamExt, TryStreamExt};
+    let Some(first) = objects.first() else {
+        return Ok(false);
+    };
+    let probe = ObjectUri::new(bucket, &first.key)?;
+    match client.current_version(&probe).await {
+        Ok(v) if v.version_id.is_some() => {}
+        Ok(_) => return Ok(false),
+        Err(e) => {
+            tracing::warn!(error = %lakecache_protocol::Chain(&e), "cannot ask for version ids; the snapshot pins ETags only");
+            return Ok(false);
+        }
+    }
+    let heads: Vec<_> = futures::stream::iter(objects.iter().map(|o| o.key.clone()))
+        .map(|key| async move {
+            let uri = ObjectUri::new(bucket, &key)?;
+            client
+                .current_version(&uri)
+                .await
+                .with_context(|| format!("HEAD {uri} for its version id"))
+        })
+        .buffered(32)
+        .try_collect()
+        .await?;
+    for (entry, v) in objects.iter_mut().zip(heads) {
+        entry.etag = v.etag;
+        entry.size = v.size;
+        entry.last_modified_ms = v.last_modified_ms;
+        entry.version_id = v.version_id;
+    }
+    Ok(true)
 }
 
 /// Reads and checks the manifest stored at `manifest`.

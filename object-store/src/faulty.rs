@@ -79,6 +79,25 @@ impl<S: ObjectStore> ObjectStore for FaultyStore<S> {
         self.inner.get_range(uri, range, etag).await
     }
 
+    async fn current_version(
+        &self,
+        uri: &ObjectUri,
+    ) -> Result<(ObjectMeta, Option<String>), StoreError> {
+        self.inner.current_version(uri).await
+    }
+
+    async fn get_range_version(
+        &self,
+        uri: &ObjectUri,
+        range: Range<u64>,
+        version_id: &str,
+        etag: &str,
+    ) -> Result<Bytes, StoreError> {
+        self.inner
+            .get_range_version(uri, range, version_id, etag)
+            .await
+    }
+
     async fn list(
         &self,
         bucket: &str,

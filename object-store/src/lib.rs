@@ -107,6 +107,32 @@ pub trait ObjectStore: Send + Sync + 'static {
         max_keys: u32,
     ) -> Result<ListResponse, StoreError>;
 
+    /// HEAD with the version id of the object's current version, when the
+    /// bucket is versioned (None otherwise, and from stores without
+    /// versions).
+    async fn current_version(
+        &self,
+        uri: &ObjectUri,
+    ) -> Result<(ObjectMeta, Option<String>), StoreError> {
+        Ok((self.head(uri).await?, None))
+    }
+
+    /// Exactly the bytes of `range` of version `version_id`, which must
+    /// carry `etag` ([`StoreError::PreconditionFailed`] otherwise): a
+    /// version that is no longer the current one.
+    async fn get_range_version(
+        &self,
+        uri: &ObjectUri,
+        range: Range<u64>,
+        version_id: &str,
+        etag: &str,
+    ) -> Result<Bytes, StoreError> {
+        let _ = (uri, range, version_id, etag);
+        Err(StoreError::Other(
+            "this object store cannot read object versions".into(),
+        ))
+    }
+
     /// Single-request upload with its user metadata; returns the new ETag.
     async fn put(
         &self,

@@ -68,6 +68,38 @@ impl<S: ObjectStore> ObjectStore for MeteredStore<S> {
         r
     }
 
+    async fn current_version(
+        &self,
+        uri: &ObjectUri,
+    ) -> Result<(ObjectMeta, Option<String>), StoreError> {
+        let t = Instant::now();
+        let r = self
+            .inner
+            .current_version(uri)
+            .instrument(tracing::info_span!("s3", op = "head_object"))
+            .await;
+        self.record("head_object", t, 0, &r);
+        r
+    }
+
+    async fn get_range_version(
+        &self,
+        uri: &ObjectUri,
+        range: Range<u64>,
+        version_id: &str,
+        etag: &str,
+    ) -> Result<Bytes, StoreError> {
+        let t = Instant::now();
+        let r = self
+            .inner
+            .get_range_version(uri, range, version_id, etag)
+            .instrument(tracing::info_span!("s3", op = "get_object_version"))
+            .await;
+        let n = r.as_ref().map(|b| b.len() as u64).unwrap_or(0);
+        self.record("get_object", t, n, &r);
+        r
+    }
+
     async fn list(
         &self,
         bucket: &str,

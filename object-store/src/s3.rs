@@ -239,37 +239,7 @@ fn quoted(etag: &str) -> String {
 #[async_trait::async_trait]
 impl ObjectStore for S3Store {
     async fn head(&self, uri: &ObjectUri) -> Result<ObjectMeta, StoreError> {
-        let out = self
-            .client
-            .head_object()
-            .bucket(uri.bucket())
-            .key(uri.key())
-            .send()
-            .await
-            .map_err(map_sdk_error)?;
-        let etag = out
-            .e_tag()
-            .map(unquote_etag)
-            .ok_or_else(|| StoreError::InvalidResponse("HEAD without ETag".into()))?;
-        let size = out
-            .content_length()
-            .filter(|n| *n >= 0)
-            .ok_or_else(|| StoreError::InvalidResponse("HEAD without Content-Length".into()))?;
-        // The SDK keeps the names as sent; S3 lowercases them.
-        let user = out
-            .metadata()
-            .map(|m| {
-                m.iter()
-                    .map(|(k, v)| (k.to_ascii_lowercase(), v.clone()))
-                    .collect()
-            })
-            .unwrap_or_default();
-        Ok(ObjectMeta {
-            size: size as u64,
-            etag,
-            last_modified_ms: millis(out.last_modified()),
-            user,
-        })
+        self.head_versioned(uri).await.map(|(meta, _)| meta)
     }
 
     async fn get_range(
@@ -278,57 +248,24 @@ impl ObjectStore for S3Store {
         range: Range<u64>,
         etag: &str,
     ) -> Result<Bytes, StoreError> {
-        let want = (range.end - range.start) as usize;
-        let mut buf = lakecache_protocol::buffer_pool::take(want);
-        let mut resumes = 0u32;
-        while buf.len() < want {
-            let start = range.start + buf.len() as u64;
-            let out = self
-                .client
-                .get_object()
-                .bucket(uri.bucket())
-                .key(uri.key())
-                .range(format!("bytes={start}-{}", range.end - 1))
-                .if_match(quoted(etag))
-                .send()
-                .await
-                .map_err(map_sdk_error)?;
-            // Stores that ignore If-Match must not mix versions either.
-            if let Some(got) = out.e_tag() {
-                if unquote_etag(got) != etag {
-                    return Err(StoreError::PreconditionFailed);
-                }
-            }
-            let mut body = out.body;
-            let broken = loop {
-                match body.try_next().await {
-                    Ok(Some(chunk)) => {
-                        if buf.len() + chunk.len() > want {
-                            return Err(StoreError::InvalidResponse(format!(
-                                "asked for {want} bytes, got more"
-                            )));
-                        }
-                        buf.extend_from_slice(&chunk);
-                    }
-                    Ok(None) => break None,
-                    Err(e) => break Some(e.to_string()),
-                }
-            };
-            if buf.len() < want {
-                // The SDK does not retry a body that fails after the
-                // headers: resume with the remaining range.
-                resumes += 1;
-                self.metrics.s3_retry("GetObject.resume");
-                let why = broken.unwrap_or_else(|| "body ended early".into());
-                tracing::warn!(%uri, got = buf.len(), want, resumes, error = %why, "s3 body broke, resuming");
-                if resumes > self.max_resumes {
-                    return Err(StoreError::Unavailable(format!(
-                        "body broke {resumes} times: {why}"
-                    )));
-                }
-            }
-        }
-        Ok(lakecache_protocol::buffer_pool::freeze(buf))
+        self.get_range_of(uri, range, etag, None).await
+    }
+
+    async fn current_version(
+        &self,
+        uri: &ObjectUri,
+    ) -> Result<(ObjectMeta, Option<String>), StoreError> {
+        self.head_versioned(uri).await
+    }
+
+    async fn get_range_version(
+        &self,
+        uri: &ObjectUri,
+        range: Range<u64>,
+        version_id: &str,
+        etag: &str,
+    ) -> Result<Bytes, StoreError> {
+        self.get_range_of(uri, range, etag, Some(version_id)).await
     }
 
     async fn list(
@@ -594,3 +531,111 @@ const COPY_SOURCE_ESCAPE: &percent_encoding::AsciiSet = &percent_encoding::NON_A
     .remove(b'_')
     .remove(b'.')
     .remove(b'~');
+
+impl S3Store {
+    /// HEAD: the metadata and, in a versioned bucket, the version id.
+    async fn head_versioned(
+        &self,
+        uri: &ObjectUri,
+    ) -> Result<(ObjectMeta, Option<String>), StoreError> {
+        let out = self
+            .client
+            .head_object()
+            .bucket(uri.bucket())
+            .key(uri.key())
+            .send()
+            .await
+            .map_err(map_sdk_error)?;
+        let etag = out
+            .e_tag()
+            .map(unquote_etag)
+            .ok_or_else(|| StoreError::InvalidResponse("HEAD without ETag".into()))?;
+        let size = out
+            .content_length()
+            .filter(|n| *n >= 0)
+            .ok_or_else(|| StoreError::InvalidResponse("HEAD without Content-Length".into()))?;
+        // The SDK keeps the names as sent; S3 lowercases them.
+        let user = out
+            .metadata()
+            .map(|m| {
+                m.iter()
+                    .map(|(k, v)| (k.to_ascii_lowercase(), v.clone()))
+                    .collect()
+            })
+            .unwrap_or_default();
+        let version = out
+            .version_id()
+            .filter(|v| !v.is_empty() && *v != "null")
+            .map(str::to_string);
+        let meta = ObjectMeta {
+            size: size as u64,
+            etag,
+            last_modified_ms: millis(out.last_modified()),
+            user,
+        };
+        Ok((meta, version))
+    }
+
+    /// Exactly `range` of the object (of version `version`, when given),
+    /// which must carry `etag`.
+    async fn get_range_of(
+        &self,
+        uri: &ObjectUri,
+        range: Range<u64>,
+        etag: &str,
+        version: Option<&str>,
+    ) -> Result<Bytes, StoreError> {
+        let want = (range.end - range.start) as usize;
+        let mut buf = lakecache_protocol::buffer_pool::take(want);
+        let mut resumes = 0u32;
+        while buf.len() < want {
+            let start = range.start + buf.len() as u64;
+            let out = self
+                .client
+                .get_object()
+                .bucket(uri.bucket())
+                .key(uri.key())
+                .range(format!("bytes={start}-{}", range.end - 1))
+                .if_match(quoted(etag))
+                .set_version_id(version.map(str::to_string))
+                .send()
+                .await
+                .map_err(map_sdk_error)?;
+            // Stores that ignore If-Match must not mix versions either.
+            if let Some(got) = out.e_tag() {
+                if unquote_etag(got) != etag {
+                    return Err(StoreError::PreconditionFailed);
+                }
+            }
+            let mut body = out.body;
+            let broken = loop {
+                match body.try_next().await {
+                    Ok(Some(chunk)) => {
+                        if buf.len() + chunk.len() > want {
+                            return Err(StoreError::InvalidResponse(format!(
+                                "asked for {want} bytes, got more"
+                            )));
+                        }
+                        buf.extend_from_slice(&chunk);
+                    }
+                    Ok(None) => break None,
+                    Err(e) => break Some(e.to_string()),
+                }
+            };
+            if buf.len() < want {
+                // The SDK does not retry a body that fails after the
+                // headers: resume with the remaining range.
+                resumes += 1;
+                self.metrics.s3_retry("GetObject.resume");
+                let why = broken.unwrap_or_else(|| "body ended early".into());
+                tracing::warn!(%uri, got = buf.len(), want, resumes, error = %why, "s3 body broke, resuming");
+                if resumes > self.max_resumes {
+                    return Err(StoreError::Unavailable(format!(
+                        "body broke {resumes} times: {why}"
+                    )));
+                }
+            }
+        }
+        Ok(lakecache_protocol::buffer_pool::freeze(buf))
+    }
+}

@@ -15,7 +15,7 @@ mod load;
 
 use crate::buffered::BufferedConnector;
 use crate::tls::ClientTls;
-use crate::types::{ErrorBody, ErrorCode, Health, ListResponse, ObjectStat};
+use crate::types::{ErrorBody, ErrorCode, Health, ListResponse, ObjectStat, ObjectVersion};
 use crate::uri::ObjectUri;
 
 pub type BoxError = Box<dyn std::error::Error + Send + Sync>;
@@ -370,6 +370,47 @@ impl WorkerClient {
 
     pub async fn stat(&self, uri: &ObjectUri) -> Result<ObjectStat, ClientError> {
         self.get_json(&uri.api_path("stat")).await
+    }
+
+    /// The object's current version (its S3 VersionId when versioned).
+    pub async fn current_version(&self, uri: &ObjectUri) -> Result<ObjectVersion, ClientError> {
+        self.get_json(&uri.api_path("version")).await
+    }
+
+    /// Exactly `range` of version `version_id`, which must carry `etag`;
+    /// read through from S3 by the worker.
+    pub async fn read_version(
+        &self,
+        uri: &ObjectUri,
+        range: Range<u64>,
+        version_id: &str,
+        etag: &str,
+    ) -> Result<Bytes, ClientError> {
+        let enc = |v: &str| {
+            percent_encoding::utf8_percent_encode(v, percent_encoding::NON_ALPHANUMERIC).to_string()
+        };
+        let path = format!(
+            "{}?version_id={}&etag={}&start={}&end={}",
+            uri.api_path("version"),
+            enc(version_id),
+            enc(etag),
+            range.start,
+            range.end
+        );
+        let req = self
+            .request(http::Method::GET, &path)
+            .body(empty())
+            .map_err(|e| ClientError::Decode(e.to_string()))?;
+        let resp = self.send_quick(req).await?;
+        let body = self.collect(resp.into_body()).await?;
+        let want = range.end - range.start;
+        if body.len() as u64 != want {
+            return Err(ClientError::Decode(format!(
+                "version read returned {} bytes, expected {want}",
+                body.len()
+            )));
+        }
+        Ok(body)
     }
 
     pub async fn list(

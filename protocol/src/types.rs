@@ -1,5 +1,15 @@
 use serde::{Deserialize, Serialize};
 
+/// The current version of an object (`GET /v1/version/...`).
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct ObjectVersion {
+    pub size: u64,
+    pub etag: String,
+    pub last_modified_ms: i64,
+    /// None when the bucket is not versioned.
+    pub version_id: Option<String>,
+}
+
 /// Metadata of one object as the worker sees it.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 pub struct ObjectStat {

@@ -8,7 +8,8 @@ use std::time::{Duration, Instant};
 
 use bytes::{Bytes, BytesMut};
 use lakecache_protocol::{
-    Chain, ClientError, Deadlines, ListResponse, ObjectStat, ObjectUri, UserMeta, WorkerClient,
+    Chain, ClientError, Deadlines, ListResponse, ObjectStat, ObjectUri, ObjectVersion, UserMeta,
+    WorkerClient,
 };
 use lakecache_store::{ObjectStore, StoreError};
 
@@ -324,6 +325,65 @@ impl ClusterClient {
                         meta: meta.user,
                     })
                 }
+                None => Err(ClusterError::Unavailable(last)),
+            },
+            other => other,
+        }
+    }
+
+    /// The object's current version (and S3 VersionId), from a worker or,
+    /// when none answers, S3.
+    pub async fn current_version(&self, uri: &ObjectUri) -> Result<ObjectVersion, ClusterError> {
+        let key = uri.to_string();
+        match self
+            .on_replicas(&key, 0, |c| async move { c.current_version(uri).await })
+            .await
+        {
+            Err(ClusterError::Unavailable(last)) => match self.fallback() {
+                Some(s3) => {
+                    let (meta, version_id) =
+                        s3.current_version(uri).await.map_err(ClusterError::S3)?;
+                    Ok(ObjectVersion {
+                        size: meta.size,
+                        etag: meta.etag,
+                        last_modified_ms: meta.last_modified_ms,
+                        version_id,
+                    })
+                }
+                None => Err(ClusterError::Unavailable(last)),
+            },
+            other => other,
+        }
+    }
+
+    /// Exactly `range` of version `version_id` (which must carry `etag`),
+    /// read through from S3 by the object's owner, or directly when no
+    /// worker answers.
+    pub async fn read_version(
+        &self,
+        uri: &ObjectUri,
+        range: Range<u64>,
+        version_id: &str,
+        etag: &str,
+    ) -> Result<Bytes, ClusterError> {
+        if range.is_empty() {
+            return Ok(Bytes::new());
+        }
+        let key = uri.to_string();
+        let seg = range.start / self.segment_size();
+        let attempt = range.clone();
+        match self
+            .on_replicas(&key, seg, |c| {
+                let r = attempt.clone();
+                async move { c.read_version(uri, r, version_id, etag).await }
+            })
+            .await
+        {
+            Err(ClusterError::Unavailable(last)) => match self.fallback() {
+                Some(s3) => s3
+                    .get_range_version(uri, range, version_id, etag)
+                    .await
+                    .map_err(ClusterError::S3),
                 None => Err(ClusterError::Unavailable(last)),
             },
             other => other,

@@ -7,6 +7,7 @@ mod peer_writeback;
 mod range;
 mod response;
 mod routes;
+mod versions;
 
 use std::convert::Infallible;
 use std::sync::Arc;

@@ -155,6 +155,16 @@ async fn object_route(
             _ => ("invalid", method_not_allowed("DELETE, POST")),
         };
     }
+    if let Some(rest) = path.strip_prefix("/v1/version/") {
+        let query = req.uri().query().unwrap_or("");
+        return match method {
+            Method::GET => (
+                "version",
+                super::versions::route(state, access, rest, query).await,
+            ),
+            _ => ("invalid", method_not_allowed("GET")),
+        };
+    }
     if let Some(rest) = path.strip_prefix("/v1/stat/") {
         return match method {
             Method::GET => ("stat", stat(state, access, rest).await),
@@ -207,7 +217,7 @@ pub(super) fn method_not_allowed(allow: &'static str) -> Response {
     resp
 }
 
-fn parse_uri(rest: &str) -> Result<ObjectUri, Box<Response>> {
+pub(super) fn parse_uri(rest: &str) -> Result<ObjectUri, Box<Response>> {
     ObjectUri::from_api_path(rest)
         .map_err(|e| Box::new(error(ErrorCode::InvalidPath, e.to_string())))
 }

@@ -84,6 +84,16 @@ impl DataPlane for ClusterClient {
         Ok(ClusterClient::read(self, uri, range, Some(etag)).await?)
     }
 
+    async fn read_version(
+        &self,
+        uri: &ObjectUri,
+        range: Range<u64>,
+        version_id: &str,
+        etag: &str,
+    ) -> Result<Bytes, DataError> {
+        Ok(ClusterClient::read_version(self, uri, range, version_id, etag).await?)
+    }
+
     async fn list(
         &self,
         bucket: &str,

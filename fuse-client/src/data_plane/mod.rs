@@ -98,6 +98,21 @@ pub trait DataPlane: Send + Sync + 'static {
         etag: &str,
     ) -> Result<Bytes, DataError>;
 
+    /// Exactly `range` of S3 version `version_id`, which must carry
+    /// `etag`: an object version that is no longer the current one.
+    async fn read_version(
+        &self,
+        uri: &ObjectUri,
+        range: Range<u64>,
+        version_id: &str,
+        etag: &str,
+    ) -> Result<Bytes, DataError> {
+        let _ = (uri, range, version_id, etag);
+        Err(DataError::StoreUnavailable(
+            "this data plane cannot read object versions".into(),
+        ))
+    }
+
     /// One page of a ListObjectsV2-style listing.
     async fn list(
         &self,

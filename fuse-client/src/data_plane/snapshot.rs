@@ -58,8 +58,30 @@ impl DataPlane for SnapshotDataPlane {
         range: Range<u64>,
         _etag: &str,
     ) -> Result<Bytes, DataError> {
-        let pinned = self.entry(uri)?.etag.clone();
-        match self.inner.read(uri, range, &pinned).await {
+        let entry = self.entry(uri)?;
+        let pinned = entry.etag.clone();
+        let version = entry.version_id.clone();
+        match self.inner.read(uri, range.clone(), &pinned).await {
+            // A versioned bucket still has the recorded version: read it.
+            Err(DataError::Changed { .. } | DataError::NotFound) if version.is_some() => {
+                let v = version.as_deref().unwrap_or_default();
+                match self.inner.read_version(uri, range, v, &pinned).await {
+                    Ok(bytes) => Ok(bytes),
+                    Err(e) => {
+                        tracing::warn!(%uri, version = v, error = %e, "pinned version not readable");
+                        let current = match self.inner.stat(uri).await {
+                            Ok(s) => s.etag,
+                            Err(DataError::NotFound) => "(deleted)".to_string(),
+                            Err(e) => format!("(unknown: {e})"),
+                        };
+                        Err(DataError::SnapshotMismatch {
+                            key: uri.to_string(),
+                            pinned,
+                            current,
+                        })
+                    }
+                }
+            }
             Err(DataError::Changed { .. }) => {
                 let current = match self.inner.stat(uri).await {
                     Ok(s) => s.etag,
