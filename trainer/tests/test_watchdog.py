@@ -88,6 +88,7 @@ def test_a_blocked_mount_read_is_named_with_the_mounts_inflight_reads(tmp_path):
     )  # fmt: skip
     procs = [s3]
     mnt = tmp_path / "mnt"
+    mount_log = tmp_path / "mount.log"
     try:
         _wait("the s3 endpoint", lambda: _port_open(s3_port))
         procs.append(
@@ -133,10 +134,20 @@ def test_a_blocked_mount_read_is_named_with_the_mounts_inflight_reads(tmp_path):
                 ],
                 env=env,
                 stdout=subprocess.DEVNULL,
-                stderr=subprocess.DEVNULL,
+                stderr=mount_log.open("w"),
             )  # fmt: skip
         )
-        _wait("the mount", lambda: os.path.ismount(mnt))
+        mount = procs[-1]
+
+        def mounted() -> bool:
+            if mount.poll() is not None:
+                raise AssertionError(f"the mount exited: {mount_log.read_text()[-3000:]}")
+            return os.path.ismount(mnt)
+
+        try:
+            _wait("the mount", mounted, secs=90)
+        except AssertionError as e:
+            raise AssertionError(f"{e}\nmount log:\n{mount_log.read_text()[-3000:]}") from None
         data = mnt / "ds"
         data.mkdir()
         for i in range(2):
