@@ -49,6 +49,20 @@ def start_s3(
     return proc
 
 
+def start_worker(
+    binary: str, cache: Path, port: int, s3_port: int, env: dict[str, str]
+) -> subprocess.Popen:
+    """A plain-HTTP worker without tokens over the S3 endpoint on `s3_port`."""
+    proc = subprocess.Popen(
+        [binary, "worker", "--listen", f"127.0.0.1:{port}", "--insecure-http", "--no-auth",
+         "--cache-dir", str(cache), "--cache-size", "1GiB",
+         "--s3-endpoint", f"http://127.0.0.1:{s3_port}", "--s3-path-style"],
+        env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+    )  # fmt: skip
+    wait_for("the worker", lambda: port_open(port))
+    return proc
+
+
 S3_ENV = {
     "AWS_ACCESS_KEY_ID": "unit-test",
     "AWS_SECRET_ACCESS_KEY": "unit-test-secret",

@@ -12,7 +12,7 @@ import threading
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
-from helpers import S3_ENV, free_port, lakecache_bin, port_open, start_s3, wait_for
+from helpers import S3_ENV, free_port, lakecache_bin, start_s3, start_worker, wait_for
 from opentelemetry.proto.collector.trace.v1 import trace_service_pb2
 
 
@@ -102,29 +102,7 @@ def test_one_fuse_read_is_one_trace_across_mount_worker_and_s3(tmp_path: Path) -
     procs = [start_s3(binary, tmp_path / "s3", s3_port, env)]
     mnt = tmp_path / "mnt"
     try:
-        procs.append(
-            subprocess.Popen(
-                [
-                    binary,
-                    "worker",
-                    "--listen",
-                    f"127.0.0.1:{worker_port}",
-                    "--insecure-http",
-                    "--no-auth",
-                    "--cache-dir",
-                    str(tmp_path / "cache"),
-                    "--cache-size",
-                    "1GiB",
-                    "--s3-endpoint",
-                    f"http://127.0.0.1:{s3_port}",
-                    "--s3-path-style",
-                ],
-                env=env,
-                stdout=subprocess.DEVNULL,
-                stderr=subprocess.DEVNULL,
-            )  # fmt: skip
-        )
-        wait_for("the worker", lambda: port_open(worker_port))
+        procs.append(start_worker(binary, tmp_path / "cache", worker_port, s3_port, env))
         registry = f"static:127.0.0.1:{worker_port}"
         procs.append(
             subprocess.Popen(

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import boto3
 from botocore.config import Config
-from helpers import free_port, lakecache_bin, port_open, wait_for
+from helpers import free_port, lakecache_bin, port_open, start_worker, wait_for
 
 CREDS = {"AWS_ACCESS_KEY_ID": "moto", "AWS_SECRET_ACCESS_KEY": "moto-secret",
          "AWS_REGION": "us-east-1"}  # fmt: skip
@@ -46,29 +46,7 @@ def test_a_snapshot_of_a_versioned_bucket_reads_overwritten_and_deleted_objects(
         v1 = os.urandom(3 << 20)
         s3.put_object(Bucket="versioned", Key="ds/a.bin", Body=v1)
         s3.put_object(Bucket="versioned", Key="ds/b.bin", Body=b"bee" * 1000)
-        procs.append(
-            subprocess.Popen(
-                [
-                    binary,
-                    "worker",
-                    "--listen",
-                    f"127.0.0.1:{worker_port}",
-                    "--insecure-http",
-                    "--no-auth",
-                    "--cache-dir",
-                    str(tmp_path / "cache"),
-                    "--cache-size",
-                    "1GiB",
-                    "--s3-endpoint",
-                    f"http://127.0.0.1:{moto_port}",
-                    "--s3-path-style",
-                ],
-                env=env,
-                stdout=subprocess.DEVNULL,
-                stderr=subprocess.DEVNULL,
-            )  # fmt: skip
-        )
-        wait_for("the worker", lambda: port_open(worker_port))
+        procs.append(start_worker(binary, tmp_path / "cache", worker_port, moto_port, env))
         worker = f"127.0.0.1:{worker_port}"
         made = subprocess.run(
             [binary, "snapshot", "create", "s3://versioned/ds", "s3://versioned/snaps/s1.json",

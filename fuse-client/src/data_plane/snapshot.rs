@@ -33,6 +33,21 @@ impl SnapshotDataPlane {
         self.snapshot.get(uri.key()).ok_or(DataError::NotFound)
     }
 
+    /// The error for an object no longer readable at its pinned ETag,
+    /// naming what S3 has now.
+    async fn mismatch(&self, uri: &ObjectUri, pinned: String) -> DataError {
+        let current = match self.inner.stat(uri).await {
+            Ok(s) => s.etag,
+            Err(DataError::NotFound) => "(deleted)".to_string(),
+            Err(e) => format!("(unknown: {e})"),
+        };
+        DataError::SnapshotMismatch {
+            key: uri.to_string(),
+            pinned,
+            current,
+        }
+    }
+
     fn read_only() -> DataError {
         DataError::Denied("the mount is pinned to a snapshot and is read-only".to_string())
     }
@@ -69,31 +84,11 @@ impl DataPlane for SnapshotDataPlane {
                     Ok(bytes) => Ok(bytes),
                     Err(e) => {
                         tracing::warn!(%uri, version = v, error = %e, "pinned version not readable");
-                        let current = match self.inner.stat(uri).await {
-                            Ok(s) => s.etag,
-                            Err(DataError::NotFound) => "(deleted)".to_string(),
-                            Err(e) => format!("(unknown: {e})"),
-                        };
-                        Err(DataError::SnapshotMismatch {
-                            key: uri.to_string(),
-                            pinned,
-                            current,
-                        })
+                        Err(self.mismatch(uri, pinned).await)
                     }
                 }
             }
-            Err(DataError::Changed { .. }) => {
-                let current = match self.inner.stat(uri).await {
-                    Ok(s) => s.etag,
-                    Err(DataError::NotFound) => "(deleted)".to_string(),
-                    Err(e) => format!("(unknown: {e})"),
-                };
-                Err(DataError::SnapshotMismatch {
-                    key: uri.to_string(),
-                    pinned,
-                    current,
-                })
-            }
+            Err(DataError::Changed { .. }) => Err(self.mismatch(uri, pinned).await),
             other => other,
         }
     }
