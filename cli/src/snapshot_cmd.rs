@@ -185,13 +185,7 @@ async fn record_versions(
 /// Reads and checks the manifest stored at `manifest`.
 pub async fn load(client: &Arc<ClusterClient>, manifest: &str) -> Result<Snapshot> {
     let uri = object_uri(manifest, "snapshot")?;
-    let stat = client
-        .stat(&uri)
+    lakecache_fuse::data_plane::load_manifest(client.as_ref(), &uri)
         .await
-        .with_context(|| format!("reading the snapshot manifest {manifest}"))?;
-    let bytes = client
-        .read(&uri, 0..stat.size, Some(&stat.etag))
-        .await
-        .with_context(|| format!("reading the snapshot manifest {manifest}"))?;
-    Snapshot::from_json(&bytes).with_context(|| format!("snapshot manifest {manifest}"))
+        .with_context(|| format!("snapshot manifest {manifest}"))
 }

@@ -11,7 +11,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use futures::{StreamExt, TryStreamExt};
-use lakecache_fuse::data_plane::{read_exact, SnapshotDataPlane};
+use lakecache_fuse::data_plane::{load_manifest, read_exact, ManifestError, SnapshotDataPlane};
 use lakecache_fuse::{DataError, DataPlane};
 use lakecache_protocol::snapshot::Snapshot;
 use lakecache_protocol::ObjectUri;
@@ -297,12 +297,12 @@ fn split_prefix(uri: &str) -> PyResult<(String, String)> {
 
 async fn load_snapshot(data: &dyn DataPlane, manifest: &str) -> PyResult<Snapshot> {
     let uri = parse_uri(manifest)?;
-    let stat = data.stat(&uri).await.map_err(|e| to_py(manifest, e))?;
-    let bytes = read_exact(data, &uri, 0..stat.size, &stat.etag)
-        .await
-        .map_err(|e| to_py(manifest, e))?;
-    Snapshot::from_json(&bytes)
-        .map_err(|e| PyValueError::new_err(format!("snapshot manifest {manifest}: {e}")))
+    load_manifest(data, &uri).await.map_err(|e| match e {
+        ManifestError::Read(e) => to_py(manifest, e),
+        ManifestError::Invalid(e) => {
+            PyValueError::new_err(format!("snapshot manifest {manifest}: {e}"))
+        }
+    })
 }
 
 #[pymodule]

@@ -54,7 +54,7 @@ class RunConfig:
     # HMAC key that signs checkpoint manifests (kept off the mount).
     checkpoint_key_file: str | None = None
     allow_unsigned_checkpoints: bool = False
-    # A lakecache snapshot manifest (local path) the data must match.
+    # A lakecache snapshot manifest (local path or s3://) the data must match.
     snapshot: str | None = None
     allow_data_change: bool = False
     stuck_timeout: float = 1800.0
@@ -182,13 +182,13 @@ def _resume_loader(
     loader: TokenLoader,
     tag_dir: Path,
     saved: dict | None,
-    dataset: dict,
+    data_changed: bool,
     world: int,
 ) -> str:
     """Restores (or reshards) the loader position; returns what was done."""
     rank = loader.rank
     old_world = saved["world_size"] if saved else len(list(tag_dir.glob("loader_rank*.pt")))
-    if saved and runinfo.data_difference(saved["dataset"], dataset):
+    if data_changed:
         # --allow-data-change: the saved positions index another shard list.
         loader.load_state_dict({"epoch": 0, "shard": 0, "token": 0, "plan": None})
         return "the data changed: the loader starts its shard order again"
@@ -206,11 +206,14 @@ def _resume_loader(
     )
 
 
-def _check_resume(cfg: RunConfig, saved: dict | None, current: dict, world: int) -> list[str]:
-    """Refuses a resume on other data unless allowed; returns notes."""
+def _check_resume(
+    cfg: RunConfig, saved: dict | None, current: dict, world: int
+) -> tuple[list[str], bool]:
+    """Refuses a resume on other data unless allowed; returns notes and
+    whether the data changed (allowed)."""
     notes: list[str] = []
     if saved is None:
-        return ["the checkpoint records no run identity (written by an older trainer)"]
+        return ["the checkpoint records no run identity (written by an older trainer)"], False
     diff = runinfo.data_difference(saved["dataset"], current["dataset"])
     if diff and not cfg.allow_data_change:
         raise runinfo.DataChanged(
@@ -227,7 +230,7 @@ def _check_resume(cfg: RunConfig, saved: dict | None, current: dict, world: int)
             f"world size {saved['world_size']} -> {world} (--reshard-on-resize): "
             "the optimizer state starts afresh"
         )
-    return notes
+    return notes, diff is not None
 
 
 def run(cfg: RunConfig) -> dict:
@@ -298,7 +301,7 @@ def run(cfg: RunConfig) -> dict:
         watchdog.progress(f"loading checkpoint {tag}")
         _verified(cfg, tag, key, rank)
         saved = runinfo.read_run(tag_dir)
-        notes = _check_resume(cfg, saved, record, world)
+        notes, data_changed = _check_resume(cfg, saved, record, world)
         old_world = saved["world_size"] if saved else world
         resize = old_world != world
         if resize and not cfg.reshard_on_resize:
@@ -319,7 +322,7 @@ def run(cfg: RunConfig) -> dict:
             raise SystemExit(f"checkpoint {cfg.checkpoint_dir}/{tag} could not be loaded")
         step = int(client["step"])
         # The trainer's own files never unpickle code.
-        notes.append(_resume_loader(cfg, loader, tag_dir, saved, dataset, world))
+        notes.append(_resume_loader(cfg, loader, tag_dir, saved, data_changed, world))
         rng_file = tag_dir / f"rng_rank{rank}.pt"
         if rng_file.exists():
             _set_rng_state(torch.load(rng_file, weights_only=True))

@@ -20,7 +20,7 @@ use lakecache_protocol::{ListResponse, ObjectStat, ObjectUri, UserMeta, WriteMod
 
 pub use faulty::{DataFault, DataOp, FaultyDataPlane};
 pub use memory::{MemoryDataPlane, Quirks};
-pub use snapshot::SnapshotDataPlane;
+pub use snapshot::{load_manifest, ManifestError, SnapshotDataPlane};
 
 /// The body of a streaming upload: chunks in file order.
 pub type ByteStream = Pin<Box<dyn Stream<Item = Bytes> + Send + Sync>>;

@@ -8,10 +8,29 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use bytes::Bytes;
-use lakecache_protocol::snapshot::Snapshot;
+use lakecache_protocol::snapshot::{Snapshot, SnapshotError};
 use lakecache_protocol::{ListResponse, ObjectStat, ObjectUri, UserMeta, WriteMode};
 
-use super::{ByteStream, DataError, DataPlane};
+use super::{read_exact, ByteStream, DataError, DataPlane};
+
+/// Why a snapshot manifest could not be used.
+#[derive(Debug, thiserror::Error)]
+pub enum ManifestError {
+    #[error("reading the snapshot manifest: {0}")]
+    Read(#[from] DataError),
+    #[error(transparent)]
+    Invalid(#[from] SnapshotError),
+}
+
+/// Reads the manifest stored at `uri` (at its current ETag) and checks it.
+pub async fn load_manifest(
+    data: &dyn DataPlane,
+    uri: &ObjectUri,
+) -> Result<Snapshot, ManifestError> {
+    let stat = data.stat(uri).await?;
+    let bytes = read_exact(data, uri, 0..stat.size, &stat.etag).await?;
+    Ok(Snapshot::from_json(&bytes)?)
+}
 
 pub struct SnapshotDataPlane {
     inner: Arc<dyn DataPlane>,
