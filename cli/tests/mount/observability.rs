@@ -113,6 +113,11 @@ fn prometheus_scrapes_worker_and_mount_and_every_dashboard_query_returns_data() 
             .unwrap(),
     );
     wait_for_port(prom_port, "prometheus");
+    // The port opens before the TSDB is loaded; queries answer 503 until then.
+    wait_until("prometheus ready", 60, || {
+        let raw = reqwest_like_get(prom_port, "/-/ready");
+        raw.lines().next().is_some_and(|l| l.contains(" 200 "))
+    });
     wait_until("both targets up", 30, || {
         let up = instant_query(prom_port, "up == 1");
         up.len() == 2
