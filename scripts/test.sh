@@ -3,12 +3,29 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 source scripts/deps.sh
+source scripts/test_prereqs.sh
+check_test_prereqs
 
-echo "== cargo fmt --check" >&2
+# Wall time of each phase, printed again at the end.
+phase_times=()
+phase_name=""
+phase_start=$SECONDS
+run_started=$SECONDS
+phase() {
+  if [ -n "$phase_name" ]; then
+    phase_times+=("$(printf '%-28s %4dm%02ds' "$phase_name" $(((SECONDS - phase_start) / 60)) $(((SECONDS - phase_start) % 60)))")
+  fi
+  phase_name="$1"
+  phase_start=$SECONDS
+  [ -n "$1" ] && echo "== $1" >&2
+  return 0
+}
+
+phase "cargo fmt --check"
 cargo fmt --all -- --check
-echo "== cargo clippy" >&2
+phase "cargo clippy"
 cargo clippy --workspace --all-targets --locked -- -D warnings
-echo "== cargo test" >&2
+phase "cargo test"
 log=$(mktemp)
 set +e
 cargo test --workspace --locked --no-fail-fast 2>&1 | tee "$log"
@@ -26,7 +43,7 @@ if [ "$leaks" -ne 0 ]; then
   failed=$((failed + 1))  # the secret scan counts as a failed check
 fi
 
-echo "== trainer (python): venv, ruff, pytest against the debug lakecache binary" >&2
+phase "python: venv, ruff, pytest"
 set +e
 (
   set -e
@@ -35,8 +52,8 @@ set +e
   "$LAKECACHE_VENV/bin/ruff" check .
   "$LAKECACHE_VENV/bin/ruff" format --check .
   # The POSIX conformance suite and the benchmark scripts, same rules.
-  "$LAKECACHE_VENV/bin/ruff" check --config pyproject.toml ../cli/tests/posix ../benches/fio ../ops/tests ../pyclient/python
-  "$LAKECACHE_VENV/bin/ruff" format --check --config pyproject.toml ../ops/tests ../pyclient/python
+  "$LAKECACHE_VENV/bin/ruff" check --config pyproject.toml ../cli/tests/posix ../benches/fio ../ops/tests ../pyclient/python ../scripts/testsupport
+  "$LAKECACHE_VENV/bin/ruff" format --check --config pyproject.toml ../ops/tests ../pyclient/python ../scripts/testsupport
   LAKECACHE_BIN="${CARGO_TARGET_DIR:-$PWD/../target}/debug/lakecache" \
     PATH="$LAKECACHE_VENV/bin:$PATH" "$LAKECACHE_VENV/bin/pytest" -q -rA
   # Operations: Kubernetes manifests, systemd units, traces end to end.
@@ -54,6 +71,10 @@ passed=$((passed + py_passed))
 failed=$((failed + py_failed))
 [ "$py_status" -eq 0 ] || status=1
 rm -f "$log"
+phase ""
+echo "time by phase:"
+printf '  %s\n' "${phase_times[@]}"
+printf '  %-28s %4dm%02ds\n' "total" $(((SECONDS - run_started) / 60)) $(((SECONDS - run_started) % 60))
 if [ "$passed" -eq 0 ]; then
   echo "error: no test ran" >&2
   exit 1

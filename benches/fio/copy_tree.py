@@ -17,6 +17,7 @@ import subprocess
 import time
 from pathlib import Path
 
+import provenance
 from run import Cluster, drop_caches
 
 FILES, DIRS = 1000, 20
@@ -110,7 +111,7 @@ def main() -> None:
         "each copy checked equal to the source (`find -printf '%m %U %G %T@ %y %l %s %P'`).",
         "One worker, embedded S3 on loopback, this 2-core machine.",
         "",
-        f"Command: `python3 benches/fio/copy_tree.py --bin {args.bin}`",
+        *provenance.header(),
         "",
         "| target | cp -a | rsync -a | tar x | cp -a vs local |",
         "|---|---|---|---|---|",
@@ -120,8 +121,7 @@ def main() -> None:
             f"| {name} | {r['cp -a']:.2f} s | {r['rsync -a']:.2f} s | {r['tar x']:.2f} s "
             f"| {r['cp -a'] / base['cp -a']:.1f}x |"
         )
-    Path(args.out).write_text("\n".join(lines) + "\n")
-    print("\n".join(lines))
+    provenance.write(args.out, lines)
     shutil.rmtree(work, ignore_errors=True)
 
 

@@ -19,6 +19,7 @@ import time
 import urllib.request
 from pathlib import Path
 
+import provenance
 from run import BUCKET, Cluster, drop_caches
 
 HOT_FILES, HOT_MIB, BULK_FILE_MIB = 24, 8, 256
@@ -103,10 +104,11 @@ def main() -> None:
         "reads_finished_while_load_running": sum(while_running),
     }
     out = Path(__file__).resolve().parents[1] / "results" / "load-vs-reads.md"
-    out.write_text(
+    head = "\n".join(provenance.header())
+    text = (
         f"""# A large preload and a reader on the same worker
 
-Command: `python3 benches/fio/load_vs_reads.py --bin target/release/lakecache --gib {gib}`
+{head}
 (release build, this 2-core machine, the embedded S3 endpoint on loopback, one
 worker, the mount; every read is cold: `lakecache free` first, kernel caches dropped
 before each read).
@@ -130,7 +132,7 @@ objects of {HOT_MIB} MiB, each cold.
 ```
 """
     )
-    print(out.read_text())
+    provenance.write(out, text.splitlines())
 
 
 if __name__ == "__main__":

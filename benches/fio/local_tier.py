@@ -17,6 +17,7 @@ import sys
 import time
 from pathlib import Path
 
+import provenance
 from run import HERE, Cluster, drop_caches, fio
 
 
@@ -109,10 +110,7 @@ def main() -> None:
     lines = [
         "# Node-local tier (L1, FUSE passthrough) vs local disk",
         "",
-        (
-            f"Command: `python3 benches/fio/local_tier.py --bin {a.bin} --size {a.size} "
-            f"--runtime {a.runtime}` (as root)."
-        ),
+        *provenance.header(),
         (
             f"Machine: {os.cpu_count()} cores, `uname -r` {os.uname().release}. One s3-server, "
             "one worker (plain HTTP, no tokens) and one mount on this machine; 4 files of "
@@ -138,7 +136,7 @@ def main() -> None:
             "while filling the tier."
         ),
     ]
-    Path(a.out).write_text("\n".join(lines) + "\n")
+    provenance.write(a.out, lines)
     print(f"wrote {a.out}")
 
 

@@ -24,6 +24,7 @@ import time
 import urllib.request
 from pathlib import Path
 
+import provenance
 from read_path import Setup, ls_then_read
 from run import ACCESS, BUCKET, HERE, SECRET, drop_caches, mounted
 
@@ -169,9 +170,8 @@ def write(a, saved, versions, out) -> None:
     lines = [
         "# Cold reads at 10 ms RTT: lakecache vs s3fs and rclone",
         "",
-        f"Command: `python3 benches/fio/peers.py --bin {a.bin} --proxy {a.proxy} "
-        f"--rtt-ms {a.rtt_ms} --cap {a.cap}` (as root, after `read_path.py` in the same "
-        f"--work; {time.strftime('%Y-%m-%d %H:%M')}).",
+        *provenance.header(),
+        "Run as root after `read_path.py` in the same --work.",
         f"Machine: {os.cpu_count()} cores, `uname -r` {os.uname().release}. The same "
         f"s3-server and data as read-path.md, behind delay-proxy at {a.rtt_ms} ms RTT; "
         "page cache dropped before every run; every tool starts cold (lakecache: empty "
@@ -197,7 +197,7 @@ def write(a, saved, versions, out) -> None:
         lines.append(f"| {name} | {far[(name, 'cold')].get('s3_per_byte', 0):.2f} | "
                      f"{out[('s3fs', name)]['s3_per_byte']:.2f} | "
                      f"{out[('rclone', name)]['s3_per_byte']:.2f} |")
-    Path(a.out).write_text("\n".join(lines) + "\n")
+    provenance.write(a.out, lines)
     print(f"wrote {a.out}")
 
 

@@ -18,6 +18,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import provenance
 from read_path import Setup
 from run import HERE, drop_caches, fio
 
@@ -96,8 +97,7 @@ def main() -> None:
     lines = [
         "# L2-warm read path: where the CPU goes",
         "",
-        f"Command: `python3 benches/fio/profile_l2.py --bin {a.bin} --proxy {a.proxy} "
-        f"--size {a.size}` (as root).",
+        *provenance.header(),
         f"Machine: {os.cpu_count()} cores, `uname -r` {os.uname().release}. One fio job, "
         "sequential 256 KiB reads of one file through the mount; HTTPS and tokens between "
         "mount and worker; worker cache warm; no local tier; page cache dropped. "
@@ -128,7 +128,7 @@ def main() -> None:
         *cold_sym,
         "```",
     ]
-    Path(a.out).write_text("\n".join(lines) + "\n")
+    provenance.write(a.out, lines)
     print(f"wrote {a.out}")
 
 

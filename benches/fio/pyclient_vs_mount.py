@@ -25,6 +25,7 @@ import time
 from pathlib import Path
 
 import numpy as np
+import provenance
 from lakecache.fsspec_fs import LakecacheFileSystem
 from lakecache.shards import open_shard, read_header, write_shard
 from run import BUCKET, Cluster, drop_caches
@@ -106,8 +107,7 @@ def main() -> None:
     lines = [
         "# Token shards through the Python client vs the FUSE mount vs local disk",
         "",
-        f"`python3 benches/fio/pyclient_vs_mount.py --bin {args.bin} --shards {args.shards} "
-        f"--shard-mib {args.shard_mib} --repeats {args.repeats}`",
+        *provenance.header(),
         "",
         f"{args.shards} llm.c shards of {args.shard_mib} MiB ({gib:.1f} GiB), read whole in "
         "16 MiB `readinto` calls (the trainer loader's pattern), shards dealt round-robin "
@@ -136,8 +136,7 @@ def main() -> None:
         ),
         "",
     ]
-    Path(args.out).write_text("\n".join(lines))
-    print("\n".join(lines))
+    provenance.write(args.out, lines)
 
 
 if __name__ == "__main__":

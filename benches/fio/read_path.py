@@ -27,6 +27,7 @@ import sys
 import time
 from pathlib import Path
 
+import provenance
 from run import ACCESS, BUCKET, HERE, SECRET, drop_caches, fio, free_port, mounted, wait_port
 from security_overhead import secure_flags
 
@@ -322,13 +323,12 @@ def write(a, tests, runs, elapsed) -> None:
     tls, plain, far = results("tls"), results("plain"), results("far")
     local, local_far = runs["tls"]["local"], runs["far"]["local"]
     unit = {"mib_s": "MiB/s", "iops": "IOPS"}
+    parts = ", ".join(f"{p} {runs[p]['when']}" for p in ("tls", "plain", "far"))
     lines = [
         "# Read path: local disk vs lakecache cold, L2-warm and L1-warm",
         "",
-        f"Command: `python3 benches/fio/read_path.py --bin {a.bin} --proxy {a.proxy} "
-        f"--size {a.size} --runtime {a.runtime} --rtt-ms {a.rtt_ms}` (as root; "
-        f"{elapsed / 60:.0f} min for the last invocation; parts and when they ran: "
-        + ", ".join(f"{p} {runs[p]['when']}" for p in ("tls", "plain", "far")) + ").",
+        *provenance.header(),
+        f"Parts and when they ran: {parts} ({elapsed / 60:.0f} min for the last invocation).",
         f"Machine: {os.cpu_count()} cores, `uname -r` {os.uname().release}; s3-server, "
         "worker, mount and fio on this one machine. Page cache dropped before every run. "
         "cold = empty worker cache and empty local tier (the tier on, filling, as `up` "
@@ -380,7 +380,7 @@ def write(a, tests, runs, elapsed) -> None:
               f"--memory-limit {MEMORY_LIMIT >> 20} MiB."]
     med = statistics.median(local[n][u] for n, _, _, u, _ in tests if u == "mib_s")
     lines.append(f"(Median local-disk rate over the MiB/s tests: {med:.0f} MiB/s.)")
-    Path(a.out).write_text("\n".join(lines) + "\n")
+    provenance.write(a.out, lines)
     print(f"wrote {a.out}")
 
 

@@ -19,6 +19,8 @@ import sys
 import time
 from pathlib import Path
 
+import provenance
+
 HERE = Path(__file__).resolve().parent
 ACCESS, SECRET, BUCKET = "fio-bench", "fio-bench-secret", "bench"
 
@@ -208,8 +210,7 @@ def main() -> None:
     lines = [
         "# fio: lakecache mount vs local disk",
         "",
-        f"Command: `python3 benches/fio/run.py --bin {a.bin} --size {a.size} "
-        f"--write-size {a.write_size} --runtime {a.runtime}` (as root).",
+        *provenance.header(),
         f"Machine: {os.cpu_count()} cores, `uname -r` {os.uname().release}. One s3-server, one "
         "worker and one mount on this machine; job files in benches/fio/. "
         "Local = the same fio job on a local directory of the same disk. Before every "
@@ -228,7 +229,7 @@ def main() -> None:
         )
     lines.append("")
     lines.append("The write row has one mount column: writes go to S3 through the worker.")
-    Path(a.out).write_text("\n".join(lines) + "\n")
+    provenance.write(a.out, lines)
     print(f"wrote {a.out}")
 
 

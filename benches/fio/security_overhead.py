@@ -18,6 +18,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import provenance
 from run import HERE, Cluster, fio
 
 
@@ -171,10 +172,7 @@ def main() -> None:
     lines = [
         "# TLS and token overhead: warm sequential reads through the mount",
         "",
-        (
-            f"Command: `python3 benches/fio/security_overhead.py --bin {a.bin} --size {a.size} "
-            f"--rounds {a.rounds}` (as root)."
-        ),
+        *provenance.header(),
         (
             f"Machine: {os.cpu_count()} cores, `uname -r` {os.uname().release}. One s3-server, "
             "one worker and one mount on this machine. fio `seq-read.fio`, 256 KiB reads, "
@@ -213,7 +211,7 @@ def main() -> None:
             "of throughput; on separate client and cache nodes it would not."
         ),
     ]
-    Path(a.out).write_text("\n".join(lines) + "\n")
+    provenance.write(a.out, lines)
     print(f"wrote {a.out}")
 
 

@@ -18,9 +18,9 @@ import os
 import shutil
 import subprocess
 import sys
-import time
 from pathlib import Path
 
+import provenance
 from run import Cluster
 
 HERE = Path(__file__).resolve().parent
@@ -101,7 +101,6 @@ def main() -> None:
         check=True,
         capture_output=True,
     )
-    started = time.strftime("%Y-%m-%d %H:%M:%S")
     rows = {}
     c = Cluster(a.bin, work)
     try:
@@ -121,9 +120,7 @@ def main() -> None:
     lines = [
         "# Trainer checkpoint stall: local disk vs lakecache `through` vs `back`",
         "",
-        f"Command: `python benches/fio/trainer_stall.py --bin {a.bin} --model {a.model} "
-        f"--steps {a.steps} --save-every {a.save_every}` (as root, the trainer's venv), "
-        f"started {started}.",
+        *provenance.header(),
         f"Machine: {os.cpu_count()} cores, no GPU: one process, gloo, DeepSpeed ZeRO-2 with "
         "CPU Adam. s3-server, one worker (plain HTTP, no tokens) and the mount on this "
         "machine. The stall is the trainer's own `checkpoint_stall_s`: "
@@ -140,7 +137,7 @@ def main() -> None:
             f"| {mode} | {len(r['saves'])} | {r['bytes'] // max(len(r['saves']), 1):,} | "
             f"{per:.2f} | {per / local_per:.2f} |"
         )
-    Path(a.out).write_text("\n".join(lines) + "\n")
+    provenance.write(a.out, lines)
     print(f"wrote {a.out}")
 
 

@@ -20,6 +20,7 @@ import threading
 import time
 from pathlib import Path
 
+import provenance
 from run import BUCKET, Cluster, drop_caches
 
 HERE = Path(__file__).resolve().parent
@@ -178,8 +179,7 @@ def write(a: argparse.Namespace, rows: dict, started: str, ckpt_bytes: int) -> N
     lines = [
         "# Writes: local disk vs lakecache `through` vs `back`",
         "",
-        f"Command: `python3 benches/fio/write_path.py --bin {a.bin} --size {a.size} "
-        f"--ckpt-writers {a.ckpt_writers} --ckpt-size {a.ckpt_size}` (as root), started {started}.",
+        *provenance.header(),
         f"Machine: {os.cpu_count()} cores, kernel {os.uname().release}; s3-server, one worker "
         "(back-r2: three workers, `--write-replicas 2`; plain HTTP, no tokens) and the mount on "
         "this machine, all on the same disk as `local`. The page cache is dropped before every "
@@ -214,7 +214,7 @@ def write(a: argparse.Namespace, rows: dict, started: str, ckpt_bytes: int) -> N
         r = rows[mode]
         s3 = "-" if mode == "local" else f"{r['ckpt_s3']:.1f}"
         lines.append(f"| {mode} | {r['ckpt']:.1f} | {s3} | {r['ckpt'] / local['ckpt']:.2f} |")
-    Path(a.out).write_text("\n".join(lines) + "\n")
+    provenance.write(a.out, lines)
     print(f"wrote {a.out}")
 
 

@@ -18,21 +18,26 @@ use lakecache_worker::{Metrics, S3Config};
 use sha2::{Digest, Sha256};
 
 mod common;
-use common::{free_port, start_s3_with, wait_for_port, Proc, BIN};
+use common::{start_s3_with, worker_port, Proc, BIN};
 
 const ACCESS: &str = "mount-test";
 const SECRET: &str = "mount-test-secret";
 const BUCKET: &str = "data";
 const SEGMENT: &str = "16MiB";
 
+/// Fields drop in order: processes stop before their directory goes.
 struct Env {
-    dir: tempfile::TempDir,
     rt: tokio::runtime::Runtime,
     s3: Arc<dyn ObjectStore>,
     s3_port: u16,
     _s3_proc: Proc,
     workers: Vec<(u16, Proc)>,
     mount: Option<Proc>,
+    /// Worker `i`'s log, appended across restarts.
+    worker_log_paths: Vec<PathBuf>,
+    /// The mount's log (a new one per mount).
+    mount_log: PathBuf,
+    dir: tempfile::TempDir,
 }
 
 impl Env {
@@ -68,19 +73,34 @@ impl Env {
             _s3_proc: s3_proc,
             workers: Vec::new(),
             mount: None,
+            worker_log_paths: Vec::new(),
+            mount_log: PathBuf::new(),
         };
         for i in 0..workers {
-            let port = free_port();
-            let child = env.spawn_worker(i, port, worker_flags);
+            let (port, child) = env.start_worker(i, 0, worker_flags);
             env.workers.push((port, child));
         }
         env
     }
 
-    /// `lakecache worker` number `i` (its cache dir is `cache-{i}`) on `port`.
-    fn spawn_worker(&self, i: usize, port: u16, worker_flags: &[&str]) -> Proc {
-        let child = Command::new(BIN)
-            .args(["worker", "--listen", &format!("127.0.0.1:{port}")])
+    /// [`Env::start_worker`] where the port is known: a restart on the
+    /// port the worker had (the static ring names it).
+    fn spawn_worker(&mut self, i: usize, port: u16, worker_flags: &[&str]) -> Proc {
+        let (got, child) = self.start_worker(i, port, worker_flags);
+        assert_eq!(got, port);
+        child
+    }
+
+    /// `lakecache worker` number `i` (its cache dir is `cache-{i}`) on
+    /// `port` (0: its own pick); the port it reports and the process.
+    fn start_worker(&mut self, i: usize, port: u16, worker_flags: &[&str]) -> (u16, Proc) {
+        while self.worker_log_paths.len() <= i {
+            let n = self.worker_log_paths.len();
+            self.worker_log_paths
+                .push(common::log_file(&format!("worker-{n}")));
+        }
+        let mut cmd = Command::new(BIN);
+        cmd.args(["worker", "--listen", &format!("127.0.0.1:{port}")])
             .args(["--insecure-http"])
             .args(if worker_flags.contains(&"--auth-keys") {
                 &[][..]
@@ -93,32 +113,19 @@ impl Env {
             .arg(format!("http://127.0.0.1:{}", self.s3_port))
             .args(worker_flags)
             .envs(common::s3_env(ACCESS, SECRET, self.s3_port))
-            .stdout(Stdio::null())
-            .stderr(self.worker_log(i))
-            .spawn()
-            .unwrap();
-        wait_for_port(port, "worker");
-        Proc(child)
-    }
-
-    /// Worker `i`'s log (appended across restarts).
-    fn worker_log(&self, i: usize) -> File {
-        OpenOptions::new()
-            .create(true)
-            .append(true)
-            .open(self.dir.path().join(format!("worker-{i}.log")))
-            .unwrap()
+            .stdin(Stdio::null());
+        let mut child =
+            Proc::spawn_logged(&format!("worker {i}"), &mut cmd, &self.worker_log_paths[i]);
+        let got = worker_port(&mut child);
+        (got, child)
     }
 
     /// The last lines of every worker's log, for a failure message.
     fn worker_logs(&self) -> String {
         let mut out = String::new();
-        for i in 0..self.workers.len().max(1) {
-            let text = fs::read_to_string(self.dir.path().join(format!("worker-{i}.log")))
-                .unwrap_or_default();
-            let lines: Vec<&str> = text.lines().collect();
-            let tail = lines[lines.len().saturating_sub(40)..].join("\n");
-            out += &format!("--- worker {i}\n{tail}\n");
+        for (i, path) in self.worker_log_paths.iter().enumerate() {
+            let text = fs::read_to_string(path).unwrap_or_default();
+            out += &format!("--- worker {i}\n{}\n", common::tail(&text, 40));
         }
         out
     }
@@ -155,18 +162,42 @@ impl Env {
         self.mount_with::<&str>(&[]);
     }
 
-    /// Mounts with `extra` flags, logging to `mount.log`.
+    /// Mounts with `extra` flags, logging to a new log file.
     fn mount_with<S: AsRef<std::ffi::OsStr>>(&mut self, extra: &[S]) {
-        let log = File::create(self.dir.path().join("mount.log")).unwrap();
-        let child = self
-            .mount_command()
-            .args(extra)
-            .stdout(Stdio::null())
-            .stderr(log)
-            .spawn()
-            .unwrap();
-        self.mount = Some(Proc(child));
-        wait_mounted(&self.mountpoint(), true);
+        let mut cmd = self.mount_command();
+        cmd.args(extra);
+        self.spawn_mount(&mut cmd);
+        self.wait_mount_serving();
+    }
+
+    /// Waits until the mount serves, failing at once if its process exits.
+    fn wait_mount_serving(&mut self) {
+        let mountpoint = self.mountpoint();
+        let mount = self.mount.as_mut().expect("a mount was started");
+        common::wait_until(
+            "the mount serving",
+            Duration::from_secs(30),
+            Duration::from_millis(50),
+            || {
+                if let Ok(Some(status)) = mount.child.try_wait() {
+                    panic!(
+                        "the mount exited ({status}) before serving\n{}",
+                        mount.describe()
+                    );
+                }
+                mounted_and_serving(&mountpoint)
+            },
+        );
+    }
+
+    /// Starts `cmd` as this environment's mount, with a new log.
+    fn spawn_mount(&mut self, cmd: &mut Command) {
+        self.mount_log = common::log_file("mount");
+        self.mount = Some(Proc::spawn_logged(
+            "mount",
+            cmd.stdin(Stdio::null()),
+            &self.mount_log,
+        ));
     }
 
     fn put(&self, key: &str, data: Bytes) {
@@ -196,7 +227,7 @@ impl Env {
     }
 
     fn log(&self) -> String {
-        fs::read_to_string(self.dir.path().join("mount.log")).unwrap_or_default()
+        fs::read_to_string(&self.mount_log).unwrap_or_default()
     }
 }
 
@@ -211,27 +242,31 @@ impl Drop for Env {
     }
 }
 
+fn mounted_and_serving(path: &Path) -> bool {
+    let path = path.canonicalize().unwrap_or(path.to_path_buf());
+    lakecache_fuse::mount::is_mounted(&path) && !lakecache_fuse::mount::is_dead_mount(&path)
+}
+
+/// Mounted means serving; unmounted means gone, not merely dead.
 fn wait_mounted(path: &Path, want: bool) {
-    let deadline = Instant::now() + Duration::from_secs(20);
-    loop {
-        let path = path.canonicalize().unwrap_or(path.to_path_buf());
-        // Mounted means serving; unmounted means gone, not merely dead.
-        let done = if want {
-            lakecache_fuse::mount::is_mounted(&path) && !lakecache_fuse::mount::is_dead_mount(&path)
-        } else {
-            !lakecache_fuse::mount::is_mounted(&path)
-        };
-        if done {
-            return;
-        }
-        assert!(
-            Instant::now() < deadline,
-            "{} did not become {}",
-            path.display(),
-            if want { "mounted" } else { "unmounted" }
-        );
-        std::thread::sleep(Duration::from_millis(50));
-    }
+    let what = format!(
+        "{} becoming {}",
+        path.display(),
+        if want { "mounted" } else { "unmounted" }
+    );
+    common::wait_until(
+        &what,
+        Duration::from_secs(30),
+        Duration::from_millis(50),
+        || {
+            if want {
+                mounted_and_serving(path)
+            } else {
+                let path = path.canonicalize().unwrap_or(path.to_path_buf());
+                !lakecache_fuse::mount::is_mounted(&path)
+            }
+        },
+    );
 }
 
 /// Deterministic pseudo-random bytes.
@@ -271,19 +306,28 @@ fn errno_of<T>(r: std::io::Result<T>) -> i32 {
     }
 }
 
-fn worker_stat_requests(port: u16) -> u64 {
-    worker_requests(port, "stat")
+/// Requests of kind `op` (`stat`, `read`, ...) the worker has answered.
+/// Fails when the worker does not export the count: a renamed metric
+/// must not read as 0.
+fn worker_requests(port: u16, op: &str) -> u64 {
+    worker_requests_opt(port, op).unwrap_or_else(|e| panic!("worker on port {port}: {e}"))
 }
 
-/// Requests of kind `op` (`stat`, `read`, ...) the worker has answered.
-fn worker_requests(port: u16, op: &str) -> u64 {
+/// [`worker_requests`] as a baseline taken before the worker may have
+/// answered any such request: 0 when it has none yet. Only for a value a
+/// later [`worker_requests`] reading is compared with.
+fn worker_requests_baseline(port: u16, op: &str) -> u64 {
+    worker_requests_opt(port, op).unwrap_or(0)
+}
+
+fn worker_requests_opt(port: u16, op: &str) -> Result<u64, String> {
     let body = reqwest_like_get(port, "/metrics");
-    let op = format!("op=\"{op}\"");
-    body.lines()
-        .find(|l| l.starts_with("lakecache_request_duration_seconds_count{") && l.contains(&op))
-        .and_then(|l| l.rsplit(' ').next())
-        .and_then(|v| v.parse::<f64>().ok())
-        .unwrap_or(0.0) as u64
+    common::metric(
+        &body,
+        "lakecache_request_duration_seconds_count",
+        &[("op", op)],
+    )
+    .map(|v| v as u64)
 }
 
 /// A bare HTTP/1.0 GET (the metrics endpoint is plain text).
@@ -379,7 +423,7 @@ fn reads_objects_from_s3_and_lists_prefixes_like_a_filesystem() {
     // `ls -l` of 10,000 entries: names and sizes from the listing, not
     // one HEAD per file.
     let port = env.workers[0].0;
-    let stats_before = worker_stat_requests(port);
+    let stats_before = worker_requests_baseline(port, "stat");
     let mut count = 0;
     for entry in fs::read_dir(mnt.join("many")).unwrap() {
         let entry = entry.unwrap();
@@ -394,10 +438,18 @@ fn reads_objects_from_s3_and_lists_prefixes_like_a_filesystem() {
     assert!(out.status.success());
     assert_eq!(String::from_utf8_lossy(&out.stdout).lines().count(), 10_001); // + "total"
     assert_eq!(count, 10_000);
-    let stats = worker_stat_requests(port) - stats_before;
+    // A stat of a name no listing has shown goes to the worker: the count
+    // read below is live, not a missing metric.
+    assert_eq!(
+        errno_of(fs::metadata(mnt.join("many/not-listed"))),
+        libc::ENOENT
+    );
+    let stats = worker_requests(port, "stat") - stats_before;
+    eprintln!("ls -l of 10,000 entries and one unlisted name: {stats} worker stat requests");
+    // Measured: 2 (the unlisted name's, and one more).
     assert!(
-        stats < 100,
-        "{stats} stat requests for listing 10,000 entries"
+        (1..100).contains(&stats),
+        "{stats} stat requests for listing 10,000 entries and one unlisted name"
     );
 }
 
@@ -656,10 +708,11 @@ fn a_worker_killed_during_a_read_through_the_mount_costs_no_io_error() {
 #[test]
 fn a_worker_hung_during_a_read_through_the_mount_costs_seconds() {
     let took = read_through_a_worker_failure(true);
+    eprintln!("384 MiB through the mount with a worker stopped: {took:?}");
     // Before progress deadlines, each request to the stopped worker waited
-    // out the 60 s request timeout.
+    // out the 60 s request timeout (measured: 5.9 s, machine loaded).
     assert!(
-        took < Duration::from_secs(25),
+        took < common::scaled(Duration::from_secs(25)),
         "a hung worker stalled the mount for {took:?}"
     );
 }
@@ -699,7 +752,7 @@ fn read_through_a_worker_failure(hang: bool) -> Duration {
     let mut buf = vec![0u8; 1 << 20];
     let mut total = 0usize;
     let mut failed = false;
-    let pid = env.workers[victim].1 .0.id().to_string();
+    let pid = env.workers[victim].1.id().to_string();
     loop {
         let n = f.read(&mut buf).expect("read through the mount");
         if n == 0 {
@@ -728,6 +781,17 @@ fn read_through_a_worker_failure(hang: bool) -> Duration {
     assert_eq!(total, size);
     assert_eq!(h.finalize().to_vec(), want);
     took
+}
+
+/// No such process, or only a zombie left for its parent to reap.
+fn process_gone(pid: &str) -> bool {
+    match fs::read_to_string(format!("/proc/{pid}/stat")) {
+        Err(_) => true,
+        // "PID (COMM) STATE ...": the state follows the last ')'.
+        Ok(stat) => stat
+            .rsplit_once(')')
+            .is_some_and(|(_, rest)| rest.trim_start().starts_with('Z')),
+    }
 }
 
 fn mount_pids(mountpoint: &Path) -> Vec<String> {
@@ -770,7 +834,7 @@ fn sigterm_unmounts_and_a_killed_client_leaves_no_dead_mount() {
         String::from_utf8_lossy(&out.stderr)
     );
     let mut client = env.mount.take().unwrap();
-    let status = client.0.wait().unwrap();
+    let status = client.child.wait().unwrap();
     assert!(
         status.success(),
         "mount exited with {status}: {}",
@@ -792,8 +856,14 @@ fn sigterm_unmounts_and_a_killed_client_leaves_no_dead_mount() {
     for pid in &helpers {
         let _ = Command::new("kill").args(["-KILL", pid]).status();
     }
-    // Let the helper die before its client does, or it still unmounts.
-    std::thread::sleep(Duration::from_millis(300));
+    // The helpers must be gone before their client dies, or they still
+    // unmount.
+    common::wait_until(
+        "the mount's helpers exiting",
+        Duration::from_secs(20),
+        Duration::from_millis(20),
+        || helpers.iter().all(|pid| process_gone(pid)),
+    );
     env.mount.take().unwrap().kill9();
     if !helpers.is_empty() {
         assert!(
@@ -955,9 +1025,8 @@ fn a_mount_can_do_what_its_token_allows_and_nothing_else() {
     // Read-only: reads work, every write is EACCES, S3 is untouched.
     let mut cmd = env.mount_command();
     cmd.arg("--token-file").arg(&read_only);
-    let log = File::create(env.dir.path().join("mount.log")).unwrap();
-    env.mount = Some(Proc(cmd.stdout(Stdio::null()).stderr(log).spawn().unwrap()));
-    wait_mounted(&env.mountpoint(), true);
+    env.spawn_mount(&mut cmd);
+    env.wait_mount_serving();
     let mnt = env.mountpoint();
     assert_eq!(fs::read(mnt.join("ckpt/a.pt")).unwrap(), b"weights");
     assert_eq!(
@@ -980,13 +1049,8 @@ fn a_mount_can_do_what_its_token_allows_and_nothing_else() {
     // Checkpoint writer: writes under ckpt/ only.
     let mut cmd = env.mount_command();
     cmd.arg("--token-file").arg(&ckpt_writer);
-    env.mount = Some(Proc(
-        cmd.stdout(Stdio::null())
-            .stderr(Stdio::null())
-            .spawn()
-            .unwrap(),
-    ));
-    wait_mounted(&mnt, true);
+    env.spawn_mount(&mut cmd);
+    env.wait_mount_serving();
     fs::write(mnt.join("ckpt/new.pt"), b"step 2").unwrap();
     assert_eq!(env.s3_get("ckpt/new.pt").as_deref(), Some(&b"step 2"[..]));
     assert_eq!(

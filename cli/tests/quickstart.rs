@@ -5,7 +5,8 @@ use std::io::{BufRead, BufReader, Write};
 use std::process::{Child, Command, Output, Stdio};
 use std::time::{Duration, Instant};
 
-const BIN: &str = env!("CARGO_BIN_EXE_lakecache");
+mod common;
+use common::BIN;
 
 struct Up {
     child: Child,
@@ -13,9 +14,49 @@ struct Up {
     mountpoint: String,
     /// The read/write token `up` minted for its bucket.
     token_file: String,
+    /// Where `up`'s stderr goes; printed if the test fails.
+    stderr_log: std::path::PathBuf,
+}
+
+impl Drop for Up {
+    fn drop(&mut self) {
+        if let Ok(None) = self.child.try_wait() {
+            let _ = self.child.kill();
+            let _ = self.child.wait();
+        }
+        if std::thread::panicking() {
+            let log = std::fs::read_to_string(&self.stderr_log).unwrap_or_default();
+            eprintln!(
+                "--- lakecache up's stderr ({}):\n{}",
+                self.stderr_log.display(),
+                common::tail(&log, 200)
+            );
+        }
+    }
+}
+
+/// Reads `up`'s stdout until its "try:" line, failing with its stderr if
+/// it exits first.
+fn up_banner(
+    lines: &mut std::io::Lines<BufReader<std::process::ChildStdout>>,
+    stderr_log: &std::path::Path,
+    mut each: impl FnMut(&str),
+) {
+    for line in lines.by_ref() {
+        let line = line.unwrap();
+        each(&line);
+        if line.starts_with("try:") {
+            return;
+        }
+    }
+    panic!(
+        "lakecache up ended its output before \"try:\"; its stderr:\n{}",
+        std::fs::read_to_string(stderr_log).unwrap_or_default()
+    );
 }
 
 fn start_up(dir: &std::path::Path) -> Up {
+    let stderr_log = common::log_file("up");
     let mut child = Command::new(BIN)
         .args([
             "up",
@@ -31,14 +72,13 @@ fn start_up(dir: &std::path::Path) -> Up {
         .arg("--mount")
         .arg(dir.join("mnt"))
         .stdout(Stdio::piped())
-        .stderr(Stdio::null())
+        .stderr(common::append_file(&stderr_log))
         .spawn()
         .expect("spawn lakecache up");
     let mut lines = BufReader::new(child.stdout.take().unwrap()).lines();
     let mut worker = None;
     let mut token_file = None;
-    for line in lines.by_ref() {
-        let line = line.unwrap();
+    up_banner(&mut lines, &stderr_log, |line| {
         if let Some(rest) = line.trim().strip_prefix("token file") {
             token_file = rest.split_whitespace().next().map(str::to_string);
         }
@@ -46,13 +86,11 @@ fn start_up(dir: &std::path::Path) -> Up {
             let url = rest.split_whitespace().next().unwrap();
             worker = Some(url.trim_start_matches("http://").to_string());
         }
-        if line.starts_with("try:") {
-            break;
-        }
-    }
+    });
     // Keep draining stdout so the child never blocks on a full pipe.
     std::thread::spawn(move || for _ in lines {});
     Up {
+        stderr_log,
         child,
         worker: worker.expect("up printed the worker address"),
         token_file: token_file.expect("up printed its token file"),
@@ -95,7 +133,7 @@ fn stop(mut up: Up) {
         .status()
         .unwrap()
         .success());
-    let deadline = Instant::now() + Duration::from_secs(20);
+    let deadline = common::deadline_in(Duration::from_secs(20));
     loop {
         if let Some(status) = up.child.try_wait().unwrap() {
             assert!(status.success(), "up exited with {status}");
@@ -343,8 +381,7 @@ fn no_secret_reaches_logs_errors_status_or_metrics() {
     let mut seen = String::new();
     let mut lines = BufReader::new(child.stdout.take().unwrap()).lines();
     let mut worker = String::new();
-    for line in lines.by_ref() {
-        let line = line.unwrap();
+    up_banner(&mut lines, &log_path, |line| {
         if let Some(rest) = line.trim().strip_prefix("worker") {
             worker = rest
                 .split_whitespace()
@@ -353,14 +390,12 @@ fn no_secret_reaches_logs_errors_status_or_metrics() {
                 .trim_start_matches("http://")
                 .into();
         }
-        seen.push_str(&line);
+        seen.push_str(line);
         seen.push('\n');
-        if line.starts_with("try:") {
-            break;
-        }
-    }
+    });
     std::thread::spawn(move || for _ in lines {});
     let up = Up {
+        stderr_log: log_path.clone(),
         child,
         worker: worker.clone(),
         mountpoint: dir

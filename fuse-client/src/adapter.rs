@@ -572,6 +572,7 @@ impl Filesystem for KernelAdapter {
         _flush: bool,
         reply: ReplyEmpty,
     ) {
+        tracing::trace!(ino = ino.0, fh = fh.0, "fuse release");
         self.passthrough.released(fh.0);
         self.spawn(
             "release",

@@ -20,6 +20,7 @@ use crate::read::{FileReader, ReadaheadPolicy};
 use crate::write::FileWriter;
 
 mod meta;
+mod object_locks;
 mod update;
 pub use meta::{Creator, SetAttr, METADATA_DELAY};
 
@@ -70,6 +71,8 @@ pub struct Fs {
     tier: Option<Arc<crate::local_tier::LocalTier>>,
     /// Metadata changes not yet stored in S3.
     dirty_meta: meta::DirtyMeta,
+    /// Metadata stores, renames and unlinks of one object take turns.
+    object_locks: object_locks::ObjectLocks,
 }
 
 /// Entries one `readdir` call prepares; the kernel's buffer takes fewer.
@@ -142,6 +145,7 @@ impl Fs {
             memory,
             tier: None,
             dirty_meta: meta::DirtyMeta::default(),
+            object_locks: object_locks::ObjectLocks::default(),
         }
     }
 
@@ -1051,6 +1055,9 @@ impl Fs {
         if node.kind == Kind::Dir {
             return Err(FsError::IsDir);
         }
+        let _turn = self.object_locks.lock(node.ino).await;
+        // Resolved again under the lock: a rename may have moved it.
+        let node = self.resolve(parent, name).await?;
         if let Some(Ok(Handle::Update(u))) = node.writer.map(|fh| self.handle(fh)) {
             // Changed in place and now unlinked: the changes are dropped.
             u.discard().await;
@@ -1122,6 +1129,13 @@ impl Fs {
         no_replace: bool,
         pid: u32,
     ) -> Result<(), FsError> {
+        // The source's turn (see object_locks); an error resolving it is
+        // rename_objects' to report.
+        let src_ino = self.resolve(parent, name).await.map(|n| n.ino).ok();
+        let _turn = match src_ino {
+            Some(ino) => Some(self.object_locks.lock(ino).await),
+            None => None,
+        };
         let result = self
             .rename_objects(parent, name, new_parent, new_name, no_replace, pid)
             .await;

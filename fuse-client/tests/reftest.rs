@@ -2,7 +2,7 @@
 //! operation sequences run against `Fs` over the in-memory data plane and
 //! against a plain model of the namespace; every result must agree.
 //!
-//! Cases: `PROPTEST_CASES` (default 4000); `benches/reftest-nightly.sh`
+//! Cases: `PROPTEST_CASES` (default 4000); `benches/model/reftest-long.sh`
 //! runs many more.
 
 mod model;

@@ -1,14 +1,16 @@
-"""Process helpers shared by the operations tests."""
+"""Process helpers shared by the operations tests: the shared testproc
+module (logs kept and shown on failure, ports reported by the children,
+deadlines scaled by LAKECACHE_TEST_TIME_SCALE) plus what these tests add."""
 
 from __future__ import annotations
 
 import os
-import socket
-import subprocess
-import time
 from pathlib import Path
 
 import pytest
+import testproc  # on sys.path by conftest.py
+
+wait_for = testproc.wait_for
 
 
 def lakecache_bin() -> str:
@@ -18,49 +20,21 @@ def lakecache_bin() -> str:
     return path
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+def start_s3(binary: str, root: Path, env: dict[str, str] | None = None):
+    """`lakecache s3-server` with bucket `data`, credentials unit-test;
+    (child, port)."""
+    return testproc.start_s3_server(binary, root, "unit-test", "unit-test-secret", env)
 
 
-def wait_for(what: str, ok, secs: float = 30.0) -> None:
-    deadline = time.monotonic() + secs
-    while not ok():
-        assert time.monotonic() < deadline, f"timed out waiting for {what}"
-        time.sleep(0.1)
+def start_worker(binary: str, cache: Path, s3_port: int, env: dict[str, str]):
+    """A plain-HTTP worker without tokens over the S3 endpoint on `s3_port`;
+    (child, port)."""
+    return testproc.start_plain_worker(binary, cache, s3_port, env)
 
 
-def port_open(port: int) -> bool:
-    with socket.socket() as s:
-        return s.connect_ex(("127.0.0.1", port)) == 0
-
-
-def start_s3(
-    binary: str, root: Path, port: int, env: dict[str, str] | None = None
-) -> subprocess.Popen:
-    """`lakecache s3-server` with bucket `data`, credentials unit-test."""
-    proc = subprocess.Popen(
-        [binary, "s3-server", "--root", str(root), "--listen", f"127.0.0.1:{port}",
-         "--access-key", "unit-test", "--secret-key", "unit-test-secret", "--bucket", "data"],
-        env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-    )  # fmt: skip
-    wait_for("the s3 endpoint", lambda: port_open(port))
-    return proc
-
-
-def start_worker(
-    binary: str, cache: Path, port: int, s3_port: int, env: dict[str, str]
-) -> subprocess.Popen:
-    """A plain-HTTP worker without tokens over the S3 endpoint on `s3_port`."""
-    proc = subprocess.Popen(
-        [binary, "worker", "--listen", f"127.0.0.1:{port}", "--insecure-http", "--no-auth",
-         "--cache-dir", str(cache), "--cache-size", "1GiB",
-         "--s3-endpoint", f"http://127.0.0.1:{s3_port}", "--s3-path-style"],
-        env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-    )  # fmt: skip
-    wait_for("the worker", lambda: port_open(port))
-    return proc
+def stop_all(children) -> None:
+    for c in reversed(children):
+        c.stop()
 
 
 S3_ENV = {

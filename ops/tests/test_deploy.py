@@ -19,7 +19,7 @@ from pathlib import Path
 import kubernetes_validate
 import pytest
 import yaml
-from helpers import S3_ENV, free_port, lakecache_bin, start_s3
+from helpers import S3_ENV, lakecache_bin, start_s3, stop_all, testproc
 
 DEPLOY = Path(__file__).resolve().parent.parent.parent / "deploy"
 OVERLAYS = sorted(p for p in (DEPLOY / "kubernetes" / "overlays").iterdir() if p.is_dir())
@@ -129,18 +129,17 @@ def run_unit_command(line: str, replace: dict[str, str], env: dict[str, str]) ->
 
 def test_systemd_units_run_as_written_and_report_readiness(tmp_path: Path) -> None:
     binary = lakecache_bin()
-    s3_port, worker_port = free_port(), free_port()
-    s3 = start_s3(binary, tmp_path / "s3", s3_port)
+    s3, s3_port = start_s3(binary, tmp_path / "s3")
     procs = [s3]
     mnt = tmp_path / "mnt"
     try:
         notify_path = tmp_path / "notify"
         notify = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
         notify.bind(str(notify_path))
-        notify.settimeout(60)
+        notify.settimeout(testproc.scaled(60))
         config = tmp_path / "worker.toml"
         config.write_text(
-            f'listen = "127.0.0.1:{worker_port}"\ncache_dir = "{tmp_path / "cache"}"\n'
+            f'listen = "127.0.0.1:0"\ncache_dir = "{tmp_path / "cache"}"\n'
             f'cache_size = "1GiB"\ninsecure_http = true\nno_auth = true\n'
             f's3_endpoint = "http://127.0.0.1:{s3_port}"\ns3_path_style = true\n'
         )
@@ -152,12 +151,10 @@ def test_systemd_units_run_as_written_and_report_readiness(tmp_path: Path) -> No
             "/mnt/data": str(mnt),
         }
         (worker_line,) = unit_lines("lakecache-worker.service", "ExecStart")
-        worker = subprocess.Popen(
-            run_unit_command(worker_line, replace, env),
-            env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-        )  # fmt: skip
+        worker = testproc.Child("worker unit", run_unit_command(worker_line, replace, env), env=env)
         procs.append(worker)
         assert notify.recv(256).startswith(b"READY=1"), "the worker unit never became ready"
+        worker_port = worker.wait_for_port("lakecache worker listening on")
         health = urllib.request.urlopen(f"http://127.0.0.1:{worker_port}/v1/health", timeout=5)
         assert health.status == 200
 
@@ -168,11 +165,9 @@ def test_systemd_units_run_as_written_and_report_readiness(tmp_path: Path) -> No
         }
         (mount_line,) = unit_lines("lakecache-mount.service", "ExecStart")
         argv = run_unit_command(mount_line, replace, mount_env)
-        # Port 9501 may be taken on a test machine; same flag, another port.
-        argv[argv.index("127.0.0.1:9501")] = f"127.0.0.1:{free_port()}"
-        mount = subprocess.Popen(
-            argv, env={**env, **mount_env}, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE
-        )
+        # Port 9501 may be taken on a test machine; same flag, a port of its own.
+        argv[argv.index("127.0.0.1:9501")] = "127.0.0.1:0"
+        mount = testproc.Child("mount unit", argv, env={**env, **mount_env})
         procs.append(mount)
         assert notify.recv(256).startswith(b"READY=1"), "the mount unit never became ready"
         # Ready means usable: a write lands and reads back.
@@ -180,18 +175,15 @@ def test_systemd_units_run_as_written_and_report_readiness(tmp_path: Path) -> No
         assert (mnt / "hello.txt").read_text() == "through the unit\n"
         (stop_line,) = unit_lines("lakecache-mount.service", "ExecStop")
         subprocess.run(run_unit_command(stop_line, replace, mount_env), check=True)
-        assert mount.wait(timeout=60) == 0, mount.stderr.read().decode() if mount.stderr else ""
+        assert mount.proc.wait(timeout=testproc.scaled(60)) == 0, mount.describe()
         (post_line,) = unit_lines("lakecache-mount.service", "ExecStopPost")
         # Nothing left to detach: the '-' prefix makes its failure harmless.
         assert unit_lines("lakecache-mount.service", "ExecStopPost")[0].startswith("-")
         subprocess.run(run_unit_command(post_line, replace, mount_env), check=False)
         assert not os.path.ismount(mnt)
-        worker.terminate()
-        assert worker.wait(timeout=60) == 0
+        worker.proc.terminate()
+        assert worker.proc.wait(timeout=testproc.scaled(60)) == 0, worker.describe()
     finally:
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
-                p.wait()
+        stop_all(procs)
         if os.path.ismount(mnt):
             subprocess.run(["fusermount3", "-uz", str(mnt)], check=False)

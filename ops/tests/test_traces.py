@@ -12,7 +12,7 @@ import threading
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
-from helpers import S3_ENV, free_port, lakecache_bin, start_s3, start_worker, wait_for
+from helpers import S3_ENV, lakecache_bin, start_s3, start_worker, stop_all, testproc, wait_for
 from opentelemetry.proto.collector.trace.v1 import trace_service_pb2
 
 
@@ -92,25 +92,23 @@ def end_to_end_trace(spans: list[dict]) -> list[dict] | None:
 def test_one_fuse_read_is_one_trace_across_mount_worker_and_s3(tmp_path: Path) -> None:
     binary = lakecache_bin()
     receiver = Receiver()
-    s3_port, worker_port = free_port(), free_port()
     otel = {
         "LAKECACHE_OTLP_ENDPOINT": f"http://127.0.0.1:{receiver.port}",
         # Export within a fraction of a second instead of every 5 s.
         "OTEL_BSP_SCHEDULE_DELAY": "100",
     }
     env = {**os.environ, **S3_ENV, **otel}
-    procs = [start_s3(binary, tmp_path / "s3", s3_port, env)]
+    s3, s3_port = start_s3(binary, tmp_path / "s3", env)
+    procs = [s3]
     mnt = tmp_path / "mnt"
     try:
-        procs.append(start_worker(binary, tmp_path / "cache", worker_port, s3_port, env))
+        worker, worker_port = start_worker(binary, tmp_path / "cache", s3_port, env)
+        procs.append(worker)
         registry = f"static:127.0.0.1:{worker_port}"
         procs.append(
-            subprocess.Popen(
-                [binary, "mount", "s3://data", str(mnt), "--registry", registry],
-                env=env,
-                stdout=subprocess.DEVNULL,
-                stderr=subprocess.PIPE,
-            )  # fmt: skip
+            testproc.Child(
+                "mount", [binary, "mount", "s3://data", str(mnt), "--registry", registry], env=env
+            )
         )
         wait_for("the mount", lambda: os.path.ismount(mnt))
         payload = os.urandom(3 << 20)
@@ -139,13 +137,7 @@ def test_one_fuse_read_is_one_trace_across_mount_worker_and_s3(tmp_path: Path) -
         worker_request = next(s for s in found if s["name"] == "request")
         assert worker_request["attrs"].get("path", "").startswith("/v1/objects/data/shard-0.bin")
     finally:
-        for p in reversed(procs):
-            if p.poll() is None:
-                p.terminate()
-                try:
-                    p.wait(timeout=30)
-                except subprocess.TimeoutExpired:
-                    p.kill()
+        stop_all(procs)
         if os.path.ismount(mnt):
             subprocess.run(["fusermount3", "-uz", str(mnt)], check=False)
         receiver.server.shutdown()

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import boto3
 from botocore.config import Config
-from helpers import free_port, lakecache_bin, port_open, start_worker, wait_for
+from helpers import lakecache_bin, start_worker, stop_all, testproc, wait_for
 
 CREDS = {"AWS_ACCESS_KEY_ID": "moto", "AWS_SECRET_ACCESS_KEY": "moto-secret",
          "AWS_REGION": "us-east-1"}  # fmt: skip
@@ -21,20 +21,14 @@ CREDS = {"AWS_ACCESS_KEY_ID": "moto", "AWS_SECRET_ACCESS_KEY": "moto-secret",
 
 def test_a_snapshot_of_a_versioned_bucket_reads_overwritten_and_deleted_objects(tmp_path: Path):
     binary = lakecache_bin()
-    moto_port, worker_port = free_port(), free_port()
     env = {**os.environ, **CREDS}
     server = Path(sys.executable).parent / "moto_server"
-    procs = [
-        subprocess.Popen(
-            [str(server), "-p", str(moto_port)],
-            env=env,
-            stdout=subprocess.DEVNULL,
-            stderr=subprocess.DEVNULL,
-        )  # fmt: skip
-    ]
+    # Port 0: werkzeug binds a port of its own and prints it.
+    moto = testproc.Child("moto_server", [str(server), "-H", "127.0.0.1", "-p", "0"], env=env)
+    procs = [moto]
     mnt = tmp_path / "mnt"
     try:
-        wait_for("moto", lambda: port_open(moto_port))
+        moto_port = moto.wait_for_port("Running on http://")
         s3 = boto3.client(
             "s3", endpoint_url=f"http://127.0.0.1:{moto_port}", region_name="us-east-1",
             aws_access_key_id=CREDS["AWS_ACCESS_KEY_ID"],
@@ -46,7 +40,8 @@ def test_a_snapshot_of_a_versioned_bucket_reads_overwritten_and_deleted_objects(
         v1 = os.urandom(3 << 20)
         s3.put_object(Bucket="versioned", Key="ds/a.bin", Body=v1)
         s3.put_object(Bucket="versioned", Key="ds/b.bin", Body=b"bee" * 1000)
-        procs.append(start_worker(binary, tmp_path / "cache", worker_port, moto_port, env))
+        worker_proc, worker_port = start_worker(binary, tmp_path / "cache", moto_port, env)
+        procs.append(worker_proc)
         worker = f"127.0.0.1:{worker_port}"
         made = subprocess.run(
             [binary, "snapshot", "create", "s3://versioned/ds", "s3://versioned/snaps/s1.json",
@@ -62,7 +57,8 @@ def test_a_snapshot_of_a_versioned_bucket_reads_overwritten_and_deleted_objects(
         s3.delete_object(Bucket="versioned", Key="ds/b.bin")
 
         procs.append(
-            subprocess.Popen(
+            testproc.Child(
+                "mount",
                 [
                     binary,
                     "mount",
@@ -75,8 +71,6 @@ def test_a_snapshot_of_a_versioned_bucket_reads_overwritten_and_deleted_objects(
                     "s3://versioned/snaps/s1.json",
                 ],
                 env=env,
-                stdout=subprocess.DEVNULL,
-                stderr=subprocess.DEVNULL,
             )  # fmt: skip
         )
         wait_for("the mount", lambda: os.path.ismount(mnt))
@@ -91,9 +85,4 @@ def test_a_snapshot_of_a_versioned_bucket_reads_overwritten_and_deleted_objects(
     finally:
         if os.path.ismount(mnt):
             subprocess.run(["fusermount3", "-u", "-z", str(mnt)], check=False)
-        for p in reversed(procs):
-            p.terminate()
-            try:
-                p.wait(timeout=30)
-            except subprocess.TimeoutExpired:
-                p.kill()
+        stop_all(procs)

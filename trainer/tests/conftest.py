@@ -1,20 +1,38 @@
 """A real lakecache cluster for the tests: `lakecache up` (embedded S3, a
-worker, FUSE) from the binary in $LAKECACHE_BIN, one per test module."""
+worker, FUSE) from the binary in $LAKECACHE_BIN, one per test module.
+Every child's output is kept and shown when a test fails (testproc)."""
 
 from __future__ import annotations
 
 import signal
-import subprocess
+import sys
+from pathlib import Path
 
 import pytest
-from trainenv import BIN
+
+# The shared process helpers (scripts/testsupport/testproc.py).
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "scripts" / "testsupport"))
+import testproc  # noqa: E402
+from trainenv import BIN  # noqa: E402
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_runtest_setup(item):
+    testproc.begin_scope(item.module.__name__)
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_makereport(item, call):
+    outcome = yield
+    testproc.attach_logs(item, outcome.get_result())
 
 
 @pytest.fixture(scope="module")
 def mount(tmp_path_factory):
     d = tmp_path_factory.mktemp("lakecache")
     mnt = d / "mnt"
-    proc = subprocess.Popen(
+    up = testproc.Child(
+        "lakecache up",
         [
             BIN,
             "up",
@@ -29,23 +47,18 @@ def mount(tmp_path_factory):
             "--cache-size",
             "2GiB",
         ],
-        stdout=subprocess.PIPE,
-        stderr=subprocess.DEVNULL,
-        text=True,
     )
+    up.wait_for_line("try:", secs=120)
     worker = None
     token_file = None
-    assert proc.stdout is not None
-    for line in proc.stdout:
+    for line in up.text().splitlines():
         if line.strip().startswith("worker"):
             worker = line.split()[1].removeprefix("http://")
         if line.strip().startswith("token file"):
             token_file = line.split()[2]
         if line.strip().startswith("S3 endpoint"):
             (mnt.parent / "s3-endpoint").write_text(line.split()[2])
-        if line.startswith("try:"):
-            break
-    assert worker and token_file, "lakecache up did not start"
+    assert worker and token_file, f"lakecache up did not say where it serves\n{up.describe()}"
     yield mnt, worker, token_file
-    proc.send_signal(signal.SIGTERM)
-    assert proc.wait(timeout=60) == 0
+    up.proc.send_signal(signal.SIGTERM)
+    assert up.proc.wait(timeout=testproc.scaled(60)) == 0, up.describe()

@@ -18,7 +18,7 @@ import torch
 from lakecache.dataset import TokenShardDataset
 from lakecache.loader import TokenLoader
 from lakecache.shards import write_shard
-from trainenv import BIN, ENV, free_port
+from trainenv import BIN, ENV
 
 
 def cli(worker: str, token_file: str, *args: str) -> subprocess.CompletedProcess:
@@ -79,7 +79,7 @@ def test_with_no_worker_answering_reads_go_to_s3_only_when_allowed(mount):
     creds = dict(
         line.split("=", 1) for line in (mnt.parent / "data" / "s3-credentials").read_text().split()
     )
-    dead = f"127.0.0.1:{free_port()}"  # nothing listens there
+    dead = "127.0.0.1:1"  # tcpmux: nothing listens there, connections are refused
     cut_off = lakecache.Client(worker=dead, token_file=token_file, progress_timeout_s=0.5)
     with pytest.raises(OSError, match=dead):
         cut_off.stat("s3://lakecache/pyclient/fallback/x.bin")

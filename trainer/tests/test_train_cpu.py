@@ -11,7 +11,6 @@ from pathlib import Path
 import numpy as np
 import pytest
 from trainenv import BIN, ENV, KEY_FILE  # noqa: F401
-from trainenv import free_port as _free_port
 
 from lakecache_trainer.loader import TokenLoader
 from lakecache_trainer.shards import ShardError, read_header, write_shard
@@ -36,8 +35,8 @@ def train(
         "torch.distributed.run",
         "--nproc_per_node",
         str(nproc),
-        "--master_port",
-        str(_free_port()),
+        # torchrun's own rendezvous binds a port of its choosing.
+        "--standalone",
         "-m",
         "lakecache_trainer.cli",
         "run",

@@ -7,14 +7,14 @@ from __future__ import annotations
 
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
 from pathlib import Path
 
 import numpy as np
-from trainenv import BIN, ENV, free_port
+import testproc
+from trainenv import BIN, ENV
 
 from lakecache_trainer.shards import write_shard
 from lakecache_trainer.watchdog import EXIT_STUCK
@@ -26,18 +26,6 @@ S3_ENV = {
 }
 # Checkpoints on local disk here: no signing key may live beside them.
 LOCAL_ENV = {k: v for k, v in ENV.items() if k != "LAKECACHE_CHECKPOINT_KEY_FILE"}
-
-
-def _wait(what: str, ok, secs: float = 30.0) -> None:
-    deadline = time.monotonic() + secs
-    while not ok():
-        assert time.monotonic() < deadline, f"timed out waiting for {what}"
-        time.sleep(0.1)
-
-
-def _port_open(port: int) -> bool:
-    with socket.socket() as s:
-        return s.connect_ex(("127.0.0.1", port)) == 0
 
 
 def _run_args(data: Path, ckpt: Path, *extra: str) -> list[str]:
@@ -56,7 +44,7 @@ def test_a_sleeping_rank_ends_the_job_naming_the_last_checkpoint(tmp_path):
     ckpt = tmp_path / "ck"
     cmd = [
         sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2",
-        "--master_port", str(free_port()),
+        "--standalone",
         *_run_args(data, ckpt, "--steps", "8", "--save-every", "2",
                    "--stuck-timeout", "8s", "--inject-hang", "1:4"),
     ]  # fmt: skip
@@ -84,76 +72,33 @@ def test_a_sleeping_rank_ends_the_job_naming_the_last_checkpoint(tmp_path):
 
 
 def test_a_blocked_mount_read_is_named_with_the_mounts_inflight_reads(tmp_path):
-    s3_port, worker_port, metrics_port = free_port(), free_port(), free_port()
     env = {**os.environ, **S3_ENV}
-    s3 = subprocess.Popen(
-        [BIN, "s3-server", "--root", str(tmp_path / "s3"), "--listen", f"127.0.0.1:{s3_port}",
-         "--access-key", S3_ENV["AWS_ACCESS_KEY_ID"],
-         "--secret-key", S3_ENV["AWS_SECRET_ACCESS_KEY"], "--bucket", "data"],
-        env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-    )  # fmt: skip
+    s3, s3_port = testproc.start_s3_server(
+        BIN, tmp_path / "s3", S3_ENV["AWS_ACCESS_KEY_ID"], S3_ENV["AWS_SECRET_ACCESS_KEY"], env
+    )
     procs = [s3]
     mnt = tmp_path / "mnt"
-    mount_log = tmp_path / "mount.log"
     try:
-        _wait("the s3 endpoint", lambda: _port_open(s3_port))
-        procs.append(
-            subprocess.Popen(
-                [
-                    BIN,
-                    "worker",
-                    "--listen",
-                    f"127.0.0.1:{worker_port}",
-                    "--insecure-http",
-                    "--no-auth",
-                    "--cache-dir",
-                    str(tmp_path / "cache"),
-                    "--cache-size",
-                    "1GiB",
-                    "--s3-endpoint",
-                    f"http://127.0.0.1:{s3_port}",
-                    "--s3-path-style",
-                ],
-                env=env,
-                stdout=subprocess.DEVNULL,
-                stderr=subprocess.DEVNULL,
-            )  # fmt: skip
-        )
-        _wait("the worker", lambda: _port_open(worker_port))
+        worker, worker_port = testproc.start_plain_worker(BIN, tmp_path / "cache", s3_port, env)
+        procs.append(worker)
         registry = f"static:127.0.0.1:{worker_port}"
         # A read waits on the worker as long as it takes: no S3 fallback,
         # no progress timeout, so only the watchdog can end it.
-        procs.append(
-            subprocess.Popen(
-                [
-                    BIN,
-                    "mount",
-                    "s3://data",
-                    str(mnt),
-                    "--registry",
-                    registry,
-                    "--metrics-listen",
-                    f"127.0.0.1:{metrics_port}",
-                    "--no-s3-fallback",
-                    "--progress-timeout",
-                    "1h",
-                ],
-                env=env,
-                stdout=subprocess.DEVNULL,
-                stderr=mount_log.open("w"),
-            )  # fmt: skip
-        )
-        mount = procs[-1]
+        mount = testproc.Child(
+            "mount",
+            [BIN, "mount", "s3://data", str(mnt), "--registry", registry,
+             "--metrics-listen", "127.0.0.1:0", "--no-s3-fallback", "--progress-timeout", "1h"],
+            env=env,
+        )  # fmt: skip
+        procs.append(mount)
+        metrics_port = mount.wait_for_port("mount metrics at http://", secs=90)
 
         def mounted() -> bool:
-            if mount.poll() is not None:
-                raise AssertionError(f"the mount exited: {mount_log.read_text()[-3000:]}")
+            if mount.proc.poll() is not None:
+                raise AssertionError(f"the mount exited\n{mount.describe()}")
             return os.path.ismount(mnt)
 
-        try:
-            _wait("the mount", mounted, secs=90)
-        except AssertionError as e:
-            raise AssertionError(f"{e}\nmount log:\n{mount_log.read_text()[-3000:]}") from None
+        testproc.wait_for("the mount", mounted, secs=90)
         data = mnt / "ds"
         data.mkdir()
         for i in range(2):
@@ -165,7 +110,7 @@ def test_a_blocked_mount_read_is_named_with_the_mounts_inflight_reads(tmp_path):
         )  # fmt: skip
         assert freed.returncode == 0, freed.stderr
         Path("/proc/sys/vm/drop_caches").write_text("3")
-        s3.send_signal(signal.SIGSTOP)
+        s3.proc.send_signal(signal.SIGSTOP)
         try:
             done = subprocess.run(
                 [sys.executable, *_run_args(data, tmp_path / "ck", "--steps", "2",
@@ -174,7 +119,7 @@ def test_a_blocked_mount_read_is_named_with_the_mounts_inflight_reads(tmp_path):
                 capture_output=True, text=True, env=LOCAL_ENV, timeout=600,
             )  # fmt: skip
         finally:
-            s3.send_signal(signal.SIGCONT)
+            s3.proc.send_signal(signal.SIGCONT)
         err = done.stderr
         assert done.returncode == EXIT_STUCK, (done.returncode, err[-4000:])
         reason = [line for line in err.splitlines() if "lakecache-train: stuck:" in line]
@@ -189,11 +134,6 @@ def test_a_blocked_mount_read_is_named_with_the_mounts_inflight_reads(tmp_path):
         assert "read_header" in err or "list_shards" in err  # the stacks
     finally:
         for p in reversed(procs):
-            p.send_signal(signal.SIGCONT)
-            p.terminate()
-            try:
-                p.wait(timeout=30)
-            except subprocess.TimeoutExpired:
-                p.kill()
+            p.stop()
         if os.path.ismount(mnt):
             subprocess.run(["fusermount3", "-u", "-z", str(mnt)], check=False)

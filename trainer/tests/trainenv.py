@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import os
-import socket
 import sys
 import tempfile
 from pathlib import Path
@@ -20,9 +19,3 @@ ENV = {
     "PATH": f"{Path(sys.executable).parent}:{os.environ.get('PATH', '')}",
     "LAKECACHE_CHECKPOINT_KEY_FILE": str(KEY_FILE),
 }
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]

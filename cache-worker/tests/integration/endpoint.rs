@@ -190,13 +190,12 @@ async fn uploads_carry_crc32c_and_a_body_damaged_on_the_way_is_refused() {
     assert_eq!(faults.checksums_verified(), verified);
 
     // A flipped bit on the way in: the store refuses the body and keeps
-    // nothing under the name. Over plain HTTP the SDK also signs the
-    // payload's SHA-256, which catches it first; over HTTPS the payload is
-    // unsigned and the CRC32C is what catches it (the endpoint's unit test
-    // `a_body_not_matching_its_crc32c_is_bad_digest`).
+    // nothing under the name. Over plain HTTP the SDK signs the payload's
+    // SHA-256, so the signature check is what refuses it here; the CRC32C
+    // path alone is shown by `the_crc32c_alone_refuses_a_damaged_unsigned_body`.
     let refused = |err: &StoreError| {
         let text = format!("{err:?}");
-        text.contains("BadDigest") || text.contains("Sha256Mismatch")
+        text.contains("IncompleteBody") && text.contains("UploadStreamError: Sha256Mismatch")
     };
     faults.inject(S3Op::PutObject, Fault::CorruptRequestBody, 1);
     let err = h
@@ -226,6 +225,48 @@ async fn uploads_carry_crc32c_and_a_body_damaged_on_the_way_is_refused() {
         .await
         .unwrap_err();
     assert!(refused(&err), "{err:?}");
+}
+
+/// With payload signing off (as over HTTPS), only the CRC32C the client
+/// sends can catch a body damaged on the way: the store answers
+/// `BadDigest` and keeps nothing under the name.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn the_crc32c_alone_refuses_a_damaged_unsigned_body() {
+    use aws_sdk_s3::config::{BehaviorVersion, Credentials, Region};
+    use lakecache_s3_endpoint::{Fault, S3Op};
+    let h = Harness::start().await;
+    let (access, secret) = h.s3_config.static_credentials.clone().unwrap();
+    let config = aws_sdk_s3::Config::builder()
+        .behavior_version(BehaviorVersion::latest())
+        .endpoint_url(h.s3.url())
+        .region(Region::new("us-east-1"))
+        .credentials_provider(Credentials::new(access, secret, None, None, "test"))
+        .force_path_style(true)
+        .build();
+    let sdk = aws_sdk_s3::Client::from_conf(config);
+    let body = Bytes::from_static(b"precious bytes");
+    let put = |key: &'static str| {
+        sdk.put_object()
+            .bucket(BUCKET)
+            .key(key)
+            .checksum_crc32_c(lakecache_worker::store::crc32c_header(&body))
+            .body(body.clone().into())
+            .customize()
+            .disable_payload_signing()
+            .send()
+    };
+    // Undamaged, the unsigned body with its CRC32C is accepted: the
+    // refusal below is the checksum's doing, not the unsigned payload's.
+    put("unsigned-ok.bin").await.unwrap();
+    let faults = h.s3.faults();
+    faults.inject(S3Op::PutObject, Fault::CorruptRequestBody, 1);
+    let err = put("unsigned-damaged.bin").await.unwrap_err();
+    let code = err.as_service_error().and_then(|e| e.meta().code());
+    assert_eq!(code, Some("BadDigest"), "{err:?}");
+    assert_eq!(
+        h.direct.head(&uri("unsigned-damaged.bin")).await,
+        Err(StoreError::NotFound)
+    );
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]

@@ -212,10 +212,41 @@ pub async fn raw_request(addr: SocketAddr, request: &[u8]) -> (u16, String) {
     (status, text)
 }
 
-/// Sum of every sample of a metric in Prometheus text.
+/// Sum of every sample of a metric in Prometheus text. A metric with no
+/// sample fails the test: a renamed metric must not read as 0.
 pub fn metric_value(text: &str, name: &str) -> f64 {
-    text.lines()
-        .filter(|l| l.starts_with(name))
-        .filter_map(|l| l.rsplit(' ').next()?.parse::<f64>().ok())
-        .sum()
+    let mut found = None;
+    for l in text.lines().filter(|l| l.starts_with(name)) {
+        let v = l.rsplit(' ').next().and_then(|v| v.parse::<f64>().ok());
+        *found.get_or_insert(0.0) += v.unwrap_or_else(|| panic!("unreadable metric line {l:?}"));
+    }
+    found.unwrap_or_else(|| panic!("no metric named {name} in:\n{text}"))
+}
+
+/// `d` multiplied by `LAKECACHE_TEST_TIME_SCALE` (a positive number,
+/// default 1): every deadline in these tests goes through it.
+pub fn scaled(d: Duration) -> Duration {
+    let factor = match std::env::var("LAKECACHE_TEST_TIME_SCALE") {
+        Err(_) => 1.0,
+        Ok(s) => match s.trim().parse::<f64>() {
+            Ok(f) if f.is_finite() && f > 0.0 => f,
+            _ => panic!("LAKECACHE_TEST_TIME_SCALE={s:?} is not a positive number"),
+        },
+    };
+    d.mul_f64(factor)
+}
+
+/// Polls `check` every 20 ms until it holds; fails with `what` after
+/// `limit` (scaled).
+pub async fn eventually<F, Fut>(limit: Duration, what: &str, mut check: F)
+where
+    F: FnMut() -> Fut,
+    Fut: std::future::Future<Output = bool>,
+{
+    let limit = scaled(limit);
+    let start = std::time::Instant::now();
+    while !check().await {
+        assert!(start.elapsed() < limit, "{what}: not within {limit:?}");
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
 }

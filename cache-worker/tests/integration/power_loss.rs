@@ -100,7 +100,7 @@ async fn run(cut_at: u64) -> (bool, usize) {
         > 0
     {
         assert!(
-            start.elapsed() < Duration::from_secs(60),
+            start.elapsed() < crate::harness::scaled(Duration::from_secs(60)),
             "cut at sync {cut_at}: backlog not drained"
         );
         tokio::time::sleep(Duration::from_millis(50)).await;

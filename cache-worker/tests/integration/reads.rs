@@ -82,19 +82,13 @@ async fn eviction_under_a_small_capacity_keeps_reads_correct() {
             assert_eq!(sha(&got), sha(body), "object {i}");
         }
     }
-    // Eviction runs in the background; give it a moment to settle.
+    // Eviction runs in the background.
     let cache = h.worker.as_ref().unwrap().cache().clone();
-    for _ in 0..50 {
-        if cache.used_bytes() <= 6 * MIB {
-            break;
-        }
-        tokio::time::sleep(Duration::from_millis(100)).await;
-    }
-    assert!(
-        cache.used_bytes() <= 6 * MIB,
-        "used {} > capacity",
-        cache.used_bytes()
-    );
+    eventually(Duration::from_secs(10), "eviction down to capacity", || {
+        let used = cache.used_bytes();
+        async move { used <= 6 * MIB }
+    })
+    .await;
     let metrics = h.client.metrics().await.unwrap();
     let evicted = metric_value(&metrics, "lakecache_evicted_pages_total");
     assert!(evicted > 0.0, "no evictions recorded:\n{metrics}");
@@ -128,12 +122,16 @@ async fn changed_etag_is_detected_and_new_bytes_served() {
     assert_eq!(stat.size, v2.len() as u64);
     // The old version's pages are reclaimed.
     let cache = h.worker.as_ref().unwrap().cache().clone();
-    for _ in 0..50 {
-        if cache.used_bytes() < used_v1 + v2.len() as u64 {
-            break;
-        }
-        tokio::time::sleep(Duration::from_millis(50)).await;
-    }
+    let v2_len = v2.len() as u64;
+    eventually(
+        Duration::from_secs(10),
+        "the old version's pages reclaimed",
+        || {
+            let used = cache.used_bytes();
+            async move { used < used_v1 + v2_len }
+        },
+    )
+    .await;
     assert!(
         cache.used_bytes() <= v2.len() as u64 + MIB,
         "old pages kept: {}",
@@ -227,19 +225,22 @@ async fn sequential_reads_trigger_read_ahead() {
         .await
         .unwrap();
     assert_eq!(&first[..], &body[..256 * 1024]);
-    // Pages 1..=3 arrive in the background.
-    for _ in 0..100 {
-        if h.gets() >= 4 {
-            break;
-        }
-        tokio::time::sleep(Duration::from_millis(20)).await;
-    }
-    assert!(
-        h.gets() >= 4,
-        "read-ahead did not fetch the next pages (gets = {})",
-        h.gets()
-    );
-    tokio::time::sleep(Duration::from_millis(200)).await;
+    // Pages 1..=3 arrive in the background: fetched, then stored.
+    eventually(
+        Duration::from_secs(10),
+        "read-ahead fetching the next pages",
+        || {
+            let gets = h.gets();
+            async move { gets >= 4 }
+        },
+    )
+    .await;
+    let cache = h.worker.as_ref().unwrap().cache().clone();
+    eventually(Duration::from_secs(10), "read-ahead pages stored", || {
+        let used = cache.used_bytes();
+        async move { used >= 4 * MIB }
+    })
+    .await;
     let before = h.gets();
     let next = h
         .client
@@ -257,6 +258,7 @@ async fn sequential_reads_trigger_read_ahead() {
         .read(&uri("rand.bin"), Some(5 * MIB + 10..5 * MIB + 4106))
         .await
         .unwrap();
+    // Nothing must follow: a quiet period, not a synchronisation.
     tokio::time::sleep(Duration::from_millis(300)).await;
     assert_eq!(h2.gets(), 1, "random reads must not be amplified");
 }

@@ -5,7 +5,7 @@
 
 use std::path::Path;
 use std::sync::Arc;
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 use bytes::Bytes;
 use lakecache_protocol::{ClientError, ErrorCode, ObjectUri, WorkerClient, WriteBackStatus};
@@ -76,18 +76,6 @@ async fn status(client: &WorkerClient) -> WriteBackStatus {
 }
 
 /// Polls `check` every 100 ms until it holds; panics after `limit`.
-async fn eventually<F, Fut>(limit: Duration, what: &str, mut check: F)
-where
-    F: FnMut() -> Fut,
-    Fut: std::future::Future<Output = bool>,
-{
-    let start = Instant::now();
-    while !check().await {
-        assert!(start.elapsed() < limit, "{what}: not within {limit:?}");
-        tokio::time::sleep(Duration::from_millis(100)).await;
-    }
-}
-
 async fn s3_bytes(h: &Harness, key: &str) -> Option<Vec<u8>> {
     let meta = h.direct.head(&uri(key)).await.ok()?;
     let body = h

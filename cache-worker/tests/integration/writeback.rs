@@ -33,7 +33,7 @@ async fn drained(client: &WorkerClient, limit: Duration) {
             return;
         }
         assert!(
-            start.elapsed() < limit,
+            start.elapsed() < crate::harness::scaled(limit),
             "backlog not drained after {limit:?}: {status:?}"
         );
         tokio::time::sleep(Duration::from_millis(100)).await;
@@ -105,7 +105,7 @@ async fn acknowledged_before_s3_visible_meanwhile_and_uploaded_in_order() {
         .is_none()
     {
         assert!(
-            start.elapsed() < Duration::from_secs(60),
+            start.elapsed() < crate::harness::scaled(Duration::from_secs(60)),
             "the upload never failed"
         );
         tokio::time::sleep(Duration::from_millis(100)).await;

@@ -121,7 +121,8 @@ async fn a_client_killed_mid_upload_leaves_no_multipart_and_no_staging() {
         conn.write_all(&piece).await.unwrap();
     }
     // Parts are in flight and pages staged when the client dies.
-    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(10);
+    let deadline =
+        std::time::Instant::now() + crate::harness::scaled(std::time::Duration::from_secs(10));
     while pending_uploads(&h) == 0 || cache.staged_bytes() == 0 {
         assert!(
             std::time::Instant::now() < deadline,
@@ -130,7 +131,8 @@ async fn a_client_killed_mid_upload_leaves_no_multipart_and_no_staging() {
         tokio::time::sleep(std::time::Duration::from_millis(20)).await;
     }
     drop(conn);
-    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(10);
+    let deadline =
+        std::time::Instant::now() + crate::harness::scaled(std::time::Duration::from_secs(10));
     while pending_uploads(&h) > 0 || cache.staged_bytes() > 0 {
         assert!(
             std::time::Instant::now() < deadline,
@@ -164,7 +166,8 @@ async fn a_worker_shutting_down_aborts_its_uploads() {
     for _ in 0..12 {
         conn.write_all(&piece).await.unwrap();
     }
-    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(10);
+    let deadline =
+        std::time::Instant::now() + crate::harness::scaled(std::time::Duration::from_secs(10));
     while pending_uploads(&h) == 0 {
         assert!(
             std::time::Instant::now() < deadline,

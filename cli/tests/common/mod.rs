@@ -1,53 +1,259 @@
 //! Process helpers shared by the CLI's integration tests.
+//!
+//! Every child a test starts writes stdout and stderr to its own log file,
+//! which is printed when the test fails ([`Proc`]'s drop during a panic).
+//! Children bind port 0 themselves and the test reads the port they got
+//! from their log, so no port is guessed. Deadlines go through [`scaled`]:
+//! `LAKECACHE_TEST_TIME_SCALE` (a positive number, default 1) multiplies
+//! every one of them on a slow or loaded machine.
 #![allow(dead_code)] // each test binary uses a different subset
 
-use std::net::TcpListener;
-use std::path::Path;
+use std::fs::{File, OpenOptions};
+use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::{Duration, Instant};
 
 pub const BIN: &str = env!("CARGO_BIN_EXE_lakecache");
 
-pub fn free_port() -> u16 {
-    TcpListener::bind("127.0.0.1:0")
-        .unwrap()
-        .local_addr()
-        .unwrap()
-        .port()
-}
-
-pub fn wait_for_port(port: u16, what: &str) {
-    let deadline = Instant::now() + Duration::from_secs(30);
-    while std::net::TcpStream::connect(("127.0.0.1", port)).is_err() {
-        assert!(Instant::now() < deadline, "{what} did not open port {port}");
-        std::thread::sleep(Duration::from_millis(50));
+/// The factor every test deadline is multiplied by.
+pub fn time_scale() -> f64 {
+    match std::env::var("LAKECACHE_TEST_TIME_SCALE") {
+        Err(_) => 1.0,
+        Ok(s) => match s.trim().parse::<f64>() {
+            Ok(f) if f.is_finite() && f > 0.0 => f,
+            _ => panic!("LAKECACHE_TEST_TIME_SCALE={s:?} is not a positive number (e.g. 2 or 0.5)"),
+        },
     }
 }
 
-/// Kills the process when dropped, so a failing test leaves nothing behind.
-pub struct Proc(pub Child);
+/// `d` multiplied by [`time_scale`].
+pub fn scaled(d: Duration) -> Duration {
+    d.mul_f64(time_scale())
+}
+
+/// A deadline `d` (scaled) from now.
+pub fn deadline_in(d: Duration) -> Instant {
+    Instant::now() + scaled(d)
+}
+
+/// Where children's logs go: one directory per test process.
+fn log_dir() -> PathBuf {
+    let dir = std::env::temp_dir().join(format!("lakecache-test-logs-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).expect("creating the test log directory");
+    dir
+}
+
+/// A new log file's path for a child called `name`.
+pub fn log_file(name: &str) -> PathBuf {
+    static N: AtomicU64 = AtomicU64::new(0);
+    let n = N.fetch_add(1, Ordering::Relaxed);
+    let safe: String = name
+        .chars()
+        .map(|c| if c.is_ascii_alphanumeric() { c } else { '-' })
+        .collect();
+    log_dir().join(format!("{n:04}-{safe}.log"))
+}
+
+/// A child process with its output in a log file. Killed when dropped,
+/// and its log printed if the test is failing at that moment.
+pub struct Proc {
+    pub child: Child,
+    name: String,
+    log: PathBuf,
+}
 
 impl Proc {
+    /// Spawns `cmd` with stdout and stderr going to a new log file.
+    pub fn spawn(name: &str, cmd: &mut Command) -> Proc {
+        Self::spawn_logged(name, cmd, &log_file(name))
+    }
+
+    /// Spawns `cmd` appending its output to `log` (kept across restarts).
+    pub fn spawn_logged(name: &str, cmd: &mut Command, log: &Path) -> Proc {
+        let open = || {
+            OpenOptions::new()
+                .create(true)
+                .append(true)
+                .open(log)
+                .unwrap_or_else(|e| panic!("opening {}: {e}", log.display()))
+        };
+        let child = cmd
+            .stdout(open())
+            .stderr(open())
+            .spawn()
+            .unwrap_or_else(|e| panic!("starting {name} ({:?}): {e}", cmd.get_program()));
+        Proc {
+            child,
+            name: name.to_string(),
+            log: log.to_path_buf(),
+        }
+    }
+
+    /// Wraps a child whose output the test reads itself (no log file).
+    pub fn unlogged(name: &str, child: Child) -> Proc {
+        Proc {
+            child,
+            name: name.to_string(),
+            log: PathBuf::new(),
+        }
+    }
+
+    pub fn id(&self) -> u32 {
+        self.child.id()
+    }
+
+    pub fn log_path(&self) -> &Path {
+        &self.log
+    }
+
+    /// Everything the child has written so far.
+    pub fn log_text(&self) -> String {
+        std::fs::read_to_string(&self.log).unwrap_or_default()
+    }
+
+    /// The child's log, labelled, for a failure message.
+    pub fn describe(&self) -> String {
+        format!(
+            "--- {} (pid {}, log {}):\n{}",
+            self.name,
+            self.child.id(),
+            self.log.display(),
+            tail(&self.log_text(), 200)
+        )
+    }
+
+    /// Waits (deadline `within`, scaled) for a log line containing
+    /// `needle` and returns it; fails with the log if the child exits.
+    pub fn wait_for_line(&mut self, needle: &str, within: Duration) -> String {
+        let deadline = deadline_in(within);
+        loop {
+            if let Some(line) = self.log_text().lines().find(|l| l.contains(needle)) {
+                return line.to_string();
+            }
+            if let Ok(Some(status)) = self.child.try_wait() {
+                panic!(
+                    "{} exited ({status}) before printing {needle:?}\n{}",
+                    self.name,
+                    self.describe()
+                );
+            }
+            assert!(
+                Instant::now() < deadline,
+                "{} did not print {needle:?} within {:?}\n{}",
+                self.name,
+                scaled(within),
+                self.describe()
+            );
+            std::thread::sleep(Duration::from_millis(20));
+        }
+    }
+
+    /// The port in the first log line containing `needle`: the digits after
+    /// the last ':' that is followed by digits (`... on 127.0.0.1:40123 ...`).
+    pub fn wait_for_port(&mut self, needle: &str, within: Duration) -> u16 {
+        let line = self.wait_for_line(needle, within);
+        port_in(&line).unwrap_or_else(|| panic!("no port in {line:?} from {}", self.name))
+    }
+
     pub fn kill9(&mut self) {
-        let _ = self.0.kill();
-        let _ = self.0.wait();
+        let _ = self.child.kill();
+        let _ = self.child.wait();
     }
 
     /// SIGTERM, then the exit status.
     pub fn term(&mut self) -> Option<std::process::ExitStatus> {
-        let pid = self.0.id().to_string();
+        let pid = self.child.id().to_string();
         let _ = Command::new("kill").args(["-TERM", &pid]).status();
-        self.0.wait().ok()
+        self.child.wait().ok()
     }
 }
 
 impl Drop for Proc {
     fn drop(&mut self) {
         self.kill9();
+        if std::thread::panicking() && !self.log.as_os_str().is_empty() {
+            eprintln!("{}", self.describe());
+        }
     }
 }
 
-/// `lakecache s3-server` on a free port with one bucket.
+/// The last `n` lines of `text`.
+pub fn tail(text: &str, n: usize) -> String {
+    let lines: Vec<&str> = text.lines().collect();
+    lines[lines.len().saturating_sub(n)..].join("\n")
+}
+
+/// The port of the last `HOST:PORT` in `line`.
+pub fn port_in(line: &str) -> Option<u16> {
+    let bytes = line.as_bytes();
+    let mut found = None;
+    for (i, b) in bytes.iter().enumerate() {
+        if *b != b':' {
+            continue;
+        }
+        let digits: String = line[i + 1..]
+            .chars()
+            .take_while(char::is_ascii_digit)
+            .collect();
+        if let Ok(p) = digits.parse::<u16>() {
+            if p != 0 {
+                found = Some(p);
+            }
+        }
+    }
+    found
+}
+
+/// A port nothing listens on right now. Only for a child that cannot
+/// report its own (workers whose static ring must name every address
+/// before any starts): another process may take it before the child
+/// binds, and the child then exits with its log printed.
+pub fn unused_port() -> u16 {
+    std::net::TcpListener::bind("127.0.0.1:0")
+        .and_then(|l| l.local_addr())
+        .map(|a| a.port())
+        .expect("binding a loopback port")
+}
+
+/// Waits (deadline scaled) until `port` on loopback accepts connections.
+/// Only for ports a child already reported, e.g. after a restart.
+pub fn wait_for_port(port: u16, what: &str) {
+    let deadline = deadline_in(Duration::from_secs(30));
+    while std::net::TcpStream::connect(("127.0.0.1", port)).is_err() {
+        assert!(
+            Instant::now() < deadline,
+            "{what} did not open port {port} within {:?}",
+            scaled(Duration::from_secs(30))
+        );
+        std::thread::sleep(Duration::from_millis(50));
+    }
+}
+
+/// Polls `done` every `every` until it holds, failing with `what` (and
+/// whatever `why` says at that moment) after `within` (scaled).
+pub fn wait_until(
+    what: &str,
+    within: Duration,
+    every: Duration,
+    mut done: impl FnMut() -> bool,
+) -> Duration {
+    let started = Instant::now();
+    let deadline = deadline_in(within);
+    loop {
+        if done() {
+            return started.elapsed();
+        }
+        assert!(
+            Instant::now() < deadline,
+            "{what}: not within {:?}",
+            scaled(within)
+        );
+        std::thread::sleep(every);
+    }
+}
+
+/// `lakecache s3-server` on a port of its own choosing, with one bucket.
 pub fn start_s3(root: &Path, access: &str, secret: &str, bucket: &str) -> (Proc, u16) {
     start_s3_with(root, access, secret, bucket, &[])
 }
@@ -60,27 +266,44 @@ pub fn start_s3_with(
     bucket: &str,
     extra: &[&str],
 ) -> (Proc, u16) {
-    let port = free_port();
-    let child = Command::new(BIN)
-        .args(["s3-server", "--root"])
-        .arg(root)
-        .args([
-            "--listen",
-            &format!("127.0.0.1:{port}"),
-            "--access-key",
-            access,
-            "--secret-key",
-            secret,
-            "--bucket",
-            bucket,
-        ])
-        .args(extra)
-        .stdout(Stdio::null())
-        .stderr(Stdio::null())
-        .spawn()
-        .unwrap();
-    wait_for_port(port, "s3-server");
-    (Proc(child), port)
+    start_s3_on(root, access, secret, bucket, extra, 0)
+}
+
+/// [`start_s3_with`] on a given port (0: the OS picks; a restart passes
+/// the port the first start reported).
+pub fn start_s3_on(
+    root: &Path,
+    access: &str,
+    secret: &str,
+    bucket: &str,
+    extra: &[&str],
+    port: u16,
+) -> (Proc, u16) {
+    let mut proc = Proc::spawn(
+        "s3-server",
+        Command::new(BIN)
+            .args(["s3-server", "--root"])
+            .arg(root)
+            .args([
+                "--listen",
+                &format!("127.0.0.1:{port}"),
+                "--access-key",
+                access,
+                "--secret-key",
+                secret,
+                "--bucket",
+                bucket,
+            ])
+            .args(extra)
+            .stdin(Stdio::null()),
+    );
+    let port = proc.wait_for_port("embedded S3 endpoint on", Duration::from_secs(30));
+    (proc, port)
+}
+
+/// The port a `lakecache worker` printed it listens on.
+pub fn worker_port(proc: &mut Proc) -> u16 {
+    proc.wait_for_port("lakecache worker listening on", Duration::from_secs(60))
 }
 
 pub fn s3_env(access: &str, secret: &str, s3_port: u16) -> Vec<(&'static str, String)> {
@@ -94,4 +317,74 @@ pub fn s3_env(access: &str, secret: &str, s3_port: u16) -> Vec<(&'static str, St
         ),
         ("LAKECACHE_S3_PATH_STYLE", "true".to_string()),
     ]
+}
+
+/// A metric's value in a Prometheus text scrape: the first sample of
+/// `name` whose label set contains every `labels` pair. A missing metric
+/// is an error, never 0, so a renamed metric fails the check.
+pub fn metric(scrape: &str, name: &str, labels: &[(&str, &str)]) -> Result<f64, String> {
+    let want: Vec<String> = labels.iter().map(|(k, v)| format!("{k}=\"{v}\"")).collect();
+    for line in scrape.lines() {
+        let Some(rest) = line.strip_prefix(name) else {
+            continue;
+        };
+        let (label_part, value) = match rest.chars().next() {
+            Some('{') => match rest.find("} ") {
+                Some(end) => (&rest[..=end], &rest[end + 2..]),
+                None => continue,
+            },
+            Some(' ') => ("", &rest[1..]),
+            _ => continue, // a longer name with this one as prefix
+        };
+        if want.iter().all(|w| label_part.contains(w.as_str())) {
+            let value = value.split_whitespace().next().unwrap_or("");
+            return value
+                .parse::<f64>()
+                .map_err(|e| format!("{name}: value {value:?} is not a number: {e}"));
+        }
+    }
+    Err(format!(
+        "metric {name}{{{}}} is not in the scrape ({} lines)",
+        want.join(","),
+        scrape.lines().count()
+    ))
+}
+
+/// Opens (creating) a file for appending, for logs kept across restarts.
+pub fn append_file(path: &Path) -> File {
+    OpenOptions::new()
+        .create(true)
+        .append(true)
+        .open(path)
+        .unwrap_or_else(|e| panic!("opening {}: {e}", path.display()))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn port_in_reads_the_last_address() {
+        assert_eq!(
+            port_in("lakecache worker listening on http://127.0.0.1:40123"),
+            Some(40123)
+        );
+        assert_eq!(
+            port_in("2026 04:24:05 N | serving on 127.0.0.1:39721, this"),
+            Some(39721)
+        );
+        assert_eq!(port_in("no address here"), None);
+    }
+
+    #[test]
+    fn a_missing_metric_is_an_error_not_zero() {
+        let scrape = "# TYPE a counter\nlakecache_reads_total{op=\"read\"} 7\nlakecache_reads_total_x 3\nplain 2\n";
+        assert_eq!(
+            metric(scrape, "lakecache_reads_total", &[("op", "read")]),
+            Ok(7.0)
+        );
+        assert_eq!(metric(scrape, "plain", &[]), Ok(2.0));
+        assert!(metric(scrape, "lakecache_reads_total", &[("op", "stat")]).is_err());
+        assert!(metric(scrape, "lakecache_reads", &[]).is_err());
+    }
 }

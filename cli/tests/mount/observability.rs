@@ -39,12 +39,21 @@ fn value_of(sample: &serde_json::Value) -> f64 {
         .unwrap_or(f64::NAN)
 }
 
-fn wait_until(what: &str, secs: u64, mut ok: impl FnMut() -> bool) {
-    let deadline = Instant::now() + Duration::from_secs(secs);
-    while !ok() {
-        assert!(Instant::now() < deadline, "timed out waiting for {what}");
-        std::thread::sleep(Duration::from_millis(250));
-    }
+fn wait_until(what: &str, secs: u64, ok: impl FnMut() -> bool) {
+    common::wait_until(
+        what,
+        Duration::from_secs(secs),
+        Duration::from_millis(250),
+        ok,
+    );
+}
+
+/// The port the mount's metrics listener reported.
+fn mount_metrics_port(env: &mut Env) -> u16 {
+    env.mount
+        .as_mut()
+        .expect("mounted")
+        .wait_for_port("mount metrics at http://", Duration::from_secs(30))
 }
 
 #[test]
@@ -76,14 +85,14 @@ fn prometheus_scrapes_worker_and_mount_and_every_dashboard_query_returns_data() 
             "team-a=1GiB",
         ],
     );
-    let metrics_port = free_port();
     env.put("data/a.bin", Bytes::from(pattern(6 << 20, 1)));
     env.mount_with(&[
         "--metrics-listen",
-        &format!("127.0.0.1:{metrics_port}"),
+        "127.0.0.1:0",
         "--token-file",
         token.to_str().unwrap(),
     ]);
+    let metrics_port = mount_metrics_port(&mut env);
     let worker_port = env.workers[0].0;
 
     let prom_dir = env.dir.path().join("prometheus");
@@ -95,8 +104,8 @@ fn prometheus_scrapes_worker_and_mount_and_every_dashboard_query_returns_data() 
         rules.canonicalize().unwrap().display()
     );
     fs::write(prom_dir.join("prometheus.yml"), config).unwrap();
-    let prom_port = free_port();
-    let _prom = Proc(
+    let mut prom = Proc::spawn(
+        "prometheus",
         Command::new(PROMETHEUS)
             .arg(format!(
                 "--config.file={}",
@@ -106,13 +115,10 @@ fn prometheus_scrapes_worker_and_mount_and_every_dashboard_query_returns_data() 
                 "--storage.tsdb.path={}",
                 prom_dir.join("data").display()
             ))
-            .arg(format!("--web.listen-address=127.0.0.1:{prom_port}"))
-            .stdout(Stdio::null())
-            .stderr(File::create(prom_dir.join("prometheus.log")).unwrap())
-            .spawn()
-            .unwrap(),
+            .arg("--web.listen-address=127.0.0.1:0")
+            .stdin(Stdio::null()),
     );
-    wait_for_port(prom_port, "prometheus");
+    let prom_port = prom.wait_for_port("msg=\"Listening on\"", Duration::from_secs(60));
     // The port opens before the TSDB is loaded; queries answer 503 until then.
     wait_until("prometheus ready", 60, || {
         let raw = reqwest_like_get(prom_port, "/-/ready");
@@ -175,7 +181,7 @@ fn prometheus_scrapes_worker_and_mount_and_every_dashboard_query_returns_data() 
             checked += 1;
             let mut result = Vec::new();
             // Rates need two scrapes after the traffic.
-            let deadline = Instant::now() + Duration::from_secs(15);
+            let deadline = common::deadline_in(Duration::from_secs(15));
             while result.is_empty() && Instant::now() < deadline {
                 result = instant_query(prom_port, &expr);
                 if result.is_empty() {
@@ -233,11 +239,11 @@ fn prometheus_scrapes_worker_and_mount_and_every_dashboard_query_returns_data() 
 #[test]
 fn a_stuck_read_is_named_in_the_mounts_inflight_list() {
     let mut env = Env::start(1);
-    let metrics_port = free_port();
     env.put("shards/stuck.bin", Bytes::from(pattern(4 << 20, 3)));
-    env.mount_with(&["--metrics-listen", &format!("127.0.0.1:{metrics_port}")]);
+    env.mount_with(&["--metrics-listen", "127.0.0.1:0"]);
+    let metrics_port = mount_metrics_port(&mut env);
     let worker_port = env.workers[0].0;
-    let pid = env.workers[0].1 .0.id().to_string();
+    let pid = env.workers[0].1.id().to_string();
     let path = env.mountpoint().join("shards/stuck.bin");
     // Open (and stat) while the worker answers; then it hangs.
     let mut f = File::open(&path).unwrap();

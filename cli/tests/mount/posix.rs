@@ -332,7 +332,7 @@ fn metadata_changes_show_at_once_and_reach_s3_coalesced() {
     assert_eq!(st.mtime(), 1577934245);
     // Stored by one copy once the window has passed (or fsync).
     let uri = ObjectUri::new(BUCKET, "f.bin").unwrap();
-    let deadline = Instant::now() + Duration::from_secs(10);
+    let deadline = common::deadline_in(Duration::from_secs(10));
     loop {
         let head = env.rt.block_on(env.s3.head(&uri)).unwrap();
         if head.user.get("mode").map(String::as_str) == Some("33152") {
@@ -352,16 +352,28 @@ fn metadata_changes_show_at_once_and_reach_s3_coalesced() {
         std::thread::sleep(Duration::from_millis(50));
     }
     let copies = s3_requests(env.workers[0].0, "copy_object") - copies_before;
-    assert!(copies <= 2, "{copies} copies for three changes in a row");
+    // At least one copy carried the metadata to S3 (seen above); at most
+    // two for three changes in a row.
+    assert!(
+        (1..=2).contains(&copies),
+        "{copies} copies for three changes in a row"
+    );
     assert_eq!(env.s3_get("f.bin").unwrap(), b"payload");
 }
 
-/// S3 requests of one operation a worker made, from its metrics.
+/// S3 requests of one operation a worker made, from its metrics; 0 when
+/// it made none yet (so only for differences whose later reading is
+/// shown to be non-zero).
 fn s3_requests(port: u16, op: &str) -> u64 {
     let body = reqwest_like_get(port, "/metrics");
     let op = format!("op=\"{op}\"");
     body.lines()
         .filter(|l| l.starts_with("lakecache_s3_requests_total{") && l.contains(&op))
-        .filter_map(|l| l.rsplit(' ').next()?.parse::<f64>().ok())
+        .map(|l| {
+            l.rsplit(' ')
+                .next()
+                .and_then(|v| v.parse::<f64>().ok())
+                .unwrap_or_else(|| panic!("unreadable metric line {l:?}"))
+        })
         .sum::<f64>() as u64
 }

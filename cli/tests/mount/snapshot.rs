@@ -110,7 +110,7 @@ fn run_bounded(mut cmd: Command, limit: Duration) -> (bool, String) {
         .stderr(err_path.reopen().unwrap())
         .spawn()
         .unwrap();
-    let deadline = Instant::now() + limit;
+    let deadline = common::deadline_in(limit);
     let status = loop {
         if let Some(status) = child.try_wait().unwrap() {
             break Some(status);

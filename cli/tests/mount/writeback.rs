@@ -86,26 +86,32 @@ fn writer(
     })
 }
 
-/// Starts the S3 endpoint again over `root`, on its port.
+/// Starts the S3 endpoint again over `root`, on the port it had (the
+/// workers know it by that port).
 fn restart_s3(env: &mut Env, root: &Path) {
-    let child = Command::new(BIN)
-        .args(["s3-server", "--root"])
-        .arg(root)
-        .args(["--listen", &format!("127.0.0.1:{}", env.s3_port)])
-        .args([
-            "--access-key",
-            ACCESS,
-            "--secret-key",
-            SECRET,
-            "--bucket",
-            BUCKET,
-        ])
-        .stdout(Stdio::null())
-        .stderr(Stdio::null())
-        .spawn()
-        .unwrap();
-    wait_for_port(env.s3_port, "s3-server");
-    env._s3_proc = Proc(child);
+    let (proc, port) = common::start_s3_on(root, ACCESS, SECRET, BUCKET, &[], env.s3_port);
+    assert_eq!(port, env.s3_port);
+    env._s3_proc = proc;
+}
+
+/// Waits until `acked` holds at least `n` files whose key contains `tag`:
+/// writers run for a number of acknowledged writes, not a fixed time, so a
+/// slow machine does not end a phase before it wrote anything.
+fn wait_acked(acked: &Acked, tag: &str, n: usize) {
+    common::wait_until(
+        &format!("{n} acknowledged writes under {tag}"),
+        Duration::from_secs(120),
+        Duration::from_millis(50),
+        || {
+            acked
+                .lock()
+                .unwrap()
+                .keys()
+                .filter(|k| k.contains(tag))
+                .count()
+                >= n
+        },
+    );
 }
 
 fn sync(env: &Env, timeout: &str) -> std::process::Output {
@@ -123,9 +129,8 @@ fn sync(env: &Env, timeout: &str) -> std::process::Output {
 
 /// Reads every acknowledged file through a fresh worker (empty cache)
 /// and returns how many verified.
-fn verify_from_s3(env: &Env, acked: &BTreeMap<String, Vec<u8>>) -> usize {
-    let port = free_port();
-    let _fresh = env.spawn_worker(99, port, &[]);
+fn verify_from_s3(env: &mut Env, acked: &BTreeMap<String, Vec<u8>>) -> usize {
+    let (port, _fresh) = env.start_worker(99, 0, &[]);
     let client = lakecache_protocol::WorkerClient::new(
         &format!("127.0.0.1:{port}"),
         Duration::from_secs(60),
@@ -155,12 +160,14 @@ fn acknowledged_checkpoints_survive_worker_kills_an_s3_outage_and_a_killed_mount
     // 1. SIGKILL the worker mid-run, restart it over the same directory.
     let stop = Arc::new(AtomicBool::new(false));
     let w = writer(mnt.clone(), acked.clone(), stop.clone(), "kill");
-    std::thread::sleep(Duration::from_millis(1500));
+    wait_acked(&acked, "/kill/", 2);
     let port = env.workers[0].0;
     env.workers[0].1.kill9();
+    // Down for a moment while the writer goes on (a time, not a sync).
     std::thread::sleep(Duration::from_millis(300));
+    let before_restart = acked.lock().unwrap().len();
     env.workers[0].1 = env.spawn_worker(0, port, &[]);
-    std::thread::sleep(Duration::from_millis(1500));
+    wait_acked(&acked, "/kill/", before_restart + 2);
     stop.store(true, Ordering::Relaxed);
     let (tried, failed) = w.join().unwrap();
     report.push(format!(
@@ -173,7 +180,7 @@ fn acknowledged_checkpoints_survive_worker_kills_an_s3_outage_and_a_killed_mount
     // The first S3 call after the outage began pays the SDK's retries;
     // after it the worker fails metadata calls fast (and answers from what
     // it knows), so this writer's lookups do not time out.
-    let deadline = Instant::now() + Duration::from_secs(60);
+    let deadline = common::deadline_in(Duration::from_secs(60));
     loop {
         let asked = Instant::now();
         let out = Command::new(BIN)
@@ -235,8 +242,14 @@ fn acknowledged_checkpoints_survive_worker_kills_an_s3_outage_and_a_killed_mount
         .stderr(Stdio::null())
         .spawn()
         .unwrap();
-    let mut writer_proc = Proc(writer_proc);
-    std::thread::sleep(Duration::from_millis(700));
+    let mut writer_proc = Proc::unlogged("dd", writer_proc);
+    // Kill the mount once dd is well into the file, not after a fixed time.
+    common::wait_until(
+        "dd writing the in-flight file",
+        Duration::from_secs(60),
+        Duration::from_millis(20),
+        || fs::metadata(&inflight).is_ok_and(|m| m.len() >= 32 << 20),
+    );
     env.mount.take().unwrap().kill9();
     writer_proc.kill9();
     if lakecache_fuse::mount::is_mounted(&mnt) {
@@ -265,7 +278,7 @@ fn acknowledged_checkpoints_survive_worker_kills_an_s3_outage_and_a_killed_mount
         !acked.keys().any(|k| k.ends_with(".tmp")),
         "a temp name was recorded"
     );
-    let verified = verify_from_s3(&env, &acked);
+    let verified = verify_from_s3(&mut env, &acked);
     // No temp file of a renamed checkpoint is left in S3.
     for key in acked.keys() {
         assert!(
@@ -330,7 +343,10 @@ fn write_back_reads_its_own_writes_and_sync_waits_for_s3() {
 #[test]
 fn with_two_copies_a_worker_that_loses_its_disk_loses_no_acknowledged_checkpoint() {
     let mut env = Env::start(0);
-    let ports: Vec<u16> = (0..3).map(|_| free_port()).collect();
+    // The one place a test picks ports for a child: workers that know
+    // their ring need every address before any starts. A port taken in
+    // between makes that worker exit, and the test fails with its log.
+    let ports: Vec<u16> = (0..3).map(|_| common::unused_port()).collect();
     let registry = format!(
         "static:{}",
         ports
@@ -363,18 +379,16 @@ fn with_two_copies_a_worker_that_loses_its_disk_loses_no_acknowledged_checkpoint
     let w = writer(mnt.clone(), acked.clone(), stop.clone(), "disk");
     // The first S3 calls of each worker pay the SDK's retries before it
     // fails fast: wait for a few acknowledgements, not a fixed time.
-    let deadline = Instant::now() + Duration::from_secs(60);
-    while acked.lock().unwrap().len() < 3 && Instant::now() < deadline {
-        std::thread::sleep(Duration::from_millis(200));
-    }
-    std::thread::sleep(Duration::from_secs(1));
+    wait_acked(&acked, "/disk/", 4);
     let before = acked.lock().unwrap().len();
     let lost = 1;
     env.workers[lost].1.kill9();
     fs::remove_dir_all(env.dir.path().join(format!("cache-{lost}"))).unwrap();
+    // Gone for a while as writes go on (an outage length, not a sync:
+    // writes owned by the lost worker may fail meanwhile).
     std::thread::sleep(Duration::from_secs(2));
     env.workers[lost].1 = env.spawn_worker(lost, ports[lost], &flags);
-    std::thread::sleep(Duration::from_secs(2));
+    wait_acked(&acked, "/disk/", before + 2);
     stop.store(true, Ordering::Relaxed);
     let (tried, failed) = w.join().unwrap();
     restart_s3(&mut env, &s3_root);
@@ -392,7 +406,7 @@ fn with_two_copies_a_worker_that_loses_its_disk_loses_no_acknowledged_checkpoint
         before >= 3,
         "too few files acknowledged before the loss: {before}"
     );
-    let verified = verify_from_s3(&env, &acked);
+    let verified = verify_from_s3(&mut env, &acked);
     eprintln!(
         "write-back disk-loss run (3 workers, 2 copies): {} acknowledged ({before} before the disk was lost), \
          {verified} verified from S3, {} lost; {tried} writes tried, {failed} failed while the worker was down",

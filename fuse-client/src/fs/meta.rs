@@ -354,6 +354,8 @@ impl Fs {
     /// Copies the object onto itself with its new user metadata (a
     /// directory without a marker gets one).
     pub(super) async fn store_metadata(&self, ino: u64) -> Result<(), FsError> {
+        // Read under the lock: a rename that ran first changed the key.
+        let _turn = self.object_locks.lock(ino).await;
         let Some(node) = self.inodes.get(ino) else {
             self.dirty_meta.clear(ino);
             return Ok(());
