@@ -61,6 +61,8 @@ pub struct Proc {
     pub child: Child,
     name: String,
     log: PathBuf,
+    /// Where this process's output starts in a log kept across restarts.
+    log_start: usize,
 }
 
 impl Proc {
@@ -78,6 +80,7 @@ impl Proc {
                 .open(log)
                 .unwrap_or_else(|e| panic!("opening {}: {e}", log.display()))
         };
+        let log_start = std::fs::metadata(log).map_or(0, |m| m.len() as usize);
         let child = cmd
             .stdout(open())
             .stderr(open())
@@ -87,6 +90,7 @@ impl Proc {
             child,
             name: name.to_string(),
             log: log.to_path_buf(),
+            log_start,
         }
     }
 
@@ -96,6 +100,7 @@ impl Proc {
             child,
             name: name.to_string(),
             log: PathBuf::new(),
+            log_start: 0,
         }
     }
 
@@ -123,12 +128,19 @@ impl Proc {
         )
     }
 
-    /// Waits (deadline `within`, scaled) for a log line containing
-    /// `needle` and returns it; fails with the log if the child exits.
+    /// What this process wrote (not earlier runs sharing its log).
+    fn own_output(&self) -> String {
+        let bytes = std::fs::read(&self.log).unwrap_or_default();
+        String::from_utf8_lossy(bytes.get(self.log_start..).unwrap_or_default()).into_owned()
+    }
+
+    /// Waits (deadline `within`, scaled) for a line of this process's
+    /// output containing `needle` and returns it; fails with the log if the
+    /// child exits.
     pub fn wait_for_line(&mut self, needle: &str, within: Duration) -> String {
         let deadline = deadline_in(within);
         loop {
-            if let Some(line) = self.log_text().lines().find(|l| l.contains(needle)) {
+            if let Some(line) = self.own_output().lines().find(|l| l.contains(needle)) {
                 return line.to_string();
             }
             if let Ok(Some(status)) = self.child.try_wait() {
