@@ -13,7 +13,15 @@ source scripts/deps.sh
 echo "meta-test at $(git rev-parse --short HEAD)$(git diff --quiet || echo '+changes') on $(uname -n), $(nproc) cores"
 
 scratch=$(mktemp -d /tmp/lakecache-meta-XXXXXX)
-trap 'rm -rf "$scratch"' EXIT
+tree=$PWD
+# The scratch build shares the target directory, so its `lakecache` binary
+# replaces this tree's: build this tree's again on the way out.
+restore() {
+  rm -rf "$scratch"
+  touch "$tree/cli/src/main.rs"
+  (cd "$tree" && cargo build --locked -q -p lakecache --bin lakecache)
+}
+trap restore EXIT
 # Tracked files as they are now (uncommitted edits included).
 git ls-files -z | xargs -0 cp --parents -t "$scratch"
 cd "$scratch"
