@@ -14,12 +14,18 @@ echo "meta-test at $(git rev-parse --short HEAD)$(git diff --quiet || echo '+cha
 
 scratch=$(mktemp -d /tmp/lakecache-meta-XXXXXX)
 tree=$PWD
-# The scratch build shares the target directory, so its `lakecache` binary
-# replaces this tree's: build this tree's again on the way out.
+# The scratch build shares the target directory, and cargo names a
+# workspace crate's artifacts alike wherever the workspace lies: the renamed
+# build's artifacts then look fresh to this tree (its sources are older).
+# On the way out, the changed file is touched here and this tree rebuilt.
 restore() {
   rm -rf "$scratch"
-  touch "$tree/cli/src/main.rs"
+  touch "$tree/cache-worker/src/metrics.rs"
   (cd "$tree" && cargo build --locked -q -p lakecache --bin lakecache)
+  if grep -q lakecache_renamed_ "${CARGO_TARGET_DIR:-$tree/target}/debug/lakecache"; then
+    echo "error: the lakecache binary still has the renamed metrics; run cargo clean -p lakecache-worker" >&2
+    exit 1
+  fi
 }
 trap restore EXIT
 # Tracked files as they are now (uncommitted edits included).
