@@ -211,7 +211,11 @@ impl Cluster {
     }
 
     /// A direct client of one worker, with the cluster's CA and token.
+    /// The request timeout is at least 60 s (scaled): these clients fail a
+    /// test only when a worker hangs, and a loaded disk made a 10 s one
+    /// expire on a healthy worker.
     fn worker_client(&self, port: u16, timeout: Duration) -> WorkerClient {
+        let timeout = common::scaled(timeout.max(Duration::from_secs(60)));
         WorkerClient::connect(
             &format!("127.0.0.1:{port}"),
             lakecache_protocol::Deadlines::uniform(timeout),

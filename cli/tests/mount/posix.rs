@@ -352,11 +352,13 @@ fn metadata_changes_show_at_once_and_reach_s3_coalesced() {
         std::thread::sleep(Duration::from_millis(50));
     }
     let copies = s3_requests(env.workers[0].0, "copy_object") - copies_before;
-    // At least one copy carried the metadata to S3 (seen above); at most
-    // two for three changes in a row.
+    // At most two copies for three changes in a row (measured: 1 idle; 0
+    // once under a CPU and disk hog, the changes reaching S3 another way).
+    // The request counts are read for real: the write above was a PUT.
+    assert!(copies <= 2, "{copies} copies for three changes in a row");
     assert!(
-        (1..=2).contains(&copies),
-        "{copies} copies for three changes in a row"
+        s3_requests(env.workers[0].0, "put_object") >= 1,
+        "the worker's S3 request counts are missing"
     );
     assert_eq!(env.s3_get("f.bin").unwrap(), b"payload");
 }
