@@ -5,7 +5,7 @@ log file, printed when the test that started it fails; children bind port
 multiplied by LAKECACHE_TEST_TIME_SCALE (a positive number, default 1).
 
 Put on sys.path by trainer/tests/conftest.py and ops/tests/conftest.py,
-which also attach the logs to failing reports (`attach_logs`)."""
+which import its two hooks to attach the logs to failing reports."""
 
 from __future__ import annotations
 
@@ -17,6 +17,8 @@ import tempfile
 import time
 from collections.abc import Callable
 from pathlib import Path
+
+import pytest
 
 _LOG_DIR = Path(tempfile.mkdtemp(prefix="lakecache-pytest-logs-"))
 _started: list[Child] = []
@@ -172,3 +174,15 @@ def attach_logs(item, report) -> None:
         text = logs_of_scope(item.module.__name__)
         if text:
             report.sections.append(("lakecache child logs", text))
+
+
+# The two hooks a conftest imports to put the above in place.
+@pytest.hookimpl(tryfirst=True)
+def pytest_runtest_setup(item) -> None:
+    begin_scope(item.module.__name__)
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_makereport(item, call):
+    outcome = yield
+    attach_logs(item, outcome.get_result())
