@@ -18,6 +18,7 @@ import time
 from pathlib import Path
 
 import provenance
+import rounds
 from run import HERE, Cluster, drop_caches, fio
 
 
@@ -38,7 +39,9 @@ def main() -> None:
     ap.add_argument("--out", default=str(HERE.parent / "results" / "local-tier.md"))
     ap.add_argument("--tier-dir", help="local tier directory (default: under --work)")
     ap.add_argument("--cold-only", action="store_true", help="only the cold pair, no table")
+    rounds.add_args(ap)
     a = ap.parse_args()
+    rounds.check(a.rounds)
     work = Path(a.work)
     if work.exists():
         shutil.rmtree(work)
@@ -91,20 +94,31 @@ def main() -> None:
         if a.cold_only:
             return
         for name, job, env, unit in tests:
-            drop_caches()
-            local = fio(job, work / "local", **env)
-            # L2-warm: the worker's cache only.
-            c.start_worker(fresh=False, worker_flags=plain)
-            drop_caches()
-            l2 = fio(job, c.mnt, **env)
-            c.stop_worker()
-            # L1-warm: a new mount over the whole tier, passthrough.
-            c.start_worker(fresh=False, worker_flags=plain, mount_flags=with_tier)
-            drop_caches()
-            l1 = fio(job, c.mnt, **env)
-            c.stop_worker()
-            rows.append((name, unit, local, l2, l1))
-            print(name, unit, local[unit], l2[unit], l1[unit], flush=True)
+
+            def local_once(job=job, env=env) -> dict:
+                drop_caches()
+                return {"local": fio(job, work / "local", **env)}
+
+            def l2_once(job=job, env=env) -> dict:
+                # L2-warm: the worker's cache only.
+                c.start_worker(fresh=False, worker_flags=plain)
+                drop_caches()
+                r = fio(job, c.mnt, **env)
+                c.stop_worker()
+                return {"l2": r}
+
+            def l1_once(job=job, env=env) -> dict:
+                # L1-warm: a new mount over the whole tier, passthrough.
+                c.start_worker(fresh=False, worker_flags=plain, mount_flags=with_tier)
+                drop_caches()
+                r = fio(job, c.mnt, **env)
+                c.stop_worker()
+                return {"l1": r}
+
+            got = rounds.interleave(
+                a.rounds, [("local", local_once), ("l2", l2_once), ("l1", l1_once)], name
+            )
+            rows.append((name, unit, got["local"], got["l2"], got["l1"]))
     finally:
         c.close()
     lines = [
@@ -119,14 +133,20 @@ def main() -> None:
             "the whole tier, so opens get FUSE passthrough."
         ),
         "",
+        (
+            f"Each cell: the median of {a.rounds} interleaved rounds (lowest-highest); a "
+            "ratio is the median of the per-round ratios to local disk in the same round."
+        ),
+        "",
         "| test | unit | local disk | L2-warm | L1-warm | L2/local | L1/local |",
         "|---|---|---|---|---|---|---|",
     ]
     for name, unit, local, l2, l1 in rows:
         u = "MiB/s" if unit == "mib_s" else "IOPS"
         lines.append(
-            f"| {name} | {u} | {local[unit]:.0f} | {l2[unit]:.0f} | "
-            f"{l1[unit]:.0f} | {l2[unit] / local[unit]:.2f} | {l1[unit] / local[unit]:.2f} |"
+            f"| {name} | {u} | {rounds.cell(local, unit)} | {rounds.cell(l2, unit)} | "
+            f"{rounds.cell(l1, unit)} | {rounds.ratio_cell(l2, local, unit)} | "
+            f"{rounds.ratio_cell(l1, local, unit)} |"
         )
     lines += [
         "",

@@ -2,11 +2,11 @@
 """Cold reads of the same S3 data through peers that install from this
 machine's package registries (s3fs-fuse and rclone, both Debian packages),
 with the S3 endpoint behind the same delaying proxy as read_path.py's
-"far" part. Reads the datasets read_path.py laid out in --work and its
-results.json (local disk and lakecache cold at RTT from the same work
-directory), and counts S3 bytes at the endpoint itself
-(`/_lakecache/stats`), so every tool's fetch amplification is measured
-the same way. Writes benches/results/peers.md.
+"far" part. Reads the datasets read_path.py laid out in --work; local disk,
+lakecache (cold, TLS and tokens on) and each peer are measured in every
+round. Counts S3 bytes at the endpoint itself (`/_lakecache/stats`) for
+the peers, so every tool's fetch amplification is measured the same way.
+Writes benches/results/peers.md.
 
 Usage (as root, after read_path.py; installs s3fs and rclone with apt):
     python3 benches/fio/peers.py --bin target/release/lakecache \
@@ -25,6 +25,7 @@ import urllib.request
 from pathlib import Path
 
 import provenance
+import rounds
 from read_path import Setup, ls_then_read
 from run import ACCESS, BUCKET, HERE, SECRET, drop_caches, mounted
 
@@ -113,93 +114,121 @@ def fio_capped(job: str, directory: Path, cap: int, env: dict) -> dict:
     return {"mib_s": side["bw_bytes"] / 2**20, "iops": side["iops"], "bytes": side["io_bytes"]}
 
 
+def measure(job: str, env: dict, directory: Path, cap: int) -> dict:
+    if job == "ls":
+        return ls_then_read(directory)
+    return fio_capped(job, directory, cap, {"runtime": "10", **env})
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--bin", required=True, help="lakecache (runs the S3 endpoint)")
     ap.add_argument("--proxy", required=True, help="the delay-proxy binary")
     ap.add_argument("--work", default="/var/tmp/lakecache-readpath")
     ap.add_argument("--rtt-ms", type=int, default=10)
-    ap.add_argument("--cap", type=int, default=60, help="seconds per peer job at most")
+    ap.add_argument("--cap", type=int, default=60, help="seconds per job at most")
     ap.add_argument("--out", default=str(HERE.parent / "results" / "peers.md"))
-    ap.add_argument("--tools", default="s3fs,rclone",
-                    help="peers to run now (none: only rewrite the table); the others' "
-                    "results come from the last run")
+    ap.add_argument("--only", default="", help="run only tests whose name contains this")
+    rounds.add_args(ap)
     a = ap.parse_args()
+    rounds.check(a.rounds)
     work = Path(a.work)
-    saved = json.loads((work / "results.json").read_text())
-    if "far" not in saved:
-        raise SystemExit("run read_path.py (its far part) in --work first")
+    if not (work / "laid-out").exists():
+        raise SystemExit(f"lay the datasets out first: read_path.py --work {work}")
     versions = install()
-    done = work / "peers.json"
+    tests = [t for t in TESTS if a.only in t[0]]
+    # TLS and tokens on for lakecache, as users run it; the peers read the
+    # same endpoint through the same proxy.
+    s = Setup(a, work, True, a.rtt_ms)
     out: dict = {}
-    if done.exists():
-        out = {tuple(k.split("|")): v for k, v in json.loads(done.read_text()).items()}
-    for tool in [t for t in a.tools.split(",") if t and t != "none"]:
-        s = Setup(a, work, False, a.rtt_ms)
-        try:
-            for name, job, env, unit in TESTS:
-                p = peer_mount(tool, s, work)
-                drop_caches()
-                before = endpoint_stats(s.s3_port)
-                if job == "ls":
-                    r = ls_then_read(s.mnt)
-                else:
-                    r = fio_capped(job, s.mnt, a.cap, {"runtime": "10", **env})
-                after = endpoint_stats(s.s3_port)
-                sent, gets = after[0] - before[0], after[1] - before[1]
-                r["s3_per_byte"] = sent / max(r["bytes"], 1)
-                r["gets"] = gets
-                unmount(s, p)
-                out[(tool, name)] = r
-                done.write_text(json.dumps({"|".join(k): v for k, v in out.items()}))
-                print(f"[{tool} rtt={a.rtt_ms}] {name}: {r[unit]:.0f} "
-                      f"({r['s3_per_byte']:.2f} S3 bytes per byte)", flush=True)
-        finally:
-            s.close()
-    write(a, saved, versions, out)
+
+    def local_once(job: str, env: dict) -> dict:
+        drop_caches()
+        return {"local": measure(job, env, work / "local", a.cap)}
+
+    def lakecache_once(job: str, env: dict) -> dict:
+        s.start_worker(fresh=True)
+        s.start_mount(tier=True, fresh_tier=True)
+        drop_caches()
+        before = s.s3_bytes()
+        r = measure(job, env, s.mnt, a.cap)
+        r["s3_per_byte"] = (s.s3_bytes() - before) / max(r["bytes"], 1)
+        s.stop_mount()
+        s.stop(s.worker)
+        return {"lakecache": r}
+
+    def peer_once(tool: str, job: str, env: dict) -> dict:
+        p = peer_mount(tool, s, work)
+        drop_caches()
+        before = endpoint_stats(s.s3_port)
+        r = measure(job, env, s.mnt, a.cap)
+        after = endpoint_stats(s.s3_port)
+        r["s3_per_byte"] = (after[0] - before[0]) / max(r["bytes"], 1)
+        r["gets"] = after[1] - before[1]
+        unmount(s, p)
+        return {tool: r}
+
+    try:
+        for name, job, env, _ in tests:
+            cases = [
+                ("local", lambda job=job, env=env: local_once(job, env)),
+                ("lakecache", lambda job=job, env=env: lakecache_once(job, env)),
+                *[(t, lambda t=t, job=job, env=env: peer_once(t, job, env)) for t in PEERS],
+            ]
+            for column, samples in rounds.interleave(a.rounds, cases, name).items():
+                out[(column, name)] = samples
+    finally:
+        s.close()
+    write(a, tests, versions, out)
 
 
-def num(v: float) -> str:
-    return f"{v:.1f}" if v < 100 else f"{v:.0f}"
+PEERS = ("s3fs", "rclone")
 
 
-def write(a, saved, versions, out) -> None:
-    far = {tuple(k.split("|")): v for k, v in saved["far"]["results"].items()}
-    local = saved["far"]["local"]
+def write(a, tests, versions, out) -> None:
     unit = {"mib_s": "MiB/s", "iops": "IOPS"}
+    cell = rounds.cell
     lines = [
-        "# Cold reads at 10 ms RTT: lakecache vs s3fs and rclone",
+        f"# Cold reads at {a.rtt_ms} ms RTT: lakecache vs s3fs and rclone",
         "",
         *provenance.header(),
-        "Run as root after `read_path.py` in the same --work.",
-        f"Machine: {os.cpu_count()} cores, `uname -r` {os.uname().release}. The same "
-        f"s3-server and data as read-path.md, behind delay-proxy at {a.rtt_ms} ms RTT; "
-        "page cache dropped before every run; every tool starts cold (lakecache: empty "
+        "Run as root after `read_path.py` laid the datasets out in the same --work.",
+        f"The same s3-server and data as read-path.md, behind delay-proxy at {a.rtt_ms} ms "
+        "RTT; page cache dropped before every run; every tool starts cold (lakecache: empty "
         "worker cache and local tier, TLS and tokens on; peers: default caches off, a "
-        "fresh mount per test). Peers: " + "; ".join(versions.values()) + ", mounted "
+        "fresh mount per run). Peers: " + "; ".join(versions.values()) + ", mounted "
         "read-only with default settings otherwise (rclone `--vfs-cache-mode off`). "
-        f"Peer jobs stop after {a.cap} s; their rate is over what they read by then. "
-        "lakecache and local-disk columns are from read_path.py's far part "
-        f"({saved['far']['when']}). S3 bytes per byte read are counted by the S3 endpoint "
-        "for the peers and by the worker for lakecache.",
+        f"Every job, local disk included, stops after {a.cap} s; its rate is over what it "
+        f"read by then. Each cell: the median of {a.rounds} interleaved rounds "
+        "(lowest-highest), every tool and local disk measured in every round; the last "
+        "column is the median of the per-round ratios of lakecache to the better peer of "
+        "that round. S3 bytes per byte read are counted by the S3 endpoint for the peers "
+        "and by the worker for lakecache.",
         "",
         "| test | unit | local disk | lakecache | s3fs | rclone | lakecache / best peer |",
         "|---|---|---|---|---|---|---|",
     ]
-    for name, _, _, u in TESTS:
-        lc = far[(name, "cold")][u]
-        s3fs, rclone = out[("s3fs", name)][u], out[("rclone", name)][u]
-        lines.append(f"| {name} | {unit[u]} | {num(local[name][u])} | {num(lc)} | "
-                     f"{num(s3fs)} | {num(rclone)} | {lc / max(s3fs, rclone, 1e-9):.2f} |")
+    for name, _, _, u in tests:
+        lc = out[("lakecache", name)]
+        best = [
+            {u: max(x[u] for x in per_round)}
+            for per_round in zip(*(out[(t, name)] for t in PEERS), strict=True)
+        ]
+        lines.append(
+            f"| {name} | {unit[u]} | {cell(out[('local', name)], u)} | {cell(lc, u)} | "
+            f"{cell(out[('s3fs', name)], u)} | {cell(out[('rclone', name)], u)} | "
+            f"{rounds.ratio_cell(lc, best, u)} |"
+        )
     lines += ["", "## S3 bytes fetched per byte read", "",
               "| test | lakecache | s3fs | rclone |", "|---|---|---|---|"]
-    for name, *_ in TESTS:
-        lines.append(f"| {name} | {far[(name, 'cold')].get('s3_per_byte', 0):.2f} | "
-                     f"{out[('s3fs', name)]['s3_per_byte']:.2f} | "
-                     f"{out[('rclone', name)]['s3_per_byte']:.2f} |")
+    for name, *_ in tests:
+        lines.append(
+            f"| {name} | "
+            + " | ".join(cell(out[(t, name)], "s3_per_byte") for t in ("lakecache", *PEERS))
+            + " |"
+        )
     provenance.write(a.out, lines)
     print(f"wrote {a.out}")
-
 
 if __name__ == "__main__":
     main()

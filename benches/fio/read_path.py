@@ -21,13 +21,13 @@ import json
 import os
 import shutil
 import signal
-import statistics
 import subprocess
 import sys
 import time
 from pathlib import Path
 
 import provenance
+import rounds
 from run import ACCESS, BUCKET, HERE, SECRET, drop_caches, fio, free_port, mounted, wait_port
 from security_overhead import secure_flags
 
@@ -204,43 +204,66 @@ def whole_objects(tier: Path) -> int:
     return whole
 
 
-def bench(a: argparse.Namespace, work: Path, secure: bool, rtt: int, tests: list,
-          states: tuple[str, ...], local: dict) -> tuple[dict, int]:
-    """Runs `tests` in `states`; returns {(test, state): result} and the peak RSS."""
+def bench(a: argparse.Namespace, work: Path, part: str, tests: list) -> tuple[dict, int]:
+    """Runs `tests` in the part's states, interleaved with local disk in
+    each round; returns {(test, state): [result per round]} and the peak RSS."""
+    secure, rtt, states = PLANS[part]
+    if part == "far":
+        rtt = a.rtt_ms
     s = Setup(a, work, secure, rtt)
     out: dict = {}
     rss = 0
+
+    def local_once(t: tuple) -> dict:
+        drop_caches()
+        return {"local": run_test(t, work / "local")}
+
+    def lakecache_once(t: tuple) -> dict:
+        nonlocal rss
+        got: dict = {}
+        s.start_worker(fresh=True)
+        s.start_mount(tier=True, fresh_tier=True)
+        drop_caches()
+        before = s.s3_bytes()
+        r = run_test(t, s.mnt)
+        r["s3_per_byte"] = (s.s3_bytes() - before) / max(r.get("bytes", 0), 1)
+        got["cold"] = r
+        rss = max(rss, s.stop_mount())
+        if "L2" in states:
+            s.start_mount(tier=False)
+            drop_caches()
+            got["L2"] = run_test(t, s.mnt)
+            rss = max(rss, s.stop_mount())
+        if "L1" in states:
+            s.start_mount(tier=True)
+            fill_tier(s, [p for g in t[4] for p in sorted(s.mnt.glob(g))])
+            s.stop_mount()
+            s.start_mount(tier=True)
+            drop_caches()
+            got["L1"] = run_test(t, s.mnt)
+            rss = max(rss, s.stop_mount())
+        s.stop(s.worker)
+        return got
+
     try:
         for t in tests:
-            name = t[0]
-            s.start_worker(fresh=True)
-            s.start_mount(tier=True, fresh_tier=True)
-            drop_caches()
-            before = s.s3_bytes()
-            r = run_test(t, s.mnt)
-            r["s3_per_byte"] = (s.s3_bytes() - before) / max(r.get("bytes", 0), 1)
-            out[(name, "cold")] = r
-            rss = max(rss, s.stop_mount())
-            if "L2" in states:
-                s.start_mount(tier=False)
-                drop_caches()
-                out[(name, "L2")] = run_test(t, s.mnt)
-                rss = max(rss, s.stop_mount())
-            if "L1" in states:
-                s.start_mount(tier=True)
-                fill_tier(s, [p for g in t[4] for p in sorted(s.mnt.glob(g))])
-                s.stop_mount()
-                s.start_mount(tier=True)
-                drop_caches()
-                out[(name, "L1")] = run_test(t, s.mnt)
-                rss = max(rss, s.stop_mount())
-            s.stop(s.worker)
-            row = " ".join(f"{st}={out[(name, st)][t[3]]:.0f}" for st in ("cold", *states))
-            print(f"[{'tls' if secure else 'plain'} rtt={rtt}] {name}: local="
-                  f"{local[name][t[3]]:.0f} {row}", flush=True)
+            got = rounds.interleave(
+                a.rounds,
+                [
+                    ("local", lambda t=t: local_once(t)),
+                    ("lakecache", lambda t=t: lakecache_once(t)),
+                ],
+                f"{part} {t[0]}",
+            )
+            for state, samples in got.items():
+                out[(t[0], state)] = samples
     finally:
         s.close()
     return out, rss
+
+
+# part: (TLS and tokens, RTT to S3 in ms (far: --rtt-ms), lakecache states after cold)
+PLANS = {"tls": (True, 0, ("L2", "L1")), "plain": (False, 0, ("L2",)), "far": (True, 0, ())}
 
 
 def main() -> None:
@@ -260,7 +283,9 @@ def main() -> None:
     ap.add_argument("--only", default="",
                     help="run only tests whose name contains this; the others keep their "
                     "results from the last run in --work")
+    rounds.add_args(ap)
     a = ap.parse_args()
+    rounds.check(a.rounds)
     work = Path(a.work)
     reuse = a.reuse and (work / "laid-out").exists()
     if work.exists() and not reuse:
@@ -292,23 +317,18 @@ def main() -> None:
             s.close()
         (work / "laid-out").write_text(f"{sz}\n")
     chosen = [t for t in tests if a.only in t[0]]
-    local: dict = {}
-    for t in chosen:
-        drop_caches()
-        local[t[0]] = run_test(t, work / "local")
     saved = work / "results.json"
     runs = json.loads(saved.read_text()) if saved.exists() else {}
-    plans = {"tls": (True, 0, ("L2", "L1")), "plain": (False, 0, ("L2",)),
-             "far": (True, a.rtt_ms, ())}
     for part in a.parts.split(","):
-        secure, rtt, states = plans[part]
-        out, rss = bench(a, work, secure, rtt, chosen, states, local)
+        if part not in PLANS:
+            raise SystemExit(f"--parts: unknown part {part!r} (tls, plain, far)")
+        out, rss = bench(a, work, part, chosen)
         old = runs.get(part, {}) if a.only else {}
         runs[part] = {
             "results": {**old.get("results", {}),
                         **{f"{n}|{st}": r for (n, st), r in out.items()}},
             "rss": max(rss, old.get("rss", 0)),
-            "local": {**old.get("local", {}), **local},
+            "rounds": a.rounds,
             "when": time.strftime("%Y-%m-%d %H:%M"),
         }
         saved.write_text(json.dumps(runs))
@@ -317,13 +337,17 @@ def main() -> None:
 
 def write(a, tests, runs, elapsed) -> None:
     def results(part: str) -> dict:
-        raw = runs[part]["results"]
+        raw = runs.get(part, {}).get("results")
+        if not raw or not isinstance(next(iter(raw.values())), list):
+            raise SystemExit(f"no {part} part recorded with rounds in --work; run --parts {part}")
         return {tuple(k.split("|")): v for k, v in raw.items()}
 
     tls, plain, far = results("tls"), results("plain"), results("far")
-    local, local_far = runs["tls"]["local"], runs["far"]["local"]
+    cell, ratio = rounds.cell, rounds.ratio_cell
     unit = {"mib_s": "MiB/s", "iops": "IOPS"}
-    parts = ", ".join(f"{p} {runs[p]['when']}" for p in ("tls", "plain", "far"))
+    parts = ", ".join(
+        f"{p} {runs[p]['when']} ({runs[p]['rounds']} rounds)" for p in ("tls", "plain", "far")
+    )
     lines = [
         "# Read path: local disk vs lakecache cold, L2-warm and L1-warm",
         "",
@@ -334,7 +358,9 @@ def write(a, tests, runs, elapsed) -> None:
         "cold = empty worker cache and empty local tier (the tier on, filling, as `up` "
         "runs it); L2-warm = worker cache warm, mount without a tier; L1-warm = a new "
         "mount over a whole tier (passthrough). TLS = HTTPS between mount and worker with "
-        "tokens checked on every request. Ratios are to local disk in the same run.",
+        "tokens checked on every request. Each cell: the median of the part's interleaved "
+        "rounds (lowest-highest), local disk measured in every round; a ratio is the median "
+        "of the per-round ratios to the local disk of the same round.",
         "",
         "## TLS and tokens on, loopback S3",
         "",
@@ -343,43 +369,41 @@ def write(a, tests, runs, elapsed) -> None:
         "|---|---|---|---|---|---|---|---|---|",
     ]
     for name, _, _, u, _ in tests:
-        lo = local[name][u]
-        c, l2, l1 = tls[(name, "cold")][u], tls[(name, "L2")][u], tls[(name, "L1")][u]
-        lines.append(f"| {name} | {unit[u]} | {lo:.0f} | {c:.0f} | {l2:.0f} | {l1:.0f} | "
-                     f"{c / lo:.2f} | {l2 / lo:.2f} | {l1 / lo:.2f} |")
+        lo = tls[(name, "local")]
+        c, l2, l1 = tls[(name, "cold")], tls[(name, "L2")], tls[(name, "L1")]
+        lines.append(f"| {name} | {unit[u]} | {cell(lo, u)} | {cell(c, u)} | {cell(l2, u)} | "
+                     f"{cell(l1, u)} | {ratio(c, lo, u)} | {ratio(l2, lo, u)} | "
+                     f"{ratio(l1, lo, u)} |")
     lines += [
         "",
         f"## S3 {a.rtt_ms} ms away (delay-proxy), TLS and tokens on: cold",
         "",
-        "| test | unit | local disk | cold, loopback S3 | cold, S3 at "
-        f"{a.rtt_ms} ms RTT | far/local |",
-        "|---|---|---|---|---|---|",
+        f"| test | unit | local disk | cold, S3 at {a.rtt_ms} ms RTT | far/local |",
+        "|---|---|---|---|---|",
     ]
     for name, _, _, u, _ in tests:
-        lo, c, f = local_far[name][u], tls[(name, "cold")][u], far[(name, "cold")][u]
-        lines.append(f"| {name} | {unit[u]} | {lo:.0f} | {c:.0f} | {f:.0f} | {f / lo:.2f} |")
+        lo, f = far[(name, "local")], far[(name, "cold")]
+        lines.append(f"| {name} | {unit[u]} | {cell(lo, u)} | {cell(f, u)} | {ratio(f, lo, u)} |")
     lines += [
         "",
         "## What TLS and tokens cost (loopback S3)",
         "",
-        "| test | unit | cold plain | cold TLS | L2-warm plain | L2-warm TLS | L2 TLS/plain |",
-        "|---|---|---|---|---|---|---|",
+        "| test | unit | cold plain | cold TLS | L2-warm plain | L2-warm TLS |",
+        "|---|---|---|---|---|---|",
     ]
     for name, _, _, u, _ in tests:
-        cp, ct = plain[(name, "cold")][u], tls[(name, "cold")][u]
-        wp, wt = plain[(name, "L2")][u], tls[(name, "L2")][u]
-        lines.append(f"| {name} | {unit[u]} | {cp:.0f} | {ct:.0f} | {wp:.0f} | {wt:.0f} | "
-                     f"{wt / wp:.2f} |")
+        cp, ct = plain[(name, "cold")], tls[(name, "cold")]
+        wp, wt = plain[(name, "L2")], tls[(name, "L2")]
+        lines.append(f"| {name} | {unit[u]} | {cell(cp, u)} | {cell(ct, u)} | {cell(wp, u)} | "
+                     f"{cell(wt, u)} |")
     lines += ["", "## S3 bytes fetched per byte read, cold", "",
               "| test | loopback | at RTT |", "|---|---|---|"]
     for name, _, _, _, _ in tests:
-        lines.append(f"| {name} | {tls[(name, 'cold')]['s3_per_byte']:.2f} | "
-                     f"{far[(name, 'cold')]['s3_per_byte']:.2f} |")
+        lines.append(f"| {name} | {cell(tls[(name, 'cold')], 's3_per_byte')} | "
+                     f"{cell(far[(name, 'cold')], 's3_per_byte')} |")
     peak = max(runs[p]["rss"] for p in ("tls", "plain", "far"))
     lines += ["", f"Mount peak RSS (VmHWM) over every run: {peak / 2**20:.0f} MiB, "
               f"--memory-limit {MEMORY_LIMIT >> 20} MiB."]
-    med = statistics.median(local[n][u] for n, _, _, u, _ in tests if u == "mib_s")
-    lines.append(f"(Median local-disk rate over the MiB/s tests: {med:.0f} MiB/s.)")
     provenance.write(a.out, lines)
     print(f"wrote {a.out}")
 

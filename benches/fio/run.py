@@ -9,6 +9,7 @@ Usage (as root, release binary built):
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import os
 import shutil
@@ -20,6 +21,7 @@ import time
 from pathlib import Path
 
 import provenance
+import rounds
 
 HERE = Path(__file__).resolve().parent
 ACCESS, SECRET, BUCKET = "fio-bench", "fio-bench-secret", "bench"
@@ -167,7 +169,9 @@ def main() -> None:
     ap.add_argument("--write-size", default="1G")
     ap.add_argument("--runtime", default="20")
     ap.add_argument("--out", default=str(HERE.parent / "results" / "fio.md"))
+    rounds.add_args(ap)
     a = ap.parse_args()
+    rounds.check(a.rounds)
     work = Path(a.work)
     if work.exists():
         shutil.rmtree(work)
@@ -191,19 +195,38 @@ def main() -> None:
             ("10,000 x 100 KiB files, read once", "small-files.fio", {}, "mib_s"),
         ]
         for name, job, env, unit in tests:
-            drop_caches()
-            local = fio(job, work / "local", **env)
-            c.stop_worker()
-            c.start_worker(fresh=True)  # empty worker cache
-            drop_caches()
-            cold = fio(job, c.mnt, **env)
-            warm = fio(job, c.mnt, **env)  # worker cache warm, kernel cache dropped by fio
-            rows.append((name, unit, local, cold, warm))
-            print(name, unit, local[unit], cold[unit], warm[unit], flush=True)
-        local_w = fio("seq-write.fio", work / "local", size=a.write_size)
-        mount_w = fio("seq-write.fio", c.mnt, size=a.write_size)
-        rows.append(("seq write 1 MiB + fsync (checkpoint)", "mib_s", local_w, mount_w, mount_w))
-        print("seq write", local_w, mount_w, flush=True)
+
+            def local_once(job=job, env=env) -> dict:
+                drop_caches()
+                return {"local": fio(job, work / "local", **env)}
+
+            def mount_once(job=job, env=env) -> dict:
+                c.stop_worker()
+                c.start_worker(fresh=True)  # empty worker cache
+                drop_caches()
+                cold = fio(job, c.mnt, **env)
+                warm = fio(job, c.mnt, **env)  # worker cache warm, kernel cache dropped by fio
+                return {"cold": cold, "warm": warm}
+
+            got = rounds.interleave(a.rounds, [("local", local_once), ("mount", mount_once)], name)
+            rows.append((name, unit, got["local"], got["cold"], got["warm"]))
+        # Each round writes a new file: an existing object opened without
+        # O_TRUNC is read-only on the mount.
+        written = itertools.count()
+
+        def write_once(root: Path, column: str) -> dict:
+            d = root / f"write-{next(written)}"
+            d.mkdir()
+            return {column: fio("seq-write.fio", d, size=a.write_size)}
+
+        got = rounds.interleave(
+            a.rounds,
+            [("local", lambda: write_once(work / "local", "local")),
+             ("mount", lambda: write_once(c.mnt, "mount"))],
+            "seq write",
+        )
+        rows.append(("seq write 1 MiB + fsync (checkpoint)", "mib_s", got["local"],
+                     got["mount"], got["mount"]))
     finally:
         c.close()
 
@@ -218,14 +241,18 @@ def main() -> None:
         "warm = the run after it (fio's default invalidate=1 drops the kernel's cached pages "
         "of the files, so warm means the worker's cache, not the page cache).",
         "",
+        f"Each cell: the median of {a.rounds} interleaved rounds (lowest-highest); a ratio is "
+        "the median of the per-round ratios to local disk measured in the same round.",
+        "",
         "| test | unit | local disk | mount cold | mount warm | cold/local | warm/local |",
         "|---|---|---|---|---|---|---|",
     ]
     for name, unit, local, cold, warm in rows:
         u = "MiB/s" if unit == "mib_s" else "IOPS"
         lines.append(
-            f"| {name} | {u} | {local[unit]:.0f} | {cold[unit]:.0f} | {warm[unit]:.0f} | "
-            f"{cold[unit] / local[unit]:.2f} | {warm[unit] / local[unit]:.2f} |"
+            f"| {name} | {u} | {rounds.cell(local, unit)} | {rounds.cell(cold, unit)} | "
+            f"{rounds.cell(warm, unit)} | {rounds.ratio_cell(cold, local, unit)} | "
+            f"{rounds.ratio_cell(warm, local, unit)} |"
         )
     lines.append("")
     lines.append("The write row has one mount column: writes go to S3 through the worker.")

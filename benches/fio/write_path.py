@@ -21,6 +21,7 @@ import time
 from pathlib import Path
 
 import provenance
+import rounds
 from run import BUCKET, Cluster, drop_caches
 
 HERE = Path(__file__).resolve().parent
@@ -119,55 +120,58 @@ def main() -> None:
     ap.add_argument("--ckpt-writers", type=int, default=8)
     ap.add_argument("--ckpt-size", default="512", help="MiB per checkpoint writer")
     ap.add_argument("--out", default=str(HERE.parent / "results" / "write-path.md"))
+    rounds.add_args(ap)
     a = ap.parse_args()
+    rounds.check(a.rounds)
     work = Path(a.work)
     if work.exists():
         shutil.rmtree(work)
     (work / "local").mkdir(parents=True)
     ckpt_bytes = int(a.ckpt_size) << 20
-    rows: dict[str, dict[str, float]] = {}
     started = time.strftime("%Y-%m-%d %H:%M:%S")
     c = Cluster(a.bin, work)
-    try:
-        for mode in MODES:
-            if mode == "local":
-                target = work / "local"
-            elif mode == "back-r2":
-                # Three workers, every write-back body on two of them.
-                c.start_ring(3, ("--write-replicas", "2"), ("--write-mode", "back"))
-                target = c.mnt / mode
-            else:
-                c.start_worker(fresh=True, mount_flags=("--write-mode", mode))
-                # The bucket outlives the worker: each mode writes its own
-                # directory (an existing object opened without O_TRUNC is
-                # read-only on the mount).
-                target = c.mnt / mode
-            r: dict[str, float] = {}
-            for jobs in (1, 4):
-                d = target / f"fio{jobs}"
-                d.mkdir(parents=True, exist_ok=True)
-                drop_caches()
-                r[f"fio{jobs}"] = fio_write(d, a.size, jobs)
-                print(mode, "fio", jobs, f"{r[f'fio{jobs}']:.0f} MiB/s", flush=True)
-                if mode.startswith("back"):
-                    # Each fio run starts from an empty backlog.
-                    sync_seconds(a.bin, c, "")
+
+    def mode_once(mode: str) -> dict:
+        if mode == "local":
+            target = work / "local"
+        elif mode == "back-r2":
+            # Three workers, every write-back body on two of them.
+            c.start_ring(3, ("--write-replicas", "2"), ("--write-mode", "back"))
+            target = c.mnt / mode
+        else:
+            c.start_worker(fresh=True, mount_flags=("--write-mode", mode))
+            # The bucket outlives the worker: each mode writes its own
+            # directory (an existing object opened without O_TRUNC is
+            # read-only on the mount).
+            target = c.mnt / mode
+        r: dict[str, float] = {}
+        for jobs in (1, 4):
+            d = target / f"fio{jobs}"
+            d.mkdir(parents=True, exist_ok=True)
             drop_caches()
-            r["ckpt"] = checkpoint(target / "ckpt" / "step100", a.ckpt_writers, ckpt_bytes)
-            if mode == "local":
-                subprocess.run(["sync"], check=True)
-                r["ckpt_s3"] = float("nan")
-            else:
-                r["ckpt_s3"] = r["ckpt"] + sync_seconds(a.bin, c, f"{mode}/ckpt/")
-            print(mode, "checkpoint", f"{r['ckpt']:.2f}s", f"S3 {r['ckpt_s3']:.2f}s", flush=True)
-            rows[mode] = r
-            # Free the disk for the next mode: its files (through the mount,
-            # so S3 drops them too) and its workers' caches.
-            shutil.rmtree(target)
-            if mode != "local":
-                c.stop_worker()
-                for cache in work.glob("cache*"):
-                    shutil.rmtree(cache)
+            r[f"fio{jobs}"] = fio_write(d, a.size, jobs)
+            if mode.startswith("back"):
+                # Each fio run starts from an empty backlog.
+                sync_seconds(a.bin, c, "")
+        drop_caches()
+        r["ckpt"] = checkpoint(target / "ckpt" / "step100", a.ckpt_writers, ckpt_bytes)
+        if mode == "local":
+            subprocess.run(["sync"], check=True)
+        else:
+            r["ckpt_s3"] = r["ckpt"] + sync_seconds(a.bin, c, f"{mode}/ckpt/")
+        # Free the disk for the next mode: its files (through the mount,
+        # so S3 drops them too) and its workers' caches.
+        shutil.rmtree(target)
+        if mode != "local":
+            c.stop_worker()
+            for cache in work.glob("cache*"):
+                shutil.rmtree(cache)
+        return {mode: r}
+
+    try:
+        rows = rounds.interleave(
+            a.rounds, [(m, lambda m=m: mode_once(m)) for m in MODES], "writes"
+        )
     finally:
         c.close()
     write(a, rows, started, ckpt_bytes)
@@ -183,7 +187,9 @@ def write(a: argparse.Namespace, rows: dict, started: str, ckpt_bytes: int) -> N
         f"Machine: {os.cpu_count()} cores, kernel {os.uname().release}; s3-server, one worker "
         "(back-r2: three workers, `--write-replicas 2`; plain HTTP, no tokens) and the mount on "
         "this machine, all on the same disk as `local`. The page cache is dropped before every "
-        "run.",
+        "run. Each cell: the median of "
+        f"{a.rounds} interleaved rounds (lowest-highest); a ratio is the median of the "
+        "per-round ratios to local disk measured in the same round.",
         "",
         "## fio: sequential write, 1 MiB blocks, fsync at the end; one file per writer "
         "(separate fio processes, bandwidth summed)",
@@ -194,12 +200,9 @@ def write(a: argparse.Namespace, rows: dict, started: str, ckpt_bytes: int) -> N
     ]
     for jobs in (1, 4):
         k = f"fio{jobs}"
-        lines.append(
-            f"| {jobs} x {a.size} | {local[k]:.0f} | {rows['through'][k]:.0f} | "
-            f"{rows['back'][k]:.0f} | {rows['back-r2'][k]:.0f} | "
-            f"{rows['through'][k] / local[k]:.2f} | {rows['back'][k] / local[k]:.2f} | "
-            f"{rows['back-r2'][k] / local[k]:.2f} |"
-        )
+        cells = [rounds.cell(rows[m], k) for m in MODES]
+        ratios = [rounds.ratio_cell(rows[m], local, k) for m in MODES[1:]]
+        lines.append(f"| {jobs} x {a.size} | " + " | ".join(cells + ratios) + " |")
     lines += [
         "",
         f"## Checkpoint: {a.ckpt_writers} writers x {a.ckpt_size} MiB at once ({total:.0f} MiB), "
@@ -211,9 +214,11 @@ def write(a: argparse.Namespace, rows: dict, started: str, ckpt_bytes: int) -> N
         "|---|---|---|---|",
     ]
     for mode in MODES:
-        r = rows[mode]
-        s3 = "-" if mode == "local" else f"{r['ckpt_s3']:.1f}"
-        lines.append(f"| {mode} | {r['ckpt']:.1f} | {s3} | {r['ckpt'] / local['ckpt']:.2f} |")
+        s3 = "-" if mode == "local" else rounds.cell(rows[mode], "ckpt_s3")
+        lines.append(
+            f"| {mode} | {rounds.cell(rows[mode], 'ckpt')} | {s3} | "
+            f"{rounds.ratio_cell(rows[mode], local, 'ckpt')} |"
+        )
     provenance.write(a.out, lines)
     print(f"wrote {a.out}")
 

@@ -14,7 +14,7 @@ use lakecache_registry::{ClusterClient, ClusterOptions, EtcdMembership, Membersh
 use sha2::{Digest, Sha256};
 
 mod common;
-use common::{start_s3, worker_port, Proc, BIN};
+use common::{start_s3, worker_port, OutputBounded, Proc, BIN};
 
 const ACCESS: &str = "cluster-test";
 const SECRET: &str = "cluster-test-secret";
@@ -44,13 +44,13 @@ impl Security {
         ok(Command::new(BIN)
             .args(["token", "keygen", "--out"])
             .arg(&keys)
-            .output()
+            .output_bounded()
             .unwrap());
         let token = ok(Command::new(BIN)
             .args(["token", "create", "--keys"])
             .arg(&keys)
             .args(["--tenant", "tests", "--allow-write", "s3://data/"])
-            .output()
+            .output_bounded()
             .unwrap());
         let token_file = dir.join("token");
         std::fs::write(&token_file, token).unwrap();
@@ -206,7 +206,7 @@ impl Cluster {
         Command::new(BIN)
             .args(args)
             .envs(self.env())
-            .output()
+            .output_bounded()
             .unwrap()
     }
 
@@ -571,7 +571,7 @@ fn written_segments_are_handed_to_their_owners_and_read_without_s3() {
     let out = Command::new(BIN)
         .args(["cat", "s3://data/ckpt.bin", "--registry", &c.registry()])
         .envs(c.env())
-        .output()
+        .output_bounded()
         .unwrap();
     assert!(
         out.status.success(),
@@ -656,7 +656,7 @@ fn a_worker_or_client_with_other_ring_settings_is_refused() {
             "--s3-path-style",
         ])
         .envs(c.env())
-        .output()
+        .output_bounded()
         .unwrap();
     let err = String::from_utf8_lossy(&out.stderr);
     assert!(
@@ -682,7 +682,7 @@ fn a_worker_or_client_with_other_ring_settings_is_refused() {
             &c.registry(),
         ])
         .envs(c.env())
-        .output()
+        .output_bounded()
         .unwrap();
     let err = String::from_utf8_lossy(&out.stderr);
     assert!(!out.status.success());
@@ -777,8 +777,8 @@ fn two_processes_compute_identical_owners() {
         "--keys",
         "100000",
     ];
-    let first = Command::new(BIN).args(args).output().unwrap();
-    let second = Command::new(BIN).args(args).output().unwrap();
+    let first = Command::new(BIN).args(args).output_bounded().unwrap();
+    let second = Command::new(BIN).args(args).output_bounded().unwrap();
     assert!(first.status.success() && second.status.success());
     assert_eq!(
         first.stdout.iter().filter(|b| **b == b'\n').count(),
@@ -827,7 +827,7 @@ fn etcd_unreachable_at_start_is_a_clear_error() {
             "--cache-dir",
         ])
         .arg(dir.path())
-        .output()
+        .output_bounded()
         .unwrap();
     assert_eq!(out.status.code(), Some(1));
     let err = String::from_utf8_lossy(&out.stderr);
@@ -838,7 +838,7 @@ fn etcd_unreachable_at_start_is_a_clear_error() {
     assert!(took < common::scaled(Duration::from_secs(20)), "{took:?}");
     let out = Command::new(BIN)
         .args(["cat", "s3://data/x", "--registry", &dead])
-        .output()
+        .output_bounded()
         .unwrap();
     assert_eq!(out.status.code(), Some(1));
     assert!(String::from_utf8_lossy(&out.stderr).contains("cannot reach etcd"));
@@ -969,7 +969,7 @@ fn a_registration_not_signed_by_the_cluster_key_never_joins_the_ring() {
         .args(["--no-s3-fallback"])
         .envs(c.env())
         .stdin(Stdio::null())
-        .output()
+        .output_bounded()
         .unwrap();
     assert!(
         put.status.success(),
@@ -983,7 +983,7 @@ fn a_registration_not_signed_by_the_cluster_key_never_joins_the_ring() {
         .args(["--no-s3-fallback"])
         .envs(c.env())
         .env("LAKECACHE_TLS_CA", &c.sec.pki.other_ca)
-        .output()
+        .output_bounded()
         .unwrap();
     assert_eq!(wrong_ca.status.code(), Some(1));
     let err = String::from_utf8_lossy(&wrong_ca.stderr);
@@ -1042,7 +1042,7 @@ fn etcd_with_auth_works_with_credentials_and_fails_clearly_without() {
         .args(c.worker_security())
         .args(["--registry", &c.registry()])
         .envs(c.env())
-        .output()
+        .output_bounded()
         .unwrap();
     assert_eq!(refused.status.code(), Some(1));
     let err = String::from_utf8_lossy(&refused.stderr);
@@ -1068,7 +1068,7 @@ fn etcd_with_auth_works_with_credentials_and_fails_clearly_without() {
         .args(&put)
         .envs(c.env())
         .stdin(Stdio::null())
-        .output()
+        .output_bounded()
         .unwrap();
     assert!(
         out.status.success(),

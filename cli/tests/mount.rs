@@ -18,7 +18,7 @@ use lakecache_worker::{Metrics, S3Config};
 use sha2::{Digest, Sha256};
 
 mod common;
-use common::{start_s3_with, worker_port, Proc, BIN};
+use common::{start_s3_with, worker_port, OutputBounded, Proc, BIN};
 
 const ACCESS: &str = "mount-test";
 const SECRET: &str = "mount-test-secret";
@@ -390,7 +390,7 @@ fn reads_objects_from_s3_and_lists_prefixes_like_a_filesystem() {
     let out = Command::new("find")
         .arg(".")
         .current_dir(mnt.join("tree"))
-        .output()
+        .output_bounded()
         .unwrap();
     let mut found: Vec<String> = String::from_utf8(out.stdout)
         .unwrap()
@@ -433,7 +433,7 @@ fn reads_objects_from_s3_and_lists_prefixes_like_a_filesystem() {
     let out = Command::new("ls")
         .arg("-l")
         .arg(mnt.join("many"))
-        .output()
+        .output_bounded()
         .unwrap();
     assert!(out.status.success());
     assert_eq!(String::from_utf8_lossy(&out.stdout).lines().count(), 10_001); // + "total"
@@ -532,7 +532,7 @@ os.replace(tmp, os.path.join(d, "model.safetensors"))
     let out = Command::new("python3")
         .args(["-c", script])
         .arg(&mnt)
-        .output()
+        .output_bounded()
         .unwrap();
     assert!(
         out.status.success(),
@@ -686,7 +686,7 @@ os.replace(tmp, os.path.join(d, "model.safetensors"))
         .current_dir(scratch.path())
         .env("LAKECACHE_FIO_DIR", &mnt)
         .env("LAKECACHE_FIO_SIZE", "64M")
-        .output()
+        .output_bounded()
         .expect("fio (scripts/deps.sh installs it)");
     let text = String::from_utf8_lossy(&out.stdout);
     assert!(
@@ -800,7 +800,7 @@ fn mount_pids(mountpoint: &Path) -> Vec<String> {
             "-f",
             &format!("(fusermount3|mount-guard).*{}", mountpoint.display()),
         ])
-        .output()
+        .output_bounded()
         .unwrap();
     String::from_utf8_lossy(&out.stdout)
         .lines()
@@ -826,7 +826,7 @@ fn sigterm_unmounts_and_a_killed_client_leaves_no_dead_mount() {
     let out = Command::new("fusermount3")
         .arg("-u")
         .arg(&mnt)
-        .output()
+        .output_bounded()
         .unwrap();
     assert!(
         out.status.success(),
@@ -883,7 +883,7 @@ fn sigterm_unmounts_and_a_killed_client_leaves_no_dead_mount() {
         .arg("--daemon")
         .arg("--log-file")
         .arg(env.dir.path().join("daemon.log"))
-        .output()
+        .output_bounded()
         .unwrap();
     assert!(
         out.status.success(),
@@ -908,7 +908,7 @@ fn sigterm_unmounts_and_a_killed_client_leaves_no_dead_mount() {
     // Bad input at the CLI: clear errors, nothing mounted.
     let out = Command::new(BIN)
         .args(["mount", "http://x", "/tmp/nowhere"])
-        .output()
+        .output_bounded()
         .unwrap();
     assert!(!out.status.success());
     assert!(String::from_utf8_lossy(&out.stderr).contains("expected s3://bucket"));
@@ -916,7 +916,7 @@ fn sigterm_unmounts_and_a_killed_client_leaves_no_dead_mount() {
         .mount_command()
         .arg("--readahead-chunk")
         .arg("0")
-        .output()
+        .output_bounded()
         .unwrap();
     assert!(!out.status.success());
     assert!(String::from_utf8_lossy(&out.stderr).contains("--readahead-chunk"));
@@ -968,7 +968,7 @@ fn token_file(dir: &Path, name: &str, args: &[&str]) -> PathBuf {
         let out = Command::new(BIN)
             .args(["token", "keygen", "--out"])
             .arg(&keys)
-            .output()
+            .output_bounded()
             .unwrap();
         assert!(
             out.status.success(),
@@ -980,7 +980,7 @@ fn token_file(dir: &Path, name: &str, args: &[&str]) -> PathBuf {
         .args(["token", "create", "--keys"])
         .arg(&keys)
         .args(args)
-        .output()
+        .output_bounded()
         .unwrap();
     assert!(
         out.status.success(),
@@ -1017,7 +1017,7 @@ fn a_mount_can_do_what_its_token_allows_and_nothing_else() {
     env.put("ckpt/a.pt", Bytes::from_static(b"weights"));
 
     // No token: the mount refuses to start and says why.
-    let out = env.mount_command().output().unwrap();
+    let out = env.mount_command().output_bounded().unwrap();
     assert!(!out.status.success());
     let err = String::from_utf8_lossy(&out.stderr);
     assert!(err.contains("requires a token"), "{err}");

@@ -63,13 +63,33 @@ def port_in(line: str) -> int | None:
 class Child:
     """A process whose stdout and stderr go to `log`."""
 
-    def __init__(self, name: str, argv: list[str], env: dict[str, str] | None = None, **kw) -> None:
+    def __init__(
+        self,
+        name: str,
+        argv: list[str],
+        env: dict[str, str] | None = None,
+        split_stderr: bool = False,
+        **kw,
+    ) -> None:
+        """`split_stderr`: stderr goes to its own file beside the log (for a
+        caller that reads the two apart), else into the log."""
         self.name = name
         self.log = _LOG_DIR / f"{len(_started):04d}-{re.sub(r'[^A-Za-z0-9]', '-', name)}.log"
+        self.err_log = self.log.with_suffix(".stderr.log") if split_stderr else None
         with self.log.open("ab") as out:
-            self.proc = subprocess.Popen(
-                argv, env=env, stdin=subprocess.DEVNULL, stdout=out, stderr=subprocess.STDOUT, **kw
-            )
+            err = self.err_log.open("ab") if self.err_log else None
+            try:
+                self.proc = subprocess.Popen(
+                    argv,
+                    env=env,
+                    stdin=subprocess.DEVNULL,
+                    stdout=out,
+                    stderr=err or subprocess.STDOUT,
+                    **kw,
+                )
+            finally:
+                if err:
+                    err.close()
         self.scope = _scope
         _started.append(self)
 
@@ -79,9 +99,21 @@ class Child:
         except FileNotFoundError:
             return ""
 
+    def stderr_text(self) -> str:
+        if self.err_log is None:
+            return ""
+        try:
+            return self.err_log.read_text(errors="replace")
+        except FileNotFoundError:
+            return ""
+
     def describe(self, lines: int = 150) -> str:
         tail = "\n".join(self.text().splitlines()[-lines:])
-        return f"--- {self.name} (pid {self.proc.pid}, log {self.log}):\n{tail}"
+        text = f"--- {self.name} (pid {self.proc.pid}, log {self.log}):\n{tail}"
+        if self.err_log:
+            err = "\n".join(self.stderr_text().splitlines()[-lines:])
+            text += f"\n--- {self.name} stderr ({self.err_log}):\n{err}"
+        return text
 
     def wait_for_line(self, needle: str, secs: float = 60.0) -> str:
         """The first log line containing `needle`; fails with the log if the
@@ -147,6 +179,31 @@ def start_plain_worker(
         env=env,
     )  # fmt: skip
     return child, child.wait_for_port("lakecache worker listening on")
+
+
+def run(
+    name: str, argv: list[str], *, env=None, timeout: float = 600.0, check: bool = False, **kw
+) -> subprocess.CompletedProcess:
+    """Runs `argv` to completion, like `subprocess.run(capture_output=True,
+    text=True)`, with its output kept as a child log: stdout in the log,
+    stderr beside it, both attached to the report if the test fails. The
+    timeout is scaled; on expiry the process is killed and the test fails
+    with its output."""
+    child = Child(name, argv, env=env, split_stderr=True, **kw)
+    try:
+        child.proc.wait(timeout=scaled(timeout))
+    except subprocess.TimeoutExpired:
+        child.proc.kill()
+        child.proc.wait()
+        raise AssertionError(
+            f"{name} ran past {scaled(timeout):.0f} s and was killed\n" + child.describe()
+        ) from None
+    done = subprocess.CompletedProcess(
+        argv, child.proc.returncode, child.text(), child.stderr_text()
+    )
+    if check and done.returncode != 0:
+        raise AssertionError(f"{name} exited {done.returncode}\n" + child.describe())
+    return done
 
 
 @atexit.register

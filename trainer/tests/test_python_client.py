@@ -14,6 +14,7 @@ import fsspec
 import lakecache
 import numpy as np
 import pytest
+import testproc
 import torch
 from lakecache.dataset import TokenShardDataset
 from lakecache.loader import TokenLoader
@@ -22,10 +23,9 @@ from trainenv import BIN, ENV
 
 
 def cli(worker: str, token_file: str, *args: str) -> subprocess.CompletedProcess:
-    return subprocess.run(
+    return testproc.run(
+        "lakecache cli",
         [BIN, *args, "--worker", worker, "--token-file", token_file],
-        capture_output=True,
-        text=True,
     )
 
 
@@ -172,20 +172,22 @@ def test_dataset_matches_the_trainers_loader_and_the_trainer_reads_lakecache_uri
     env = {k: v for k, v in ENV.items() if k != "LAKECACHE_CHECKPOINT_KEY_FILE"}
     env.update(LAKECACHE_WORKER=worker, LAKECACHE_TOKEN_FILE=token_file)
     metrics = tmp_path / "m.jsonl"
-    run = subprocess.run(
+    run = testproc.run(
+        "train run",
         [sys.executable, "-m", "lakecache_trainer.cli", "run", "--data", uri,
          "--snapshot", "s3://lakecache/pyclient-snapshots/tokens.json",
          "--checkpoint-dir", str(tmp_path / "ck"), "--model", "tiny", "--seq-len", "32",
          "--micro-batch", "2", "--steps", "3", "--save-every", "0", "--metrics", str(metrics)],
-        capture_output=True, text=True, env=env, timeout=600,
+        env=env, timeout=600,
     )  # fmt: skip
     assert run.returncode == 0, run.stderr[-4000:]
     header = json.loads(metrics.read_text().splitlines()[0])
     snap = json.loads(
-        subprocess.run(
+        testproc.run(
+            "lakecache cat",
             [BIN, "cat", "s3://lakecache/pyclient-snapshots/tokens.json", "--worker", worker,
              "--token-file", token_file],
-            capture_output=True, text=True, check=True,
+            check=True,
         ).stdout
     )  # fmt: skip
     assert header["dataset"]["snapshot_checksum"] == snap["checksum"]

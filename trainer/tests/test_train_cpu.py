@@ -10,6 +10,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+import testproc
 from trainenv import BIN, ENV, KEY_FILE  # noqa: F401
 
 from lakecache_trainer.loader import TokenLoader
@@ -17,7 +18,7 @@ from lakecache_trainer.shards import ShardError, read_header, write_shard
 
 
 def lakecache(*args: str) -> str:
-    out = subprocess.run([BIN, *args], capture_output=True, text=True, check=True)
+    out = testproc.run("lakecache cli", [BIN, *args], check=True)
     return out.stdout
 
 
@@ -60,7 +61,7 @@ def train(
         "2",
         *args,
     ]
-    return subprocess.run(cmd, capture_output=True, text=True, env=env or ENV, timeout=900)
+    return testproc.run("torchrun train", cmd, env=env or ENV, timeout=900)
 
 
 def losses(metrics: Path) -> dict[int, float]:
@@ -75,7 +76,8 @@ def losses(metrics: Path) -> dict[int, float]:
 def test_interrupted_and_resumed_run_matches_an_uninterrupted_one(mount, tmp_path):
     mnt, worker, token_file = mount
     data = mnt / "datasets" / "tiny"
-    prep = subprocess.run(
+    prep = testproc.run(
+        "prepare",
         [
             sys.executable,
             "-m",
@@ -88,8 +90,6 @@ def test_interrupted_and_resumed_run_matches_an_uninterrupted_one(mount, tmp_pat
             "--shard-tokens",
             "400000",
         ],
-        capture_output=True,
-        text=True,
         env=ENV,
     )
     assert prep.returncode == 0, prep.stderr
@@ -157,7 +157,8 @@ def test_interrupted_and_resumed_run_matches_an_uninterrupted_one(mount, tmp_pat
 
     out = mnt / "exports" / "model.safetensors"
     out.parent.mkdir(exist_ok=True)
-    exp = subprocess.run(
+    exp = testproc.run(
+        "export",
         [
             sys.executable,
             "-m",
@@ -168,8 +169,6 @@ def test_interrupted_and_resumed_run_matches_an_uninterrupted_one(mount, tmp_pat
             "--out",
             str(out),
         ],
-        capture_output=True,
-        text=True,
         env=ENV,
     )
     assert exp.returncode == 0, exp.stderr[-4000:]
@@ -209,10 +208,11 @@ def test_interrupted_and_resumed_run_matches_an_uninterrupted_one(mount, tmp_pat
 def test_resume_refuses_other_data_or_world_size_and_keeps_k(mount, tmp_path):
     mnt, worker, token_file = mount
     data = mnt / "datasets" / "resume"
-    prep = subprocess.run(
+    prep = testproc.run(
+        "prepare",
         [sys.executable, "-m", "lakecache_trainer.cli", "prepare", "--out", str(data),
          "--synthetic", "2MiB", "--shard-tokens", "300000"],
-        capture_output=True, text=True, env=ENV,
+        env=ENV,
     )  # fmt: skip
     assert prep.returncode == 0, prep.stderr
     run_dir = mnt / "checkpoints" / "resume"
@@ -290,7 +290,8 @@ def test_bad_shards_stop_the_run_naming_the_file(mount, tmp_path):
     with pytest.raises(ShardError, match="magic.bin"):
         TokenLoader([str(p) for p in sorted(bad.glob("*.bin"))], 0, 1, 16, 2)
 
-    run = subprocess.run(
+    run = testproc.run(
+        "train run",
         [
             sys.executable,
             "-m",
@@ -303,8 +304,6 @@ def test_bad_shards_stop_the_run_naming_the_file(mount, tmp_path):
             "--steps",
             "1",
         ],
-        capture_output=True,
-        text=True,
         # The checkpoint dir is on local disk here, where no key may live.
         env={k: v for k, v in ENV.items() if k != "LAKECACHE_CHECKPOINT_KEY_FILE"},
         timeout=300,

@@ -49,7 +49,7 @@ def test_a_sleeping_rank_ends_the_job_naming_the_last_checkpoint(tmp_path):
                    "--stuck-timeout", "8s", "--inject-hang", "1:4"),
     ]  # fmt: skip
     t0 = time.monotonic()
-    done = subprocess.run(cmd, capture_output=True, text=True, env=LOCAL_ENV, timeout=600)
+    done = testproc.run("torchrun train", cmd, env=LOCAL_ENV, timeout=600)
     out = done.stdout + done.stderr
     assert done.returncode != 0
     assert "rank 1: hanging before step 4 (--inject-hang)" in out
@@ -104,19 +104,20 @@ def test_a_blocked_mount_read_is_named_with_the_mounts_inflight_reads(tmp_path):
         for i in range(2):
             write_shard(data / f"s{i}.bin", (np.arange(20000) * (i + 3)) % 257)
         os.listdir(data)  # the listing is now known to the mount
-        freed = subprocess.run(
+        freed = testproc.run(
+            "lakecache free",
             [BIN, "free", "s3://data/ds/", "--registry", registry],
-            capture_output=True, text=True,
         )  # fmt: skip
         assert freed.returncode == 0, freed.stderr
         Path("/proc/sys/vm/drop_caches").write_text("3")
         s3.proc.send_signal(signal.SIGSTOP)
         try:
-            done = subprocess.run(
+            done = testproc.run(
+                "train run",
                 [sys.executable, *_run_args(data, tmp_path / "ck", "--steps", "2",
                                             "--stuck-timeout", "6s",
                                             "--mount-metrics", f"127.0.0.1:{metrics_port}")],
-                capture_output=True, text=True, env=LOCAL_ENV, timeout=600,
+                env=LOCAL_ENV, timeout=600,
             )  # fmt: skip
         finally:
             s3.proc.send_signal(signal.SIGCONT)

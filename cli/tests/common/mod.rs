@@ -228,6 +228,68 @@ pub fn unused_port() -> u16 {
         .expect("binding a loopback port")
 }
 
+/// How long a command a test runs to completion may take (scaled) before
+/// it is killed and the test fails with its output. Generous: it exists so
+/// that a command which wrongly keeps running (a refused worker or mount
+/// that starts anyway, a CLI call stuck on a hung peer) fails the test
+/// instead of hanging the suite until CI's limit.
+pub const OUTPUT_BOUND: Duration = Duration::from_secs(300);
+
+/// [`Command::output`] with a deadline: see [`OUTPUT_BOUND`].
+pub trait OutputBounded {
+    fn output_bounded(&mut self) -> std::io::Result<std::process::Output>;
+}
+
+impl OutputBounded for Command {
+    fn output_bounded(&mut self) -> std::io::Result<std::process::Output> {
+        output_within(self, OUTPUT_BOUND)
+    }
+}
+
+/// Runs `cmd` to completion like [`Command::output`]; if it is still
+/// running after `within` (scaled) it is killed and the test fails with
+/// what it printed.
+pub fn output_within(cmd: &mut Command, within: Duration) -> std::io::Result<std::process::Output> {
+    let name = format!(
+        "{} {}",
+        Path::new(cmd.get_program()).display(),
+        cmd.get_args()
+            .next()
+            .map(|a| a.to_string_lossy().into_owned())
+            .unwrap_or_default()
+    );
+    let out_path = log_file(&format!("{name}-stdout"));
+    let err_path = log_file(&format!("{name}-stderr"));
+    let mut child = cmd
+        .stdin(Stdio::null())
+        .stdout(File::create(&out_path)?)
+        .stderr(File::create(&err_path)?)
+        .spawn()?;
+    let read = |p: &Path| std::fs::read(p).unwrap_or_default();
+    let deadline = deadline_in(within);
+    let status = loop {
+        match child.try_wait()? {
+            Some(status) => break status,
+            None if Instant::now() < deadline => std::thread::sleep(Duration::from_millis(20)),
+            None => {
+                let _ = child.kill();
+                let _ = child.wait();
+                panic!(
+                    "`{name}` was still running after {:?} and was killed\n--- stdout:\n{}\n--- stderr:\n{}",
+                    scaled(within),
+                    tail(&String::from_utf8_lossy(&read(&out_path)), 100),
+                    tail(&String::from_utf8_lossy(&read(&err_path)), 100),
+                );
+            }
+        }
+    };
+    Ok(std::process::Output {
+        status,
+        stdout: read(&out_path),
+        stderr: read(&err_path),
+    })
+}
+
 /// Waits (deadline scaled) until `port` on loopback accepts connections.
 /// Only for ports a child already reported, e.g. after a restart.
 pub fn wait_for_port(port: u16, what: &str) {

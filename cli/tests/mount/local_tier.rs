@@ -500,7 +500,7 @@ fn a_written_back_file_read_while_pending_stays_in_the_tier_after_its_upload() {
     let out = Command::new(BIN)
         .args(["sync", &format!("s3://{BUCKET}/"), "--timeout", "60"])
         .args(["--registry", &env.registry()])
-        .output()
+        .output_bounded()
         .unwrap();
     assert!(
         out.status.success(),

@@ -113,7 +113,7 @@ fn tree_listing(root: &Path, owners: bool) -> Vec<String> {
     let out = Command::new("find")
         .arg(root)
         .args(["-mindepth", "1", "-printf", format])
-        .output()
+        .output_bounded()
         .unwrap();
     assert!(out.status.success(), "find {}", root.display());
     let mut lines: Vec<String> = String::from_utf8(out.stdout)
@@ -161,7 +161,7 @@ fn tree_contents(root: &Path) -> BTreeMap<String, Vec<u8>> {
 }
 
 fn run(cmd: &mut Command) {
-    let out = cmd.output().unwrap();
+    let out = cmd.output_bounded().unwrap();
     assert!(
         out.status.success(),
         "{cmd:?}: {}\n{}",

@@ -9,7 +9,7 @@ fn cli(env: &Env, args: &[&str]) -> std::process::Output {
         .args(args)
         .args(["--registry", &env.registry()])
         .envs(common::s3_env(ACCESS, SECRET, env.s3_port))
-        .output()
+        .output_bounded()
         .unwrap()
 }
 

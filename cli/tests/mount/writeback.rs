@@ -123,7 +123,7 @@ fn sync(env: &Env, timeout: &str) -> std::process::Output {
             timeout,
         ])
         .args(["--registry", &env.registry()])
-        .output()
+        .output_bounded()
         .unwrap()
 }
 
@@ -191,7 +191,7 @@ fn acknowledged_checkpoints_survive_worker_kills_an_s3_outage_and_a_killed_mount
                 &env.registry(),
             ])
             .args(["--progress-timeout", "60s", "--no-s3-fallback"])
-            .output()
+            .output_bounded()
             .unwrap();
         assert!(!out.status.success());
         if asked.elapsed() < Duration::from_millis(500) {
@@ -328,7 +328,7 @@ fn write_back_reads_its_own_writes_and_sync_waits_for_s3() {
     assert!(env.s3_get("checkpoints/model.pt.tmp").is_none());
     let status = Command::new(BIN)
         .args(["status", "--registry", &env.registry()])
-        .output()
+        .output_bounded()
         .unwrap();
     let text = String::from_utf8_lossy(&status.stdout);
     assert!(text.contains("PENDING"), "{text}");
