@@ -922,12 +922,23 @@ impl Cache {
                 return Err(crate::outage::OutageBreaker::unavailable().into());
             }
         }
+        // Pending writes as of before S3 lists: one whose upload finishes
+        // while S3 is listing is in neither the listing nor the pending set
+        // afterwards, and would vanish from this listing.
+        let pending_before = self.pending_under(bucket, prefix);
         let listed = self
             .store
             .list(bucket, prefix, delimiter, token, max_keys)
             .await;
         let mut listing = self.s3_down.observe(listed)?;
-        self.merge_pending(bucket, prefix, delimiter, after.as_deref(), &mut listing);
+        self.merge_pending(
+            bucket,
+            prefix,
+            delimiter,
+            after.as_deref(),
+            pending_before,
+            &mut listing,
+        );
         let listed: Vec<(String, ObjectMeta)> = listing
             .objects
             .iter()

@@ -74,6 +74,10 @@ pub enum Fault {
     CorruptRequestBody,
     /// Answer normally after this many milliseconds (a far-away lake).
     Delay { ms: u64 },
+    /// Serve the request at once and hold the answer this many
+    /// milliseconds: the client gets the store as it was when the request
+    /// arrived, late (a listing that describes a moment already past).
+    DelayResponse { ms: u64 },
 }
 
 #[derive(Debug)]

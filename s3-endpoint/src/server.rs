@@ -196,6 +196,9 @@ async fn handle(
             ));
         }
     };
+    if let Some(Fault::DelayResponse { ms }) = fault {
+        tokio::time::sleep(std::time::Duration::from_millis(ms)).await;
+    }
     let (parts, body) = resp.into_parts();
     let body = match fault {
         Some(Fault::TruncateBody { after }) => TruncatedBody {

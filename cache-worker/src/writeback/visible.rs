@@ -102,14 +102,27 @@ impl Cache {
         self.clean_piece_of(uri, &clean, pos, end, true).await
     }
 
+    /// Pending writes and deletes under `prefix` of `bucket`, by URI.
+    pub(crate) fn pending_under(&self, bucket: &str, prefix: &str) -> Vec<(String, Pending)> {
+        match &self.writeback {
+            Some(wb) => wb.pending_under(&format!("s3://{bucket}/{prefix}")),
+            None => Vec::new(),
+        }
+    }
+
     /// Adds pending writes to a listing page and takes pending deletes
     /// out. A pending object lands in the page whose key range holds it.
+    /// `pending_before` is the pending set read before the store listed:
+    /// an entry that has since reached S3 (and left the set) may be missing
+    /// from the store's listing, so it counts too, unless the set now says
+    /// otherwise.
     pub(crate) fn merge_pending(
         &self,
         bucket: &str,
         prefix: &str,
         delimiter: Option<&str>,
         after: Option<&str>,
+        pending_before: Vec<(String, Pending)>,
         listing: &mut ListResponse,
     ) {
         // This page covers keys after the last key of the page before (or
@@ -124,9 +137,10 @@ impl Cache {
                 None => next,
             });
         }
-        let Some(wb) = &self.writeback else { return };
         let base = format!("s3://{bucket}/");
-        let pending = wb.pending_under(&format!("{base}{prefix}"));
+        let mut pending: std::collections::BTreeMap<String, Pending> =
+            pending_before.into_iter().collect();
+        pending.extend(self.pending_under(bucket, prefix));
         if pending.is_empty() {
             return;
         }

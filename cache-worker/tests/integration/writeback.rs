@@ -149,6 +149,64 @@ async fn acknowledged_before_s3_visible_meanwhile_and_uploaded_in_order() {
     assert!(!stat.etag.starts_with("lc-"), "{stat:?}");
 }
 
+/// An upload that finishes while S3 is answering a LIST is in neither that
+/// listing (S3 listed before the upload) nor the pending set afterwards.
+/// The worker must still list it: a trainer's rank 0 signed a checkpoint
+/// manifest without a file another rank had just written, and the resume
+/// then refused the checkpoint.
+#[tokio::test]
+async fn an_upload_finishing_while_s3_lists_stays_in_that_listing() {
+    let h = Harness::start().await;
+    h.faults()
+        .inject(S3Op::PutObject, Fault::InternalError, 100_000);
+    let stat = put_back(&h.client, "race/rng_rank1.pt", b"rank 1 state").await;
+    eventually(
+        Duration::from_secs(60),
+        "the first upload attempt",
+        || async {
+            h.client
+                .writeback_status(None)
+                .await
+                .unwrap()
+                .last_error
+                .is_some()
+        },
+    )
+    .await;
+
+    // S3 lists now (without the object) and answers late; meanwhile the
+    // upload goes through.
+    let hold = crate::harness::scaled(Duration::from_secs(10));
+    let lists = h.faults().count(S3Op::ListObjects);
+    h.faults().inject(
+        S3Op::ListObjects,
+        Fault::DelayResponse {
+            ms: hold.as_millis() as u64,
+        },
+        1,
+    );
+    let client = h.client.clone();
+    let listing =
+        tokio::spawn(async move { client.list(BUCKET, "race/", Some("/"), None, None).await });
+    eventually(Duration::from_secs(30), "S3 serving the LIST", || async {
+        h.faults().count(S3Op::ListObjects) > lists
+    })
+    .await;
+    h.faults().clear(); // the LIST's rule is spent; uploads may succeed
+    drained(&h.client, Duration::from_secs(60)).await;
+    assert!(
+        !listing.is_finished(),
+        "the LIST came back before the upload finished, so this run shows nothing; \
+         the held answer ({hold:?}) must outlast the upload's retry"
+    );
+    assert!(s3_sha(&h, "race/rng_rank1.pt").await.is_some());
+
+    let listing = listing.await.unwrap().unwrap();
+    let keys: Vec<_> = listing.objects.iter().map(|o| o.key.as_str()).collect();
+    assert_eq!(keys, vec!["race/rng_rank1.pt"], "{listing:?}");
+    assert_eq!(listing.objects[0].size, stat.size);
+}
+
 #[tokio::test]
 async fn deletes_and_renames_of_pending_objects_end_as_the_user_saw() {
     let h = Harness::start().await;
