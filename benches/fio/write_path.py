@@ -160,8 +160,12 @@ def main() -> None:
         else:
             r["ckpt_s3"] = r["ckpt"] + sync_seconds(a.bin, c, f"{mode}/ckpt/")
         # Free the disk for the next mode: its files (through the mount,
-        # so S3 drops them too) and its workers' caches.
+        # so S3 drops them too) and its workers' caches. Written-back
+        # deletes reach S3 before the caches holding them go, or the next
+        # round of this mode would find the old objects.
         shutil.rmtree(target)
+        if mode.startswith("back"):
+            sync_seconds(a.bin, c, "")
         if mode != "local":
             c.stop_worker()
             for cache in work.glob("cache*"):
