@@ -91,6 +91,10 @@ struct Overlay {
     written_as: HashMap<String, (String, String)>,
 }
 
+/// Locks, when more than one is held, are taken in this order:
+/// `in_flight`, `taken_over`, `journal`, `overlay`, `last_error`
+/// (`silent_peers` is only ever held alone). Two paths that took
+/// `journal` and `taken_over` in opposite orders deadlocked a worker.
 pub struct WriteBack {
     pub(crate) config: WriteBackConfig,
     /// The identity of this directory (and its journal).
@@ -409,6 +413,8 @@ impl WriteBack {
 
     /// Backlog under `prefix` (all of it when empty).
     pub fn status(&self, prefix: &str) -> WriteBackStatus {
+        // Lock order (see `WriteBack`): taken_over before journal.
+        let taken_over = lock(&self.taken_over);
         let journal = lock(&self.journal);
         let now = now_ms();
         let mut status = WriteBackStatus {
@@ -418,7 +424,6 @@ impl WriteBack {
             ..Default::default()
         };
         status.journal_id = self.id.clone();
-        let taken_over = lock(&self.taken_over);
         for p in journal.pending().filter(|p| p.uri.starts_with(prefix)) {
             let held_for_primary = held_for_primary(p, &taken_over);
             if !held_for_primary && status.next_upload_acked_ms.is_none() {
@@ -550,3 +555,78 @@ impl Drop for InFlight {
 
 /// Shared handle, as the cache holds it.
 pub type SharedWriteBack = Arc<WriteBack>;
+
+#[cfg(test)]
+mod lock_order_tests {
+    use super::*;
+
+    fn entry(uri: &str, replica_of: Option<ReplicaOf>) -> PendingObject {
+        PendingObject {
+            seq: 0,
+            uri: uri.into(),
+            version: format!("{VERSION_PREFIX}{uri}"),
+            size: 1,
+            part_size: 8 << 20,
+            part_crcs: vec![0],
+            acked_ms: 1,
+            page_size: 4 << 20,
+            delete: false,
+            replica_of,
+            replicas: Vec::new(),
+            meta: Default::default(),
+            tenant: None,
+        }
+    }
+
+    /// A peer's `GET /v1/writeback` (status) runs on one thread while the
+    /// uploader looks for its next entry on another. Both take the journal
+    /// and the taken-over set; taken in opposite orders, the two threads
+    /// deadlocked, and with them the runtime threads every later request
+    /// waited on (a worker that answered nothing, seen under load in the
+    /// disk-loss test of cli/tests/mount/writeback.rs).
+    #[test]
+    fn status_and_the_uploader_never_deadlock() {
+        let dir = tempfile::tempdir().unwrap();
+        let wb = Arc::new(WriteBack::open(dir.path(), WriteBackConfig::default()).unwrap());
+        let primary = ReplicaOf {
+            journal_id: "gone".into(),
+            addr: "127.0.0.1:1".into(),
+        };
+        wb.record(entry("s3://b/own", None)).unwrap();
+        wb.record(entry("s3://b/copy", Some(primary.clone())))
+            .unwrap();
+        wb.take_over(&primary);
+        let rounds = 200_000;
+        let (done_tx, done_rx) = std::sync::mpsc::channel();
+        let status_side = {
+            let (wb, done) = (wb.clone(), done_tx.clone());
+            std::thread::spawn(move || {
+                for _ in 0..rounds {
+                    std::hint::black_box(wb.status(""));
+                }
+                let _ = done.send("status");
+            })
+        };
+        let uploader_side = {
+            let wb = wb.clone();
+            std::thread::spawn(move || {
+                for _ in 0..rounds {
+                    std::hint::black_box(wb.next_pending());
+                    std::hint::black_box(wb.replica_entries());
+                }
+                let _ = done_tx.send("uploader");
+            })
+        };
+        // Both sides together finished in 1.1 s (debug build, 2 cores
+        // beside a CPU and disk hog); a deadlock never does.
+        for _ in 0..2 {
+            let finished = done_rx.recv_timeout(Duration::from_secs(60));
+            assert!(
+                finished.is_ok(),
+                "status and the uploader deadlocked on the write-back locks"
+            );
+        }
+        status_side.join().unwrap();
+        uploader_side.join().unwrap();
+    }
+}

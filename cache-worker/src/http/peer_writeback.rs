@@ -115,7 +115,7 @@ fn peer_call<'a>(
 }
 
 /// A replica asks the primary about one version it holds a copy of.
-pub(super) fn pending_entry(
+pub(super) async fn pending_entry(
     state: &AppState,
     access: &Access<'_>,
     rest: &str,
@@ -125,13 +125,22 @@ pub(super) fn pending_entry(
         Ok(call) => call,
         Err(resp) => return *resp,
     };
-    json(
-        StatusCode::OK,
-        &WriteBackEntry {
-            journal_id: wb.id.clone(),
-            state: wb.entry_state(&uri.to_string(), &version),
-        },
-    )
+    // The journal lock is held across a journal fsync: wait for it off
+    // the runtime's threads, so a slow disk does not stop every request.
+    let wb = wb.clone();
+    let uri = uri.to_string();
+    let entry = tokio::task::spawn_blocking(move || WriteBackEntry {
+        journal_id: wb.id.clone(),
+        state: wb.entry_state(&uri, &version),
+    })
+    .await;
+    match entry {
+        Ok(entry) => json(StatusCode::OK, &entry),
+        Err(e) => error(
+            ErrorCode::Internal,
+            format!("write-back state lookup failed: {e}"),
+        ),
+    }
 }
 
 /// A primary tells a replica its copy is settled.

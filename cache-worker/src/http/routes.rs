@@ -79,7 +79,7 @@ pub async fn route(state: &AppState, req: http::Request<Incoming>) -> (&'static 
         if let Err(denied) = Access::operator_endpoint(&state.access, req.headers()) {
             return ("denied", *denied);
         }
-        return operator_route(state, &method, &path, req.uri().query().unwrap_or(""));
+        return operator_route(state, &method, &path, req.uri().query().unwrap_or("")).await;
     }
     let access = match state.access.authenticate(req.headers()) {
         Ok(a) => a,
@@ -136,7 +136,7 @@ async fn object_route(
         return match method {
             Method::GET => (
                 "pending_entry",
-                pending_entry(state, access, rest, req.uri().query().unwrap_or("")),
+                pending_entry(state, access, rest, req.uri().query().unwrap_or("")).await,
             ),
             _ => ("invalid", method_not_allowed("GET")),
         };
@@ -186,7 +186,7 @@ async fn object_route(
     )
 }
 
-fn operator_route(
+async fn operator_route(
     state: &AppState,
     method: &Method,
     path: &str,
@@ -194,9 +194,18 @@ fn operator_route(
 ) -> (&'static str, Response) {
     match (method, path) {
         (&Method::GET, "/v1/health") => ("health", health(state)),
-        (&Method::GET, "/v1/writeback") => ("writeback", writeback_status(state, query)),
+        (&Method::GET, "/v1/writeback") => ("writeback", writeback_status(state, query).await),
         (&Method::GET, _) => {
-            let mut resp = http::Response::new(full(state.metrics.render()));
+            // Rendering reads the write-back journal (see writeback_status).
+            let metrics = state.metrics.clone();
+            let text = match tokio::task::spawn_blocking(move || metrics.render()).await {
+                Ok(text) => text,
+                Err(e) => {
+                    let msg = format!("rendering metrics failed: {e}");
+                    return ("metrics", error(ErrorCode::Internal, msg));
+                }
+            };
+            let mut resp = http::Response::new(full(text));
             resp.headers_mut().insert(
                 header::CONTENT_TYPE,
                 HeaderValue::from_static("text/plain; version=0.0.4"),
@@ -254,7 +263,7 @@ fn health(state: &AppState) -> Response {
 }
 
 /// `?prefix=s3://bucket/prefix` narrows the backlog to one prefix.
-fn writeback_status(state: &AppState, query: &str) -> Response {
+async fn writeback_status(state: &AppState, query: &str) -> Response {
     let mut prefix = String::new();
     for pair in query.split('&').filter(|p| !p.is_empty()) {
         match pair.split_once('=') {
@@ -276,9 +285,16 @@ fn writeback_status(state: &AppState, query: &str) -> Response {
             "prefix must be an s3://bucket/prefix URI",
         );
     }
-    match &state.cache.writeback {
-        Some(wb) => json(StatusCode::OK, &wb.status(&prefix)),
-        None => json(StatusCode::OK, &WriteBackStatus::default()),
+    let Some(wb) = state.cache.writeback.clone() else {
+        return json(StatusCode::OK, &WriteBackStatus::default());
+    };
+    // Off the runtime's threads: the journal lock is held across fsyncs.
+    match tokio::task::spawn_blocking(move || wb.status(&prefix)).await {
+        Ok(status) => json(StatusCode::OK, &status),
+        Err(e) => error(
+            ErrorCode::Internal,
+            format!("write-back status failed: {e}"),
+        ),
     }
 }
 
