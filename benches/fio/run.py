@@ -70,12 +70,17 @@ class Cluster:
             [binary, "s3-server", "--root", str(work / "s3"), "--listen",
              f"127.0.0.1:{self.s3_port}", "--access-key", ACCESS, "--secret-key", SECRET,
              "--bucket", BUCKET],
-            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+            stdout=subprocess.DEVNULL, stderr=self.log("s3-server"),
         )
         wait_port(self.s3_port)
         self.worker = self.mount = None
         self.mnt = work / "mnt"
         self.worker_port = free_port()
+
+    def log(self, role: str):
+        """Where a child's stderr goes: `<work>/<role>.log`, appended, so
+        a failed run can be read afterwards (a bench that fails names it)."""
+        return open(self.work / f"{role}.log", "a")
 
     def start_worker(
         self,
@@ -92,7 +97,7 @@ class Cluster:
             [self.bin, "worker", *worker_flags, "--listen", f"127.0.0.1:{self.worker_port}",
              "--cache-dir", str(cache), "--cache-size", "12GiB", "--s3-endpoint",
              f"http://127.0.0.1:{self.s3_port}", "--s3-path-style"],
-            env=self.env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+            env=self.env, stdout=subprocess.DEVNULL, stderr=self.log("worker"),
         )
         wait_port(self.worker_port)
         self._mount(("--worker", f"127.0.0.1:{self.worker_port}", *mount_flags))
@@ -100,7 +105,7 @@ class Cluster:
     def _mount(self, flags: tuple[str, ...]) -> None:
         self.mount = subprocess.Popen(
             [self.bin, "mount", f"s3://{BUCKET}", str(self.mnt), "--no-s3-fallback", *flags],
-            env=self.env, stdout=subprocess.DEVNULL, stderr=open(self.work / "mount.log", "a"),
+            env=self.env, stdout=subprocess.DEVNULL, stderr=self.log("mount"),
         )
         deadline = time.time() + 30
         while not mounted(self.mnt):
@@ -125,7 +130,7 @@ class Cluster:
                  "--listen", f"127.0.0.1:{port}", "--cache-dir", str(cache),
                  "--cache-size", "12GiB", "--s3-endpoint", f"http://127.0.0.1:{self.s3_port}",
                  "--s3-path-style", *worker_flags],
-                env=self.env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                env=self.env, stdout=subprocess.DEVNULL, stderr=self.log(f"worker-{i}"),
             ))
             wait_port(port)
         self.worker = self.ring[0]

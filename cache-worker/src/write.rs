@@ -337,6 +337,15 @@ impl Cache {
         to: &ObjectUri,
         user: Option<&UserMeta>,
     ) -> Result<ObjectMeta, CacheError> {
+        // A copy sent here by the owner of `to` whose source is pending
+        // on the worker that took it (a rename onto a key owned here).
+        if etag.is_none() {
+            if let Some(version) = self.pending_on_peer(from).await {
+                if let Some(meta) = self.copy_from_peer(from, &version, to, user).await? {
+                    return Ok(meta);
+                }
+            }
+        }
         if let Some(version) = etag.filter(|e| crate::writeback::is_cache_version(e)) {
             let here = matches!(self.pending_meta(from), Ok(Some(m)) if m.etag == version)
                 || self.uploaded_as(from, version).is_some();

@@ -13,7 +13,7 @@ use tokio::sync::Mutex as AsyncMutex;
 use crate::config::FsConfig;
 use crate::data_plane::{DataError, DataPlane};
 use crate::dir::{DirStream, Listed, ListingCache};
-use crate::error::FsError;
+use crate::error::{Chain, FsError};
 use crate::inode::{Inode, InodeTable, Kind, Meta};
 use crate::memory::MemoryBudget;
 use crate::read::{FileReader, ReadaheadPolicy};
@@ -286,7 +286,26 @@ impl Fs {
 
     /// Resolves `parent/name` from the table while fresh, else from S3.
     /// Does not count a kernel lookup.
+    /// The inode of `name` in `parent`, asking the cluster once the
+    /// cached entry is older than the entry TTL. A name known here stays
+    /// resolvable while the cluster cannot answer (stale-if-error): a
+    /// worker restarting must not turn the open of a file a job already
+    /// knows, and may hold in the node-local tier, into EIO.
     pub async fn resolve(&self, parent: u64, name: &str) -> Result<Inode, FsError> {
+        let known = self.inodes.child(parent, name);
+        match self.resolve_fresh(parent, name).await {
+            Err(FsError::DataPlane(e)) if unreachable(&e) => match known {
+                Some(node) => {
+                    tracing::warn!(key = %node.key, error = %Chain(&e), "the cluster did not answer a lookup; using the name as last known");
+                    Ok(node)
+                }
+                None => Err(FsError::DataPlane(e)),
+            },
+            other => other,
+        }
+    }
+
+    async fn resolve_fresh(&self, parent: u64, name: &str) -> Result<Inode, FsError> {
         let p = self.dir(parent)?;
         let file_key = self.child_key(&p, name, Kind::File)?;
         if let Some(node) = self.inodes.child(parent, name) {
@@ -330,10 +349,27 @@ impl Fs {
         // S3 is down and this directory is written back: a name the cache
         // does not know is taken as absent, so checkpoint writers can
         // create files through an outage (O_EXCL cannot be promised then).
+        // A directory made through the mount stays: taking it as absent
+        // failed every create under it with ENOENT once the kernel had
+        // forgotten its inode (after `drop_caches`, or memory pressure).
         if self.config.write_mode_for(&file_key) == WriteMode::Back
             && store_down(&listing)
             && (store_down(&stat) || matches!(stat, Err(DataError::NotFound)))
         {
+            // The marker of a directory made through a mount is pending
+            // on its worker, which answers a stat of it without S3 (the
+            // kernel may have forgotten the directory's inode meanwhile).
+            if let Ok(marker) = self.data.stat(&self.uri(&dir_key)?).await {
+                let meta = Meta {
+                    user: Some(marker.meta),
+                    ..Meta::default()
+                };
+                return Ok(self.inodes.upsert(parent, name, Kind::Dir, dir_key, meta));
+            }
+            if let Some(node) = self.inodes.child(parent, name) {
+                tracing::debug!(key = %node.key, "S3 unavailable: lookup under a write-back prefix keeps a known name");
+                return Ok(node);
+            }
             tracing::debug!(key = %file_key, "S3 unavailable: lookup under a write-back prefix answers not found");
             return Err(FsError::NotFound);
         }
@@ -1250,6 +1286,14 @@ pub fn now_ms() -> i64 {
         .duration_since(std::time::UNIX_EPOCH)
         .map(|d| d.as_millis() as i64)
         .unwrap_or(0)
+}
+
+/// A failure that says nothing about the object: nobody could be asked.
+fn unreachable(e: &DataError) -> bool {
+    matches!(
+        e,
+        DataError::StoreUnavailable(_) | DataError::Backend { .. }
+    )
 }
 
 fn store_down<T>(r: &Result<T, DataError>) -> bool {

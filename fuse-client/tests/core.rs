@@ -305,3 +305,76 @@ async fn another_process_cannot_rename_a_file_being_written() {
     assert_eq!(got.len(), 5100);
     assert_eq!(got[5099], 8);
 }
+
+/// A name looked up before stays resolvable when the cluster cannot be
+/// asked (stale-if-error); a name never seen gets the error, and a
+/// definite "no such object" still removes a known name.
+#[tokio::test]
+async fn a_known_name_outlives_an_unreachable_cluster_but_not_a_delete() {
+    let plane = Arc::new(FaultyDataPlane::new(MemoryDataPlane::with_quirks(
+        Quirks::default(),
+    )));
+    let mut config = FsConfig::new(BUCKET, "");
+    // Every lookup asks the cluster.
+    config.entry_ttl = Duration::ZERO;
+    let fs = Fs::new(plane.clone(), config);
+    plane.inner().insert(BUCKET, "known.bin", b"abc".to_vec());
+    plane.inner().insert(BUCKET, "unseen.bin", b"def".to_vec());
+    let before = fs.lookup(ROOT_INO, "known.bin").await.unwrap();
+
+    let down = || DataError::StoreUnavailable("every worker failed".into());
+    for op in [DataOp::Stat, DataOp::List] {
+        plane.inject(op, 0, u64::MAX, DataFault::Fail(down()));
+    }
+    let after = fs.lookup(ROOT_INO, "known.bin").await.unwrap();
+    assert_eq!((after.ino, after.meta.size), (before.ino, 3));
+    let unseen = fs.lookup(ROOT_INO, "unseen.bin").await.unwrap_err();
+    assert_eq!(unseen.errno(), libc::EIO, "{unseen:?}");
+
+    plane.heal();
+    plane.inner().remove(BUCKET, "known.bin");
+    let gone = fs.lookup(ROOT_INO, "known.bin").await.unwrap_err();
+    assert!(matches!(gone, FsError::NotFound), "{gone:?}");
+}
+
+/// Write-back through an S3 outage: an unknown name is taken as absent
+/// (so checkpoint writers can create files), but a directory made
+/// through the mount stays, and files are still created in it, even
+/// after the kernel forgot its inode. Before, its lookup answered ENOENT
+/// and so did every create under it (seen in the mount's write-back
+/// crash test while another test ran `drop_caches`).
+#[tokio::test]
+async fn a_directory_made_here_survives_its_lookup_during_an_s3_outage() {
+    let plane = Arc::new(FaultyDataPlane::new(MemoryDataPlane::with_quirks(
+        Quirks::default(),
+    )));
+    let mut config = FsConfig::new(BUCKET, "");
+    config.entry_ttl = Duration::ZERO;
+    config.write_mode = lakecache_protocol::WriteMode::Back;
+    let fs = Fs::new(plane.clone(), config);
+    let dir = fs.mkdir(ROOT_INO, "ckpt", WHO).await.unwrap();
+
+    // The kernel drops the directory's dentry and inode.
+    fs.forget(dir.ino, 1);
+    // S3 cannot list; a stat of the pending marker still answers, as a
+    // worker holding it does.
+    let down = DataError::StoreUnavailable("S3 unreachable".into());
+    plane.inject(DataOp::List, 0, u64::MAX, DataFault::Fail(down));
+    let again = fs.lookup(ROOT_INO, "ckpt").await.unwrap();
+    assert_eq!(again.kind, Kind::Dir);
+    let unknown = fs.lookup(ROOT_INO, "never-made").await.unwrap_err();
+    assert!(matches!(unknown, FsError::NotFound), "{unknown:?}");
+    let (node, fh) = fs
+        .create(again.ino, "step1.bin", pid(), WHO, libc::O_WRONLY)
+        .await
+        .unwrap();
+    fs.write(fh, 0, Bytes::from_static(b"weights"))
+        .await
+        .unwrap();
+    fs.release(fh).await.unwrap();
+    assert_eq!(node.parent, again.ino);
+    assert_eq!(
+        plane.inner().get(BUCKET, "ckpt/step1.bin").unwrap(),
+        &b"weights"[..]
+    );
+}

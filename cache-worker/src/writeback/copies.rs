@@ -296,6 +296,37 @@ impl Cache {
 }
 
 impl Cache {
+    /// The pending (not yet uploaded) version of `from` that another
+    /// worker holds, asked of the source's workers in ring order; `None`
+    /// when write-back is off, this worker has it, or the first worker
+    /// that answers has none (S3 is then the source of truth).
+    pub(crate) async fn pending_on_peer(self: &Arc<Self>, from: &ObjectUri) -> Option<String> {
+        self.writeback.as_ref()?;
+        if !matches!(self.pending_meta(from), Ok(None)) {
+            return None;
+        }
+        let placement = self.peers.placement()?;
+        for addr in placement.replica_candidates(from) {
+            let Ok(client) = self.peers.client(&addr) else {
+                continue;
+            };
+            match client
+                .with_timeout(Duration::from_secs(10))
+                .stat(from)
+                .await
+            {
+                Ok(stat) if super::is_cache_version(&stat.etag) => return Some(stat.etag),
+                Ok(_) => return None,
+                Err(lakecache_protocol::ClientError::Api { status: 404, .. }) => return None,
+                // A peer that does not answer: the next one may hold a copy.
+                Err(e) => {
+                    tracing::debug!(%from, %addr, error = %e, "asking a peer for a copy's pending source failed");
+                }
+            }
+        }
+        None
+    }
+
     /// A copy whose source is a pending version another worker holds (a
     /// rename onto a key this worker owns): the bytes come from the
     /// first worker of the source's ring order that has that version, and

@@ -317,3 +317,74 @@ async fn a_later_write_on_another_worker_reaches_s3_after_an_earlier_one() {
     .await;
     b.shutdown().await;
 }
+
+/// A rename through the mount is a copy sent to the owner of the new
+/// name, which need not hold the source: here `latest.tmp` is pending
+/// on A (its copy on B) and the copy goes to C. C finds the pending
+/// version on A and copies from there. Before, C asked S3, which did not
+/// have it yet, and the rename failed with ENOENT (DeepSpeed's `latest`
+/// rename on a three-worker write-back mount, seen in the write bench).
+#[tokio::test]
+async fn a_copy_sent_to_a_worker_without_the_pending_source_finds_it_on_its_primary() {
+    let h = Harness::with(|o| o.cache.writeback.replicas = Some(2)).await;
+    // S3 takes nothing: every write stays pending.
+    h.faults()
+        .inject(S3Op::PutObject, Fault::InternalError, 1_000_000);
+    let (b_dir, c_dir) = (tempfile::tempdir().unwrap(), tempfile::tempdir().unwrap());
+    let b = start_at(&h, b_dir.path(), None).await;
+    let c = start_at(&h, c_dir.path(), None).await;
+    let (a_addr, b_addr, c_addr) = (
+        h.addr().to_string(),
+        b.addr().to_string(),
+        c.addr().to_string(),
+    );
+    place(
+        h.worker.as_ref().unwrap(),
+        &[b_addr.clone(), c_addr.clone()],
+    );
+    place(&b, &[a_addr.clone(), c_addr.clone()]);
+    // C's ring order for the source starts at its primary, A.
+    place(&c, &[a_addr.clone(), b_addr.clone()]);
+    let c_client = client(&c);
+
+    let body = b"global_step100".to_vec();
+    let written = put_back(&h.client, "ckpt/latest.tmp", &body).await.unwrap();
+    assert!(written.etag.starts_with("lc-"), "{written:?}");
+    assert_eq!(
+        status(&c_client).await.replica_objects,
+        0,
+        "C holds no copy"
+    );
+
+    let copied = c_client
+        .copy(&uri("ckpt/latest.tmp"), None, &uri("ckpt/latest"), None)
+        .await
+        .unwrap();
+    assert_eq!(copied.size, body.len() as u64);
+    let (bytes, _) = c_client
+        .read_checked(&uri("ckpt/latest"), None, None)
+        .await
+        .unwrap();
+    assert_eq!(bytes.as_ref(), &body[..]);
+    // The copy is itself an acknowledged write-back on C (with its copy
+    // on A), not a read of S3.
+    assert_eq!(status(&c_client).await.pending_objects, 1);
+
+    // A source no worker holds and S3 lacks is still "no such object".
+    let err = c_client
+        .copy(&uri("ckpt/missing.tmp"), None, &uri("ckpt/other"), None)
+        .await
+        .unwrap_err();
+    assert!(
+        matches!(
+            err,
+            ClientError::Api {
+                code: ErrorCode::NotFound,
+                ..
+            }
+        ),
+        "{err:?}"
+    );
+    b.shutdown().await;
+    c.shutdown().await;
+}
