@@ -306,18 +306,24 @@ async fn another_process_cannot_rename_a_file_being_written() {
     assert_eq!(got[5099], 8);
 }
 
+/// A filesystem over a fresh in-memory plane, with `tune` applied to the
+/// default config.
+fn fs_with(tune: impl FnOnce(&mut FsConfig)) -> (Fs, Arc<FaultyDataPlane<MemoryDataPlane>>) {
+    let plane = Arc::new(FaultyDataPlane::new(MemoryDataPlane::with_quirks(
+        Quirks::default(),
+    )));
+    let mut config = FsConfig::new(BUCKET, "");
+    tune(&mut config);
+    (Fs::new(plane.clone(), config), plane)
+}
+
 /// A name looked up before stays resolvable when the cluster cannot be
 /// asked (stale-if-error); a name never seen gets the error, and a
 /// definite "no such object" still removes a known name.
 #[tokio::test]
 async fn a_known_name_outlives_an_unreachable_cluster_but_not_a_delete() {
-    let plane = Arc::new(FaultyDataPlane::new(MemoryDataPlane::with_quirks(
-        Quirks::default(),
-    )));
-    let mut config = FsConfig::new(BUCKET, "");
     // Every lookup asks the cluster.
-    config.entry_ttl = Duration::ZERO;
-    let fs = Fs::new(plane.clone(), config);
+    let (fs, plane) = fs_with(|c| c.entry_ttl = Duration::ZERO);
     plane.inner().insert(BUCKET, "known.bin", b"abc".to_vec());
     plane.inner().insert(BUCKET, "unseen.bin", b"def".to_vec());
     let before = fs.lookup(ROOT_INO, "known.bin").await.unwrap();
@@ -345,13 +351,10 @@ async fn a_known_name_outlives_an_unreachable_cluster_but_not_a_delete() {
 /// crash test while another test ran `drop_caches`).
 #[tokio::test]
 async fn a_directory_made_here_survives_its_lookup_during_an_s3_outage() {
-    let plane = Arc::new(FaultyDataPlane::new(MemoryDataPlane::with_quirks(
-        Quirks::default(),
-    )));
-    let mut config = FsConfig::new(BUCKET, "");
-    config.entry_ttl = Duration::ZERO;
-    config.write_mode = lakecache_protocol::WriteMode::Back;
-    let fs = Fs::new(plane.clone(), config);
+    let (fs, plane) = fs_with(|c| {
+        c.entry_ttl = Duration::ZERO;
+        c.write_mode = lakecache_protocol::WriteMode::Back;
+    });
     let dir = fs.mkdir(ROOT_INO, "ckpt", WHO).await.unwrap();
 
     // The kernel drops the directory's dentry and inode.

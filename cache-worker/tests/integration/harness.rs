@@ -250,3 +250,15 @@ where
         tokio::time::sleep(Duration::from_millis(20)).await;
     }
 }
+
+/// Fails unless `err` is the worker's answer with error `code`.
+#[track_caller]
+pub fn assert_api_error(
+    err: &lakecache_protocol::ClientError,
+    code: lakecache_protocol::ErrorCode,
+) {
+    assert!(
+        matches!(err, lakecache_protocol::ClientError::Api { code: c, .. } if *c == code),
+        "expected the worker's {code:?} error, got {err:?}"
+    );
+}

@@ -241,16 +241,7 @@ async fn a_worker_alone_refuses_two_copies_and_a_malformed_copy_header_is_refuse
     let err = put_back(&h.client, "x/one", b"only one worker")
         .await
         .unwrap_err();
-    assert!(
-        matches!(
-            err,
-            ClientError::Api {
-                code: ErrorCode::ReplicasUnavailable,
-                ..
-            }
-        ),
-        "{err:?}"
-    );
+    assert_api_error(&err, ErrorCode::ReplicasUnavailable);
     // A malformed replica header is a 400, before any byte is staged.
     let err = h
         .client
@@ -263,16 +254,7 @@ async fn a_worker_alone_refuses_two_copies_and_a_malformed_copy_header_is_refuse
         )
         .await
         .unwrap_err();
-    assert!(
-        matches!(
-            err,
-            ClientError::Api {
-                code: ErrorCode::BadRequest,
-                ..
-            }
-        ),
-        "{err:?}"
-    );
+    assert_api_error(&err, ErrorCode::BadRequest);
     assert_eq!(status(&h.client).await.replica_objects, 0);
 }
 
@@ -375,16 +357,7 @@ async fn a_copy_sent_to_a_worker_without_the_pending_source_finds_it_on_its_prim
         .copy(&uri("ckpt/missing.tmp"), None, &uri("ckpt/other"), None)
         .await
         .unwrap_err();
-    assert!(
-        matches!(
-            err,
-            ClientError::Api {
-                code: ErrorCode::NotFound,
-                ..
-            }
-        ),
-        "{err:?}"
-    );
+    assert_api_error(&err, ErrorCode::NotFound);
     b.shutdown().await;
     c.shutdown().await;
 }
