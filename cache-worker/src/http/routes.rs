@@ -193,7 +193,7 @@ async fn operator_route(
     query: &str,
 ) -> (&'static str, Response) {
     match (method, path) {
-        (&Method::GET, "/v1/health") => ("health", health(state)),
+        (&Method::GET, "/v1/health") => ("health", health(state).await),
         (&Method::GET, "/v1/writeback") => ("writeback", writeback_status(state, query).await),
         (&Method::GET, _) => {
             // Rendering reads the write-back journal (see writeback_status).
@@ -242,24 +242,30 @@ fn stat_body(uri: &ObjectUri, meta: &ObjectMeta) -> ObjectStat {
     }
 }
 
-fn health(state: &AppState) -> Response {
-    let buckets = state.cache.traffic();
-    let hit_bytes = buckets.values().map(|b| b.hit_bytes).sum();
-    let miss_bytes = buckets.values().map(|b| b.miss_bytes).sum();
-    json(
-        StatusCode::OK,
-        &Health {
+/// Built off the runtime's threads: tenants' pending bytes come from the
+/// write-back journal, whose lock is held across fsyncs, and a readiness
+/// probe must not stall every other request behind a slow disk.
+async fn health(state: &AppState) -> Response {
+    let cache = state.cache.clone();
+    let built = tokio::task::spawn_blocking(move || {
+        let buckets = cache.traffic();
+        Health {
             status: "ok".into(),
-            cache_used_bytes: state.cache.used_bytes(),
-            cache_capacity_bytes: state.cache.config.capacity,
-            page_size: state.cache.page_size(),
-            hit_bytes,
-            miss_bytes,
-            pinned_bytes: state.cache.pinned_bytes(),
+            cache_used_bytes: cache.used_bytes(),
+            cache_capacity_bytes: cache.config.capacity,
+            page_size: cache.page_size(),
+            hit_bytes: buckets.values().map(|b| b.hit_bytes).sum(),
+            miss_bytes: buckets.values().map(|b| b.miss_bytes).sum(),
+            pinned_bytes: cache.pinned_bytes(),
             buckets,
-            tenants: state.cache.tenant_usage(),
-        },
-    )
+            tenants: cache.tenant_usage(),
+        }
+    })
+    .await;
+    match built {
+        Ok(health) => json(StatusCode::OK, &health),
+        Err(e) => error(ErrorCode::Internal, format!("health check failed: {e}")),
+    }
 }
 
 /// `?prefix=s3://bucket/prefix` narrows the backlog to one prefix.

@@ -38,7 +38,11 @@ pub(crate) async fn replica_watcher(cache: Weak<Cache>, wb: Arc<WriteBack>) {
         if *cache.closing.borrow() {
             return;
         }
-        let held = wb.replica_entries();
+        // Off the runtime's threads: the journal lock is held across fsyncs.
+        let wb2 = wb.clone();
+        let held = tokio::task::spawn_blocking(move || wb2.replica_entries())
+            .await
+            .unwrap_or_default();
         if held.is_empty() {
             continue;
         }

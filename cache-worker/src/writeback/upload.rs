@@ -24,13 +24,23 @@ const FIRST_RETRY: Duration = Duration::from_millis(200);
 const ORDER_POLL: Duration = Duration::from_millis(100);
 const LAST_RETRY: Duration = Duration::from_secs(30);
 
+/// The journal's lock is held across fsyncs: wait for it off the
+/// runtime's threads.
+async fn next_pending(wb: &Arc<WriteBack>) -> Option<PendingObject> {
+    let wb = wb.clone();
+    tokio::task::spawn_blocking(move || wb.next_pending())
+        .await
+        .ok()
+        .flatten()
+}
+
 /// Runs until the cache is dropped or closes.
 pub(crate) async fn uploader(cache: Weak<Cache>, wb: Arc<WriteBack>) {
     let mut retry = FIRST_RETRY;
     loop {
-        let Some(next) = wb.next_pending() else {
+        let Some(next) = next_pending(&wb).await else {
             let woken = wb.wake.notified();
-            if wb.next_pending().is_none() {
+            if next_pending(&wb).await.is_none() {
                 let _ = tokio::time::timeout(Duration::from_secs(1), woken).await;
             }
             if cache.strong_count() == 0 {

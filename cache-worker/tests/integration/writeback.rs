@@ -369,3 +369,64 @@ async fn a_restart_with_another_page_size_keeps_pending_writes() {
         .unwrap();
     assert_eq!(sha(&all), sha(&big));
 }
+
+/// A write-back's journal record is synced under the journal's lock.
+/// Health checks, status and peer requests read the journal too; they
+/// used to wait for that lock on the runtime's own threads, so on a
+/// 2-thread runtime two of them stopped every request until the disk
+/// finished (under a disk hog, workers "did not answer within 2s").
+/// Here the journal's syncs take 10 s: a stat sent while health and
+/// status requests wait for the journal is answered before that sync
+/// ends.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_slow_journal_sync_does_not_stop_other_requests() {
+    use lakecache_worker::crashsim::slow_disk;
+    let h = Harness::start().await;
+    h.put_direct("plain/x", b"in S3 already").await;
+    h.client.stat(&uri("plain/x")).await.unwrap();
+
+    slow_disk::slow_syncs(
+        &h.options.cache_dir,
+        "writeback.journal",
+        scaled(Duration::from_secs(10)),
+    );
+    let writer = {
+        let client = h.client.clone();
+        tokio::spawn(async move { put_back(&client, "ckpt/slow", b"weights").await })
+    };
+    eventually(
+        Duration::from_secs(30),
+        "the journal sync starts",
+        || async { slow_disk::under_way() > 0 },
+    )
+    .await;
+    // More journal readers than the runtime has threads.
+    let waiting: Vec<_> = (0..4)
+        .map(|i| {
+            let client = h.client.clone();
+            tokio::spawn(async move {
+                if i % 2 == 0 {
+                    client.health().await.map(|_| ())
+                } else {
+                    client.writeback_status(None).await.map(|_| ())
+                }
+            })
+        })
+        .collect();
+    // A pause for ordering, not readiness: requests that have not reached
+    // the lock yet would let the stat pass without proving anything (with
+    // this pause the test failed before the fix, and passes after).
+    tokio::time::sleep(Duration::from_millis(200)).await;
+    let stat = h.client.stat(&uri("plain/x")).await.unwrap();
+    let still_syncing = slow_disk::under_way() > 0;
+    slow_disk::fast_syncs();
+    assert_eq!(stat.size, 13);
+    assert!(
+        still_syncing,
+        "the stat was answered only after the journal's sync ended"
+    );
+    for w in waiting {
+        w.await.unwrap().unwrap();
+    }
+    assert!(writer.await.unwrap().etag.starts_with("lc-"));
+}
