@@ -23,7 +23,8 @@ command -v stress-ng >/dev/null || {
 tests=(--test cluster --test mount)
 cargo test --locked --no-run -q -p lakecache "${tests[@]}"
 logs=$(mktemp -d /tmp/lakecache-soak-XXXXXX)
-stress-ng --cpu 2 --hdd 1 --quiet &
+# Its scratch files go with the logs, not into the checkout.
+stress-ng --cpu 2 --hdd 1 --temp-path "$logs" --quiet &
 hog=$!
 trap 'kill $hog 2>/dev/null || true; wait $hog 2>/dev/null || true' EXIT
 echo "soak at $(git rev-parse --short HEAD)$(git diff --quiet || echo '+changes'): $n iterations beside stress-ng --cpu 2 --hdd 1; logs in $logs"

@@ -63,9 +63,14 @@ pub(crate) async fn uploader(cache: Weak<Cache>, wb: Arc<WriteBack>) {
             _ = closing.wait_for(|c| *c) => return,
         };
         match result {
-            Ok(()) => {
+            Ok(reached_s3) => {
                 retry = FIRST_RETRY;
-                let _ = cache.s3_down.observe(Ok(()));
+                // Only an answer from S3 says it is back: an entry skipped
+                // as superseded closed the breaker during an outage, and
+                // the next stat then waited out the SDK's retries.
+                if reached_s3 {
+                    let _ = cache.s3_down.observe(Ok(()));
+                }
             }
             Err(e) => {
                 if let CacheError::Store(s) = &e {
@@ -174,9 +179,10 @@ impl Cache {
         self: &Arc<Self>,
         wb: &Arc<WriteBack>,
         object: &PendingObject,
-    ) -> Result<(), CacheError> {
+    ) -> Result<bool, CacheError> {
         let uri = super::visible::parse_uri(&object.uri)?;
-        let etag = if wb.superseded(object) {
+        let superseded = wb.superseded(object);
+        let etag = if superseded {
             // A later write or delete of the same object replaces this
             // one; S3 ends the same without it.
             String::new()
@@ -200,8 +206,8 @@ impl Cache {
         }
         wb.release(if object.delete { 0 } else { object.size });
         self.metrics.writeback_uploaded(object.size);
-        tracing::debug!(uri = %object.uri, seq = object.seq, %etag, "write-back entry reached S3");
-        Ok(())
+        tracing::debug!(uri = %object.uri, seq = object.seq, %etag, superseded, "write-back entry done");
+        Ok(!superseded)
     }
 
     async fn upload_pending(

@@ -430,3 +430,43 @@ async fn a_slow_journal_sync_does_not_stop_other_requests() {
     }
     assert!(writer.await.unwrap().etag.starts_with("lc-"));
 }
+
+/// While S3 is down, the outage breaker makes metadata calls fail fast.
+/// The uploader closes it when an upload succeeds; it also closed it when
+/// it merely skipped an entry a later write superseded, which needs no
+/// S3, and the next stat then waited out the SDK's retries (a mount's
+/// lookup "did not answer within 2s" in the write-back crash test).
+#[tokio::test]
+async fn a_skipped_superseded_upload_does_not_end_the_outage_fast_path() {
+    let h = Harness::start().await;
+    let forever = 1_000_000;
+    for op in [S3Op::HeadObject, S3Op::PutObject] {
+        h.faults().inject(op, Fault::InternalError, forever);
+    }
+    // Two stats that reach S3 and fail (each after the SDK's retries)
+    // open the breaker.
+    for key in ["probe/a", "probe/b"] {
+        h.client.stat(&uri(key)).await.unwrap_err();
+    }
+    // The first write is superseded by the second before S3 takes either.
+    put_back(&h.client, "ckpt/latest", b"step 1").await;
+    put_back(&h.client, "ckpt/latest", b"step 2").await;
+    eventually(
+        Duration::from_secs(30),
+        "the superseded entry is skipped",
+        || async {
+            h.client
+                .writeback_status(None)
+                .await
+                .unwrap()
+                .pending_objects
+                == 1
+        },
+    )
+    .await;
+    let err = h.client.stat(&uri("probe/c")).await.unwrap_err();
+    assert!(
+        err.to_string().contains("failing fast"),
+        "the stat went to S3 instead of failing fast: {err}"
+    );
+}
