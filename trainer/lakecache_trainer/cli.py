@@ -91,6 +91,13 @@ def main(argv: list[str] | None = None) -> int:
         "this long, e.g. 30m, 90s [default: 30m]",
     )
     r.add_argument(
+        "--build-timeout",
+        type=_duration,
+        default=1800.0,
+        help="the stuck limit while the model and DeepSpeed engine are built (compute "
+        "that grows with the model, not a read), e.g. 1h [default: 30m]",
+    )
+    r.add_argument(
         "--mount-metrics",
         help="the lakecache mount's --metrics-listen address, for the reads a stuck "
         "step waits on [env LAKECACHE_MOUNT_METRICS]",
@@ -167,6 +174,7 @@ def main(argv: list[str] | None = None) -> int:
                     snapshot=a.snapshot,
                     allow_data_change=a.allow_data_change,
                     stuck_timeout=a.stuck_timeout,
+                    build_timeout=a.build_timeout,
                     mount_metrics=a.mount_metrics,
                     checkpoint_sync=a.checkpoint_sync,
                     keep_checkpoints=a.keep_checkpoints,

@@ -58,6 +58,8 @@ class RunConfig:
     snapshot: str | None = None
     allow_data_change: bool = False
     stuck_timeout: float = 1800.0
+    # Building the model and engine: compute, bounded apart from steps.
+    build_timeout: float = 1800.0
     # The mount's --metrics-listen address, for its in-flight reads.
     mount_metrics: str | None = None
     # "cache": `latest` moves once the files are durable in the cache;
@@ -241,6 +243,8 @@ def run(cfg: RunConfig) -> dict:
         raise SystemExit(f"--checkpoint-sync {cfg.checkpoint_sync!r}: expected cache or s3")
     if cfg.keep_checkpoints < 0 or cfg.log_every < 1 or cfg.stuck_timeout <= 0:
         raise SystemExit("--keep-checkpoints must be >= 0, --log-every and --stuck-timeout > 0")
+    if cfg.build_timeout <= 0:
+        raise SystemExit("--build-timeout must be > 0")
     cuda = torch.cuda.is_available()
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
     if cuda:
@@ -284,7 +288,7 @@ def run(cfg: RunConfig) -> dict:
     loader = TokenLoader(shards, rank, world, cfg.seq_len, cfg.micro_batch, seed=cfg.seed, fs=fs)
     dataset = runinfo.dataset_identity(loader.infos, snapshot)
     record = runinfo.run_record(cfg, dataset, world)
-    watchdog.progress("building the model and DeepSpeed engine")
+    watchdog.progress("building the model and DeepSpeed engine", timeout_s=cfg.build_timeout)
     model = build_model(cfg.model, cfg.seq_len)
     n_params = sum(p.numel() for p in model.parameters())
     engine, _, _, _ = deepspeed.initialize(

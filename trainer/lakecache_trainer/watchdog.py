@@ -2,7 +2,10 @@
 ends with EXIT_STUCK and says why, instead of holding GPUs for hours.
 
 Progress is a completed optimizer step (or a finished startup phase or
-checkpoint save). When none arrives in time, the rank prints every
+checkpoint save). A phase may carry its own limit instead: building the
+model and the DeepSpeed engine is compute (imports, kernel builds,
+sharding) whose length grows with the model and the machine's load, not a
+read that waits. When no progress arrives in time, the rank prints every
 thread's Python stack, the reads the lakecache mount is waiting on (its
 `/v1/inflight` list, when the mount serves metrics), and one line naming
 the last good checkpoint, then exits.
@@ -67,6 +70,7 @@ class StepWatchdog:
         self._lock = threading.Lock()
         self._last = time.monotonic()
         self._phase = "starting"
+        self._phase_timeout_s: float | None = None
         self._step = 0
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._watch, name="stuck-watchdog", daemon=True)
@@ -75,11 +79,13 @@ class StepWatchdog:
         self._thread.start()
         return self
 
-    def progress(self, phase: str, step: int | None = None) -> None:
-        """Something finished; `phase` is what runs next."""
+    def progress(self, phase: str, step: int | None = None, timeout_s: float | None = None) -> None:
+        """Something finished; `phase` is what runs next, bounded by
+        `timeout_s` when given, else by the watchdog's timeout."""
         with self._lock:
             self._last = time.monotonic()
             self._phase = phase
+            self._phase_timeout_s = timeout_s
             if step is not None:
                 self._step = step
 
@@ -91,7 +97,8 @@ class StepWatchdog:
             with self._lock:
                 idle = time.monotonic() - self._last
                 phase, step = self._phase, self._step
-            if idle >= self.timeout_s:
+                limit = self._phase_timeout_s or self.timeout_s
+            if idle >= limit:
                 self._fire(idle, phase, step)
                 return
 

@@ -148,3 +148,23 @@ def test_watchdog_fires_once_without_progress_and_not_with_it():
     assert "last good checkpoint: /ckpt/step4" in text
     assert "while running step 2 (last completed step 1)" in text
     assert "stuck-watchdog" in text or "Thread" in text  # the stacks were dumped
+
+
+def test_a_phase_with_its_own_limit_is_not_cut_by_the_step_limit():
+    # Building the engine under load took longer than a short --stuck-timeout
+    # (seen: 8 s passed inside deepspeed.initialize's imports on a loaded
+    # 2-core machine); that phase is bounded by --build-timeout instead.
+    codes: list[int] = []
+    err = io.StringIO()
+    with redirect_stderr(err):
+        dog = StepWatchdog(0.5, 0, lambda: None, exit=codes.append).start()
+        dog.progress("building the model and DeepSpeed engine", timeout_s=3600)
+        time.sleep(1.5)  # three step limits pass inside the phase: quiet
+        assert codes == []
+        dog.progress("waiting for the first optimizer step", 0)  # back to 0.5 s
+        deadline = time.monotonic() + 30
+        while not codes and time.monotonic() < deadline:
+            time.sleep(0.05)
+        dog.stop()
+    assert codes == [EXIT_STUCK]
+    assert "while waiting for the first optimizer step" in err.getvalue()

@@ -28,6 +28,11 @@ S3_ENV = {
 LOCAL_ENV = {k: v for k, v in ENV.items() if k != "LAKECACHE_CHECKPOINT_KEY_FILE"}
 
 
+def _secs(secs: float) -> str:
+    """A --stuck-timeout of `secs`, scaled like every test deadline."""
+    return f"{max(1, round(testproc.scaled(secs)))}s"
+
+
 def _run_args(data: Path, ckpt: Path, *extra: str) -> list[str]:
     return [
         "-m", "lakecache_trainer.cli", "run", "--data", str(data),
@@ -46,7 +51,7 @@ def test_a_sleeping_rank_ends_the_job_naming_the_last_checkpoint(tmp_path):
         sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2",
         "--standalone",
         *_run_args(data, ckpt, "--steps", "8", "--save-every", "2",
-                   "--stuck-timeout", "8s", "--inject-hang", "1:4"),
+                   "--stuck-timeout", _secs(8), "--inject-hang", "1:4"),
     ]  # fmt: skip
     t0 = time.monotonic()
     done = testproc.run("torchrun train", cmd, env=LOCAL_ENV, timeout=600)
@@ -68,7 +73,7 @@ def test_a_sleeping_rank_ends_the_job_naming_the_last_checkpoint(tmp_path):
     assert 'train.py", line' in out and ", in run" in out
     if any("stuck: rank 1 " in line for line in reason):
         assert "time.sleep(10**6)" in out
-    assert time.monotonic() - t0 < 300
+    assert time.monotonic() - t0 < testproc.scaled(300)
 
 
 def test_a_blocked_mount_read_is_named_with_the_mounts_inflight_reads(tmp_path):
@@ -115,7 +120,7 @@ def test_a_blocked_mount_read_is_named_with_the_mounts_inflight_reads(tmp_path):
             done = testproc.run(
                 "train run",
                 [sys.executable, *_run_args(data, tmp_path / "ck", "--steps", "2",
-                                            "--stuck-timeout", "6s",
+                                            "--stuck-timeout", _secs(6),
                                             "--mount-metrics", f"127.0.0.1:{metrics_port}")],
                 env=LOCAL_ENV, timeout=600,
             )  # fmt: skip
