@@ -60,6 +60,12 @@ def port_in(line: str) -> int | None:
     return ports[-1] if ports else None
 
 
+def complete_lines(text: str) -> list[str]:
+    """The lines of `text` that end in a newline: a log read while its child
+    writes can end mid-line ("listening on https://127.0.0." has no port)."""
+    return text[: text.rfind("\n") + 1].splitlines()
+
+
 class Child:
     """A process whose stdout and stderr go to `log`."""
 
@@ -120,7 +126,7 @@ class Child:
         child exits first or the deadline (scaled) passes."""
         deadline = time.monotonic() + scaled(secs)
         while True:
-            for line in self.text().splitlines():
+            for line in complete_lines(self.text()):
                 if needle in line:
                     return line
             if self.proc.poll() is not None:

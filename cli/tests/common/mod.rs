@@ -140,7 +140,8 @@ impl Proc {
     pub fn wait_for_line(&mut self, needle: &str, within: Duration) -> String {
         let deadline = deadline_in(within);
         loop {
-            if let Some(line) = self.own_output().lines().find(|l| l.contains(needle)) {
+            let output = self.own_output();
+            if let Some(line) = complete_lines(&output).find(|l| l.contains(needle)) {
                 return line.to_string();
             }
             if let Ok(Some(status)) = self.child.try_wait() {
@@ -194,6 +195,14 @@ impl Drop for Proc {
 pub fn tail(text: &str, n: usize) -> String {
     let lines: Vec<&str> = text.lines().collect();
     lines[lines.len().saturating_sub(n)..].join("\n")
+}
+
+/// The lines of `text` that end in a newline. A log read while its child
+/// is writing can end mid-line ("listening on https://127.0.0." was read
+/// as a line without a port under load), so the last piece waits.
+pub fn complete_lines(text: &str) -> std::str::Lines<'_> {
+    let end = text.rfind('\n').map_or(0, |i| i + 1);
+    text[..end].lines()
 }
 
 /// The port of the last `HOST:PORT` in `line`.
@@ -448,6 +457,16 @@ mod tests {
             Some(39721)
         );
         assert_eq!(port_in("no address here"), None);
+    }
+
+    #[test]
+    fn a_line_still_being_written_is_not_read() {
+        let partial = "starting\nlakecache worker listening on https://127.0.0.";
+        assert_eq!(complete_lines(partial).collect::<Vec<_>>(), ["starting"]);
+        let whole = format!("{partial}1:40123\n");
+        let line = complete_lines(&whole).find(|l| l.contains("listening on"));
+        assert_eq!(line.and_then(port_in), Some(40123));
+        assert_eq!(complete_lines("no newline yet").count(), 0);
     }
 
     #[test]
