@@ -11,6 +11,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+import testproc
 
 from lakecache_trainer import checkpoints, runinfo
 from lakecache_trainer.loader import LoaderState, TokenLoader, reshard
@@ -162,7 +163,7 @@ def test_a_phase_with_its_own_limit_is_not_cut_by_the_step_limit():
         time.sleep(1.5)  # three step limits pass inside the phase: quiet
         assert codes == []
         dog.progress("waiting for the first optimizer step", 0)  # back to 0.5 s
-        deadline = time.monotonic() + 30
+        deadline = time.monotonic() + testproc.scaled(30)
         while not codes and time.monotonic() < deadline:
             time.sleep(0.05)
         dog.stop()
