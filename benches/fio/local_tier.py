@@ -17,6 +17,7 @@ import sys
 import time
 from pathlib import Path
 
+import cpu
 import provenance
 import rounds
 from run import HERE, Cluster, drop_caches, fio
@@ -81,11 +82,15 @@ def main() -> None:
         # Cold 4-job sequential reads, without and with the tier filling.
         c.start_worker(fresh=True, worker_flags=plain)
         drop_caches()
-        cold_plain = fio("seq-read.fio", c.mnt, size=a.size, jobs="4")
+        cold_plain = cpu.measured(
+            lambda: fio("seq-read.fio", c.mnt, size=a.size, jobs="4"), c.daemons()
+        )
         c.stop_worker()
         c.start_worker(fresh=True, worker_flags=plain, mount_flags=with_tier)
         drop_caches()
-        cold_fill = fio("seq-read.fio", c.mnt, size=a.size, jobs="4")
+        cold_fill = cpu.measured(
+            lambda: fio("seq-read.fio", c.mnt, size=a.size, jobs="4"), c.daemons()
+        )
         time.sleep(2)
         held = sum(p.stat().st_blocks * 512 for p in tier.glob("*.data"))
         print(f"tier holds {held >> 20} MiB after the cold read", flush=True)
@@ -97,13 +102,13 @@ def main() -> None:
 
             def local_once(job=job, env=env) -> dict:
                 drop_caches()
-                return {"local": fio(job, work / "local", **env)}
+                return {"local": cpu.measured(lambda: fio(job, work / "local", **env))}
 
             def l2_once(job=job, env=env) -> dict:
                 # L2-warm: the worker's cache only.
                 c.start_worker(fresh=False, worker_flags=plain)
                 drop_caches()
-                r = fio(job, c.mnt, **env)
+                r = cpu.measured(lambda: fio(job, c.mnt, **env), c.daemons())
                 c.stop_worker()
                 return {"l2": r}
 
@@ -111,7 +116,7 @@ def main() -> None:
                 # L1-warm: a new mount over the whole tier, passthrough.
                 c.start_worker(fresh=False, worker_flags=plain, mount_flags=with_tier)
                 drop_caches()
-                r = fio(job, c.mnt, **env)
+                r = cpu.measured(lambda: fio(job, c.mnt, **env), c.daemons())
                 c.stop_worker()
                 return {"l1": r}
 
@@ -135,7 +140,9 @@ def main() -> None:
         "",
         (
             f"Each cell: the median of {a.rounds} interleaved rounds (lowest-highest); a "
-            "ratio is the median of the per-round ratios to local disk in the same round."
+            "ratio is the median of the per-round ratios to local disk in the same round. "
+            "CPU-s/GiB: CPU time (user + system) of fio and of the lakecache worker and "
+            "mount per GiB read, median over the rounds (the S3 endpoint left out)."
         ),
         "",
         "| test | unit | local disk | L2-warm | L1-warm | L2/local | L1/local |",
@@ -151,9 +158,10 @@ def main() -> None:
     lines += [
         "",
         (
-            "Cold 4-job sequential read (empty worker cache): "
-            f"{cold_plain['mib_s']:.0f} MiB/s without a tier, {cold_fill['mib_s']:.0f} MiB/s "
-            "while filling the tier."
+            "Cold 4-job sequential read (empty worker cache), one run each: "
+            f"{cold_plain['mib_s']:.0f} MiB/s ({cold_plain['cpu_per_gib']:.2f} CPU-s/GiB) "
+            f"without a tier, {cold_fill['mib_s']:.0f} MiB/s "
+            f"({cold_fill['cpu_per_gib']:.2f} CPU-s/GiB) while filling the tier."
         ),
     ]
     provenance.write(a.out, lines)

@@ -24,6 +24,7 @@ import time
 import urllib.request
 from pathlib import Path
 
+import cpu
 import provenance
 import rounds
 from read_path import Setup, ls_then_read
@@ -144,14 +145,14 @@ def main() -> None:
 
     def local_once(job: str, env: dict) -> dict:
         drop_caches()
-        return {"local": measure(job, env, work / "local", a.cap)}
+        return {"local": cpu.measured(lambda: measure(job, env, work / "local", a.cap))}
 
     def lakecache_once(job: str, env: dict) -> dict:
         s.start_worker(fresh=True)
         s.start_mount(tier=True, fresh_tier=True)
         drop_caches()
         before = s.s3_bytes()
-        r = measure(job, env, s.mnt, a.cap)
+        r = cpu.measured(lambda: measure(job, env, s.mnt, a.cap), s.daemons())
         r["s3_per_byte"] = (s.s3_bytes() - before) / max(r["bytes"], 1)
         s.stop_mount()
         s.stop(s.worker)
@@ -161,7 +162,7 @@ def main() -> None:
         p = peer_mount(tool, s, work)
         drop_caches()
         before = endpoint_stats(s.s3_port)
-        r = measure(job, env, s.mnt, a.cap)
+        r = cpu.measured(lambda: measure(job, env, s.mnt, a.cap), [p.pid])
         after = endpoint_stats(s.s3_port)
         r["s3_per_byte"] = (after[0] - before[0]) / max(r["bytes"], 1)
         r["gets"] = after[1] - before[1]
@@ -203,7 +204,10 @@ def write(a, tests, versions, out) -> None:
         "(lowest-highest), every tool and local disk measured in every round; the last "
         "column is the median of the per-round ratios of lakecache to the better peer of "
         "that round. S3 bytes per byte read are counted by the S3 endpoint for the peers "
-        "and by the worker for lakecache.",
+        "and by the worker for lakecache. CPU-s/GiB: CPU time (user + system) of fio (or "
+        "the Python reader of `ls -l then read`) and of the tool's own processes (lakecache "
+        "worker and mount; the s3fs or rclone daemon) per GiB read, median over the rounds; "
+        "the S3 endpoint and the delay proxy are left out.",
         "",
         "| test | unit | local disk | lakecache | s3fs | rclone | lakecache / best peer |",
         "|---|---|---|---|---|---|---|",

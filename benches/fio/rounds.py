@@ -66,12 +66,23 @@ def _num(v: float) -> str:
     return f"{v:.2f}" if abs(v) < 10 else f"{v:.0f}"
 
 
+def cpu_key(key: str) -> str:
+    """Where a result keeps the CPU-s/GiB of its `key` (cpu.measured adds
+    `cpu_per_gib` to fio-shaped results; others name it per figure)."""
+    return "cpu_per_gib" if key in ("mib_s", "iops") else f"{key}_cpu_per_gib"
+
+
 def cell(samples: Sequence[dict], key: str) -> str:
-    """`median (lowest-highest)`; a single round is shown alone."""
+    """`median (lowest-highest)`, then the median CPU-s/GiB when the rounds
+    measured it (in every round, or this fails); one round is shown alone."""
     vs = values(samples, key)
     if len(vs) == 1:
-        return _num(vs[0])
-    return f"{_num(statistics.median(vs))} ({_num(min(vs))}-{_num(max(vs))})"
+        text = _num(vs[0])
+    else:
+        text = f"{_num(statistics.median(vs))} ({_num(min(vs))}-{_num(max(vs))})"
+    if any(cpu_key(key) in s for s in samples):
+        text += f"; {statistics.median(values(samples, cpu_key(key))):.2f} CPU-s/GiB"
+    return text
 
 
 def ratio_cell(samples: Sequence[dict], baseline: Sequence[dict], key: str) -> str:

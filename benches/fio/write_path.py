@@ -20,6 +20,7 @@ import threading
 import time
 from pathlib import Path
 
+import cpu
 import provenance
 import rounds
 from run import BUCKET, Cluster, drop_caches
@@ -29,8 +30,8 @@ HERE = Path(__file__).resolve().parent
 MODES = ("local", "through", "back", "back-r2")
 
 
-def fio_write(directory: Path, size: str, jobs: int) -> float:
-    """Aggregate MiB/s of `jobs` concurrent fio processes, each writing its
+def fio_write(directory: Path, size: str, jobs: int) -> tuple[float, int]:
+    """Aggregate MiB/s and bytes written of `jobs` concurrent fio processes, each writing its
     own file sequentially in 1 MiB blocks with fsync at the end (one per
     rank, as checkpoint writers do). Separate processes, not numjobs: fio
     lays out `filename_format` files before writing, which reopens them
@@ -49,14 +50,15 @@ def fio_write(directory: Path, size: str, jobs: int) -> float:
                 text=True,
             )
         )
-    total = 0.0
+    total, written = 0.0, 0
     for p in procs:
         out, err = p.communicate()
         if p.returncode != 0:
             raise SystemExit(f"fio in {directory} failed:\n{out}\n{err}")
         doc = json.loads(out[out.index("{") :])
         total += doc["jobs"][0]["write"]["bw_bytes"] / 2**20
-    return total
+        written += doc["jobs"][0]["write"]["io_bytes"]
+    return total, written
 
 
 def checkpoint(directory: Path, writers: int, size: int) -> float:
@@ -145,20 +147,27 @@ def main() -> None:
             # read-only on the mount).
             target = c.mnt / mode
         r: dict[str, float] = {}
+        daemons = c.daemons() if mode != "local" else []
         for jobs in (1, 4):
             d = target / f"fio{jobs}"
             d.mkdir(parents=True, exist_ok=True)
             drop_caches()
-            r[f"fio{jobs}"] = fio_write(d, a.size, jobs)
+            # CPU until the bytes are where the mode puts them: for back
+            # modes that includes the upload `sync` waits for.
+            meter = cpu.Meter(daemons)
+            r[f"fio{jobs}"], written = fio_write(d, a.size, jobs)
             if mode.startswith("back"):
                 # Each fio run starts from an empty backlog.
                 sync_seconds(a.bin, c, "")
+            r[f"fio{jobs}_cpu_per_gib"] = meter.per_gib(written)
         drop_caches()
+        meter = cpu.Meter(daemons)
         r["ckpt"] = checkpoint(target / "ckpt" / "step100", a.ckpt_writers, ckpt_bytes)
         if mode == "local":
             subprocess.run(["sync"], check=True)
         else:
             r["ckpt_s3"] = r["ckpt"] + sync_seconds(a.bin, c, f"{mode}/ckpt/")
+        r["ckpt_cpu_per_gib"] = meter.per_gib(a.ckpt_writers * ckpt_bytes)
         # Free the disk for the next mode: its files (through the mount,
         # so S3 drops them too) and its workers' caches. Written-back
         # deletes reach S3 before the caches holding them go, or the next
@@ -193,7 +202,11 @@ def write(a: argparse.Namespace, rows: dict, started: str, ckpt_bytes: int) -> N
         "this machine, all on the same disk as `local`. The page cache is dropped before every "
         "run. Each cell: the median of "
         f"{a.rounds} interleaved rounds (lowest-highest); a ratio is the median of the "
-        "per-round ratios to local disk measured in the same round.",
+        "per-round ratios to local disk measured in the same round. CPU-s/GiB: CPU time "
+        "(user + system) of the writers (fio, or this script's threads for the checkpoint), "
+        "`sync` and the lakecache worker(s) and mount per GiB written, until the bytes are "
+        "in S3 for `back` modes; median over the rounds. The kernel's own writeback "
+        "threads are not counted for any column.",
         "",
         "## fio: sequential write, 1 MiB blocks, fsync at the end; one file per writer "
         "(separate fio processes, bandwidth summed)",

@@ -242,9 +242,22 @@ impl Drop for Env {
     }
 }
 
+/// One statfs answers both questions at once: it reaches a live FUSE
+/// server (a dead mount fails with ENOTCONN), and a bare directory reports
+/// its own file system's type. Two separate checks (in the mount table,
+/// then not dead) raced the next client's removal of a dead mount: both
+/// passed in the moment between the removal and the new mount, and a read
+/// of the bare directory failed with ENOENT (soak iteration 2, e5e0435).
 fn mounted_and_serving(path: &Path) -> bool {
-    let path = path.canonicalize().unwrap_or(path.to_path_buf());
-    lakecache_fuse::mount::is_mounted(&path) && !lakecache_fuse::mount::is_dead_mount(&path)
+    const FUSE_SUPER_MAGIC: libc::c_long = 0x6573_5546;
+    let Ok(c_path) = std::ffi::CString::new(path.as_os_str().as_encoded_bytes()) else {
+        return false;
+    };
+    let mut buf = std::mem::MaybeUninit::<libc::statfs>::uninit();
+    // SAFETY: c_path is NUL-terminated and buf is large enough for statfs.
+    let rc = unsafe { libc::statfs(c_path.as_ptr(), buf.as_mut_ptr()) };
+    // SAFETY: statfs filled buf when it returned 0.
+    rc == 0 && unsafe { buf.assume_init() }.f_type == FUSE_SUPER_MAGIC
 }
 
 /// Mounted means serving; unmounted means gone, not merely dead.
