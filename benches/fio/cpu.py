@@ -1,11 +1,13 @@
 """CPU time per GiB moved, printed beside every throughput.
 
 A measurement's CPU is everything that worked to move its bytes on this
-machine: this process (the Python readers and writers of some tests), the
-processes it waited for during the measurement (fio and its job processes)
-and the daemons serving the path (lakecache's worker and mount, or a peer's
-FUSE daemon), read from /proc. The S3 endpoint and the delay proxy stand in
-for a remote data lake and are left out.
+machine: the reader or writer (fio's jobs, as fio reports them, or this
+process's own threads in the Python tests) and the daemons serving the path
+(lakecache's worker and mount, or a peer's FUSE daemon), read from /proc.
+fio's own start-up and file layout are left out, as they are not part of
+the I/O (counted from fio's rusage they were most of local disk's figure on
+small files). The S3 endpoint and the delay proxy stand in for a remote
+data lake and are left out too.
 """
 
 from __future__ import annotations
@@ -29,17 +31,23 @@ def process_seconds(pid: int) -> float:
     return (int(fields[11]) + int(fields[12])) / _TICKS
 
 
+def fio_seconds(job: dict) -> float:
+    """CPU of one fio result's jobs while they ran (`usr_cpu`/`sys_cpu` are
+    percentages of `job_runtime`, which group_reporting sums over jobs)."""
+    try:
+        return (job["usr_cpu"] + job["sys_cpu"]) / 100 * job["job_runtime"] / 1000
+    except KeyError as e:
+        raise SystemExit(f"fio's JSON has no {e} (fio 3.x reports it)") from e
+
+
 def _own_seconds() -> float:
-    total = 0.0
-    for who in (resource.RUSAGE_SELF, resource.RUSAGE_CHILDREN):
-        use = resource.getrusage(who)
-        total += use.ru_utime + use.ru_stime
-    return total
+    use = resource.getrusage(resource.RUSAGE_SELF)
+    return use.ru_utime + use.ru_stime
 
 
 class Meter:
-    """CPU used from its creation on by this process, the children it
-    waits for meanwhile, and the given live daemons."""
+    """CPU used from its creation on by this process and the given live
+    daemons (add a fio run's own with `fio_seconds`)."""
 
     def __init__(self, daemons: Iterable[int | None] = ()) -> None:
         self.pids = [p for p in daemons if p is not None]
@@ -53,16 +61,21 @@ class Meter:
     def seconds(self) -> float:
         return self._now() - self.start
 
-    def per_gib(self, moved: float) -> float:
+    def per_gib(self, moved: float, extra_s: float = 0.0) -> float:
+        """Per GiB of `moved` bytes, with `extra_s` (fio's own) added."""
         if moved <= 0:
             raise SystemExit("a measurement moved no bytes, so it has no CPU per GiB")
-        return self.seconds() / (moved / 2**30)
+        return (self.seconds() + extra_s) / (moved / 2**30)
 
 
 def measured(run: Callable[[], dict], daemons: Iterable[int | None] = ()) -> dict:
     """Runs one measurement and adds `cpu_per_gib` to its result, which
-    must carry the `bytes` it moved."""
+    must carry the `bytes` it moved and, when fio ran, fio's `fio_cpu_s`."""
     meter = Meter(daemons)
     result = run()
-    result["cpu_per_gib"] = meter.per_gib(result.get("bytes", 0))
+    moved = result.get("bytes", 0)
+    if moved <= 0:
+        raise SystemExit(f"a measurement moved no bytes, so it has no CPU per GiB: {result}")
+    used = meter.seconds() + result.get("fio_cpu_s", 0.0)
+    result["cpu_per_gib"] = used / (moved / 2**30)
     return result

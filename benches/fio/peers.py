@@ -111,8 +111,10 @@ def fio_capped(job: str, directory: Path, cap: int, env: dict) -> dict:
                          check=False)
     if out.returncode != 0:
         raise SystemExit(f"fio {job} in {directory} failed:\n{out.stdout}\n{out.stderr}")
-    side = json.loads(out.stdout[out.stdout.index("{"):])["jobs"][0]["read"]
-    return {"mib_s": side["bw_bytes"] / 2**20, "iops": side["iops"], "bytes": side["io_bytes"]}
+    job0 = json.loads(out.stdout[out.stdout.index("{"):])["jobs"][0]
+    side = job0["read"]
+    return {"mib_s": side["bw_bytes"] / 2**20, "iops": side["iops"], "bytes": side["io_bytes"],
+            "fio_cpu_s": cpu.fio_seconds(job0)}
 
 
 def measure(job: str, env: dict, directory: Path, cap: int) -> dict:
@@ -204,7 +206,7 @@ def write(a, tests, versions, out) -> None:
         "(lowest-highest), every tool and local disk measured in every round; the last "
         "column is the median of the per-round ratios of lakecache to the better peer of "
         "that round. S3 bytes per byte read are counted by the S3 endpoint for the peers "
-        "and by the worker for lakecache. CPU-s/GiB: CPU time (user + system) of fio (or "
+        "and by the worker for lakecache. CPU-s/GiB: CPU time (user + system) of fio's jobs (or "
         "the Python reader of `ls -l then read`) and of the tool's own processes (lakecache "
         "worker and mount; the s3fs or rclone daemon) per GiB read, median over the rounds; "
         "the S3 endpoint and the delay proxy are left out.",

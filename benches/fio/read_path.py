@@ -367,7 +367,7 @@ def write(a, tests, runs, elapsed) -> None:
         "tokens checked on every request. Each cell: the median of the part's interleaved "
         "rounds (lowest-highest), local disk measured in every round; a ratio is the median "
         "of the per-round ratios to the local disk of the same round. CPU-s/GiB: CPU time "
-        "(user + system) of fio (or the Python reader of `ls -l then read`) and of the "
+        "(user + system) of fio's jobs (or the Python reader of `ls -l then read`) and of the "
         "lakecache worker and mount per GiB read, median over the rounds.",
         "",
         "## TLS and tokens on, loopback S3",

@@ -170,7 +170,12 @@ def fio(job: str, directory: Path, **env: str) -> dict:
     job0 = doc["jobs"][0]
     kind = "write" if job.startswith("seq-write") else "read"
     side = job0[kind]
-    return {"mib_s": side["bw_bytes"] / 2**20, "iops": side["iops"], "bytes": side["io_bytes"]}
+    return {
+        "mib_s": side["bw_bytes"] / 2**20,
+        "iops": side["iops"],
+        "bytes": side["io_bytes"],
+        "fio_cpu_s": cpu.fio_seconds(job0),
+    }
 
 
 def main() -> None:
@@ -257,7 +262,7 @@ def main() -> None:
         "",
         f"Each cell: the median of {a.rounds} interleaved rounds (lowest-highest); a ratio is "
         "the median of the per-round ratios to local disk measured in the same round. "
-        "CPU-s/GiB: CPU time (user + system) of fio and of the lakecache worker and mount "
+        "CPU-s/GiB: CPU time (user + system) of fio's jobs and of the lakecache worker and mount "
         "per GiB moved, median over the rounds; the S3 endpoint is left out, as it stands "
         "for the data lake.",
         "",

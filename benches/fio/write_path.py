@@ -30,10 +30,11 @@ HERE = Path(__file__).resolve().parent
 MODES = ("local", "through", "back", "back-r2")
 
 
-def fio_write(directory: Path, size: str, jobs: int) -> tuple[float, int]:
-    """Aggregate MiB/s and bytes written of `jobs` concurrent fio processes, each writing its
-    own file sequentially in 1 MiB blocks with fsync at the end (one per
-    rank, as checkpoint writers do). Separate processes, not numjobs: fio
+def fio_write(directory: Path, size: str, jobs: int) -> tuple[float, int, float]:
+    """Aggregate MiB/s, bytes written and fio's own CPU seconds of `jobs`
+    concurrent fio processes, each writing its own file sequentially in
+    1 MiB blocks with fsync at the end (one per rank, as checkpoint writers
+    do). Separate processes, not numjobs: fio
     lays out `filename_format` files before writing, which reopens them
     without O_TRUNC, and the mount refuses that."""
     procs = []
@@ -50,7 +51,7 @@ def fio_write(directory: Path, size: str, jobs: int) -> tuple[float, int]:
                 text=True,
             )
         )
-    total, written = 0.0, 0
+    total, written, fio_cpu = 0.0, 0, 0.0
     for p in procs:
         out, err = p.communicate()
         if p.returncode != 0:
@@ -58,7 +59,8 @@ def fio_write(directory: Path, size: str, jobs: int) -> tuple[float, int]:
         doc = json.loads(out[out.index("{") :])
         total += doc["jobs"][0]["write"]["bw_bytes"] / 2**20
         written += doc["jobs"][0]["write"]["io_bytes"]
-    return total, written
+        fio_cpu += cpu.fio_seconds(doc["jobs"][0])
+    return total, written, fio_cpu
 
 
 def checkpoint(directory: Path, writers: int, size: int) -> float:
@@ -155,11 +157,11 @@ def main() -> None:
             # CPU until the bytes are where the mode puts them: for back
             # modes that includes the upload `sync` waits for.
             meter = cpu.Meter(daemons)
-            r[f"fio{jobs}"], written = fio_write(d, a.size, jobs)
+            r[f"fio{jobs}"], written, fio_cpu = fio_write(d, a.size, jobs)
             if mode.startswith("back"):
                 # Each fio run starts from an empty backlog.
                 sync_seconds(a.bin, c, "")
-            r[f"fio{jobs}_cpu_per_gib"] = meter.per_gib(written)
+            r[f"fio{jobs}_cpu_per_gib"] = meter.per_gib(written, fio_cpu)
         drop_caches()
         meter = cpu.Meter(daemons)
         r["ckpt"] = checkpoint(target / "ckpt" / "step100", a.ckpt_writers, ckpt_bytes)
@@ -203,8 +205,8 @@ def write(a: argparse.Namespace, rows: dict, started: str, ckpt_bytes: int) -> N
         "run. Each cell: the median of "
         f"{a.rounds} interleaved rounds (lowest-highest); a ratio is the median of the "
         "per-round ratios to local disk measured in the same round. CPU-s/GiB: CPU time "
-        "(user + system) of the writers (fio, or this script's threads for the checkpoint), "
-        "`sync` and the lakecache worker(s) and mount per GiB written, until the bytes are "
+        "(user + system) of the writers (fio's jobs, or this script's threads for the "
+        "checkpoint) and the lakecache worker(s) and mount per GiB written, until the bytes are "
         "in S3 for `back` modes; median over the rounds. The kernel's own writeback "
         "threads are not counted for any column.",
         "",
