@@ -292,11 +292,17 @@ pub fn output_within(cmd: &mut Command, within: Duration) -> std::io::Result<std
             }
         }
     };
-    Ok(std::process::Output {
+    let output = std::process::Output {
         status,
         stdout: read(&out_path),
         stderr: read(&err_path),
-    })
+    };
+    // The caller holds the bytes now. Kept, a `lakecache cat` of a large
+    // object left hundreds of MiB per test run in the log directory (23 GiB
+    // of /tmp after a 20-iteration loop).
+    let _ = std::fs::remove_file(&out_path);
+    let _ = std::fs::remove_file(&err_path);
+    Ok(output)
 }
 
 /// Waits (deadline scaled) until `port` on loopback accepts connections.
