@@ -141,7 +141,7 @@ def main() -> None:
         (
             f"Each cell: the median of {a.rounds} interleaved rounds (lowest-highest); a "
             "ratio is the median of the per-round ratios to local disk in the same round. "
-            "CPU-s/GiB: CPU time (user + system) of fio and of the lakecache worker and "
+            "CPU-s/GiB: CPU time (user + system) of fio's jobs and of the lakecache worker and "
             "mount per GiB read, median over the rounds (the S3 endpoint left out)."
         ),
         "",
