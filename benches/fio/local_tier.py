@@ -20,7 +20,7 @@ from pathlib import Path
 import cpu
 import provenance
 import rounds
-from run import HERE, Cluster, drop_caches, fio
+from run import HERE, Cluster, drop_caches, fio, remove_work
 
 
 def wait_tier(tier: Path, objects: int) -> None:
@@ -38,6 +38,7 @@ def main() -> None:
     ap.add_argument("--size", default="512M", help="per file, 4 files")
     ap.add_argument("--runtime", default="15")
     ap.add_argument("--out", default=str(HERE.parent / "results" / "local-tier.md"))
+    ap.add_argument("--keep-work", action="store_true", help="keep --work after a good run")
     ap.add_argument("--tier-dir", help="local tier directory (default: under --work)")
     ap.add_argument("--cold-only", action="store_true", help="only the cold pair, no table")
     rounds.add_args(ap)
@@ -166,6 +167,8 @@ def main() -> None:
     ]
     provenance.write(a.out, lines)
     print(f"wrote {a.out}")
+    if not a.keep_work:
+        remove_work(work)
 
 
 if __name__ == "__main__":

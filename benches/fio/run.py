@@ -50,6 +50,22 @@ def mounted(path: Path) -> bool:
         return any(line.split(" ")[4] == want for line in f)
 
 
+def remove_work(work: Path) -> None:
+    """Deletes a finished run's --work (its datasets are GiBs; several runs
+    filled this machine's disk). A failed run never gets here, so it keeps
+    the daemons' logs it names. Nothing is deleted while anything under
+    `work` is still mounted: rmtree would walk into the mount and delete
+    through it."""
+    prefix = str(work.resolve()) + "/"
+    with open("/proc/self/mountinfo") as f:
+        busy = [m for m in (line.split(" ")[4] for line in f) if m.startswith(prefix)]
+    if busy:
+        print(f"kept {work}: still mounted at {', '.join(busy)}", flush=True)
+        return
+    shutil.rmtree(work)
+    print(f"removed {work} (pass --keep-work to keep it)", flush=True)
+
+
 def drop_caches() -> None:
     subprocess.run(["sync"], check=True)
     Path("/proc/sys/vm/drop_caches").write_text("3\n")
@@ -186,6 +202,7 @@ def main() -> None:
     ap.add_argument("--write-size", default="1G")
     ap.add_argument("--runtime", default="20")
     ap.add_argument("--out", default=str(HERE.parent / "results" / "fio.md"))
+    ap.add_argument("--keep-work", action="store_true", help="keep --work after a good run")
     rounds.add_args(ap)
     a = ap.parse_args()
     rounds.check(a.rounds)
@@ -280,6 +297,8 @@ def main() -> None:
     lines.append("The write row has one mount column: writes go to S3 through the worker.")
     provenance.write(a.out, lines)
     print(f"wrote {a.out}")
+    if not a.keep_work:
+        remove_work(work)
 
 
 if __name__ == "__main__":

@@ -23,7 +23,7 @@ from pathlib import Path
 import cpu
 import provenance
 import rounds
-from run import BUCKET, Cluster, drop_caches
+from run import BUCKET, Cluster, drop_caches, remove_work
 
 HERE = Path(__file__).resolve().parent
 # back-r2: three workers, --write-replicas 2 (each body durable on two).
@@ -124,6 +124,7 @@ def main() -> None:
     ap.add_argument("--ckpt-writers", type=int, default=8)
     ap.add_argument("--ckpt-size", default="512", help="MiB per checkpoint writer")
     ap.add_argument("--out", default=str(HERE.parent / "results" / "write-path.md"))
+    ap.add_argument("--keep-work", action="store_true", help="keep --work after a good run")
     rounds.add_args(ap)
     a = ap.parse_args()
     rounds.check(a.rounds)
@@ -190,6 +191,8 @@ def main() -> None:
     finally:
         c.close()
     write(a, rows, started, ckpt_bytes)
+    if not a.keep_work:
+        remove_work(work)
 
 
 def write(a: argparse.Namespace, rows: dict, started: str, ckpt_bytes: int) -> None:
