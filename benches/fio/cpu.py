@@ -73,9 +73,5 @@ def measured(run: Callable[[], dict], daemons: Iterable[int | None] = ()) -> dic
     must carry the `bytes` it moved and, when fio ran, fio's `fio_cpu_s`."""
     meter = Meter(daemons)
     result = run()
-    moved = result.get("bytes", 0)
-    if moved <= 0:
-        raise SystemExit(f"a measurement moved no bytes, so it has no CPU per GiB: {result}")
-    used = meter.seconds() + result.get("fio_cpu_s", 0.0)
-    result["cpu_per_gib"] = used / (moved / 2**30)
+    result["cpu_per_gib"] = meter.per_gib(result.get("bytes", 0), result.get("fio_cpu_s", 0.0))
     return result
