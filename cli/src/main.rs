@@ -104,7 +104,10 @@ fn init_tracing(cli: &Cli) -> Result<Option<lakecache_telemetry::trace::TraceExp
         );
         tracing_subscriber::EnvFilter::new("info")
     });
+    // Colours only on a terminal: a log file (`--daemon`, systemd, a
+    // redirect) gets plain text that grep finds.
     let fmt = tracing_subscriber::fmt::layer()
+        .with_ansi(std::io::IsTerminal::is_terminal(&std::io::stderr()))
         .with_writer(std::io::stderr)
         .with_filter(filter);
     let (otlp, export) = match (&cli.otlp_endpoint, &cli.command) {

@@ -354,6 +354,15 @@ pub async fn serve_mount_metrics(
     Ok(Some(listener))
 }
 
+/// Exports the local tier's metrics and goes on completing what a
+/// previous mount's readers wanted whole (on the runtime).
+pub fn start_local_tier(fs: &Fs) {
+    if let (Some(tier), Some(completer)) = (fs.local_tier(), fs.completer()) {
+        lakecache_fuse::metrics::global().observe_local_tier(tier.clone(), completer.clone());
+    }
+    fs.resume_completion();
+}
+
 /// Mounts and serves until SIGINT/SIGTERM or an external unmount.
 pub async fn serve(
     fs: Arc<Fs>,
@@ -361,6 +370,7 @@ pub async fn serve(
     metrics_listen: Option<std::net::SocketAddr>,
 ) -> Result<()> {
     let fs_tier = fs.local_tier().cloned();
+    start_local_tier(&fs);
     let _metrics = serve_mount_metrics(metrics_listen).await?;
     let mut mounted = lakecache_fuse::mount(fs, tokio::runtime::Handle::current(), options)
         .context("mounting (needs /dev/fuse and fusermount3 from the fuse3 package)")?;

@@ -320,6 +320,7 @@ impl UpCmd {
         if let Some(tier) = &tier {
             fs = fs.with_local_tier(tier.clone());
         }
+        crate::mount_cmd::start_local_tier(&fs);
         let fs = Arc::new(fs);
         let mounted = lakecache_fuse::mount(
             fs,

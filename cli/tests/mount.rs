@@ -1081,5 +1081,11 @@ mod observability;
 mod posix;
 #[path = "mount/snapshot.rs"]
 mod snapshot;
+#[path = "mount/tier_completion.rs"]
+mod tier_completion;
+#[path = "mount/tier_damage.rs"]
+mod tier_damage;
+#[path = "mount/tier_refusals.rs"]
+mod tier_refusals;
 #[path = "mount/writeback.rs"]
 mod writeback;

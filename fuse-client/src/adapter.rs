@@ -58,7 +58,10 @@ impl KernelAdapter {
         runtime.spawn(Fs::housekeeping(Arc::downgrade(&fs)));
         runtime.spawn(store_metadata_changes(Arc::downgrade(&fs)));
         // Passthrough only has files to hand over with a local tier.
-        let passthrough = Arc::new(Passthrough::new(fs.local_tier().is_some()));
+        let passthrough = Arc::new(Passthrough::new(
+            fs.local_tier().is_some(),
+            Arc::downgrade(&fs),
+        ));
         Self {
             fs,
             runtime,

@@ -69,6 +69,8 @@ pub struct Fs {
     memory: Arc<MemoryBudget>,
     /// The node-local cache tier, when the mount has one.
     tier: Option<Arc<crate::local_tier::LocalTier>>,
+    /// Fetches the rest of tier objects readers want whole.
+    completer: Option<Arc<crate::complete::Completer>>,
     /// Metadata changes not yet stored in S3.
     dirty_meta: meta::DirtyMeta,
     /// Metadata stores, renames and unlinks of one object take turns.
@@ -144,6 +146,7 @@ impl Fs {
             forgets: AtomicU64::new(0),
             memory,
             tier: None,
+            completer: None,
             dirty_meta: meta::DirtyMeta::default(),
             object_locks: object_locks::ObjectLocks::default(),
         }
@@ -151,8 +154,26 @@ impl Fs {
 
     /// Serves reads from (and fills) a node-local tier.
     pub fn with_local_tier(mut self, tier: Arc<crate::local_tier::LocalTier>) -> Self {
+        self.completer = Some(Arc::new(crate::complete::Completer::new(
+            self.data.clone(),
+            tier.clone(),
+            self.memory.clone(),
+        )));
         self.tier = Some(tier);
         self
+    }
+
+    /// The tier's background completion, when the mount has a tier.
+    pub fn completer(&self) -> Option<&Arc<crate::complete::Completer>> {
+        self.completer.as_ref()
+    }
+
+    /// Goes on completing what a previous mount's readers wanted whole
+    /// (call on the runtime).
+    pub fn resume_completion(&self) {
+        if let Some(completer) = &self.completer {
+            completer.resume();
+        }
     }
 
     /// For a read handle whose object is whole (and checked) in the local
@@ -164,10 +185,29 @@ impl Fs {
         let object = reader.lock().await.tier_object()?;
         let ready = tokio::task::spawn_blocking(move || match object.ready_for_passthrough() {
             Ok(true) => std::fs::File::open(object.backing_path()).ok(),
-            _ => None,
+            Ok(false) => None,
+            Err(e) => {
+                // Checking the copy end to end failed (truncated, gone):
+                // forget it, so reads fetch and fill it again.
+                crate::local_tier::Damage::of(&e).note(object.id(), &e, "reading from the workers");
+                object.forget_blocks();
+                None
+            }
         })
         .await;
         ready.ok().flatten()
+    }
+
+    /// A passthrough handle of `ino` opened (`true`) or the last one
+    /// closed (`false`); see [`Inode::version_pins`].
+    pub fn pin_version(&self, ino: u64, pinned: bool) {
+        self.inodes.update(ino, |n| {
+            n.version_pins = if pinned {
+                n.version_pins + 1
+            } else {
+                n.version_pins.saturating_sub(1)
+            };
+        });
     }
 
     pub fn local_tier(&self) -> Option<&Arc<crate::local_tier::LocalTier>> {
@@ -190,6 +230,14 @@ impl Fs {
         let made = tokio::task::spawn_blocking(move || tier.get_or_create(&uri, &etag, size)).await;
         match made {
             Ok(Ok(object)) => Some(object),
+            Ok(Err(e @ crate::local_tier::TierError::Io { .. })) => {
+                crate::local_tier::Damage::of(&e).note(
+                    "",
+                    &e,
+                    "reading this file from the workers",
+                );
+                None
+            }
             Ok(Err(e)) => {
                 tracing::debug!(error = %e, "not using the local tier for this file");
                 None
@@ -523,6 +571,17 @@ impl Fs {
         match self.data.stat(&self.uri(&node.key)?).await {
             Ok(stat) => {
                 let meta = meta_of(&stat);
+                let pinned_away = self
+                    .inodes
+                    .get(ino)
+                    .is_some_and(|n| n.pinned_away_from(&meta));
+                if pinned_away {
+                    // Handles read this version through passthrough: the
+                    // inode stays it, and the name's next lookup gets a
+                    // new inode for the new version.
+                    self.inodes.unlink(node.parent, &node.name);
+                    return Ok(node);
+                }
                 self.inodes.update(ino, |n| {
                     // Not over a change made here while S3 was asked.
                     if n.writer.is_none() && !n.meta_dirty && asked >= n.validated {
@@ -751,7 +810,7 @@ impl Fs {
             },
             self.memory.clone(),
         )
-        .with_tier(tier_object);
+        .with_tier(tier_object, self.completer.clone());
         if updating {
             return Ok((self.open_update(ino, pid, reader).await?, false));
         }

@@ -43,9 +43,23 @@ pub struct Inode {
     pub meta_dirty: bool,
     /// A symbolic link's target, once read.
     pub link_target: Option<String>,
+    /// Open handles the kernel serves from this version's bytes without
+    /// asking the mount (FUSE passthrough). The kernel keeps one backing
+    /// file per open inode, so while any is open the inode stays this
+    /// version: a new version of the object gets a new inode instead.
+    pub version_pins: u32,
 }
 
 impl Inode {
+    /// Whether `meta` is another version than the one this inode is
+    /// pinned to (see [`Inode::version_pins`]).
+    pub fn pinned_away_from(&self, meta: &Meta) -> bool {
+        self.version_pins > 0
+            && self.meta.etag.is_some()
+            && meta.etag.is_some()
+            && self.meta.etag != meta.etag
+    }
+
     /// A listed name that has no inode: shown by plain `readdir` with a
     /// stable stand-in number (top bit set, never a real inode number).
     pub fn transient(parent: u64, listed: &crate::dir::Listed) -> Self {
@@ -65,6 +79,7 @@ impl Inode {
             nlookup: 0,
             writer: None,
             page_cache_etag: None,
+            version_pins: 0,
             meta_dirty: false,
             link_target: None,
         }
@@ -98,6 +113,7 @@ impl InodeTable {
             nlookup: 1,
             writer: None,
             page_cache_etag: None,
+            version_pins: 0,
             meta_dirty: false,
             link_target: None,
         };
@@ -145,7 +161,7 @@ impl InodeTable {
         let name_key = (parent, name.to_string());
         if let Some(&ino) = t.names.get(&name_key) {
             if let Some(node) = t.nodes.get_mut(&ino) {
-                if node.kind == kind {
+                if node.kind == kind && !node.pinned_away_from(&meta) {
                     if node.writer.is_none() && !node.meta_dirty && seen >= node.validated {
                         if node.meta.etag != meta.etag {
                             node.link_target = None;
@@ -178,6 +194,7 @@ impl InodeTable {
             nlookup: 0,
             writer: None,
             page_cache_etag: None,
+            version_pins: 0,
             meta_dirty: false,
             link_target: None,
         };
@@ -308,6 +325,25 @@ impl InodeTable {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_new_version_of_a_pinned_inode_gets_a_new_inode_and_the_old_one_keeps_its_version() {
+        let t = InodeTable::new("");
+        let v = |etag: &str| Meta {
+            size: 3,
+            etag: Some(etag.into()),
+            ..Meta::default()
+        };
+        let a = t.upsert(ROOT_INO, "a", Kind::File, "a".into(), v("one"));
+        // Unpinned, a new version updates the inode in place.
+        let same = t.upsert(ROOT_INO, "a", Kind::File, "a".into(), v("two"));
+        assert_eq!(same.ino, a.ino);
+        t.update(a.ino, |n| n.version_pins = 1);
+        let newer = t.upsert(ROOT_INO, "a", Kind::File, "a".into(), v("three"));
+        assert_ne!(newer.ino, a.ino);
+        assert_eq!(t.get(a.ino).unwrap().meta.etag.as_deref(), Some("two"));
+        assert_eq!(t.child(ROOT_INO, "a").unwrap().ino, newer.ino);
+    }
 
     #[test]
     fn upsert_keeps_inode_numbers_and_forget_frees() {

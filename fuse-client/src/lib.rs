@@ -5,6 +5,7 @@
 //! [`adapter::KernelAdapter`] maps kernel requests onto it.
 
 pub mod adapter;
+pub mod complete;
 pub mod config;
 pub mod data_plane;
 pub mod dir;

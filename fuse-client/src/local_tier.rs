@@ -24,8 +24,11 @@ use bytes::{Bytes, BytesMut};
 use serde::{Deserialize, Serialize};
 use sha2::{Digest, Sha256};
 
+pub mod damage;
 mod direct;
 mod filler;
+mod guard;
+pub use damage::Damage;
 use filler::FillQueue;
 pub use filler::FillStats;
 
@@ -41,9 +44,28 @@ pub enum TierError {
         source: std::io::Error,
     },
     #[error(
-        "local tier {0} was written by another format; move it away or pick another --local-cache"
+        "local cache {path} holds a tier of format {found:?}, which this lakecache ({FORMAT}) cannot read: use the lakecache that wrote it, or move the directory away"
     )]
-    Format(PathBuf),
+    Format { path: PathBuf, found: String },
+    #[error("local cache {0}: its parent directory does not exist (is its disk mounted?); create the parent or pick another --local-cache")]
+    NoParent(PathBuf),
+    #[error("local cache {0} is not a directory; pick a directory for --local-cache")]
+    NotADirectory(PathBuf),
+    #[error("local cache {0} is not empty and holds no lakecache tier (no FORMAT file); its files would be deleted as strays, so pick an empty or new directory for --local-cache")]
+    Foreign(PathBuf),
+    #[error("local cache {path} is not writable ({source}); make it writable or pick another --local-cache")]
+    NotWritable {
+        path: PathBuf,
+        source: std::io::Error,
+    },
+    #[error("--local-cache-size {capacity} bytes is larger than the filesystem of {path} ({disk} bytes); give a smaller size")]
+    LargerThanDisk {
+        path: PathBuf,
+        capacity: u64,
+        disk: u64,
+    },
+    #[error("local cache {path} is in use by another lakecache mount ({holder}); give each mount its own --local-cache")]
+    InUse { path: PathBuf, holder: String },
     #[error("{size} bytes do not fit in a local tier of {capacity} bytes")]
     TooLarge { size: u64, capacity: u64 },
     #[error("a fill at {offset} of {len} bytes is outside a {size}-byte object")]
@@ -71,6 +93,10 @@ struct Meta {
     /// mount may hand it to the kernel without reading it all again.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     checked_as: Option<FileStamp>,
+    /// A reader showed the whole object will be wanted: its missing
+    /// blocks are fetched in the background, also after a remount.
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    wanted_whole: bool,
 }
 
 /// What changes when anyone writes a file: its inode, length, and
@@ -175,6 +201,11 @@ impl std::fmt::Debug for TierObject {
 }
 
 impl TierObject {
+    /// The object's name in the tier (its files' stem).
+    pub fn id(&self) -> &str {
+        &self.id
+    }
+
     pub fn size(&self) -> u64 {
         self.lock().size
     }
@@ -203,6 +234,77 @@ impl TierObject {
             .filter(|i| meta.crcs[*i].is_some())
             .map(|i| block_len(meta.size, i))
             .sum()
+    }
+
+    /// Bytes of blocks not filled yet.
+    pub fn missing_bytes(&self) -> u64 {
+        self.size() - self.filled_bytes()
+    }
+
+    /// The object's S3 URI (as text) and ETag.
+    pub fn uri_and_etag(&self) -> (String, String) {
+        let meta = self.lock();
+        (meta.uri.clone(), meta.etag.clone())
+    }
+
+    /// The unfilled blocks as byte ranges, adjacent ones merged up to
+    /// `max` bytes (rounded down to whole blocks, at least one).
+    pub fn missing_ranges(&self, max: u64) -> Vec<std::ops::Range<u64>> {
+        let meta = self.lock();
+        let per_range = (max / BLOCK).max(1) as usize;
+        let mut out: Vec<std::ops::Range<u64>> = Vec::new();
+        let mut run = 0;
+        for (i, crc) in meta.crcs.iter().enumerate() {
+            if crc.is_some() {
+                run = 0;
+                continue;
+            }
+            let start = i as u64 * BLOCK;
+            let end = start + block_len(meta.size, i);
+            match out.last_mut() {
+                Some(last) if run > 0 && run < per_range => {
+                    last.end = end;
+                    run += 1;
+                }
+                _ => {
+                    out.push(start..end);
+                    run = 1;
+                }
+            }
+        }
+        out
+    }
+
+    /// Forgets every block (the data file was found damaged): later
+    /// reads fetch and fill them again.
+    pub fn forget_blocks(&self) {
+        let mut meta = self.lock();
+        meta.crcs.iter_mut().for_each(|c| *c = None);
+        meta.checked_as = None;
+        drop(meta);
+        self.partial
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .clear();
+        self.close_files();
+    }
+
+    pub fn wanted_whole(&self) -> bool {
+        self.lock().wanted_whole
+    }
+
+    /// Records that the whole object is wanted (persisted, so a remount
+    /// goes on completing it); false when it already was, or is whole.
+    pub fn mark_wanted_whole(&self) -> Result<bool, TierError> {
+        {
+            let mut meta = self.lock();
+            if meta.wanted_whole || meta.crcs.iter().all(Option::is_some) {
+                return Ok(false);
+            }
+            meta.wanted_whole = true;
+        }
+        self.persist()?;
+        Ok(true)
     }
 
     /// Whether every block `offset..offset+len` touches is filled (no
@@ -269,7 +371,11 @@ impl TierObject {
                 .read_exact_at(&mut buf, start)
                 .map_err(io(&self.data_path))?;
             if crc32c::crc32c(&buf) != crc {
-                tracing::warn!(object = %self.id, block = i, "local tier block failed its CRC; refetching");
+                Damage::Corrupt.note(
+                    &self.id,
+                    &format_args!("block {i} failed its CRC"),
+                    "fetching it again",
+                );
                 self.lock().crcs[i] = None;
                 return Ok(None);
             }
@@ -449,7 +555,11 @@ impl TierObject {
                 .read_exact_at(&mut buf[..len], i as u64 * BLOCK)
                 .map_err(io(&self.data_path))?;
             if crc32c::crc32c(&buf[..len]) != crc {
-                tracing::warn!(object = %self.id, block = i, "local tier block failed its CRC");
+                Damage::Corrupt.note(
+                    &self.id,
+                    &format_args!("block {i} failed its CRC"),
+                    "fetching it again",
+                );
                 self.lock().crcs[i] = None;
                 ok = false;
             }
@@ -531,6 +641,14 @@ fn block_len(size: u64, i: usize) -> u64 {
     (size - i as u64 * BLOCK).min(BLOCK)
 }
 
+/// See [`LocalTier::summary`].
+#[derive(Debug, Default, Clone, Copy, PartialEq, Eq)]
+pub struct TierSummary {
+    pub whole: u64,
+    pub partial: u64,
+    pub missing_bytes: u64,
+}
+
 struct Slot {
     object: Arc<TierObject>,
     last_use: u64,
@@ -546,6 +664,8 @@ struct State {
 /// The tier: a directory of objects within a byte budget, least recently
 /// used first out.
 pub struct LocalTier {
+    /// Held while the tier is in use: one mount per directory.
+    _lock: guard::TierLock,
     dir: PathBuf,
     capacity: u64,
     state: Mutex<State>,
@@ -553,6 +673,15 @@ pub struct LocalTier {
     fills: FillQueue,
     /// Objects with their data file open, across the tier.
     open_count: Arc<std::sync::atomic::AtomicUsize>,
+}
+
+impl std::fmt::Debug for LocalTier {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("LocalTier")
+            .field("dir", &self.dir)
+            .field("capacity", &self.capacity)
+            .finish()
+    }
 }
 
 /// Objects whose files stay open beyond those in use: past it, files of
@@ -564,17 +693,11 @@ impl LocalTier {
     /// previous mount left: objects whose metadata checks out are kept;
     /// anything else is deleted.
     pub fn open(dir: &Path, capacity: u64) -> Result<Self, TierError> {
-        std::fs::create_dir_all(dir).map_err(io(dir))?;
-        let format = dir.join("FORMAT");
-        match std::fs::read_to_string(&format) {
-            Ok(text) if text.trim() == FORMAT => {}
-            Ok(_) => return Err(TierError::Format(dir.to_path_buf())),
-            Err(e) if e.kind() == std::io::ErrorKind::NotFound => {
-                std::fs::write(&format, format!("{FORMAT}\n")).map_err(io(&format))?;
-            }
-            Err(e) => return Err(io(&format)(e)),
-        }
+        guard::prepare(dir)?;
+        guard::check_capacity(dir, capacity)?;
+        let lock = guard::lock(dir)?;
         let tier = Self {
+            _lock: lock,
             dir: dir.to_path_buf(),
             capacity,
             state: Mutex::new(State {
@@ -598,7 +721,7 @@ impl LocalTier {
             let Some(name) = path.file_name().and_then(|n| n.to_str()) else {
                 continue;
             };
-            if name == "FORMAT" {
+            if name == "FORMAT" || name == "LOCK" {
                 continue;
             }
             let Some(id) = name.strip_suffix(".meta") else {
@@ -763,6 +886,7 @@ impl LocalTier {
                 block: BLOCK,
                 crcs: vec![None; blocks(size)],
                 checked_as: None,
+                wanted_whole: false,
             }),
             partial: Mutex::default(),
             fills: self.fills.clone(),
@@ -842,6 +966,49 @@ impl LocalTier {
             );
         }
         Ok(true)
+    }
+
+    /// Objects a previous reader wanted whole that are not yet: a new
+    /// mount goes on completing them.
+    pub fn wanted_incomplete(&self) -> Vec<Arc<TierObject>> {
+        self.lock()
+            .slots
+            .values()
+            .filter(|s| s.object.wanted_whole() && !s.object.is_complete())
+            .map(|s| s.object.clone())
+            .collect()
+    }
+
+    /// Whether `object` is still held (not evicted nor replaced).
+    pub fn holds(&self, object: &TierObject) -> bool {
+        self.lock().slots.contains_key(&object.id)
+    }
+
+    /// Objects held: how many are whole, how many partial, and the bytes
+    /// the partial ones miss.
+    pub fn summary(&self) -> TierSummary {
+        let objects: Vec<Arc<TierObject>> = self
+            .lock()
+            .slots
+            .values()
+            .map(|s| s.object.clone())
+            .collect();
+        let mut summary = TierSummary::default();
+        for object in objects {
+            let missing = object.missing_bytes();
+            if missing == 0 {
+                summary.whole += 1;
+            } else {
+                summary.partial += 1;
+                summary.missing_bytes += missing;
+            }
+        }
+        summary
+    }
+
+    /// Drops version `etag` of `uri` (S3 no longer has it).
+    pub fn forget_version(&self, uri: &str, etag: &str) {
+        self.remove(&object_id(uri, etag));
     }
 
     /// Drops every version of `uri` (its object changed in S3).

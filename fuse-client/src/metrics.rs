@@ -91,6 +91,90 @@ impl MountMetrics {
         }
     }
 
+    /// Exports the node-local tier's state and its completion: objects
+    /// whole and partial, bytes missing, and what completion fetched.
+    pub fn observe_local_tier(
+        &self,
+        tier: Arc<crate::local_tier::LocalTier>,
+        completer: Arc<crate::complete::Completer>,
+    ) {
+        use std::sync::atomic::Ordering::Relaxed;
+        let meter = self.registry.meter("lakecache-mount");
+        let t = tier.clone();
+        meter
+            .u64_observable_gauge("lakecache_fuse_local_tier_objects")
+            .with_description("Objects held by the node-local tier, by state (whole or partial)")
+            .with_callback(move |o| {
+                let s = t.summary();
+                o.observe(s.whole, &[KeyValue::new("state", "whole")]);
+                o.observe(s.partial, &[KeyValue::new("state", "partial")]);
+            })
+            .build();
+        let t = tier.clone();
+        meter
+            .u64_observable_gauge("lakecache_fuse_local_tier_missing_bytes")
+            .with_description("Bytes the node-local tier's partial objects still miss")
+            .with_callback(move |o| o.observe(t.summary().missing_bytes, &[]))
+            .build();
+        let t = tier;
+        meter
+            .u64_observable_counter("lakecache_fuse_local_tier_fill_dropped_bytes")
+            .with_description(
+                "Bytes not written to the tier because its fill thread was behind (left as holes)",
+            )
+            .with_callback(move |o| o.observe(t.fill_stats().dropped_bytes.load(Relaxed), &[]))
+            .build();
+        meter
+            .u64_observable_counter("lakecache_fuse_local_tier_damage")
+            .with_description(
+                "Damage found in the node-local tier (its bytes fetched again), by kind",
+            )
+            .with_callback(|o| {
+                for kind in crate::local_tier::damage::ALL {
+                    o.observe(kind.count(), &[KeyValue::new("kind", kind.name())]);
+                }
+            })
+            .build();
+        let c = completer.clone();
+        meter
+            .u64_observable_counter("lakecache_fuse_local_tier_completion_fetched_bytes")
+            .with_description(
+                "Bytes fetched from the workers to complete objects in the node-local tier",
+            )
+            .with_callback(move |o| o.observe(c.stats().fetched_bytes.load(Relaxed), &[]))
+            .build();
+        let c = completer.clone();
+        meter
+            .u64_observable_counter("lakecache_fuse_local_tier_completion_requests")
+            .with_description(
+                "Objects queued for completion in the node-local tier (by readers or a remount)",
+            )
+            .with_callback(move |o| o.observe(c.stats().asked.load(Relaxed), &[]))
+            .build();
+        let c = completer;
+        meter
+            .u64_observable_counter("lakecache_fuse_local_tier_completions")
+            .with_description(
+                "Objects whose completion ended, by outcome (whole, failed try, abandoned)",
+            )
+            .with_callback(move |o| {
+                let s = c.stats();
+                o.observe(
+                    s.completed.load(Relaxed),
+                    &[KeyValue::new("outcome", "whole")],
+                );
+                o.observe(
+                    s.failures.load(Relaxed),
+                    &[KeyValue::new("outcome", "failed")],
+                );
+                o.observe(
+                    s.abandoned.load(Relaxed),
+                    &[KeyValue::new("outcome", "abandoned")],
+                );
+            })
+            .build();
+    }
+
     pub fn op(&self, op: &'static str, elapsed: Duration, errno: Option<i32>) {
         let op_kv = KeyValue::new("op", op);
         self.op_seconds

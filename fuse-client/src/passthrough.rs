@@ -7,7 +7,7 @@
 
 use std::collections::HashMap;
 use std::sync::atomic::{AtomicBool, Ordering};
-use std::sync::{Arc, Mutex};
+use std::sync::{Arc, Mutex, Weak};
 
 use fuser::{BackingId, FileHandle, FopenFlags, ReplyOpen};
 
@@ -26,13 +26,22 @@ pub(crate) struct Passthrough {
     /// Off after the kernel refused once (old kernel, no privilege).
     enabled: AtomicBool,
     modes: Mutex<Modes>,
+    /// Pins an inode to its version while it is in passthrough mode.
+    fs: Weak<crate::Fs>,
 }
 
 impl Passthrough {
-    pub fn new(enabled: bool) -> Self {
+    pub fn new(enabled: bool, fs: Weak<crate::Fs>) -> Self {
         Self {
             enabled: AtomicBool::new(enabled),
             modes: Mutex::default(),
+            fs,
+        }
+    }
+
+    fn pin(&self, ino: u64, pinned: bool) {
+        if let Some(fs) = self.fs.upgrade() {
+            fs.pin_version(ino, pinned);
         }
     }
 
@@ -88,6 +97,7 @@ impl Passthrough {
                 tracing::debug!(ino, "opened with passthrough");
                 reply.opened_passthrough(FileHandle(fh), FopenFlags::empty(), &id);
                 modes.inodes.insert(ino, Mode::Passthrough { id, open: 1 });
+                self.pin(ino, true);
             }
             None => {
                 reply.opened(FileHandle(fh), flags);
@@ -110,7 +120,9 @@ impl Passthrough {
             None => false,
         };
         if last {
-            modes.inodes.remove(&ino);
+            if let Some(Mode::Passthrough { .. }) = modes.inodes.remove(&ino) {
+                self.pin(ino, false);
+            }
         }
     }
 }

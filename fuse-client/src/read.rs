@@ -9,6 +9,7 @@ use bytes::{Bytes, BytesMut};
 use lakecache_protocol::ObjectUri;
 use tokio::task::JoinHandle;
 
+use crate::complete::{Completer, DemandRead, COMPLETE_AFTER};
 use crate::data_plane::{read_exact, DataPlane};
 use crate::error::FsError;
 use crate::local_tier::{CheckedBlocks, TierObject};
@@ -79,6 +80,13 @@ pub struct FileReader {
     tier: Option<Arc<TierObject>>,
     /// Tier blocks this reader has checked against their CRCs.
     tier_checked: CheckedBlocks,
+    /// Completes the tier copy once this reader shows it wants it whole.
+    completer: Option<Arc<Completer>>,
+    /// The current run of reads in file order (the kernel's read-ahead
+    /// may arrive a little out of order).
+    run: Range<u64>,
+    /// Whether completion of the tier copy was asked for.
+    asked_whole: bool,
 }
 
 impl FileReader {
@@ -103,6 +111,9 @@ impl FileReader {
             served: false,
             tier: None,
             tier_checked: CheckedBlocks::default(),
+            completer: None,
+            run: 0..0,
+            asked_whole: false,
         }
     }
 
@@ -110,10 +121,37 @@ impl FileReader {
         self.tier.clone()
     }
 
-    /// Reads and fills `object` (the same URI and ETag) in the local tier.
-    pub fn with_tier(mut self, object: Option<Arc<TierObject>>) -> Self {
+    /// Reads and fills `object` (the same URI and ETag) in the local
+    /// tier; `completer` fetches the rest of it once reads show the whole
+    /// object will be wanted.
+    pub fn with_tier(
+        mut self,
+        object: Option<Arc<TierObject>>,
+        completer: Option<Arc<Completer>>,
+    ) -> Self {
         self.tier = object;
+        self.completer = completer;
         self
+    }
+
+    /// Follows the reader's run in file order; a run past
+    /// [`COMPLETE_AFTER`] asks for the whole tier copy (once per reader).
+    fn track_run(&mut self, offset: u64, end: u64) {
+        let continues = offset <= self.run.end.saturating_add(REORDER_SLACK)
+            && end.saturating_add(REORDER_SLACK) >= self.run.start;
+        if continues {
+            self.run.start = self.run.start.min(offset);
+            self.run.end = self.run.end.max(end);
+        } else {
+            self.run = offset..end;
+        }
+        if self.asked_whole || self.run.end - self.run.start < COMPLETE_AFTER {
+            return;
+        }
+        if let (Some(object), Some(completer)) = (&self.tier, &self.completer) {
+            self.asked_whole = true;
+            completer.want_whole(object.clone(), self.uri.clone(), self.etag.clone());
+        }
     }
 
     pub fn uri(&self) -> &ObjectUri {
@@ -134,6 +172,7 @@ impl FileReader {
         self.size = size;
         // The tier copy is of the old version.
         self.tier = None;
+        self.run = 0..0;
         self.tier_checked = CheckedBlocks::default();
     }
 
@@ -153,6 +192,7 @@ impl FileReader {
         if offset >= end {
             return Ok(Bytes::new());
         }
+        self.track_run(offset, end);
         let buffered = match (self.chunks.front(), self.chunks.back()) {
             (Some(f), Some(b)) => f.range.start <= offset && offset < b.range.end,
             _ => false,
@@ -180,9 +220,17 @@ impl FileReader {
                 }
                 Ok(None) => {}
                 Err(e) => {
-                    // A failing local disk costs speed, not the read.
-                    tracing::warn!(error = %e, "local tier read failed; reading from the workers");
-                    self.tier = None;
+                    // A damaged or failing local copy costs speed, not
+                    // the read: this reader goes to the workers, and the
+                    // copy's blocks are fetched again by later reads.
+                    crate::local_tier::Damage::of(&e).note(
+                        object_id(&self.tier),
+                        &e,
+                        "reading from the workers",
+                    );
+                    if let Some(object) = self.tier.take() {
+                        object.forget_blocks();
+                    }
                 }
             }
         }
@@ -206,7 +254,11 @@ impl FileReader {
             }
             return self.fetch(offset..end).await;
         }
-        self.window = if self.window == 0 {
+        // A stream's first read fetches what it asked and nothing ahead:
+        // a reader of a header (then a footer) only costs what it reads.
+        // Read-ahead starts when the next read continues the stream.
+        let starting = self.window == 0;
+        self.window = if starting {
             self.policy.initial
         } else {
             (self.window * 2).min(self.policy.max)
@@ -219,7 +271,8 @@ impl FileReader {
         if self.chunks.front().is_some_and(|c| c.range.start > offset) {
             self.chunks.clear();
         }
-        self.schedule(offset, end, end.saturating_add(self.window).min(self.size));
+        let ahead = if starting { 0 } else { self.window };
+        self.schedule(offset, end, end.saturating_add(ahead).min(self.size));
         match self.collect(offset, end).await {
             Ok(bytes) => Ok(bytes),
             Err(e) => {
@@ -265,9 +318,9 @@ impl FileReader {
     /// Starts fetches so that chunks cover `[from, until)`: always up to
     /// `demand` (what the reader asked for), beyond it only while the
     /// memory budget allows. While the window is smaller than a chunk,
-    /// chunks stop at `until`, so the first read of a file fetches what
-    /// it asked plus the initial window, not a whole chunk; after that
-    /// chunks end on chunk multiples so that a stream's requests line up.
+    /// chunks stop at `until`, so the early reads of a stream fetch what
+    /// they asked plus the window, not a whole chunk; after that chunks
+    /// end on chunk multiples so that a stream's requests line up.
     fn schedule(&mut self, from: u64, demand: u64, until: u64) {
         let mut pos = self.chunks.back().map_or(from, |c| c.range.end);
         let chunk = self.policy.chunk.max(1);
@@ -293,6 +346,7 @@ impl FileReader {
             let budget = self.budget.clone();
             // read_exact: a chunk is whole or an error, never short.
             let work = async move {
+                let _demand = DemandRead::start();
                 let bytes = read_exact(data.as_ref(), &uri, r.clone(), &etag)
                     .await
                     .map_err(FsError::from)?;
@@ -323,7 +377,9 @@ impl FileReader {
 
     async fn fetch(&self, range: Range<u64>) -> Result<Bytes, FsError> {
         let start = range.start;
+        let demand = DemandRead::start();
         let bytes = read_exact(self.data.as_ref(), &self.uri, range, &self.etag).await?;
+        drop(demand);
         // Out-of-order and random reads fill too, or a file read by
         // several jobs at once would keep holes.
         if let Some(object) = &self.tier {
@@ -331,6 +387,10 @@ impl FileReader {
         }
         Ok(bytes)
     }
+}
+
+fn object_id(tier: &Option<Arc<TierObject>>) -> &str {
+    tier.as_deref().map_or("", TierObject::id)
 }
 
 /// Hands what a worker returned to the local tier's fill thread (the
@@ -413,7 +473,7 @@ mod tests {
         let object = tier
             .get_or_create("s3://bkt/obj", &reader.etag, len)
             .unwrap();
-        let mut first = reader.with_tier(Some(object.clone()));
+        let mut first = reader.with_tier(Some(object.clone()), None);
         assert_eq!(read_all(&mut first, len).await, body);
         wait_complete(&object).await;
         let fetched = rec.read_ranges().len();
@@ -428,7 +488,7 @@ mod tests {
                 r.policy,
                 MemoryBudget::new(1 << 30),
             )
-            .with_tier(tier.get("s3://bkt/obj", &r.etag))
+            .with_tier(tier.get("s3://bkt/obj", &r.etag), None)
         };
         // A new reader of the same version: no request leaves the node.
         let mut second = reopen(&first);
@@ -489,16 +549,24 @@ mod tests {
     }
 
     #[tokio::test]
-    async fn a_first_small_read_fetches_the_initial_window_not_a_chunk() {
-        // Reading a shard's header must not pull a whole chunk.
+    async fn a_first_read_fetches_what_it_asked_and_the_next_one_starts_the_window() {
+        // Reading a shard's header (then its footer) must cost what it
+        // reads; a reader that goes on gets read-ahead from its 2nd read.
         let (rec, mut r, body) = setup(64 * MIB);
         let got = r.read(0, KIB).await.unwrap();
         assert_eq!(&got[..], expect(&body, 0, KIB));
-        let fetched: u64 = rec.read_ranges().iter().map(|r| r.end - r.start).sum();
+        let fetched = |rec: &FaultyDataPlane<MemoryDataPlane>| -> u64 {
+            rec.read_ranges().iter().map(|r| r.end - r.start).sum()
+        };
+        assert_eq!(fetched(&rec), KIB, "the first read: what it asked");
+        let got = r.read(KIB, KIB).await.unwrap();
+        assert_eq!(&got[..], expect(&body, KIB, KIB));
+        // The window doubled once (512 KiB, one chunk), so requests now
+        // end on chunk boundaries: up to 512 KiB, then the next chunk.
         assert_eq!(
-            fetched,
-            KIB + 256 * KIB,
-            "asked for plus the initial window"
+            fetched(&rec),
+            MIB,
+            "the second: up to the chunk boundaries past its window"
         );
     }
 

@@ -5,7 +5,7 @@
 use super::*;
 
 /// Mounts with a node-local tier in the test's directory; returns it.
-fn mount_with_tier(env: &mut Env, extra: &[&str]) -> PathBuf {
+pub(super) fn mount_with_tier(env: &mut Env, extra: &[&str]) -> PathBuf {
     let tier = env.dir.path().join("local-tier");
     let mut flags = vec![
         std::ffi::OsString::from("--local-cache"),
@@ -17,14 +17,35 @@ fn mount_with_tier(env: &mut Env, extra: &[&str]) -> PathBuf {
 }
 
 /// Waits until the tier records a whole object (fills run off the read
-/// path; an object's metadata appears once it is complete).
+/// path).
 fn wait_for_tier(tier: &Path) {
     wait_until("the tier holding a whole file", || {
-        fs::read_dir(tier)
-            .unwrap()
-            .flatten()
-            .any(|e| e.path().extension().is_some_and(|x| x == "meta"))
+        tier_objects(tier).iter().any(|o| o.whole)
     });
+}
+
+/// An object as the tier's metadata file records it.
+pub(super) struct RecordedObject {
+    pub whole: bool,
+    pub wanted_whole: bool,
+}
+
+/// Every object whose metadata the tier has written (metadata files are
+/// replaced by rename, so each read sees a whole one).
+pub(super) fn tier_objects(tier: &Path) -> Vec<RecordedObject> {
+    tier_files(tier, "meta")
+        .iter()
+        .filter_map(|p| fs::read(p).ok())
+        .map(|b| {
+            let v: serde_json::Value = serde_json::from_slice(&b).expect("tier metadata is JSON");
+            let meta = &v["meta"];
+            let crcs = meta["crcs"].as_array().expect("tier metadata lists CRCs");
+            RecordedObject {
+                whole: crcs.iter().all(|c| !c.is_null()),
+                wanted_whole: meta["wanted_whole"].as_bool().unwrap_or(false),
+            }
+        })
+        .collect()
 }
 
 /// Puts `len` pattern bytes at `key`, mounts with a tier (and `extra`
@@ -96,7 +117,7 @@ fn a_file_whole_in_the_local_tier_is_read_by_the_kernel_through_passthrough() {
 }
 
 /// The tier's files with this extension.
-fn tier_files(tier: &Path, ext: &str) -> Vec<PathBuf> {
+pub(super) fn tier_files(tier: &Path, ext: &str) -> Vec<PathBuf> {
     fs::read_dir(tier)
         .map(|d| {
             d.flatten()
@@ -140,8 +161,10 @@ fn a_replaced_object_is_read_anew_and_its_old_local_copy_dropped() {
     wait_until("the first handle's RELEASE", || {
         env.log().contains("fuse release")
     });
-    // A passthrough open of the old version, then S3 gets a new one.
+    // A passthrough open of the old version, then S3 gets a new one. A
+    // handle opened before the change stays open throughout.
     assert_eq!(sha_file(&file).unwrap().1, Sha256::digest(&old).to_vec());
+    let mut held = File::open(&file).unwrap();
     let new = pattern((3 << 20) + 5000, 22);
     env.put("model.bin", Bytes::from(new.clone()));
     // Opens after the 1 s TTLs (worker metadata, mount attributes) read the
@@ -153,6 +176,19 @@ fn a_replaced_object_is_read_anew_and_its_old_local_copy_dropped() {
     wait_until("the old version's local copy is dropped", || {
         !old_copy[0].exists()
     });
+    // The early handle reads its own version whole, or ESTALE: never a
+    // mix of the two.
+    fs::write("/proc/sys/vm/drop_caches", "1").unwrap();
+    let mut got = Vec::new();
+    match held.read_to_end(&mut got) {
+        Ok(_) => assert!(
+            got == old,
+            "the early handle read {} bytes of neither version whole",
+            got.len()
+        ),
+        Err(e) => assert_eq!(e.raw_os_error(), Some(libc::ESTALE), "{e}"),
+    }
+    drop(held);
     wait_for_tier(&tier);
     assert_eq!(
         sha_file(&file).unwrap().1,
@@ -244,14 +280,14 @@ fn reads_go_to_the_workers_when_the_local_tier_directory_is_deleted() {
 /// and contains `label`.
 /// Sum of the worker's metric lines starting with `name` and containing
 /// `label`; fails when there is none, so a renamed metric never reads as 0.
-fn worker_metric(port: u16, name: &str, label: &str) -> f64 {
+pub(super) fn worker_metric(port: u16, name: &str, label: &str) -> f64 {
     worker_metric_opt(port, name, label)
         .unwrap_or_else(|| panic!("the worker on port {port} exports no {name} with {label:?}"))
 }
 
 /// [`worker_metric`] as a baseline before anything could record it: 0
 /// when absent. Only for a value a later [`worker_metric`] is compared with.
-fn worker_metric_baseline(port: u16, name: &str, label: &str) -> f64 {
+pub(super) fn worker_metric_baseline(port: u16, name: &str, label: &str) -> f64 {
     worker_metric_opt(port, name, label).unwrap_or(0.0)
 }
 

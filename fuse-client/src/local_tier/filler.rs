@@ -20,6 +20,18 @@ use crate::memory::Reservation;
 const QUEUE_DEPTH: usize = 256;
 const QUEUE_BYTES: u64 = 64 << 20;
 
+/// [`QUEUE_BYTES`], or `LAKECACHE_TIER_FILL_QUEUE_BYTES` (tests force a
+/// tiny queue to show that dropped fills are completed later).
+fn queue_bytes() -> u64 {
+    static BYTES: std::sync::OnceLock<u64> = std::sync::OnceLock::new();
+    *BYTES.get_or_init(|| {
+        std::env::var("LAKECACHE_TIER_FILL_QUEUE_BYTES")
+            .ok()
+            .and_then(|v| v.parse().ok())
+            .unwrap_or(QUEUE_BYTES)
+    })
+}
+
 struct Job {
     object: Arc<TierObject>,
     offset: u64,
@@ -67,7 +79,7 @@ impl FillQueue {
         let len = bytes.len() as u64;
         {
             let mut pending = lock(&self.stats.pending);
-            if *pending > 0 && *pending + len > QUEUE_BYTES {
+            if *pending > 0 && *pending + len > queue_bytes() {
                 self.stats.dropped_bytes.fetch_add(len, Ordering::Relaxed);
                 return;
             }
@@ -124,7 +136,11 @@ fn run(rx: Receiver<Job>, stats: Arc<FillStats>) {
                     .filled_bytes
                     .fetch_add(job.bytes.len() as u64, Ordering::Relaxed);
             }
-            Err(e) => tracing::warn!(error = %e, "filling the local tier failed"),
+            Err(e) => super::Damage::of(&e).note(
+                job.object.id(),
+                &e,
+                "left as a hole, fetched again when read or completed",
+            ),
         }
         let len = job.bytes.len() as u64;
         drop(job);

@@ -171,7 +171,11 @@ fn objects_survive_a_remount_and_damaged_ones_are_dropped() {
     );
     assert!(!dir.path().join("stray.tmp").exists());
     let files = std::fs::read_dir(dir.path()).unwrap().count();
-    assert_eq!(files, 1 + 2 * 3, "FORMAT plus two files per object kept");
+    assert_eq!(
+        files,
+        2 + 2 * 3,
+        "FORMAT, LOCK and two files per object kept"
+    );
     assert_eq!(tier.used(), 2 * body.len() as u64 + MIB as u64);
 }
 
@@ -221,8 +225,45 @@ fn a_directory_of_another_format_is_refused() {
     std::fs::write(dir.path().join("FORMAT"), "something-else\n").unwrap();
     assert!(matches!(
         LocalTier::open(dir.path(), 1 << 30),
-        Err(TierError::Format(_))
+        Err(TierError::Format { .. })
     ));
+}
+
+#[test]
+fn a_directory_with_other_files_is_refused_and_keeps_them() {
+    let dir = tempfile::tempdir().unwrap();
+    let precious = dir.path().join("notes.txt");
+    std::fs::write(&precious, "mine").unwrap();
+    let err = LocalTier::open(dir.path(), 1 << 30).unwrap_err();
+    assert!(matches!(err, TierError::Foreign(_)), "{err}");
+    assert!(err.to_string().contains("pick an empty or new directory"));
+    assert_eq!(std::fs::read_to_string(&precious).unwrap(), "mine");
+}
+
+#[test]
+fn a_missing_parent_a_file_and_an_oversized_capacity_are_refused() {
+    let dir = tempfile::tempdir().unwrap();
+    let err = LocalTier::open(&dir.path().join("absent/tier"), 1 << 30).unwrap_err();
+    assert!(matches!(err, TierError::NoParent(_)), "{err}");
+    let file = dir.path().join("a-file");
+    std::fs::write(&file, "x").unwrap();
+    let err = LocalTier::open(&file, 1 << 30).unwrap_err();
+    assert!(matches!(err, TierError::NotADirectory(_)), "{err}");
+    let err = LocalTier::open(&dir.path().join("tier"), u64::MAX / 2).unwrap_err();
+    assert!(matches!(err, TierError::LargerThanDisk { .. }), "{err}");
+}
+
+#[test]
+fn a_second_open_of_a_tier_in_use_is_refused_until_the_first_is_dropped() {
+    let dir = tempfile::tempdir().unwrap();
+    let first = LocalTier::open(dir.path(), 1 << 30).unwrap();
+    let err = LocalTier::open(dir.path(), 1 << 30).unwrap_err();
+    assert!(matches!(err, TierError::InUse { .. }), "{err}");
+    assert!(err
+        .to_string()
+        .contains(&format!("pid {}", std::process::id())));
+    drop(first);
+    LocalTier::open(dir.path(), 1 << 30).unwrap();
 }
 
 #[test]
@@ -351,5 +392,9 @@ fn a_remount_with_a_smaller_size_evicts_down_to_it() {
         assert_eq!(o.read(0, MIB as u64).unwrap().unwrap(), data(MIB, i));
     }
     let files = std::fs::read_dir(dir.path()).unwrap().count();
-    assert_eq!(files, 1 + 2 * 2, "FORMAT and two objects' files remain");
+    assert_eq!(
+        files,
+        2 + 2 * 2,
+        "FORMAT, LOCK and two objects' files remain"
+    );
 }

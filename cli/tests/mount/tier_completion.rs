@@ -1,0 +1,199 @@
+//! Completion of objects in the node-local tier, through the kernel: a
+//! reader that shows it wants a whole object gets the rest fetched in the
+//! background (then served by passthrough), even when fills were dropped
+//! or the mount was killed; header and footer readers fetch no more than
+//! they read.
+
+use super::local_tier::{
+    mount_with_tier, tier_files, tier_objects, worker_metric, worker_metric_baseline,
+};
+use super::*;
+
+fn wait_until(what: &str, secs: u64, done: impl FnMut() -> bool) {
+    common::wait_until(
+        what,
+        Duration::from_secs(secs),
+        Duration::from_millis(100),
+        done,
+    );
+}
+
+fn tier_has_whole_object(tier: &Path) -> bool {
+    tier_objects(tier).iter().any(|o| o.whole)
+}
+
+/// Reads the first `len` bytes of `file` and closes it.
+fn read_prefix(file: &Path, len: usize) -> Vec<u8> {
+    let mut buf = vec![0u8; len];
+    File::open(file).unwrap().read_exact(&mut buf).unwrap();
+    buf
+}
+
+/// A metric the mount exports, summed over the samples with `labels`;
+/// fails when absent (a renamed metric never reads as 0).
+fn mount_metric(port: u16, name: &str, labels: &[(&str, &str)]) -> f64 {
+    let text = reqwest_like_get(port, "/metrics");
+    common::metric(&text, name, labels).unwrap_or_else(|e| panic!("mount metrics: {e}\n{text}"))
+}
+
+/// Mounts with a tier and a metrics listener, with `env_vars` set for
+/// the mount; returns the tier and the metrics port.
+fn mount_with_tier_and_metrics(env: &mut Env, env_vars: &[(&str, &str)]) -> (PathBuf, u16) {
+    let tier = env.dir.path().join("local-tier");
+    let mut cmd = env.mount_command();
+    cmd.arg("--local-cache")
+        .arg(&tier)
+        .args(["--metrics-listen", "127.0.0.1:0"])
+        .envs(env_vars.iter().copied());
+    env.spawn_mount(&mut cmd);
+    env.wait_mount_serving();
+    let port = env
+        .mount
+        .as_mut()
+        .expect("mounted")
+        .wait_for_port("mount metrics at http://", Duration::from_secs(30));
+    (tier, port)
+}
+
+#[test]
+fn a_half_read_object_becomes_whole_without_more_reads_and_is_then_read_by_passthrough() {
+    let mut env = Env::start(1);
+    let data = pattern((48 << 20) + 123, 81);
+    let want = Sha256::digest(&data).to_vec();
+    env.put("half.bin", Bytes::from(data.clone()));
+    let tier = mount_with_tier(&mut env, &["--log", "lakecache_fuse=trace,info"]);
+    let file = env.mountpoint().join("half.bin");
+    assert_eq!(read_prefix(&file, 24 << 20), data[..24 << 20]);
+    wait_until("the half-read object whole in the tier", 60, || {
+        tier_has_whole_object(&tier)
+    });
+    let copy = tier_files(&tier, "data").remove(0);
+    assert_eq!(
+        Sha256::digest(fs::read(&copy).unwrap()).to_vec(),
+        want,
+        "the tier's copy"
+    );
+    // The kernel's RELEASE of the first handle ends the inode's served
+    // mode; only then may a new open get a passthrough handle.
+    wait_until("the first handle's RELEASE", 20, || {
+        env.log().contains("fuse release")
+    });
+    let reads = |log: &str| log.matches("fuse read").count();
+    let before = reads(&env.log());
+    fs::write("/proc/sys/vm/drop_caches", "1").unwrap();
+    assert_eq!(sha_file(&file).unwrap().1, want, "read after completion");
+    let log = env.log();
+    assert!(log.contains("opened with passthrough"), "{log}");
+    assert_eq!(
+        reads(&log),
+        before,
+        "READs reached the mount after the object was whole"
+    );
+}
+
+#[test]
+fn with_fills_dropped_by_a_tiny_queue_a_read_object_still_ends_whole() {
+    let mut env = Env::start(1);
+    let data = pattern((40 << 20) + 5, 82);
+    let want = Sha256::digest(&data).to_vec();
+    env.put("tiny-queue.bin", Bytes::from(data));
+    let (tier, port) =
+        mount_with_tier_and_metrics(&mut env, &[("LAKECACHE_TIER_FILL_QUEUE_BYTES", "1")]);
+    let file = env.mountpoint().join("tiny-queue.bin");
+    assert_eq!(sha_file(&file).unwrap().1, want);
+    wait_until("the object whole in the tier", 60, || {
+        tier_has_whole_object(&tier)
+    });
+    let m = |name: &str, labels: &[(&str, &str)]| mount_metric(port, name, labels);
+    assert!(
+        m("lakecache_fuse_local_tier_fill_dropped_bytes_total", &[]) > 0.0,
+        "the tiny queue dropped no fill, so this test shows nothing"
+    );
+    assert!(
+        m(
+            "lakecache_fuse_local_tier_completion_fetched_bytes_total",
+            &[]
+        ) > 0.0
+    );
+    assert_eq!(
+        m(
+            "lakecache_fuse_local_tier_completions_total",
+            &[("outcome", "whole")]
+        ),
+        1.0
+    );
+    assert_eq!(
+        m("lakecache_fuse_local_tier_objects", &[("state", "whole")]),
+        1.0
+    );
+    assert_eq!(m("lakecache_fuse_local_tier_missing_bytes", &[]), 0.0);
+    let copy = tier_files(&tier, "data").remove(0);
+    assert_eq!(Sha256::digest(fs::read(&copy).unwrap()).to_vec(), want);
+}
+
+#[test]
+fn completion_goes_on_after_the_mount_is_killed_and_mounted_again() {
+    let mut env = Env::start(1);
+    let data = pattern((64 << 20) + 9, 83);
+    let want = Sha256::digest(&data).to_vec();
+    env.put("resume.bin", Bytes::from(data));
+    let tier = mount_with_tier(&mut env, &[]);
+    let file = env.mountpoint().join("resume.bin");
+    read_prefix(&file, 16 << 20);
+    // Killed once completion has recorded that the object is wanted.
+    wait_until("the object recorded as wanted whole", 30, || {
+        tier_objects(&tier).iter().any(|o| o.wanted_whole)
+    });
+    env.mount.take().unwrap().kill9();
+    let _ = lakecache_fuse::mount::force_unmount(&env.mountpoint());
+    wait_mounted(&env.mountpoint(), false);
+    let served_before = worker_metric_baseline(env.workers[0].0, "lakecache_served", "");
+    mount_with_tier(&mut env, &[]);
+    // No reads after the remount: the mount finishes on its own.
+    wait_until("the object whole after the remount", 60, || {
+        tier_has_whole_object(&tier)
+    });
+    let copy = tier_files(&tier, "data").remove(0);
+    assert_eq!(Sha256::digest(fs::read(&copy).unwrap()).to_vec(), want);
+    let served = worker_metric(env.workers[0].0, "lakecache_served", "") - served_before;
+    assert!(
+        served > 0.0 && served <= (64 << 20) as f64 + (1 << 20) as f64,
+        "the remount fetched {served} bytes for a 64 MiB object"
+    );
+}
+
+#[test]
+fn a_header_and_footer_reader_fetches_about_what_it_read_and_no_completion() {
+    let mut env = Env::start(1);
+    let len: usize = 48 << 20;
+    let data = pattern(len, 84);
+    env.put("model.safetensors", Bytes::from(data.clone()));
+    let (_tier, port) = mount_with_tier_and_metrics(&mut env, &[]);
+    let worker = env.workers[0].0;
+    let served_before = worker_metric_baseline(worker, "lakecache_served", "");
+    let file = env.mountpoint().join("model.safetensors");
+    let f = File::open(&file).unwrap();
+    let mut head = vec![0u8; 64 << 10];
+    f.read_exact_at(&mut head, 0).unwrap();
+    let mut tail = vec![0u8; 64 << 10];
+    f.read_exact_at(&mut tail, (len - (64 << 10)) as u64)
+        .unwrap();
+    drop(f);
+    assert_eq!(head, data[..64 << 10]);
+    assert_eq!(tail, data[len - (64 << 10)..]);
+    // Asking for completion happens inside the read that crosses the
+    // threshold, so with the reads done the count is final.
+    assert_eq!(
+        mount_metric(
+            port,
+            "lakecache_fuse_local_tier_completion_requests_total",
+            &[]
+        ),
+        0.0
+    );
+    let served = worker_metric(worker, "lakecache_served", "") - served_before;
+    assert!(
+        served <= 2.0 * (128 << 10) as f64,
+        "read 128 KiB, fetched {served} bytes from the worker"
+    );
+}

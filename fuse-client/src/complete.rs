@@ -1,0 +1,482 @@
+//! Completion of objects in the node-local tier. Once a reader shows an
+//! object will be wanted whole (a long sequential run), or a previous
+//! mount recorded that, its missing blocks are fetched from the workers
+//! in the background, apart from any reader: large ranged requests, a few
+//! at a time, yielding to demand reads. Bytes go straight to the tier, not
+//! through the fill queue (which drops when behind): a block that cannot
+//! be written stays a hole, and the object is tried again later.
+
+use std::collections::{HashSet, VecDeque};
+use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use futures::StreamExt;
+use lakecache_protocol::ObjectUri;
+
+use crate::data_plane::{read_exact, DataError, DataPlane};
+use crate::local_tier::{LocalTier, TierObject};
+use crate::memory::MemoryBudget;
+
+/// A sequential run this long marks an object as wanted whole: far past
+/// the kernel's read-ahead, so header and footer readers never reach it.
+pub const COMPLETE_AFTER: u64 = 8 << 20;
+/// Bytes per completion request.
+const REQUEST_BYTES: u64 = 8 << 20;
+/// Completion requests in flight at most.
+const IN_FLIGHT: usize = 2;
+/// How long a completion request waits for demand reads to finish
+/// before it goes anyway (completion is slowed, never starved).
+const DEMAND_YIELD: Duration = Duration::from_millis(200);
+const RETRY_AFTER: Duration = Duration::from_secs(2);
+const MAX_ATTEMPTS: u32 = 6;
+
+/// Reads for a reader in flight in this process (one process, one mount).
+static DEMAND: AtomicUsize = AtomicUsize::new(0);
+
+/// Held while a reader waits on the workers; completion yields to it.
+pub struct DemandRead(());
+
+impl DemandRead {
+    pub fn start() -> Self {
+        DEMAND.fetch_add(1, Ordering::Relaxed);
+        Self(())
+    }
+}
+
+impl Drop for DemandRead {
+    fn drop(&mut self) {
+        DEMAND.fetch_sub(1, Ordering::Relaxed);
+    }
+}
+
+#[derive(Debug, Default)]
+pub struct CompletionStats {
+    /// Objects queued for completion (by readers or a remount).
+    pub asked: AtomicU64,
+    /// Bytes fetched from the workers to complete objects.
+    pub fetched_bytes: AtomicU64,
+    /// Objects made whole by completion.
+    pub completed: AtomicU64,
+    /// Fetches or writes that failed (the object is tried again).
+    pub failures: AtomicU64,
+    /// Objects given up: changed or gone in S3, or failing every try.
+    pub abandoned: AtomicU64,
+}
+
+struct Job {
+    object: Arc<TierObject>,
+    uri: ObjectUri,
+    etag: String,
+    attempts: u32,
+}
+
+#[derive(Default)]
+struct Queue {
+    jobs: VecDeque<Job>,
+    /// Object ids queued or being completed.
+    ids: HashSet<String>,
+}
+
+enum Outcome {
+    Whole,
+    Retry(String),
+    Abandon(String),
+}
+
+pub struct Completer {
+    data: Arc<dyn DataPlane>,
+    tier: Arc<LocalTier>,
+    budget: Arc<MemoryBudget>,
+    queue: Mutex<Queue>,
+    wake: tokio::sync::Notify,
+    started: AtomicBool,
+    stats: CompletionStats,
+}
+
+impl Completer {
+    pub fn new(data: Arc<dyn DataPlane>, tier: Arc<LocalTier>, budget: Arc<MemoryBudget>) -> Self {
+        Self {
+            data,
+            tier,
+            budget,
+            queue: Mutex::default(),
+            wake: tokio::sync::Notify::new(),
+            started: AtomicBool::new(false),
+            stats: CompletionStats::default(),
+        }
+    }
+
+    pub fn stats(&self) -> &CompletionStats {
+        &self.stats
+    }
+
+    /// Objects queued or being completed now.
+    pub fn pending(&self) -> usize {
+        self.lock().ids.len()
+    }
+
+    fn lock(&self) -> std::sync::MutexGuard<'_, Queue> {
+        self.queue.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    /// Queues what a previous mount wanted whole and did not finish.
+    pub fn resume(self: &Arc<Self>) {
+        for object in self.tier.wanted_incomplete() {
+            let (uri, etag) = object.uri_and_etag();
+            match uri.parse::<ObjectUri>() {
+                Ok(uri) => self.enqueue(object, uri, etag, 0),
+                Err(e) => {
+                    tracing::warn!(%uri, error = %e, "local tier object with an unreadable URI; dropped");
+                    self.tier.forget_version(&uri, &etag);
+                }
+            }
+        }
+    }
+
+    /// A reader wants `object` whole: queued, and recorded in the tier
+    /// when its completion starts (so a remount resumes it).
+    pub fn want_whole(self: &Arc<Self>, object: Arc<TierObject>, uri: ObjectUri, etag: String) {
+        if !object.is_complete() {
+            self.enqueue(object, uri, etag, 0);
+        }
+    }
+
+    fn enqueue(
+        self: &Arc<Self>,
+        object: Arc<TierObject>,
+        uri: ObjectUri,
+        etag: String,
+        attempts: u32,
+    ) {
+        {
+            let mut queue = self.lock();
+            if !queue.ids.insert(object.id().to_string()) {
+                return;
+            }
+            if attempts == 0 {
+                self.stats.asked.fetch_add(1, Ordering::Relaxed);
+            }
+            queue.jobs.push_back(Job {
+                object,
+                uri,
+                etag,
+                attempts,
+            });
+        }
+        self.start();
+        self.wake.notify_one();
+    }
+
+    fn start(self: &Arc<Self>) {
+        if self.started.swap(true, Ordering::AcqRel) {
+            return;
+        }
+        match tokio::runtime::Handle::try_current() {
+            Ok(rt) => {
+                rt.spawn(self.clone().run());
+            }
+            Err(_) => {
+                self.started.store(false, Ordering::Release);
+                tracing::warn!("local tier completion needs a runtime; not started");
+            }
+        }
+    }
+
+    async fn run(self: Arc<Self>) {
+        loop {
+            let job = self.lock().jobs.pop_front();
+            let Some(job) = job else {
+                self.wake.notified().await;
+                continue;
+            };
+            let outcome = self.complete(&job).await;
+            self.lock().ids.remove(job.object.id());
+            match outcome {
+                Outcome::Whole => {
+                    self.stats.completed.fetch_add(1, Ordering::Relaxed);
+                    tracing::debug!(uri = %job.uri, "local tier object completed");
+                }
+                Outcome::Abandon(why) => {
+                    self.stats.abandoned.fetch_add(1, Ordering::Relaxed);
+                    tracing::info!(uri = %job.uri, why, "stopped completing a local tier object");
+                }
+                Outcome::Retry(why) if job.attempts + 1 >= MAX_ATTEMPTS => {
+                    self.stats.abandoned.fetch_add(1, Ordering::Relaxed);
+                    tracing::warn!(uri = %job.uri, why, attempts = job.attempts + 1,
+                        "gave up completing a local tier object; later reads still fill it");
+                }
+                Outcome::Retry(why) => {
+                    tracing::warn!(uri = %job.uri, why, "completing a local tier object failed; trying again");
+                    let this = self.clone();
+                    let delay = RETRY_AFTER * (job.attempts + 1);
+                    tokio::spawn(async move {
+                        tokio::time::sleep(delay).await;
+                        this.enqueue(job.object, job.uri, job.etag, job.attempts + 1);
+                    });
+                }
+            }
+        }
+    }
+
+    async fn complete(&self, job: &Job) -> Outcome {
+        if !self.tier.holds(&job.object) {
+            return Outcome::Abandon("evicted from the tier".into());
+        }
+        let object = job.object.clone();
+        match tokio::task::spawn_blocking(move || object.mark_wanted_whole()).await {
+            Ok(Ok(_)) => {}
+            // Completion still runs; only a remount would not resume it.
+            Ok(Err(e)) => tracing::warn!(error = %e, "recording a wanted-whole object failed"),
+            Err(e) => return Outcome::Retry(e.to_string()),
+        }
+        let ranges = job.object.missing_ranges(REQUEST_BYTES);
+        let mut fetches = futures::stream::iter(ranges)
+            .map(|range| self.fetch_and_fill(job, range))
+            .buffer_unordered(IN_FLIGHT);
+        let mut retry = None;
+        while let Some(result) = fetches.next().await {
+            match result {
+                Ok(()) => {}
+                Err(Outcome::Abandon(why)) => {
+                    // Another version in S3: this copy can never be read.
+                    let (uri, etag) = job.object.uri_and_etag();
+                    self.tier.forget_version(&uri, &etag);
+                    return Outcome::Abandon(why);
+                }
+                Err(other) => {
+                    self.stats.failures.fetch_add(1, Ordering::Relaxed);
+                    retry.get_or_insert(other);
+                }
+            }
+        }
+        match retry {
+            Some(outcome) => outcome,
+            None if job.object.is_complete() => Outcome::Whole,
+            None => Outcome::Retry("blocks still missing".into()),
+        }
+    }
+
+    async fn fetch_and_fill(&self, job: &Job, range: std::ops::Range<u64>) -> Result<(), Outcome> {
+        let waited = Instant::now();
+        while DEMAND.load(Ordering::Relaxed) > 0 && waited.elapsed() < DEMAND_YIELD {
+            tokio::time::sleep(Duration::from_millis(5)).await;
+        }
+        let len = range.end - range.start;
+        // Back-pressure: completion waits for memory instead of growing.
+        let memory = self.budget.reserve(len).await;
+        let bytes = match read_exact(self.data.as_ref(), &job.uri, range.clone(), &job.etag).await {
+            Ok(b) => b,
+            Err(e @ (DataError::Changed { .. } | DataError::NotFound)) => {
+                return Err(Outcome::Abandon(e.to_string()))
+            }
+            Err(e) => return Err(Outcome::Retry(e.to_string())),
+        };
+        self.stats.fetched_bytes.fetch_add(len, Ordering::Relaxed);
+        let object = job.object.clone();
+        let written = tokio::task::spawn_blocking(move || {
+            let r = object.fill(range.start, &bytes);
+            drop(memory);
+            r
+        })
+        .await;
+        match written {
+            Ok(Ok(_)) => Ok(()),
+            Ok(Err(e)) => {
+                crate::local_tier::Damage::of(&e).note(
+                    job.object.id(),
+                    &e,
+                    "left as a hole, completed later",
+                );
+                Err(Outcome::Retry(e.to_string()))
+            }
+            Err(e) => Err(Outcome::Retry(e.to_string())),
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::data_plane::MemoryDataPlane;
+
+    const MIB: u64 = 1 << 20;
+
+    fn body(len: u64) -> Vec<u8> {
+        (0..len).map(|i| (i % 239) as u8).collect()
+    }
+
+    async fn wait_for(what: &str, mut done: impl FnMut() -> bool) {
+        for _ in 0..1000 {
+            if done() {
+                return;
+            }
+            tokio::time::sleep(Duration::from_millis(10)).await;
+        }
+        panic!("{what} did not happen within 10 s");
+    }
+
+    fn uri() -> ObjectUri {
+        ObjectUri::new("bkt", "obj").unwrap()
+    }
+
+    fn completer(plane: &Arc<MemoryDataPlane>, tier: &Arc<LocalTier>) -> Arc<Completer> {
+        Arc::new(Completer::new(
+            plane.clone(),
+            tier.clone(),
+            MemoryBudget::new(1 << 30),
+        ))
+    }
+
+    #[tokio::test]
+    async fn a_wanted_object_is_completed_fetching_only_what_it_misses() {
+        let len = 20 * MIB + 5;
+        let data = body(len);
+        let plane = Arc::new(MemoryDataPlane::new());
+        let etag = plane.insert("bkt", "obj", data.clone());
+        let dir = tempfile::tempdir().unwrap();
+        let tier = Arc::new(LocalTier::open(dir.path(), 64 * MIB).unwrap());
+        let object = tier.get_or_create(&uri().to_string(), &etag, len).unwrap();
+        object.fill(0, &data[..4 * MIB as usize]).unwrap();
+        let c = completer(&plane, &tier);
+        c.want_whole(object.clone(), uri(), etag);
+        wait_for("completion", || object.is_complete()).await;
+        assert_eq!(
+            object.read(0, len).unwrap().unwrap().as_ref(),
+            &data[..],
+            "the completed copy"
+        );
+        assert_eq!(
+            c.stats().fetched_bytes.load(Ordering::Relaxed),
+            len - 4 * MIB
+        );
+        wait_for("the outcome counted", || {
+            c.stats().completed.load(Ordering::Relaxed) == 1
+        })
+        .await;
+        assert!(object.wanted_whole());
+        assert_eq!(c.pending(), 0);
+    }
+
+    #[tokio::test]
+    async fn an_object_replaced_in_s3_ends_its_completion_and_the_old_copy_goes() {
+        let len = 6 * MIB;
+        let plane = Arc::new(MemoryDataPlane::new());
+        let old = plane.insert("bkt", "obj", body(len));
+        let dir = tempfile::tempdir().unwrap();
+        let tier = Arc::new(LocalTier::open(dir.path(), 64 * MIB).unwrap());
+        let object = tier.get_or_create(&uri().to_string(), &old, len).unwrap();
+        let new = plane.insert("bkt", "obj", vec![7u8; len as usize]);
+        assert_ne!(old, new);
+        let c = completer(&plane, &tier);
+        c.want_whole(object.clone(), uri(), old.clone());
+        wait_for("completion abandoned", || {
+            c.stats().abandoned.load(Ordering::Relaxed) == 1
+        })
+        .await;
+        assert!(tier.get(&uri().to_string(), &old).is_none());
+        assert!(!object.is_complete(), "no bytes of the new version went in");
+    }
+
+    #[tokio::test]
+    async fn a_reopened_tier_resumes_what_a_reader_wanted_whole() {
+        let len = 9 * MIB + 1;
+        let data = body(len);
+        let plane = Arc::new(MemoryDataPlane::new());
+        let etag = plane.insert("bkt", "obj", data.clone());
+        let dir = tempfile::tempdir().unwrap();
+        {
+            let tier = LocalTier::open(dir.path(), 64 * MIB).unwrap();
+            let object = tier.get_or_create(&uri().to_string(), &etag, len).unwrap();
+            object
+                .fill(MIB, &data[MIB as usize..2 * MIB as usize])
+                .unwrap();
+            assert!(object.mark_wanted_whole().unwrap());
+        }
+        let tier = Arc::new(LocalTier::open(dir.path(), 64 * MIB).unwrap());
+        assert_eq!(tier.wanted_incomplete().len(), 1);
+        let c = completer(&plane, &tier);
+        c.resume();
+        let object = tier.get(&uri().to_string(), &etag).unwrap();
+        wait_for("completion after reopening", || object.is_complete()).await;
+        assert_eq!(object.read(0, len).unwrap().unwrap().as_ref(), &data[..]);
+        assert_eq!(c.stats().fetched_bytes.load(Ordering::Relaxed), len - MIB);
+    }
+
+    #[tokio::test]
+    async fn a_long_run_in_file_order_asks_for_the_whole_object_and_a_header_and_footer_do_not() {
+        use crate::read::{FileReader, ReadaheadPolicy};
+        const KIB: u64 = 1024;
+        let len = 32 * MIB;
+        let data = body(len);
+        let plane = Arc::new(MemoryDataPlane::new());
+        let etag = plane.insert("bkt", "obj", data.clone());
+        let dir = tempfile::tempdir().unwrap();
+        let tier = Arc::new(LocalTier::open(dir.path(), 64 * MIB).unwrap());
+        let object = tier.get_or_create(&uri().to_string(), &etag, len).unwrap();
+        let c = completer(&plane, &tier);
+        let reader = || {
+            FileReader::new(
+                plane.clone(),
+                uri(),
+                etag.clone(),
+                len,
+                ReadaheadPolicy {
+                    initial: 256 * KIB,
+                    max: 2 * MIB,
+                    chunk: 512 * KIB,
+                },
+                MemoryBudget::new(1 << 30),
+            )
+            .with_tier(Some(object.clone()), Some(c.clone()))
+        };
+        let asked = || c.stats().asked.load(Ordering::Relaxed);
+        let mut header_footer = reader();
+        header_footer.read(0, 64 * KIB).await.unwrap();
+        header_footer.read(len - 64 * KIB, 64 * KIB).await.unwrap();
+        assert_eq!(
+            asked(),
+            0,
+            "a header and a footer asked for the whole object"
+        );
+        let mut streaming = reader();
+        let mut at = 0;
+        while at < COMPLETE_AFTER - 128 * KIB {
+            at += streaming.read(at, 128 * KIB).await.unwrap().len() as u64;
+        }
+        assert_eq!(asked(), 0, "asked before the run reached {COMPLETE_AFTER}");
+        streaming.read(at, 128 * KIB).await.unwrap();
+        assert_eq!(asked(), 1);
+        wait_for("completion", || object.is_complete()).await;
+        assert_eq!(object.read(0, len).unwrap().unwrap().as_ref(), &data[..]);
+    }
+
+    #[test]
+    fn missing_ranges_merge_adjacent_blocks_up_to_the_request_size() {
+        let dir = tempfile::tempdir().unwrap();
+        let tier = LocalTier::open(dir.path(), 64 * MIB).unwrap();
+        let len = 10 * MIB + 7;
+        let object = tier.get_or_create("s3://bkt/obj", "e", len).unwrap();
+        object.fill(2 * MIB, &vec![1u8; MIB as usize]).unwrap();
+        assert_eq!(
+            object.missing_ranges(4 * MIB),
+            vec![0..2 * MIB, 3 * MIB..7 * MIB, 7 * MIB..len]
+        );
+        assert_eq!(object.missing_bytes(), len - MIB);
+        assert_eq!(
+            object.missing_ranges(1),
+            vec![
+                0..MIB,
+                MIB..2 * MIB,
+                3 * MIB..4 * MIB,
+                4 * MIB..5 * MIB,
+                5 * MIB..6 * MIB,
+                6 * MIB..7 * MIB,
+                7 * MIB..8 * MIB,
+                8 * MIB..9 * MIB,
+                9 * MIB..10 * MIB,
+                10 * MIB..len,
+            ]
+        );
+    }
+}
