@@ -328,15 +328,45 @@ mod tests {
         ))
     }
 
-    #[tokio::test]
-    async fn a_wanted_object_is_completed_fetching_only_what_it_misses() {
-        let len = 20 * MIB + 5;
+    /// An object of `len` bytes in a memory data plane, and its empty
+    /// copy in a new tier.
+    struct Fixture {
+        data: Vec<u8>,
+        plane: Arc<MemoryDataPlane>,
+        etag: String,
+        _dir: tempfile::TempDir,
+        tier: Arc<LocalTier>,
+        object: Arc<TierObject>,
+    }
+
+    fn fixture(len: u64) -> Fixture {
         let data = body(len);
         let plane = Arc::new(MemoryDataPlane::new());
         let etag = plane.insert("bkt", "obj", data.clone());
         let dir = tempfile::tempdir().unwrap();
         let tier = Arc::new(LocalTier::open(dir.path(), 64 * MIB).unwrap());
         let object = tier.get_or_create(&uri().to_string(), &etag, len).unwrap();
+        Fixture {
+            data,
+            plane,
+            etag,
+            _dir: dir,
+            tier,
+            object,
+        }
+    }
+
+    #[tokio::test]
+    async fn a_wanted_object_is_completed_fetching_only_what_it_misses() {
+        let len = 20 * MIB + 5;
+        let Fixture {
+            data,
+            plane,
+            etag,
+            _dir,
+            tier,
+            object,
+        } = fixture(len);
         object.fill(0, &data[..4 * MIB as usize]).unwrap();
         let c = completer(&plane, &tier);
         c.want_whole(object.clone(), uri(), etag);
@@ -408,12 +438,14 @@ mod tests {
         use crate::read::{FileReader, ReadaheadPolicy};
         const KIB: u64 = 1024;
         let len = 32 * MIB;
-        let data = body(len);
-        let plane = Arc::new(MemoryDataPlane::new());
-        let etag = plane.insert("bkt", "obj", data.clone());
-        let dir = tempfile::tempdir().unwrap();
-        let tier = Arc::new(LocalTier::open(dir.path(), 64 * MIB).unwrap());
-        let object = tier.get_or_create(&uri().to_string(), &etag, len).unwrap();
+        let Fixture {
+            data,
+            plane,
+            etag,
+            _dir,
+            tier,
+            object,
+        } = fixture(len);
         let c = completer(&plane, &tier);
         let reader = || {
             FileReader::new(

@@ -984,15 +984,20 @@ impl LocalTier {
         self.lock().slots.contains_key(&object.id)
     }
 
-    /// Objects held: how many are whole, how many partial, and the bytes
-    /// the partial ones miss.
-    pub fn summary(&self) -> TierSummary {
-        let objects: Vec<Arc<TierObject>> = self
-            .lock()
+    /// Every object held (cloned out, so no lock is held while they are
+    /// looked at).
+    fn objects(&self) -> Vec<Arc<TierObject>> {
+        self.lock()
             .slots
             .values()
             .map(|s| s.object.clone())
-            .collect();
+            .collect()
+    }
+
+    /// Objects held: how many are whole, how many partial, and the bytes
+    /// the partial ones miss.
+    pub fn summary(&self) -> TierSummary {
+        let objects = self.objects();
         let mut summary = TierSummary::default();
         for object in objects {
             let missing = object.missing_bytes();
@@ -1096,12 +1101,7 @@ impl LocalTier {
                 "local tier fills still queued at flush; their blocks will be fetched again"
             );
         }
-        let objects: Vec<Arc<TierObject>> = self
-            .lock()
-            .slots
-            .values()
-            .map(|s| s.object.clone())
-            .collect();
+        let objects = self.objects();
         for object in objects {
             if !object.is_complete() {
                 object.persist()?;

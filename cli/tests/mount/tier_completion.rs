@@ -9,7 +9,7 @@ use super::local_tier::{
 };
 use super::*;
 
-fn wait_until(what: &str, secs: u64, done: impl FnMut() -> bool) {
+pub(super) fn wait_until(what: &str, secs: u64, done: impl FnMut() -> bool) {
     common::wait_until(
         what,
         Duration::from_secs(secs),

@@ -4,16 +4,8 @@
 //! mount's log once.
 
 use super::local_tier::tier_files;
+use super::tier_completion::wait_until;
 use super::*;
-
-fn wait_until(what: &str, secs: u64, done: impl FnMut() -> bool) {
-    common::wait_until(
-        what,
-        Duration::from_secs(secs),
-        Duration::from_millis(100),
-        done,
-    );
-}
 
 /// A small tmpfs, unmounted when dropped.
 struct Tmpfs(PathBuf);
