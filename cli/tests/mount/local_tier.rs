@@ -97,16 +97,22 @@ fn a_file_whole_in_the_local_tier_is_read_by_the_kernel_through_passthrough() {
         put_and_mount_with_tier(&mut env, "pass.bin", (12 << 20) + 77, 8, &flags);
     assert_eq!(sha_file(&file).unwrap().1, want, "first read, by the mount");
     wait_for_tier(&tier);
-    // Wait for the kernel's RELEASE of the first handle: an inode the
-    // mount still serves gets no passthrough handle beside it.
+    let before = read_by_passthrough(&env, &file, &want, "second read");
+    assert!(before > 0, "the first read went through the mount");
+}
+
+/// Once the first handle's RELEASE arrived (an inode the mount still
+/// serves gets no passthrough handle beside it), reads `file` with the
+/// page cache dropped: right bytes, a passthrough open, and no READ
+/// reaching the mount. Returns the READs the mount had served before.
+pub(super) fn read_by_passthrough(env: &Env, file: &Path, want: &[u8], what: &str) -> usize {
     wait_until("the first handle's RELEASE", || {
         env.log().contains("fuse release")
     });
     let reads = |log: &str| log.matches("fuse read").count();
     let before = reads(&env.log());
-    assert!(before > 0, "the first read went through the mount");
     fs::write("/proc/sys/vm/drop_caches", "1").unwrap();
-    assert_eq!(sha_file(&file).unwrap().1, want, "second read");
+    assert_eq!(sha_file(file).unwrap().1, want, "{what}");
     let log = env.log();
     assert!(log.contains("opened with passthrough"), "{log}");
     assert_eq!(
@@ -114,6 +120,7 @@ fn a_file_whole_in_the_local_tier_is_read_by_the_kernel_through_passthrough() {
         before,
         "READs reached the mount on a passthrough handle"
     );
+    before
 }
 
 /// The tier's files with this extension.

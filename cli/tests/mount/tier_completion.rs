@@ -5,7 +5,8 @@
 //! they read.
 
 use super::local_tier::{
-    mount_with_tier, tier_files, tier_objects, worker_metric, worker_metric_baseline,
+    mount_with_tier, read_by_passthrough, tier_files, tier_objects, worker_metric,
+    worker_metric_baseline,
 };
 use super::*;
 
@@ -73,22 +74,7 @@ fn a_half_read_object_becomes_whole_without_more_reads_and_is_then_read_by_passt
         want,
         "the tier's copy"
     );
-    // The kernel's RELEASE of the first handle ends the inode's served
-    // mode; only then may a new open get a passthrough handle.
-    wait_until("the first handle's RELEASE", 20, || {
-        env.log().contains("fuse release")
-    });
-    let reads = |log: &str| log.matches("fuse read").count();
-    let before = reads(&env.log());
-    fs::write("/proc/sys/vm/drop_caches", "1").unwrap();
-    assert_eq!(sha_file(&file).unwrap().1, want, "read after completion");
-    let log = env.log();
-    assert!(log.contains("opened with passthrough"), "{log}");
-    assert_eq!(
-        reads(&log),
-        before,
-        "READs reached the mount after the object was whole"
-    );
+    read_by_passthrough(&env, &file, &want, "read after completion");
 }
 
 #[test]
