@@ -7,6 +7,7 @@ mod etcd_args;
 mod free_cmd;
 mod load_cmd;
 mod mount_cmd;
+mod mount_status;
 mod ring_cmd;
 mod s3_cmd;
 mod sd_notify;

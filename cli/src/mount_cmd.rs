@@ -88,7 +88,8 @@ pub struct FuseArgs {
     #[arg(long, env = "LAKECACHE_WRITE_BACK_PREFIXES", value_delimiter = ',')]
     pub write_back_prefix: Vec<String>,
     /// Serve the mount's Prometheus metrics (/metrics) and its operations
-    /// in flight (/v1/inflight, JSON) on this address, e.g.
+    /// in flight (/v1/inflight, JSON) and its local tier (/v1/local-tier,
+    /// JSON; `lakecache status --mount ADDR`) on this address, e.g.
     /// 127.0.0.1:9501. Unauthenticated: bind loopback or a private network
     #[arg(long, env = "LAKECACHE_METRICS_LISTEN")]
     pub metrics_listen: Option<std::net::SocketAddr>,
@@ -337,30 +338,50 @@ pub async fn check_bucket(cluster: &ClusterClient, bucket: &str, prefix: &str) -
     Ok(())
 }
 
-/// Starts the mount's metrics listener when an address was given.
+/// Starts the mount's metrics listener when an address was given, with
+/// `routes` (the local tier's view) beside /metrics and /v1/inflight.
 pub async fn serve_mount_metrics(
     addr: Option<std::net::SocketAddr>,
+    routes: lakecache_telemetry::JsonRoutes,
 ) -> Result<Option<lakecache_telemetry::MetricsListener>> {
     let Some(addr) = addr else { return Ok(None) };
     let m = lakecache_fuse::metrics::global();
-    let listener =
-        lakecache_telemetry::serve_metrics(addr, m.registry.clone(), Some(m.inflight.clone()))
-            .await
-            .with_context(|| format!("listening for mount metrics on {addr}"))?;
+    let listener = lakecache_telemetry::serve_metrics(
+        addr,
+        m.registry.clone(),
+        Some(m.inflight.clone()),
+        routes,
+    )
+    .await
+    .with_context(|| format!("listening for mount metrics on {addr}"))?;
     println!(
-        "mount metrics at http://{0}/metrics, operations in flight at http://{0}/v1/inflight",
-        listener.addr
+        "mount metrics at http://{0}/metrics, operations in flight at http://{0}/v1/inflight, \
+         local tier at http://{0}{1} (lakecache status --mount {0})",
+        listener.addr, LOCAL_TIER_PATH
     );
     Ok(Some(listener))
 }
 
+/// Where the mount's listener serves the local tier, object by object.
+pub const LOCAL_TIER_PATH: &str = "/v1/local-tier";
+
 /// Exports the local tier's metrics and goes on completing what a
-/// previous mount's readers wanted whole (on the runtime).
-pub fn start_local_tier(fs: &Fs) {
+/// previous mount's readers wanted whole (on the runtime); returns the
+/// tier's view for the mount's listener.
+pub fn start_local_tier(fs: &Fs) -> lakecache_telemetry::JsonRoutes {
+    let mut routes = lakecache_telemetry::JsonRoutes::new();
     if let (Some(tier), Some(completer)) = (fs.local_tier(), fs.completer()) {
         lakecache_fuse::metrics::global().observe_local_tier(tier.clone(), completer.clone());
+        let (tier, completer) = (tier.clone(), completer.clone());
+        let view: lakecache_telemetry::JsonView = Arc::new(move || {
+            serde_json::to_value(tier.report(Some(&completer))).unwrap_or_else(
+                |e| serde_json::json!({ "error": format!("local tier report: {e}") }),
+            )
+        });
+        routes.push((LOCAL_TIER_PATH, view));
     }
     fs.resume_completion();
+    routes
 }
 
 /// Mounts and serves until SIGINT/SIGTERM or an external unmount.
@@ -370,8 +391,8 @@ pub async fn serve(
     metrics_listen: Option<std::net::SocketAddr>,
 ) -> Result<()> {
     let fs_tier = fs.local_tier().cloned();
-    start_local_tier(&fs);
-    let _metrics = serve_mount_metrics(metrics_listen).await?;
+    let routes = start_local_tier(&fs);
+    let _metrics = serve_mount_metrics(metrics_listen, routes).await?;
     let mut mounted = lakecache_fuse::mount(fs, tokio::runtime::Handle::current(), options)
         .context("mounting (needs /dev/fuse and fusermount3 from the fuse3 package)")?;
     println!(

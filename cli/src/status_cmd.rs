@@ -19,6 +19,11 @@ pub struct StatusCmd {
     /// internet egress list price by default)
     #[arg(long, env = "LAKECACHE_EGRESS_PRICE_PER_GB", default_value_t = lakecache_worker::metrics::DEFAULT_EGRESS_PRICE_PER_GB)]
     egress_price_per_gb: f64,
+    /// Show a mount's node-local tier instead, object by object (whole
+    /// or partial, bytes missing, completion): the address given to that
+    /// mount's --metrics-listen, e.g. 127.0.0.1:9501
+    #[arg(long, value_name = "ADDR")]
+    mount: Option<std::net::SocketAddr>,
     #[command(flatten)]
     cluster: ClusterArgs,
 }
@@ -73,6 +78,9 @@ fn savings(rows: &[Row], price_per_gb: f64) -> Vec<BucketSaving> {
 
 impl StatusCmd {
     pub async fn run(self) -> Result<()> {
+        if let Some(addr) = self.mount {
+            return crate::mount_status::show(addr, self.json).await;
+        }
         let registry = self.cluster.registry()?;
         let membership = registry
             .open(Duration::from_secs(5))

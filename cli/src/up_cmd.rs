@@ -153,12 +153,14 @@ impl UpCmd {
         );
         println!("  data          {}", dir.display());
         let mut local_tier = None;
+        let mut tier_routes = Vec::new();
         let mounted = if self.no_mount {
             None
         } else {
             match self.mount_bucket(&addrs, &token, &dir).await {
-                Ok((m, tier)) => {
+                Ok((m, tier, routes)) => {
                     local_tier = tier;
+                    tier_routes = routes;
                     Some(m)
                 }
                 Err(e) => {
@@ -171,7 +173,7 @@ impl UpCmd {
             }
         };
         let _mount_metrics = if mounted.is_some() {
-            crate::mount_cmd::serve_mount_metrics(self.fuse.metrics_listen).await?
+            crate::mount_cmd::serve_mount_metrics(self.fuse.metrics_listen, tier_routes).await?
         } else {
             None
         };
@@ -292,7 +294,11 @@ impl UpCmd {
         workers: &[String],
         token: &str,
         dir: &std::path::Path,
-    ) -> Result<(lakecache_fuse::Mounted, Option<Arc<LocalTier>>)> {
+    ) -> Result<(
+        lakecache_fuse::Mounted,
+        Option<Arc<LocalTier>>,
+        lakecache_telemetry::JsonRoutes,
+    )> {
         let membership = Arc::new(lakecache_registry::StaticMembership::new(workers));
         let cluster = lakecache_registry::ClusterClient::new(
             membership,
@@ -320,13 +326,13 @@ impl UpCmd {
         if let Some(tier) = &tier {
             fs = fs.with_local_tier(tier.clone());
         }
-        crate::mount_cmd::start_local_tier(&fs);
+        let routes = crate::mount_cmd::start_local_tier(&fs);
         let fs = Arc::new(fs);
         let mounted = lakecache_fuse::mount(
             fs,
             tokio::runtime::Handle::current(),
             &self.fuse.mount_options(&self.mount),
         )?;
-        Ok((mounted, tier))
+        Ok((mounted, tier, routes))
     }
 }

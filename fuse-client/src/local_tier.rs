@@ -28,6 +28,7 @@ pub mod damage;
 mod direct;
 mod filler;
 mod guard;
+pub mod report;
 pub use damage::Damage;
 use filler::FillQueue;
 pub use filler::FillStats;
@@ -171,6 +172,18 @@ pub struct TierObject {
     /// One metadata write at a time: concurrent writers would share the
     /// temporary file, and an older snapshot could land last.
     persisting: Mutex<()>,
+    /// When a reader last read this object ([`clock_ms`]): completion
+    /// leaves an object alone while readers stream it (they fill it).
+    last_read_ms: std::sync::atomic::AtomicU64,
+}
+
+/// Milliseconds on a monotonic clock that starts with the process.
+fn clock_ms() -> u64 {
+    static START: std::sync::OnceLock<std::time::Instant> = std::sync::OnceLock::new();
+    START
+        .get_or_init(std::time::Instant::now)
+        .elapsed()
+        .as_millis() as u64
 }
 
 /// An object's data file, opened for reads and buffered writes, and with
@@ -273,6 +286,34 @@ impl TierObject {
             }
         }
         out
+    }
+
+    /// The unfilled blocks inside `range` as one block-aligned span (from
+    /// the first missing block to the last); `None` when all are filled.
+    pub fn missing_within(&self, range: std::ops::Range<u64>) -> Option<std::ops::Range<u64>> {
+        let meta = self.lock();
+        let end = range.end.min(meta.size);
+        if range.start >= end {
+            return None;
+        }
+        let blocks = (range.start / BLOCK) as usize..=((end - 1) / BLOCK) as usize;
+        let mut missing = blocks.filter(|i| meta.crcs[*i].is_none());
+        let first = missing.next()?;
+        let last = missing.next_back().unwrap_or(first);
+        Some(first as u64 * BLOCK..last as u64 * BLOCK + block_len(meta.size, last))
+    }
+
+    /// Records that a reader read this object now.
+    pub fn note_read(&self) {
+        self.last_read_ms
+            .store(clock_ms(), std::sync::atomic::Ordering::Relaxed);
+    }
+
+    /// How long since a reader last read this object (since the process
+    /// started if none has).
+    pub fn idle_for(&self) -> std::time::Duration {
+        let last = self.last_read_ms.load(std::sync::atomic::Ordering::Relaxed);
+        std::time::Duration::from_millis(clock_ms().saturating_sub(last))
     }
 
     /// Forgets every block (the data file was found damaged): later
@@ -656,6 +697,9 @@ struct Slot {
 
 struct State {
     slots: HashMap<String, Slot>,
+    /// URIs held under a cache version (written back, not yet named by
+    /// S3), and that version: every open asks, so it must not scan.
+    cache_versions: HashMap<String, String>,
     /// Sizes of every object held (reserved in full at creation).
     used: u64,
     clock: u64,
@@ -684,6 +728,25 @@ impl std::fmt::Debug for LocalTier {
     }
 }
 
+impl State {
+    fn insert_slot(&mut self, id: String, slot: Slot) {
+        let (uri, etag) = slot.object.uri_and_etag();
+        if lakecache_protocol::is_cache_version(&etag) {
+            self.cache_versions.insert(uri, etag);
+        }
+        self.slots.insert(id, slot);
+    }
+
+    fn remove_slot(&mut self, id: &str) -> Option<Slot> {
+        let slot = self.slots.remove(id)?;
+        let (uri, etag) = slot.object.uri_and_etag();
+        if self.cache_versions.get(&uri) == Some(&etag) {
+            self.cache_versions.remove(&uri);
+        }
+        Some(slot)
+    }
+}
+
 /// Objects whose files stay open beyond those in use: past it, files of
 /// objects nobody holds are closed.
 const MAX_OPEN_OBJECTS: usize = 256;
@@ -702,6 +765,7 @@ impl LocalTier {
             capacity,
             state: Mutex::new(State {
                 slots: HashMap::new(),
+                cache_versions: HashMap::new(),
                 used: 0,
                 clock: 0,
             }),
@@ -737,9 +801,7 @@ impl LocalTier {
                     state.used += object.size();
                     state.clock += 1;
                     let last_use = state.clock;
-                    state
-                        .slots
-                        .insert(id.to_string(), Slot { object, last_use });
+                    state.insert_slot(id.to_string(), Slot { object, last_use });
                 }
                 None => {
                     tracing::info!(
@@ -797,6 +859,7 @@ impl LocalTier {
             partial: Mutex::default(),
             fills: self.fills.clone(),
             persisting: Mutex::default(),
+            last_read_ms: Default::default(),
         }))
     }
 
@@ -891,6 +954,7 @@ impl LocalTier {
             partial: Mutex::default(),
             fills: self.fills.clone(),
             persisting: Mutex::default(),
+            last_read_ms: Default::default(),
         });
         if size == 0 {
             object.persist()?;
@@ -899,7 +963,7 @@ impl LocalTier {
         state.clock += 1;
         let last_use = state.clock;
         state.used += size;
-        state.slots.insert(
+        state.insert_slot(
             id,
             Slot {
                 object: object.clone(),
@@ -914,11 +978,7 @@ impl LocalTier {
     /// The version of `uri` the tier holds that is a cache version
     /// (written back, not yet known under an S3 ETag), if any.
     pub fn cache_version_of(&self, uri: &str) -> Option<String> {
-        self.lock().slots.values().find_map(|s| {
-            let meta = s.object.lock();
-            (meta.uri == uri && lakecache_protocol::is_cache_version(&meta.etag))
-                .then(|| meta.etag.clone())
-        })
+        self.lock().cache_versions.get(uri).cloned()
     }
 
     /// The bytes the tier holds as version `from` of `uri` are version
@@ -952,12 +1012,13 @@ impl LocalTier {
             partial: Mutex::default(),
             fills: self.fills.clone(),
             persisting: Mutex::default(),
+            last_read_ms: Default::default(),
         });
         object.persist()?;
         let _ = std::fs::remove_file(&old.meta_path);
         let mut state = self.lock();
-        if let Some(slot) = state.slots.remove(&from_id) {
-            state.slots.insert(
+        if let Some(slot) = state.remove_slot(&from_id) {
+            state.insert_slot(
                 to_id,
                 Slot {
                     object,
@@ -1039,7 +1100,7 @@ impl LocalTier {
     }
 
     fn remove(&self, id: &str) {
-        let removed = self.lock().slots.remove(id);
+        let removed = self.lock().remove_slot(id);
         if let Some(slot) = removed {
             self.lock().used -= slot.object.size();
             let _ = std::fs::remove_file(&slot.object.meta_path);

@@ -18,6 +18,10 @@ use crate::memory::{MemoryBudget, Reservation};
 /// How far behind the last read a request may land and still count as
 /// the same stream (the kernel issues read-ahead out of order).
 const REORDER_SLACK: u64 = 2 << 20;
+/// A first read at least this large starts read-ahead at once: the
+/// kernel asks this much only for a reader that streams (a 64 KiB header
+/// read reaches the mount as 128 KiB).
+const LARGE_FIRST_READ: u64 = 512 << 10;
 
 #[derive(Debug, Clone, Copy)]
 pub struct ReadaheadPolicy {
@@ -193,6 +197,9 @@ impl FileReader {
             return Ok(Bytes::new());
         }
         self.track_run(offset, end);
+        if let Some(object) = &self.tier {
+            object.note_read();
+        }
         let buffered = match (self.chunks.front(), self.chunks.back()) {
             (Some(f), Some(b)) => f.range.start <= offset && offset < b.range.end,
             _ => false,
@@ -256,8 +263,15 @@ impl FileReader {
         }
         // A stream's first read fetches what it asked and nothing ahead:
         // a reader of a header (then a footer) only costs what it reads.
-        // Read-ahead starts when the next read continues the stream.
+        // Read-ahead starts when the next read continues the stream. A
+        // large first read from the start (the kernel already streams)
+        // fetches as much again, which saves each small file a round trip.
         let starting = self.window == 0;
+        let first_ahead = if offset == 0 && end - offset >= LARGE_FIRST_READ {
+            (end - offset).min(self.policy.initial)
+        } else {
+            0
+        };
         self.window = if starting {
             self.policy.initial
         } else {
@@ -271,7 +285,7 @@ impl FileReader {
         if self.chunks.front().is_some_and(|c| c.range.start > offset) {
             self.chunks.clear();
         }
-        let ahead = if starting { 0 } else { self.window };
+        let ahead = if starting { first_ahead } else { self.window };
         self.schedule(offset, end, end.saturating_add(ahead).min(self.size));
         match self.collect(offset, end).await {
             Ok(bytes) => Ok(bytes),
@@ -568,6 +582,35 @@ mod tests {
             MIB,
             "the second: up to the chunk boundaries past its window"
         );
+    }
+
+    #[tokio::test]
+    async fn a_large_first_read_from_the_start_fetches_at_most_as_much_again() {
+        // The kernel asks 512 KiB or more only of a streaming reader: one
+        // request covers the next read too, saving a small file a round
+        // trip, and never more than twice what was asked.
+        let (rec, mut r, body) = setup(64 * MIB);
+        let got = r.read(0, 512 * KIB).await.unwrap();
+        assert_eq!(&got[..], expect(&body, 0, 512 * KIB));
+        // Requests in parallel, split at chunk boundaries.
+        let first = rec.read_ranges();
+        assert_eq!(
+            first,
+            vec![0..512 * KIB, 512 * KIB..768 * KIB],
+            "asked + the initial window"
+        );
+        let got = r.read(512 * KIB, 256 * KIB).await.unwrap();
+        assert_eq!(&got[..], expect(&body, 512 * KIB, 256 * KIB));
+        assert!(
+            rec.read_ranges()[first.len()..]
+                .iter()
+                .all(|r| r.start >= 768 * KIB),
+            "the second read was served by the first read's requests"
+        );
+        // Not from the start: what it asked, as for a footer.
+        let (rec, mut r, _) = setup(64 * MIB);
+        r.read(MIB, 512 * KIB).await.unwrap();
+        assert_eq!(rec.read_ranges(), vec![MIB..MIB + 512 * KIB]);
     }
 
     #[tokio::test]

@@ -13,6 +13,6 @@ mod registry;
 pub mod trace;
 
 pub use inflight::{InFlight, InFlightOp, InFlightView, OpGuard};
-pub use listener::{serve_metrics, MetricsListener};
+pub use listener::{serve_metrics, JsonRoutes, JsonView, MetricsListener};
 pub use prometheus_text::render;
 pub use registry::{counter, seconds_histogram, MetricsRegistry, LATENCY_BUCKETS};

@@ -1,5 +1,6 @@
 //! A small HTTP listener for processes that have no API of their own (the
-//! mount): `GET /metrics` (Prometheus text) and `GET /v1/inflight` (JSON).
+//! mount): `GET /metrics` (Prometheus text), `GET /v1/inflight` (JSON)
+//! and the JSON views the process adds ([`JsonRoutes`]).
 
 use std::convert::Infallible;
 use std::net::SocketAddr;
@@ -14,6 +15,12 @@ use tokio::net::TcpListener;
 
 use crate::{InFlight, MetricsRegistry};
 
+/// A JSON view served at a path, computed per request.
+pub type JsonView = Arc<dyn Fn() -> serde_json::Value + Send + Sync>;
+
+/// Paths (such as `/v1/local-tier`) and the views they serve.
+pub type JsonRoutes = Vec<(&'static str, JsonView)>;
+
 /// A running listener; dropping it stops accepting.
 #[derive(Debug)]
 pub struct MetricsListener {
@@ -27,13 +34,15 @@ impl Drop for MetricsListener {
     }
 }
 
-/// Binds `addr` and serves the registry (and the in-flight table, when
-/// given) until the returned handle is dropped.
+/// Binds `addr` and serves the registry (and the in-flight table and
+/// `routes`, when given) until the returned handle is dropped.
 pub async fn serve_metrics(
     addr: SocketAddr,
     registry: Arc<MetricsRegistry>,
     inflight: Option<Arc<InFlight>>,
+    routes: JsonRoutes,
 ) -> std::io::Result<MetricsListener> {
+    let routes = Arc::new(routes);
     let listener = TcpListener::bind(addr).await?;
     let addr = listener.local_addr()?;
     let task = tokio::spawn(async move {
@@ -43,9 +52,10 @@ pub async fn serve_metrics(
             };
             let registry = registry.clone();
             let inflight = inflight.clone();
+            let routes = routes.clone();
             tokio::spawn(async move {
                 let service = hyper::service::service_fn(move |req| {
-                    let resp = answer(&req, &registry, inflight.as_deref());
+                    let resp = answer(&req, &registry, inflight.as_deref(), &routes);
                     async move { Ok::<_, Infallible>(resp) }
                 });
                 let conn = hyper::server::conn::http1::Builder::new()
@@ -63,6 +73,7 @@ fn answer(
     req: &http::Request<Incoming>,
     registry: &MetricsRegistry,
     inflight: Option<&InFlight>,
+    routes: &JsonRoutes,
 ) -> Response<Full<Bytes>> {
     if req.method() != Method::GET {
         return reply(
@@ -81,11 +92,19 @@ fn answer(
             let body = serde_json::json!({ "operations": table.snapshot() });
             reply(StatusCode::OK, "application/json", body.to_string())
         }
-        (path, _) => reply(
-            StatusCode::NOT_FOUND,
-            "text/plain",
-            format!("no route for {path}; try /metrics or /v1/inflight\n"),
-        ),
+        (path, _) => match routes.iter().find(|(p, _)| *p == path) {
+            Some((_, view)) => reply(StatusCode::OK, "application/json", view().to_string()),
+            None => {
+                let mut known = vec!["/metrics"];
+                known.extend(inflight.map(|_| "/v1/inflight"));
+                known.extend(routes.iter().map(|(p, _)| *p));
+                reply(
+                    StatusCode::NOT_FOUND,
+                    "text/plain",
+                    format!("no route for {path}; try {}\n", known.join(", ")),
+                )
+            }
+        },
     }
 }
 

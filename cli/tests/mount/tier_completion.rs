@@ -115,6 +115,49 @@ fn with_fills_dropped_by_a_tiny_queue_a_read_object_still_ends_whole() {
     assert_eq!(m("lakecache_fuse_local_tier_missing_bytes", &[]), 0.0);
     let copy = tier_files(&tier, "data").remove(0);
     assert_eq!(Sha256::digest(fs::read(&copy).unwrap()).to_vec(), want);
+    // What a user asks of the mount: the tier object by object.
+    let addr = format!("127.0.0.1:{port}");
+    let status = |args: &[&str]| {
+        let out = Command::new(common::BIN)
+            .args(["status", "--mount", &addr])
+            .args(args)
+            .output()
+            .unwrap();
+        let text = String::from_utf8_lossy(&out.stdout).to_string();
+        let err = String::from_utf8_lossy(&out.stderr).to_string();
+        assert!(out.status.success(), "status --mount failed: {text}{err}");
+        text
+    };
+    let report: serde_json::Value = serde_json::from_str(&status(&["--json"])).unwrap();
+    assert_eq!(report["whole"], 1, "{report}");
+    assert_eq!(report["partial"], 0, "{report}");
+    let object = &report["objects"][0];
+    assert_eq!(
+        object["uri"],
+        format!("s3://{BUCKET}/tiny-queue.bin"),
+        "{report}"
+    );
+    assert_eq!(object["state"], "whole");
+    assert_eq!(object["missing_bytes"], 0);
+    assert_eq!(object["wanted_whole"], true);
+    assert_eq!(report["completion"]["completed"], 1, "{report}");
+    let table = status(&[]);
+    assert!(
+        table.contains("1 whole, 0 partial") && table.contains("tiny-queue.bin"),
+        "{table}"
+    );
+    // A wrong address is named with the hint, not a stack of errors.
+    let closed = std::net::TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap();
+    let out = Command::new(common::BIN)
+        .args(["status", "--mount", &closed.to_string()])
+        .output()
+        .unwrap();
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(!out.status.success());
+    assert!(err.contains("--metrics-listen"), "{err}");
 }
 
 #[test]

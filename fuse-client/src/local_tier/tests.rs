@@ -398,3 +398,38 @@ fn a_remount_with_a_smaller_size_evicts_down_to_it() {
         "FORMAT, LOCK and two objects' files remain"
     );
 }
+
+#[test]
+fn the_cache_version_held_for_a_uri_follows_creation_rekey_remount_and_removal() {
+    let dir = tempfile::tempdir().unwrap();
+    let tier = LocalTier::open(dir.path(), 64 << 20).unwrap();
+    for i in 0..50 {
+        tier.get_or_create(&format!("s3://b/other-{i}"), "e", 10)
+            .unwrap();
+    }
+    assert_eq!(tier.cache_version_of("s3://b/ckpt"), None);
+    let body = data(1000, 9);
+    let o = tier.get_or_create("s3://b/ckpt", "lc-1", 1000).unwrap();
+    o.fill(0, &body).unwrap();
+    drop(o);
+    assert_eq!(
+        tier.cache_version_of("s3://b/ckpt").as_deref(),
+        Some("lc-1")
+    );
+    // S3 named it: the bytes stay, under the ETag, and no cache version
+    // is left for the URI.
+    assert!(tier.rekey("s3://b/ckpt", "lc-1", "etag-7").unwrap());
+    assert_eq!(tier.cache_version_of("s3://b/ckpt"), None);
+    assert!(tier.get("s3://b/ckpt", "etag-7").is_some());
+    // A remount finds it again; a dropped one is gone from the index.
+    let o = tier.get_or_create("s3://b/ckpt2", "lc-2", 10).unwrap();
+    o.fill(0, &body[..10]).unwrap();
+    drop((o, tier));
+    let tier = LocalTier::open(dir.path(), 64 << 20).unwrap();
+    assert_eq!(
+        tier.cache_version_of("s3://b/ckpt2").as_deref(),
+        Some("lc-2")
+    );
+    tier.forget_version("s3://b/ckpt2", "lc-2");
+    assert_eq!(tier.cache_version_of("s3://b/ckpt2"), None);
+}
