@@ -110,7 +110,7 @@ def main() -> None:
         ("rand read 4 KiB, 4 jobs", "rand-read.fio",
          {"size": a.size, "jobs": "4", "runtime": a.runtime}, "iops", False),
         ("10,000 x 100 KiB files, 1 job", "small-files.fio", {}, "mib_s", False),
-        ("seq read 256 KiB, 1 job, page cache hot", "seq-read.fio",
+        ("seq read 256 KiB, 1 job, page cache hot", "seq-read-hot.fio",
          {"size": a.size, "jobs": "1"}, "mib_s", True),
     ]
     s3fs_version = install_s3fs()
@@ -202,7 +202,8 @@ def main() -> None:
             f"Machine: {os.cpu_count()} cores, `uname -r` {os.uname().release}. One s3-server, "
             "one worker (plain HTTP, no tokens) and one mount on this machine; 4 files of "
             f"{a.size} and 10,000 files of 100 KiB. Page cache dropped before every run, "
-            "except in the row marked hot (the job run once just before, unmeasured). "
+            "except in the row marked hot (the job run once just before, unmeasured, and "
+            "fio told not to drop the file's cached pages: `invalidate=0`). "
             f"s3fs = {s3fs_version} on the same S3 endpoint with `-o use_cache` (its "
             "cache filled by one earlier read of everything, kept across its remounts). "
             "L2-warm = worker cache warm (a restarted worker), mount without a tier; "
