@@ -227,6 +227,11 @@ impl Fs {
             self.rekey_written_back(&tier, uri, etag).await;
         }
         let (uri, etag) = (uri.to_string(), etag.to_string());
+        // A held object is found in memory: no hop to the blocking pool
+        // (one per open of each small file).
+        if let Some(object) = tier.get(&uri, &etag) {
+            return Some(object);
+        }
         let made = tokio::task::spawn_blocking(move || tier.get_or_create(&uri, &etag, size)).await;
         match made {
             Ok(Ok(object)) => Some(object),
