@@ -76,6 +76,13 @@ pub struct FuseArgs {
     /// Disk space of the node-local tier
     #[arg(long, env = "LAKECACHE_LOCAL_CACHE_SIZE", default_value = "20GiB")]
     pub local_cache_size: ByteSize,
+    /// Complete objects under this directory of the mount in the
+    /// node-local tier as soon as they are opened, whatever the read
+    /// pattern (e.g. shards/ read by a shuffling loader); elsewhere an
+    /// object is completed once a reader reads 8 MiB of it in order
+    /// (repeat for several; comma-separated in the environment)
+    #[arg(long, env = "LAKECACHE_LOCAL_CACHE_WHOLE", value_delimiter = ',')]
+    pub local_cache_whole: Vec<String>,
     /// How files are written: `through` (close returns once S3 has the
     /// file) or `back` (close returns once the file is durable in the
     /// cache; S3 gets it in the background, in close order)
@@ -134,17 +141,15 @@ impl FuseArgs {
         config.truncate_rewrite_max = self.truncate_rewrite_max.0;
         config.write_mode = self.write_mode.unwrap_or_default();
         for p in &self.write_back_prefix {
-            let p = p.trim_start_matches('/');
-            if p.is_empty() || p.split('/').any(|c| c == "..") {
-                bail!("--write-back-prefix {p:?} must name a directory inside the mount, like checkpoints/");
-            }
-            let dir = if p.ends_with('/') {
-                p.to_string()
-            } else {
-                format!("{p}/")
-            };
+            let dir = mount_dir("--write-back-prefix", p, "checkpoints/")?;
             config
                 .write_back_prefixes
+                .push(format!("{}{dir}", config.prefix));
+        }
+        for p in &self.local_cache_whole {
+            let dir = mount_dir("--local-cache-whole", p, "shards/")?;
+            config
+                .tier_whole_prefixes
                 .push(format!("{}{dir}", config.prefix));
         }
         Ok(config)
@@ -156,6 +161,10 @@ impl FuseArgs {
         default: Option<&Path>,
     ) -> Result<Option<Arc<lakecache_fuse::local_tier::LocalTier>>> {
         let Some(dir) = self.local_cache.as_deref().or(default) else {
+            anyhow::ensure!(
+                self.local_cache_whole.is_empty(),
+                "--local-cache-whole needs a node-local tier: add --local-cache DIR"
+            );
             return Ok(None);
         };
         anyhow::ensure!(
@@ -336,6 +345,20 @@ pub async fn check_bucket(cluster: &ClusterClient, bucket: &str, prefix: &str) -
         .await
         .with_context(|| format!("listing s3://{bucket}/{prefix} through the cache"))?;
     Ok(())
+}
+
+/// A directory inside the mount given to `flag`, as a key suffix ending
+/// in `/` (`example` shows the form in the error).
+fn mount_dir(flag: &str, p: &str, example: &str) -> Result<String> {
+    let p = p.trim_start_matches('/');
+    if p.is_empty() || p.split('/').any(|c| c == "..") {
+        bail!("{flag} {p:?} must name a directory inside the mount, like {example}");
+    }
+    Ok(if p.ends_with('/') {
+        p.to_string()
+    } else {
+        format!("{p}/")
+    })
 }
 
 /// Starts the mount's metrics listener when an address was given, with

@@ -319,6 +319,10 @@ impl UpCmd {
         let mut fs = lakecache_fuse::Fs::new(cluster, config);
         let default_tier = dir.join("local-cache");
         let tier = if self.no_local_cache {
+            anyhow::ensure!(
+                self.fuse.local_cache_whole.is_empty(),
+                "--local-cache-whole needs the node-local tier: drop --no-local-cache"
+            );
             None
         } else {
             self.fuse.local_tier(Some(&default_tier))?

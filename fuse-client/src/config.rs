@@ -34,6 +34,10 @@ pub struct FsConfig {
     pub write_mode: WriteMode,
     /// Keys (full S3 keys, e.g. `runs/checkpoints/`) written back.
     pub write_back_prefixes: Vec<String>,
+    /// Keys (full S3 keys, e.g. `datasets/shards/`) whose objects the
+    /// node-local tier completes as soon as they are opened, whatever
+    /// the read pattern (a shuffling reader never reads 8 MiB in order).
+    pub tier_whole_prefixes: Vec<String>,
     /// Read each object's mode, owner, times and type from its S3 user
     /// metadata (a HEAD per object the first time it is listed); off,
     /// listings alone give the attributes and every object shows the
@@ -71,6 +75,7 @@ impl FsConfig {
             write_scopes: None,
             write_mode: WriteMode::Through,
             write_back_prefixes: Vec::new(),
+            tier_whole_prefixes: Vec::new(),
             posix_metadata: true,
             truncate_rewrite_max: 1 << 30,
             spool_dir: std::env::temp_dir().join("lakecache-spool"),
@@ -78,6 +83,11 @@ impl FsConfig {
     }
 
     /// The write mode of the object `key`.
+    /// Whether the tier completes `key`'s object at its first open.
+    pub fn tier_whole_for(&self, key: &str) -> bool {
+        self.tier_whole_prefixes.iter().any(|p| key.starts_with(p))
+    }
+
     pub fn write_mode_for(&self, key: &str) -> WriteMode {
         if self.write_back_prefixes.iter().any(|p| key.starts_with(p)) {
             WriteMode::Back

@@ -803,7 +803,7 @@ impl Fs {
             .update(ino, |n| n.page_cache_etag = Some(etag.clone()));
         let uri = self.uri(&node.key)?;
         let tier_object = self.tier_object(&uri, &etag, node.meta.size).await;
-        let reader = FileReader::new(
+        let mut reader = FileReader::new(
             self.data.clone(),
             uri,
             etag,
@@ -816,6 +816,9 @@ impl Fs {
             self.memory.clone(),
         )
         .with_tier(tier_object, self.completer.clone());
+        if !updating && self.config.tier_whole_for(&node.key) {
+            reader.ask_whole();
+        }
         if updating {
             return Ok((self.open_update(ino, pid, reader).await?, false));
         }

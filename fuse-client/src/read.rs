@@ -138,6 +138,18 @@ impl FileReader {
         self
     }
 
+    /// Asks for the whole tier copy now (a policy says the object is
+    /// wanted whole); once per reader.
+    pub fn ask_whole(&mut self) {
+        if self.asked_whole {
+            return;
+        }
+        if let (Some(object), Some(completer)) = (&self.tier, &self.completer) {
+            self.asked_whole = true;
+            completer.want_whole(object.clone(), self.uri.clone(), self.etag.clone());
+        }
+    }
+
     /// Follows the reader's run in file order; a run past
     /// [`COMPLETE_AFTER`] asks for the whole tier copy (once per reader).
     fn track_run(&mut self, offset: u64, end: u64) {
@@ -149,12 +161,8 @@ impl FileReader {
         } else {
             self.run = offset..end;
         }
-        if self.asked_whole || self.run.end - self.run.start < COMPLETE_AFTER {
-            return;
-        }
-        if let (Some(object), Some(completer)) = (&self.tier, &self.completer) {
-            self.asked_whole = true;
-            completer.want_whole(object.clone(), self.uri.clone(), self.etag.clone());
+        if self.run.end - self.run.start >= COMPLETE_AFTER {
+            self.ask_whole();
         }
     }
 

@@ -25,7 +25,9 @@ fn wait_for_tier(tier: &Path) {
 }
 
 /// An object as the tier's metadata file records it.
+#[derive(Debug)]
 pub(super) struct RecordedObject {
+    pub uri: String,
     pub whole: bool,
     pub wanted_whole: bool,
 }
@@ -41,6 +43,7 @@ pub(super) fn tier_objects(tier: &Path) -> Vec<RecordedObject> {
             let meta = &v["meta"];
             let crcs = meta["crcs"].as_array().expect("tier metadata lists CRCs");
             RecordedObject {
+                uri: meta["uri"].as_str().unwrap_or_default().to_string(),
                 whole: crcs.iter().all(|c| !c.is_null()),
                 wanted_whole: meta["wanted_whole"].as_bool().unwrap_or(false),
             }

@@ -226,3 +226,41 @@ fn a_header_and_footer_reader_fetches_about_what_it_read_and_no_completion() {
         "read 128 KiB, fetched {served} bytes from the worker"
     );
 }
+
+#[test]
+fn objects_under_a_whole_prefix_are_completed_after_a_header_read_and_others_are_not() {
+    let mut env = Env::start(1);
+    let len: usize = (24 << 20) + 7;
+    let shard = pattern(len, 85);
+    let want = Sha256::digest(&shard).to_vec();
+    env.put("shards/part-0.bin", Bytes::from(shard));
+    env.put("other/part-0.bin", Bytes::from(pattern(len, 86)));
+    let (tier, port) =
+        mount_with_tier_and_metrics(&mut env, &[("LAKECACHE_LOCAL_CACHE_WHOLE", "shards/")]);
+    for name in ["shards/part-0.bin", "other/part-0.bin"] {
+        read_prefix(&env.mountpoint().join(name), 64 << 10);
+    }
+    wait_until("the shard whole in the tier", 60, || {
+        tier_has_whole_object(&tier)
+    });
+    let objects = tier_objects(&tier);
+    let whole: Vec<_> = objects.iter().filter(|o| o.whole).collect();
+    assert_eq!(whole.len(), 1, "only the shard: {objects:?}");
+    assert!(whole[0].uri.ends_with("/shards/part-0.bin"), "{objects:?}");
+    // Asked once, for the shard alone: the other header read asked nothing.
+    assert_eq!(
+        mount_metric(
+            port,
+            "lakecache_fuse_local_tier_completion_requests_total",
+            &[]
+        ),
+        1.0
+    );
+    let copy = tier_files(&tier, "data").into_iter().find(|p| {
+        fs::metadata(p)
+            .map(|m| m.len() == len as u64)
+            .unwrap_or(false)
+            && Sha256::digest(fs::read(p).unwrap()).to_vec() == want
+    });
+    assert!(copy.is_some(), "no tier file holds the shard's bytes");
+}

@@ -65,6 +65,22 @@ fn a_local_cache_in_use_foreign_misplaced_or_oversized_is_refused_with_the_fix()
             expected,
         );
     }
+    // A whole-object policy with no tier, or outside the mount.
+    refused(
+        &env,
+        &[&os("--local-cache-whole"), &os("shards/")],
+        "--local-cache-whole needs a node-local tier: add --local-cache DIR",
+    );
+    refused(
+        &env,
+        &[
+            &os("--local-cache"),
+            tier.as_os_str(),
+            &os("--local-cache-whole"),
+            &os("../elsewhere"),
+        ],
+        "must name a directory inside the mount, like shards/",
+    );
     // A tier written by a newer lakecache.
     fs::write(tier.join("FORMAT"), "lakecache-local-tier-v9\n").unwrap();
     refused(
