@@ -83,6 +83,13 @@ pub struct FuseArgs {
     /// (repeat for several; comma-separated in the environment)
     #[arg(long, env = "LAKECACHE_LOCAL_CACHE_WHOLE", value_delimiter = ',')]
     pub local_cache_whole: Vec<String>,
+    /// With a node-local tier: a reader that jumps around an object of at
+    /// most this size (3 random reads in one open) gets the whole object
+    /// fetched into the tier in the background, so its later reads are
+    /// local; 0 turns it off (each read fetches what it asks). Clamped to
+    /// --local-cache-size
+    #[arg(long, env = "LAKECACHE_RANDOM_WHOLE_MAX", default_value = "2GiB")]
+    pub random_whole_max: ByteSize,
     /// How files are written: `through` (close returns once S3 has the
     /// file) or `back` (close returns once the file is durable in the
     /// cache; S3 gets it in the background, in close order)
@@ -139,6 +146,7 @@ impl FuseArgs {
         config.dir_mode = self.dir_mode;
         config.posix_metadata = self.posix_metadata;
         config.truncate_rewrite_max = self.truncate_rewrite_max.0;
+        config.random_whole_max = self.random_whole_max.0;
         config.write_mode = self.write_mode.unwrap_or_default();
         for p in &self.write_back_prefix {
             let dir = mount_dir("--write-back-prefix", p, "checkpoints/")?;

@@ -25,6 +25,9 @@ pub const COMPLETE_AFTER: u64 = 8 << 20;
 const REQUEST_BYTES: u64 = 8 << 20;
 /// Completion requests in flight at most.
 const IN_FLIGHT: usize = 2;
+/// For an object a random reader wants now: each request finished is
+/// 8 MiB its reader no longer waits a round trip for.
+const IN_FLIGHT_NOW: usize = 4;
 /// How long a completion request waits for demand reads to finish
 /// before it goes anyway: a cold reader streaming the object fetches it
 /// itself, so completion mostly runs once readers stop, and is slowed,
@@ -239,9 +242,14 @@ impl Completer {
             Err(e) => return Outcome::Retry(e.to_string()),
         }
         let ranges = job.object.missing_ranges(REQUEST_BYTES);
+        let in_flight = if job.object.wanted_now() {
+            IN_FLIGHT_NOW
+        } else {
+            IN_FLIGHT
+        };
         let mut fetches = futures::stream::iter(ranges)
             .map(|range| self.fetch_and_fill(job, range))
-            .buffer_unordered(IN_FLIGHT);
+            .buffer_unordered(in_flight);
         let mut retry = None;
         while let Some(result) = fetches.next().await {
             match result {
@@ -266,16 +274,20 @@ impl Completer {
     }
 
     async fn fetch_and_fill(&self, job: &Job, range: std::ops::Range<u64>) -> Result<(), Outcome> {
-        loop {
-            let idle = job.object.idle_for();
-            if idle >= QUIET {
-                break;
+        // A random reader fills next to nothing itself and is always
+        // reading: its object is fetched at once, beside its reads.
+        if !job.object.wanted_now() {
+            loop {
+                let idle = job.object.idle_for();
+                if idle >= QUIET {
+                    break;
+                }
+                tokio::time::sleep(QUIET - idle).await;
             }
-            tokio::time::sleep(QUIET - idle).await;
-        }
-        let waited = Instant::now();
-        while DEMAND.load(Ordering::Relaxed) > 0 && waited.elapsed() < DEMAND_YIELD {
-            tokio::time::sleep(Duration::from_millis(5)).await;
+            let waited = Instant::now();
+            while DEMAND.load(Ordering::Relaxed) > 0 && waited.elapsed() < DEMAND_YIELD {
+                tokio::time::sleep(Duration::from_millis(5)).await;
+            }
         }
         // What readers filled meanwhile is not fetched again.
         let Some(range) = job.object.missing_within(range) else {
@@ -530,6 +542,69 @@ mod tests {
         streaming.read(at, 128 * KIB).await.unwrap();
         assert_eq!(asked(), 1);
         wait_for("completion", || object.is_complete()).await;
+        assert_eq!(object.read(0, len).unwrap().unwrap().as_ref(), &data[..]);
+    }
+
+    #[tokio::test]
+    async fn a_random_reader_gets_the_object_fetched_at_once_while_it_keeps_reading() {
+        use crate::read::{FileReader, ReadaheadPolicy};
+        const KIB: u64 = 1024;
+        let len = 24 * MIB;
+        let Fixture {
+            data,
+            plane,
+            etag,
+            _dir,
+            tier,
+            object,
+        } = fixture(len);
+        let c = completer(&plane, &tier);
+        let reader = |max: u64| {
+            FileReader::new(
+                plane.clone(),
+                uri(),
+                etag.clone(),
+                len,
+                ReadaheadPolicy {
+                    initial: 256 * KIB,
+                    max: 2 * MIB,
+                    chunk: 512 * KIB,
+                },
+                MemoryBudget::new(1 << 30),
+            )
+            .with_tier(Some(object.clone()), Some(c.clone()))
+            .whole_on_random(max)
+        };
+        let asked = || c.stats().asked.load(Ordering::Relaxed);
+        let jumps = [5 * MIB, 17 * MIB, MIB, 11 * MIB, 3 * MIB];
+        // The policy off, or an object over it: reads fetch what they ask.
+        for max in [0, len - 1] {
+            let mut r = reader(max);
+            for at in jumps {
+                r.read(at, 4 * KIB).await.unwrap();
+            }
+            assert_eq!(asked(), 0, "asked with --random-whole-max {max}");
+        }
+        // Within it: the third jump asks, and completion does not wait
+        // for the reader to stop (it reads every 50 ms throughout).
+        let mut r = reader(len);
+        for (i, at) in jumps.iter().enumerate() {
+            r.read(*at, 4 * KIB).await.unwrap();
+            assert_eq!(asked(), u64::from(i >= 2), "after jump {}", i + 1);
+        }
+        for i in 0..200u64 {
+            if object.is_complete() {
+                break;
+            }
+            r.read((i * 7 * MIB) % (len - 4 * KIB), 4 * KIB)
+                .await
+                .unwrap();
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
+        assert!(
+            object.is_complete(),
+            "not whole while the reader kept reading"
+        );
         assert_eq!(object.read(0, len).unwrap().unwrap().as_ref(), &data[..]);
     }
 

@@ -38,6 +38,9 @@ pub struct FsConfig {
     /// node-local tier completes as soon as they are opened, whatever
     /// the read pattern (a shuffling reader never reads 8 MiB in order).
     pub tier_whole_prefixes: Vec<String>,
+    /// A random reader (3 jumps in one open) of an object at most this
+    /// large gets it fetched whole into the node-local tier; 0: never.
+    pub random_whole_max: u64,
     /// Read each object's mode, owner, times and type from its S3 user
     /// metadata (a HEAD per object the first time it is listed); off,
     /// listings alone give the attributes and every object shows the
@@ -76,6 +79,7 @@ impl FsConfig {
             write_mode: WriteMode::Through,
             write_back_prefixes: Vec::new(),
             tier_whole_prefixes: Vec::new(),
+            random_whole_max: 2 << 30,
             posix_metadata: true,
             truncate_rewrite_max: 1 << 30,
             spool_dir: std::env::temp_dir().join("lakecache-spool"),

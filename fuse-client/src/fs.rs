@@ -815,7 +815,13 @@ impl Fs {
             },
             self.memory.clone(),
         )
-        .with_tier(tier_object, self.completer.clone());
+        .with_tier(tier_object, self.completer.clone())
+        // An object larger than the tier can never be whole there.
+        .whole_on_random(
+            self.tier
+                .as_ref()
+                .map_or(0, |t| self.config.random_whole_max.min(t.capacity())),
+        );
         if !updating && self.config.tier_whole_for(&node.key) {
             reader.ask_whole();
         }

@@ -175,6 +175,9 @@ pub struct TierObject {
     /// When a reader last read this object ([`clock_ms`]): completion
     /// leaves an object alone while readers stream it (they fill it).
     last_read_ms: std::sync::atomic::AtomicU64,
+    /// A random reader wants it whole: completion does not wait for the
+    /// object to go unread (not persisted: a remount resumes it as usual).
+    wanted_now: std::sync::atomic::AtomicBool,
 }
 
 /// Milliseconds on a monotonic clock that starts with the process.
@@ -301,6 +304,17 @@ impl TierObject {
         let first = missing.next()?;
         let last = missing.next_back().unwrap_or(first);
         Some(first as u64 * BLOCK..last as u64 * BLOCK + block_len(meta.size, last))
+    }
+
+    /// A random reader wants the whole object: see [`Self::wanted_now`].
+    pub fn want_now(&self) {
+        self.wanted_now
+            .store(true, std::sync::atomic::Ordering::Relaxed);
+    }
+
+    /// Whether completion should fetch without waiting for readers.
+    pub fn wanted_now(&self) -> bool {
+        self.wanted_now.load(std::sync::atomic::Ordering::Relaxed)
     }
 
     /// Records that a reader read this object now.
@@ -860,6 +874,7 @@ impl LocalTier {
             fills: self.fills.clone(),
             persisting: Mutex::default(),
             last_read_ms: Default::default(),
+            wanted_now: Default::default(),
         }))
     }
 
@@ -955,6 +970,7 @@ impl LocalTier {
             fills: self.fills.clone(),
             persisting: Mutex::default(),
             last_read_ms: Default::default(),
+            wanted_now: Default::default(),
         });
         if size == 0 {
             object.persist()?;
@@ -1013,6 +1029,7 @@ impl LocalTier {
             fills: self.fills.clone(),
             persisting: Mutex::default(),
             last_read_ms: Default::default(),
+            wanted_now: Default::default(),
         });
         object.persist()?;
         let _ = std::fs::remove_file(&old.meta_path);

@@ -18,6 +18,10 @@ use crate::memory::{MemoryBudget, Reservation};
 /// How far behind the last read a request may land and still count as
 /// the same stream (the kernel issues read-ahead out of order).
 const REORDER_SLACK: u64 = 2 << 20;
+/// Random jumps within one open object before the tier fetches it whole
+/// (objects up to the mount's --random-whole-max): a header-and-footer
+/// reader jumps once.
+const RANDOM_JUMPS_BEFORE_WHOLE: u32 = 3;
 /// A first read at least this large starts read-ahead at once: the
 /// kernel asks this much only for a reader that streams (a 64 KiB header
 /// read reaches the mount as 128 KiB).
@@ -91,6 +95,10 @@ pub struct FileReader {
     run: Range<u64>,
     /// Whether completion of the tier copy was asked for.
     asked_whole: bool,
+    /// Random jumps so far, and the largest object a random reader gets
+    /// fetched whole (0: never).
+    random_jumps: u32,
+    random_whole_max: u64,
 }
 
 impl FileReader {
@@ -118,7 +126,16 @@ impl FileReader {
             completer: None,
             run: 0..0,
             asked_whole: false,
+            random_jumps: 0,
+            random_whole_max: 0,
         }
+    }
+
+    /// A random reader of an object of at most `max` bytes gets it
+    /// fetched whole into the tier at once (0: never).
+    pub fn whole_on_random(mut self, max: u64) -> Self {
+        self.random_whole_max = max;
+        self
     }
 
     pub fn tier_object(&self) -> Option<Arc<TierObject>> {
@@ -136,6 +153,17 @@ impl FileReader {
         self.tier = object;
         self.completer = completer;
         self
+    }
+
+    /// A random reader wants the object whole: completion starts at once
+    /// instead of waiting for the object to go unread (a random reader
+    /// fills almost nothing itself).
+    fn ask_whole_now(&mut self) {
+        if let Some(object) = &self.tier {
+            object.want_now();
+        }
+        self.asked_whole = false;
+        self.ask_whole();
     }
 
     /// Asks for the whole tier copy now (a policy says the object is
@@ -266,6 +294,12 @@ impl FileReader {
                 self.chunks.clear();
                 self.window = 0;
                 self.next_offset = end;
+                self.random_jumps += 1;
+                if self.random_jumps == RANDOM_JUMPS_BEFORE_WHOLE
+                    && self.size <= self.random_whole_max
+                {
+                    self.ask_whole_now();
+                }
             }
             return self.fetch(offset..end).await;
         }

@@ -264,3 +264,79 @@ fn objects_under_a_whole_prefix_are_completed_after_a_header_read_and_others_are
     });
     assert!(copy.is_some(), "no tier file holds the shard's bytes");
 }
+
+/// 64 reads of 4 KiB at pseudo-random offsets of `file` (`len` bytes),
+/// each checked against `data`.
+fn read_randomly(file: &Path, data: &[u8]) {
+    let f = File::open(file).unwrap();
+    let mut x = 0x2545_f491_4f6c_dd1d_u64;
+    let mut buf = vec![0u8; 4096];
+    for _ in 0..64 {
+        x ^= x << 13;
+        x ^= x >> 7;
+        x ^= x << 17;
+        let at = (x % (data.len() as u64 / 4096)) * 4096;
+        f.read_exact_at(&mut buf, at).unwrap();
+        assert_eq!(buf, data[at as usize..at as usize + 4096], "at {at}");
+    }
+}
+
+#[test]
+fn a_random_reader_gets_the_whole_object_into_the_tier_for_about_its_size_from_s3() {
+    let mut env = Env::start(1);
+    let len: usize = 64 << 20;
+    let data = pattern(len, 87);
+    let want = Sha256::digest(&data).to_vec();
+    env.put("shuffled.bin", Bytes::from(data.clone()));
+    let (tier, port) = mount_with_tier_and_metrics(&mut env, &[]);
+    let worker = env.workers[0].0;
+    let s3_before = worker_metric_baseline(worker, "lakecache_s3_transferred", "");
+    read_randomly(&env.mountpoint().join("shuffled.bin"), &data);
+    wait_until("the randomly read object whole in the tier", 60, || {
+        tier_has_whole_object(&tier)
+    });
+    let copy = tier_files(&tier, "data").remove(0);
+    assert_eq!(Sha256::digest(fs::read(&copy).unwrap()).to_vec(), want);
+    let s3 = worker_metric(worker, "lakecache_s3_transferred", "") - s3_before;
+    println!("S3 sent {:.3}x the object", s3 / len as f64);
+    assert!(
+        s3 <= 1.1 * len as f64,
+        "S3 sent {s3} bytes for a {len}-byte object"
+    );
+    assert_eq!(
+        mount_metric(
+            port,
+            "lakecache_fuse_local_tier_completion_requests_total",
+            &[]
+        ),
+        1.0
+    );
+}
+
+#[test]
+fn with_random_whole_fetch_off_a_random_reader_fetches_about_what_it_reads() {
+    let mut env = Env::start(1);
+    let len: usize = 64 << 20;
+    let data = pattern(len, 88);
+    env.put("shuffled.bin", Bytes::from(data.clone()));
+    let (_tier, port) =
+        mount_with_tier_and_metrics(&mut env, &[("LAKECACHE_RANDOM_WHOLE_MAX", "0")]);
+    let worker = env.workers[0].0;
+    let s3_before = worker_metric_baseline(worker, "lakecache_s3_transferred", "");
+    read_randomly(&env.mountpoint().join("shuffled.bin"), &data);
+    assert_eq!(
+        mount_metric(
+            port,
+            "lakecache_fuse_local_tier_completion_requests_total",
+            &[]
+        ),
+        0.0
+    );
+    // Each 4 KiB read costs at most its worker page from S3 (today's
+    // per-read bound), far from the object.
+    let s3 = worker_metric(worker, "lakecache_s3_transferred", "") - s3_before;
+    assert!(
+        s3 <= 64.0 * (1 << 20) as f64 / 4.0,
+        "S3 sent {s3} bytes for 64 reads of 4 KiB"
+    );
+}
