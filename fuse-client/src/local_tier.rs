@@ -263,30 +263,27 @@ impl TierObject {
         (meta.uri.clone(), meta.etag.clone())
     }
 
-    /// The unfilled blocks as byte ranges, adjacent ones merged up to
-    /// `max` bytes (rounded down to whole blocks, at least one).
+    /// The unfilled blocks as byte ranges, adjacent ones merged within
+    /// aligned stretches of `max` bytes (rounded down to whole blocks, at
+    /// least one): two ranges never share a stretch, so concurrent
+    /// requests never ask a worker for the same page twice.
     pub fn missing_ranges(&self, max: u64) -> Vec<std::ops::Range<u64>> {
         let meta = self.lock();
         let per_range = (max / BLOCK).max(1) as usize;
         let mut out: Vec<std::ops::Range<u64>> = Vec::new();
-        let mut run = 0;
+        let mut open = false;
         for (i, crc) in meta.crcs.iter().enumerate() {
             if crc.is_some() {
-                run = 0;
+                open = false;
                 continue;
             }
             let start = i as u64 * BLOCK;
             let end = start + block_len(meta.size, i);
             match out.last_mut() {
-                Some(last) if run > 0 && run < per_range => {
-                    last.end = end;
-                    run += 1;
-                }
-                _ => {
-                    out.push(start..end);
-                    run = 1;
-                }
+                Some(last) if open && i % per_range != 0 => last.end = end,
+                _ => out.push(start..end),
             }
+            open = true;
         }
         out
     }

@@ -372,9 +372,11 @@ fn a_cold_random_read_costs_one_worker_request_and_about_its_own_bytes_from_s3()
         s3 / asked
     );
     // The store's own count, not only the worker's: nothing else fetched
-    // (measured: 398 GETs and 0.99x the bytes asked for 400 reads).
+    // (measured: 398 GETs and 0.99x the bytes asked for 400 reads). On a
+    // loaded machine a stalled GET is resumed by the worker, so a few
+    // more GETs than reads may show (seen: 401, with 1.0025x the bytes).
     assert!(
-        sent <= 2.0 * asked && gets <= n as f64,
+        sent <= 2.0 * asked && gets <= n as f64 + 4.0,
         "the S3 endpoint sent {sent} bytes in {gets} GETs for {asked} bytes read"
     );
     assert!(
