@@ -90,6 +90,13 @@ pub struct FuseArgs {
     /// --local-cache-size
     #[arg(long, env = "LAKECACHE_RANDOM_WHOLE_MAX", default_value = "2GiB")]
     pub random_whole_max: ByteSize,
+    /// A reader that opens a directory's files one after another (in
+    /// listing order, or numbered names in number order) gets the next
+    /// files fetched whole before it opens them, up to this many bytes
+    /// ahead (files up to 8 MiB; held in --memory-limit, clamped to half of
+    /// it); 0 turns it off
+    #[arg(long, env = "LAKECACHE_DIR_PREFETCH_WINDOW", default_value = "64MiB")]
+    pub dir_prefetch_window: ByteSize,
     /// How files are written: `through` (close returns once S3 has the
     /// file) or `back` (close returns once the file is durable in the
     /// cache; S3 gets it in the background, in close order)
@@ -147,6 +154,14 @@ impl FuseArgs {
         config.posix_metadata = self.posix_metadata;
         config.truncate_rewrite_max = self.truncate_rewrite_max.0;
         config.random_whole_max = self.random_whole_max.0;
+        // Read-ahead and queued uploads share the budget.
+        config.dir_prefetch_window = self.dir_prefetch_window.0.min(config.memory_limit / 2);
+        if config.dir_prefetch_window < self.dir_prefetch_window.0 {
+            tracing::info!(
+                bytes = config.dir_prefetch_window,
+                "--dir-prefetch-window clamped to half of --memory-limit"
+            );
+        }
         config.write_mode = self.write_mode.unwrap_or_default();
         for p in &self.write_back_prefix {
             let dir = mount_dir("--write-back-prefix", p, "checkpoints/")?;

@@ -109,7 +109,12 @@ impl Env {
             })
             .arg("--cache-dir")
             .arg(self.dir.path().join(format!("cache-{i}")))
-            .args(["--cache-size", "4GiB", "--s3-path-style", "--s3-endpoint"])
+            .args(if worker_flags.contains(&"--cache-size") {
+                &[][..]
+            } else {
+                &["--cache-size", "4GiB"][..]
+            })
+            .args(["--s3-path-style", "--s3-endpoint"])
             .arg(format!("http://127.0.0.1:{}", self.s3_port))
             .args(worker_flags)
             .envs(common::s3_env(ACCESS, SECRET, self.s3_port))
@@ -1073,6 +1078,8 @@ fn a_mount_can_do_what_its_token_allows_and_nothing_else() {
     assert_eq!(env.s3_get("elsewhere.bin"), None);
 }
 
+#[path = "mount/dir_prefetch.rs"]
+mod dir_prefetch;
 #[path = "mount/local_tier.rs"]
 mod local_tier;
 #[path = "mount/observability.rs"]

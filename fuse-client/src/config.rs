@@ -41,6 +41,9 @@ pub struct FsConfig {
     /// A random reader (3 jumps in one open) of an object at most this
     /// large gets it fetched whole into the node-local tier; 0: never.
     pub random_whole_max: u64,
+    /// Bytes fetched ahead of a reader that opens a directory's files in
+    /// order (small files, fetched whole); 0: off.
+    pub dir_prefetch_window: u64,
     /// Read each object's mode, owner, times and type from its S3 user
     /// metadata (a HEAD per object the first time it is listed); off,
     /// listings alone give the attributes and every object shows the
@@ -80,6 +83,7 @@ impl FsConfig {
             write_back_prefixes: Vec::new(),
             tier_whole_prefixes: Vec::new(),
             random_whole_max: 2 << 30,
+            dir_prefetch_window: 64 << 20,
             posix_metadata: true,
             truncate_rewrite_max: 1 << 30,
             spool_dir: std::env::temp_dir().join("lakecache-spool"),

@@ -33,6 +33,8 @@ pub struct DirStream {
     seen: HashSet<String>,
     token: Option<String>,
     done: bool,
+    /// Whether the complete listing went to the listing cache.
+    pub cached: bool,
     bucket: String,
     dir_key: String,
     /// Ask for each object's user metadata with the listing.
@@ -53,6 +55,7 @@ impl DirStream {
             seen,
             token: None,
             done: false,
+            cached: false,
             bucket: bucket.to_string(),
             dir_key: dir_key.to_string(),
             with_meta: false,
@@ -75,6 +78,7 @@ impl DirStream {
             .cloned()
             .collect();
         self.done = true;
+        self.cached = true;
         self
     }
 
@@ -174,6 +178,7 @@ impl DirStream {
     }
 }
 
+#[derive(Clone)]
 pub struct CachedListing {
     pub at: Instant,
     pub entries: Arc<Vec<Listed>>,
@@ -184,6 +189,11 @@ pub struct CachedListing {
 impl CachedListing {
     pub fn find(&self, name: &str) -> Option<&Listed> {
         self.index.get(name).and_then(|&i| self.entries.get(i))
+    }
+
+    /// Where `name` is in listing order.
+    pub fn position(&self, name: &str) -> Option<usize> {
+        self.index.get(name).copied()
     }
 }
 

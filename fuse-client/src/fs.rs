@@ -21,8 +21,10 @@ use crate::write::FileWriter;
 
 mod meta;
 mod object_locks;
+pub mod prefetch;
 mod update;
 pub use meta::{Creator, SetAttr, METADATA_DELAY};
+pub use prefetch::{DirPrefetch, Prefetched};
 
 const MAX_NAME_BYTES: usize = 255;
 
@@ -75,6 +77,8 @@ pub struct Fs {
     dirty_meta: meta::DirtyMeta,
     /// Metadata stores, renames and unlinks of one object take turns.
     object_locks: object_locks::ObjectLocks,
+    /// Fetches the next files of a directory read in order.
+    prefetch: DirPrefetch,
 }
 
 /// Entries one `readdir` call prepares; the kernel's buffer takes fewer.
@@ -135,7 +139,14 @@ impl Fs {
         let inodes = InodeTable::new(&config.prefix);
         tracing::debug!(bytes = config.memory_limit, "mount memory budget");
         let memory = MemoryBudget::new(config.memory_limit);
+        let prefetch = DirPrefetch::new(
+            data.clone(),
+            memory.clone(),
+            &config.bucket,
+            config.dir_prefetch_window,
+        );
         Self {
+            prefetch,
             data,
             listings: Arc::new(ListingCache::new(config.entry_ttl, MAX_CACHED_NAMES)),
             lookup_misses: Mutex::default(),
@@ -519,6 +530,7 @@ impl Fs {
             tokio::time::sleep(Duration::from_secs(1)).await;
             let Some(fs) = fs.upgrade() else { return };
             let forgets = fs.forgets.load(Ordering::Relaxed);
+            fs.prefetch.expire(prefetch::IDLE_CANCEL);
             let purged = fs.listings.purge_expired();
             let settled = forgets == last_tick && forgets != last_trim;
             if settled || purged > 0 {
@@ -529,6 +541,11 @@ impl Fs {
             }
             last_tick = forgets;
         }
+    }
+
+    /// Directory-order prefetch, for its counts.
+    pub fn dir_prefetch(&self) -> &DirPrefetch {
+        &self.prefetch
     }
 
     /// Inodes the table holds (the root included).
@@ -670,10 +687,12 @@ impl Fs {
         let mut stream = stream.lock().await;
         let start = usize::try_from(offset).unwrap_or(usize::MAX);
         let end = start.saturating_add(READDIR_BATCH);
-        let was_done = stream.is_done();
         stream.fill_to(self.data.as_ref(), end).await?;
         self.complete_user_meta(&mut stream, start..end).await?;
-        if stream.is_done() && !was_done {
+        // Also a listing opendir finished: `ls` then reading the files
+        // in order finds their names (and the prefetch its order) here.
+        if stream.is_done() && !stream.cached {
+            stream.cached = true;
             let dir_key = self.dir(ino)?.key;
             self.listings.put(
                 &dir_key,
@@ -824,6 +843,23 @@ impl Fs {
         );
         if !updating && self.config.tier_whole_for(&node.key) {
             reader.ask_whole();
+        }
+        if !updating {
+            let listing = self
+                .inodes
+                .get(node.parent)
+                .and_then(|dir| self.listings.get(&dir.key));
+            let etag = reader.etag().to_string();
+            if let Some(prefetched) = self.prefetch.on_open(
+                node.parent,
+                listing,
+                &node.name,
+                &node.key,
+                &etag,
+                node.meta.size,
+            ) {
+                reader = reader.with_prefetched(prefetched);
+            }
         }
         if updating {
             return Ok((self.open_update(ino, pid, reader).await?, false));

@@ -18,6 +18,7 @@ pub struct MountMetrics {
     tier_hit_bytes: Counter<u64>,
     readahead_hit_bytes: Counter<u64>,
     readahead_wasted_bytes: Counter<u64>,
+    dir_prefetch_files: Counter<u64>,
     upload_bytes: Counter<u64>,
     upload_seconds: Histogram<f64>,
 }
@@ -74,6 +75,12 @@ impl MountMetrics {
                 "lakecache_fuse_readahead_wasted",
                 "By",
                 "Read-ahead bytes dropped without being read",
+            ),
+            dir_prefetch_files: counter(
+                &meter,
+                "lakecache_fuse_dir_prefetch_files",
+                "",
+                "Files fetched ahead of a reader opening a directory in order, by outcome (used: opened; wasted: dropped unopened)",
             ),
             upload_bytes: counter(
                 &meter,
@@ -199,6 +206,11 @@ impl MountMetrics {
 
     pub fn readahead_wasted(&self, bytes: u64) {
         self.readahead_wasted_bytes.add(bytes, &[]);
+    }
+
+    pub fn dir_prefetch(&self, outcome: &'static str) {
+        self.dir_prefetch_files
+            .add(1, &[KeyValue::new("outcome", outcome)]);
     }
 
     pub fn upload(&self, bytes: u64, elapsed: Duration) {

@@ -155,6 +155,49 @@ impl FileReader {
         self
     }
 
+    /// Starts this reader with the whole object fetched ahead of its open
+    /// (directory-order prefetch). A failed prefetch is fetched again, so
+    /// it costs the reader time, never the read; the bytes fill the tier
+    /// as any fetch does. Call after [`Self::with_tier`].
+    pub fn with_prefetched(mut self, prefetched: crate::fs::Prefetched) -> Self {
+        if self.size == 0 || !self.chunks.is_empty() {
+            return self;
+        }
+        // A whole tier copy is read locally (or passed through).
+        if self.tier.as_ref().is_some_and(|o| o.covers(0, self.size)) {
+            return self;
+        }
+        let crate::fs::Prefetched { fetch, memory } = prefetched;
+        let (data, uri, etag, size) = (
+            self.data.clone(),
+            self.uri.clone(),
+            self.etag.clone(),
+            self.size,
+        );
+        let (tier, budget) = (self.tier.clone(), self.budget.clone());
+        let work = async move {
+            let bytes = match fetch.await {
+                Ok(Ok(bytes)) if bytes.len() as u64 == size => bytes,
+                _ => read_exact(data.as_ref(), &uri, 0..size, &etag)
+                    .await
+                    .map_err(FsError::from)?,
+            };
+            if let Some(object) = tier {
+                fill_tier(&object, &budget, 0, &bytes);
+            }
+            Ok(bytes)
+        };
+        self.chunks.push_back(Chunk {
+            range: 0..size,
+            fetch: Some(tokio::spawn(work)),
+            data: None,
+            _memory: memory,
+            speculative: true,
+            served: 0,
+        });
+        self
+    }
+
     /// A random reader wants the object whole: completion starts at once
     /// instead of waiting for the object to go unread (a random reader
     /// fills almost nothing itself).
@@ -196,6 +239,10 @@ impl FileReader {
 
     pub fn uri(&self) -> &ObjectUri {
         &self.uri
+    }
+
+    pub fn etag(&self) -> &str {
+        &self.etag
     }
 
     pub fn has_served(&self) -> bool {

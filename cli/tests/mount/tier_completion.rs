@@ -32,7 +32,7 @@ fn read_prefix(file: &Path, len: usize) -> Vec<u8> {
 
 /// A metric the mount exports, summed over the samples with `labels`;
 /// fails when absent (a renamed metric never reads as 0).
-fn mount_metric(port: u16, name: &str, labels: &[(&str, &str)]) -> f64 {
+pub(super) fn mount_metric(port: u16, name: &str, labels: &[(&str, &str)]) -> f64 {
     let text = reqwest_like_get(port, "/metrics");
     common::metric(&text, name, labels).unwrap_or_else(|e| panic!("mount metrics: {e}\n{text}"))
 }
