@@ -494,7 +494,15 @@ impl Cache {
             .min(page_start + ps)
             .min((pos / MAX_PIECE + 1) * MAX_PIECE);
         let sub = pos - page_start..piece_end - page_start;
-        self.page_range(uri, meta, idx, sub, sequential).await
+        // A request that covers this page whole (the node-local tier or
+        // a prefetch fetching an object whole) fetches and keeps the
+        // page as a sequential reader's does, joining the flight the
+        // worker's read-ahead may have started: streams of one object
+        // interleaving must not make it fetch the page again in blocks.
+        let page_end = (page_start + ps).min(meta.size);
+        let whole_page = pos == page_start && end >= page_end;
+        self.page_range(uri, meta, idx, sub, sequential || whole_page)
+            .await
     }
 
     /// Makes page `idx` of `meta` cached in full (a preload's miss).

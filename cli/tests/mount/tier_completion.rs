@@ -294,12 +294,12 @@ fn a_random_reader_gets_the_whole_object_into_the_tier_for_about_its_size_from_s
     assert_eq!(Sha256::digest(fs::read(&copy).unwrap()).to_vec(), want);
     let s3 = worker_metric(worker, "lakecache_s3_transferred", "") - s3_before;
     println!("S3 sent {:.3}x the object", s3 / len as f64);
-    // Issue #32's target is 1.1x; not met reliably yet: 1.03-1.11x here
-    // (2-7 MiB more than the object, with 4 reads as with 16; the cause
-    // is still to be found), 1.03x for a 2 GiB object in the bench. This
-    // bound catches a fetch that doubles.
+    // Issue #32's bound. It held at 1.03-1.11x until the worker served a
+    // request covering whole pages in 1 MiB block fetches when it took
+    // the request for a random one (streams of one object interleave),
+    // while its read-ahead fetched the same pages whole: 1.000x since.
     assert!(
-        s3 <= 1.2 * len as f64,
+        s3 <= 1.1 * len as f64,
         "S3 sent {s3} bytes for a {len}-byte object"
     );
     assert_eq!(completion_requests(port), 1.0);
