@@ -288,10 +288,26 @@ impl LoadJob {
         let mut retried = false;
         let mut i = 0;
         while i < pages.len() {
-            let (idx, len) = pages[i];
-            match self.load_page(cache, slots, &uri, &meta, idx, len).await {
-                Ok(()) => i += 1,
-                Err(CacheError::Store(StoreError::PreconditionFailed)) if !retried => {
+            // An object's pages load side by side (the shared slots bound
+            // them per worker): one large object is fetched at the rate
+            // of many requests in flight, not one round trip per page.
+            let failed = {
+                let meta = &meta;
+                let uri = &uri;
+                let mut loads = futures::stream::iter(pages[i..].iter().copied())
+                    .map(|(idx, len)| self.load_page(cache, slots, uri, meta, idx, len))
+                    .buffered(LOAD_PAGES_IN_FLIGHT);
+                loop {
+                    match loads.next().await {
+                        Some(Ok(())) => i += 1,
+                        Some(Err(e)) => break Some(e),
+                        None => break None,
+                    }
+                }
+            };
+            match failed {
+                None => {}
+                Some(CacheError::Store(StoreError::PreconditionFailed)) if !retried => {
                     retried = true;
                     match cache.revalidate(&uri).await {
                         Ok(m) if m.size == meta.size => meta = m,
@@ -302,7 +318,7 @@ impl LoadJob {
                         Err(e) => return self.failed(&entry.key, left(i), e.to_string()),
                     }
                 }
-                Err(e) => return self.failed(&entry.key, left(i), e.to_string()),
+                Some(e) => return self.failed(&entry.key, left(i), e.to_string()),
             }
         }
     }

@@ -83,11 +83,12 @@ pub struct FuseArgs {
     /// (repeat for several; comma-separated in the environment)
     #[arg(long, env = "LAKECACHE_LOCAL_CACHE_WHOLE", value_delimiter = ',')]
     pub local_cache_whole: Vec<String>,
-    /// With a node-local tier: a reader that jumps around an object of at
-    /// most this size (3 random reads in one open) gets the whole object
-    /// fetched into the tier in the background, so its later reads are
-    /// local; 0 turns it off (each read fetches what it asks). Clamped to
-    /// --local-cache-size
+    /// A reader that jumps around an object of at most this size (3
+    /// random reads in one open) gets the whole object fetched in the
+    /// background: into the node-local tier when there is one (clamped to
+    /// --local-cache-size), else into the workers' caches; its later
+    /// reads skip the round trip to S3. 0 turns it off (each read fetches
+    /// what it asks)
     #[arg(long, env = "LAKECACHE_RANDOM_WHOLE_MAX", default_value = "2GiB")]
     pub random_whole_max: ByteSize,
     /// A reader that opens a directory's files one after another (in

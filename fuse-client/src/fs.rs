@@ -839,7 +839,9 @@ impl Fs {
         .whole_on_random(
             self.tier
                 .as_ref()
-                .map_or(0, |t| self.config.random_whole_max.min(t.capacity())),
+                .map_or(self.config.random_whole_max, |t| {
+                    self.config.random_whole_max.min(t.capacity())
+                }),
         );
         if !updating && self.config.tier_whole_for(&node.key) {
             reader.ask_whole();

@@ -19,6 +19,7 @@ pub struct MountMetrics {
     readahead_hit_bytes: Counter<u64>,
     readahead_wasted_bytes: Counter<u64>,
     dir_prefetch_files: Counter<u64>,
+    worker_whole_fetches: Counter<u64>,
     upload_bytes: Counter<u64>,
     upload_seconds: Histogram<f64>,
 }
@@ -81,6 +82,12 @@ impl MountMetrics {
                 "lakecache_fuse_dir_prefetch_files",
                 "",
                 "Files fetched ahead of a reader opening a directory in order, by outcome (used: opened; wasted: dropped unopened)",
+            ),
+            worker_whole_fetches: counter(
+                &meter,
+                "lakecache_fuse_worker_whole_fetches",
+                "",
+                "Objects read randomly, without a node-local tier, that the workers were asked to fetch whole",
             ),
             upload_bytes: counter(
                 &meter,
@@ -211,6 +218,10 @@ impl MountMetrics {
     pub fn dir_prefetch(&self, outcome: &'static str) {
         self.dir_prefetch_files
             .add(1, &[KeyValue::new("outcome", outcome)]);
+    }
+
+    pub fn worker_whole_fetch(&self) {
+        self.worker_whole_fetches.add(1, &[]);
     }
 
     pub fn upload(&self, bytes: u64, elapsed: Duration) {

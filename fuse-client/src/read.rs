@@ -209,6 +209,24 @@ impl FileReader {
         self.ask_whole();
     }
 
+    /// Without a node-local tier: the workers fetch the object whole
+    /// into their caches in the background, so this reader's later reads
+    /// are served from there instead of costing a round trip to S3 each.
+    fn warm_workers(&self) {
+        let (data, uri, etag, size) = (
+            self.data.clone(),
+            self.uri.clone(),
+            self.etag.clone(),
+            self.size,
+        );
+        crate::metrics::global().worker_whole_fetch();
+        tokio::spawn(async move {
+            if let Err(e) = data.warm(&uri, &etag, size).await {
+                tracing::info!(%uri, error = %crate::error::Chain(&e), "the workers could not fetch a randomly read object whole; reads fetch what they ask");
+            }
+        });
+    }
+
     /// Asks for the whole tier copy now (a policy says the object is
     /// wanted whole); once per reader.
     pub fn ask_whole(&mut self) {
@@ -345,7 +363,11 @@ impl FileReader {
                 if self.random_jumps == RANDOM_JUMPS_BEFORE_WHOLE
                     && self.size <= self.random_whole_max
                 {
-                    self.ask_whole_now();
+                    if self.tier.is_some() && self.completer.is_some() {
+                        self.ask_whole_now();
+                    } else {
+                        self.warm_workers();
+                    }
                 }
             }
             return self.fetch(offset..end).await;

@@ -392,6 +392,56 @@ impl ClusterClient {
 
     /// Reads `range` of `uri`; segments are fetched in parallel from their
     /// owners. With `etag`, every piece must come from that version.
+    /// Asks the workers owning `uri`'s segments to fetch it whole into
+    /// their caches, in the background (a load job of that one object,
+    /// named by the version, so asking again joins the running job).
+    /// Returns once every owner has taken the job.
+    pub async fn warm_object(
+        &self,
+        uri: &ObjectUri,
+        etag: &str,
+        size: u64,
+    ) -> Result<(), ClusterError> {
+        let state = self.current();
+        let seg_size = self.segment_size().max(1);
+        let mut owners: Vec<Member> = Vec::new();
+        for seg in 0..size.div_ceil(seg_size).max(1) {
+            if let Some(m) = state.ring.owner(&uri.to_string(), seg) {
+                if !owners.iter().any(|o| o.id == m.id) {
+                    owners.push(m.clone());
+                }
+            }
+            if owners.len() == state.clients.len() {
+                break;
+            }
+        }
+        if owners.is_empty() {
+            return Err(ClusterError::NoWorkers(self.membership.describe()));
+        }
+        let mut named = uri.to_string().into_bytes();
+        named.push(0);
+        named.extend_from_slice(etag.as_bytes());
+        let id = format!("whole-{:016x}", xxhash_rust::xxh3::xxh3_64(&named));
+        // The object alone: the prefix is its key, and only the key
+        // itself (nothing after it) is included.
+        let spec = lakecache_protocol::LoadSpec {
+            bucket: uri.bucket().to_string(),
+            prefix: uri.key().to_string(),
+            include: Some(String::new()),
+            replicas: None,
+        };
+        for m in owners {
+            let Some(client) = state.clients.get(&m.id) else {
+                continue;
+            };
+            client
+                .load_start(&id, &spec)
+                .await
+                .map_err(ClusterError::Worker)?;
+        }
+        Ok(())
+    }
+
     pub async fn read(
         &self,
         uri: &ObjectUri,

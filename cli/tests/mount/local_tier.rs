@@ -331,12 +331,20 @@ fn endpoint_stats(s3_port: u16) -> (f64, f64) {
 
 #[test]
 fn a_cold_random_read_costs_one_worker_request_and_about_its_own_bytes_from_s3() {
-    let mut env = Env::start(1);
-    let len: u64 = 256 << 20;
-    env.put("random.bin", Bytes::from(pattern(len as usize, 61)));
-    env.mount();
+    // Where the whole-object fetch does not apply, a random read costs
+    // S3 about its own bytes: the policy off, or the object over it.
+    for (flag, key) in [("0", "off.bin"), ("128MiB", "over.bin")] {
+        let mut env = Env::start(1);
+        let len: u64 = 160 << 20;
+        env.put(key, Bytes::from(pattern(len as usize, 61)));
+        env.mount_with(&["--random-whole-max", flag]);
+        cold_random_reads_cost_their_own_bytes(&env, key, len, flag);
+    }
+}
+
+fn cold_random_reads_cost_their_own_bytes(env: &Env, key: &str, len: u64, flag: &str) {
     let port = env.workers[0].0;
-    let file = File::open(env.mountpoint().join("random.bin")).unwrap();
+    let file = File::open(env.mountpoint().join(key)).unwrap();
     let s3_before = worker_metric_baseline(port, "lakecache_s3_transferred", "");
     let endpoint_before = endpoint_stats(env.s3_port);
     let reads_before = worker_metric_baseline(
@@ -367,7 +375,7 @@ fn a_cold_random_read_costs_one_worker_request_and_about_its_own_bytes_from_s3()
         endpoint.1 - endpoint_before.1,
     );
     println!(
-        "{n} random 4 KiB reads: {reads} worker reads, {s3} S3 bytes ({:.2} x); \
+        "--random-whole-max {flag}: {n} random 4 KiB reads: {reads} worker reads, {s3} S3 bytes ({:.2} x); \
          the endpoint sent {sent} bytes in {gets} GETs",
         s3 / asked
     );

@@ -325,3 +325,60 @@ fn with_random_whole_fetch_off_a_random_reader_fetches_about_what_it_reads() {
         "S3 sent {s3} bytes for 16 reads of 4 KiB"
     );
 }
+
+/// `reads` random 4 KiB reads of `file` at offsets drawn from `seed`,
+/// each checked against `data`.
+fn read_randomly_from(file: &Path, data: &[u8], reads: usize, seed: u64) {
+    let f = File::open(file).unwrap();
+    let mut x = seed | 1;
+    let mut buf = vec![0u8; 4096];
+    for _ in 0..reads {
+        x ^= x << 13;
+        x ^= x >> 7;
+        x ^= x << 17;
+        let at = (x % (data.len() as u64 / 4096)) * 4096;
+        f.read_exact_at(&mut buf, at).unwrap();
+        assert_eq!(buf, data[at as usize..at as usize + 4096], "at {at}");
+    }
+}
+
+#[test]
+fn without_a_tier_a_random_reader_gets_the_object_fetched_whole_into_the_worker() {
+    let mut env = Env::start(1);
+    let len: usize = 64 << 20;
+    let data = pattern(len, 89);
+    env.put("shuffled.bin", Bytes::from(data.clone()));
+    let mut cmd = env.mount_command();
+    cmd.args(["--metrics-listen", "127.0.0.1:0"]);
+    env.spawn_mount(&mut cmd);
+    env.wait_mount_serving();
+    let port = env
+        .mount
+        .as_mut()
+        .expect("mounted")
+        .wait_for_port("mount metrics at http://", Duration::from_secs(30));
+    let worker = env.workers[0].0;
+    let s3_before = worker_metric_baseline(worker, "lakecache_s3_transferred", "");
+    let file = env.mountpoint().join("shuffled.bin");
+    read_randomly_from(&file, &data, 16, 0x2545_f491_4f6c_dd1d);
+    assert_eq!(
+        mount_metric(port, "lakecache_fuse_worker_whole_fetches_total", &[]),
+        1.0
+    );
+    wait_until("the object whole in the worker's cache", 60, || {
+        worker_metric(worker, "lakecache_cache_used", "") >= len as f64
+    });
+    let s3 = worker_metric(worker, "lakecache_s3_transferred", "") - s3_before;
+    println!("S3 sent {:.3}x the object", s3 / len as f64);
+    assert!(
+        s3 <= 1.1 * len as f64,
+        "S3 sent {s3} bytes for a {len}-byte object"
+    );
+    // Reads anywhere in it now cost S3 nothing.
+    let gets = worker_metric(worker, "lakecache_s3_requests", "op=\"get_object\"");
+    read_randomly_from(&file, &data, 64, 0x9e37_79b9_7f4a_7c15);
+    assert_eq!(
+        worker_metric(worker, "lakecache_s3_requests", "op=\"get_object\""),
+        gets
+    );
+}

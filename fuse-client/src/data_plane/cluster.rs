@@ -94,6 +94,10 @@ impl DataPlane for ClusterClient {
         Ok(ClusterClient::read_version(self, uri, range, version_id, etag).await?)
     }
 
+    async fn warm(&self, uri: &ObjectUri, etag: &str, size: u64) -> Result<(), DataError> {
+        Ok(self.warm_object(uri, etag, size).await?)
+    }
+
     async fn list(
         &self,
         bucket: &str,

@@ -172,6 +172,10 @@ impl<D: DataPlane> DataPlane for FaultyDataPlane<D> {
         })
     }
 
+    async fn warm(&self, uri: &ObjectUri, etag: &str, size: u64) -> Result<(), DataError> {
+        self.inner.warm(uri, etag, size).await
+    }
+
     async fn list(
         &self,
         bucket: &str,

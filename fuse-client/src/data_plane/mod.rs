@@ -113,6 +113,14 @@ pub trait DataPlane: Send + Sync + 'static {
         ))
     }
 
+    /// Has the cache fetch version `etag` of the object whole, in the
+    /// background (a random reader of it without a node-local tier);
+    /// planes without a cache of their own do nothing.
+    async fn warm(&self, uri: &ObjectUri, etag: &str, size: u64) -> Result<(), DataError> {
+        let _ = (uri, etag, size);
+        Ok(())
+    }
+
     /// One page of a ListObjectsV2-style listing.
     async fn list(
         &self,
