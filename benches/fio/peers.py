@@ -67,13 +67,19 @@ def endpoint_stats(port: int) -> tuple[float, float]:
 
 def peer_mount(tool: str, s: Setup, work: Path) -> subprocess.Popen:
     """The peer mounted at s.mnt, reading s.s3_url, caches off (cold)."""
-    if tool == "s3fs":
+    if tool.startswith("s3fs"):
         passwd = work / "s3fs-passwd"
         passwd.write_text(f"{ACCESS}:{SECRET}\n")
         passwd.chmod(0o600)
-        args = ["s3fs", BUCKET, str(s.mnt), "-f", "-o",
-                f"url={s.s3_url},use_path_request_style,passwd_file={passwd},"
-                "endpoint=us-east-1,listobjectsv2,ro"]
+        opts = (f"url={s.s3_url},use_path_request_style,passwd_file={passwd},"
+                "endpoint=us-east-1,listobjectsv2,ro")
+        if tool == "s3fs-cache":
+            # Its whole-file cache on local disk, empty at the start.
+            cache = work / "s3fs-cache"
+            shutil.rmtree(cache, ignore_errors=True)
+            cache.mkdir()
+            opts += f",use_cache={cache}"
+        args = ["s3fs", BUCKET, str(s.mnt), "-f", "-o", opts]
     else:
         remote = (f":s3,provider=Other,endpoint='{s.s3_url}',access_key_id={ACCESS},"
                   f"secret_access_key={SECRET},region=us-east-1,force_path_style=true,list_version=2:{BUCKET}")
@@ -117,6 +123,29 @@ def fio_capped(job: str, directory: Path, cap: int, env: dict) -> dict:
             "fio_cpu_s": cpu.fio_seconds(job0)}
 
 
+def by_process(run, parts: dict[str, int]) -> dict:
+    """Runs one measurement; adds `cpu_parts`: CPU-s per GiB of each named
+    process (and of the reader, fio or this script), so that the tool's
+    daemons, the S3 endpoint and the proxy can be told apart."""
+    before = {name: cpu.process_seconds(pid) for name, pid in parts.items()}
+    own = cpu._own_seconds()
+    result = run()
+    gib = max(result.get("bytes", 0), 1) / 2**30
+    used = {name: (cpu.process_seconds(pid) - before[name]) / gib for name, pid in parts.items()}
+    used["reader"] = (result.get("fio_cpu_s", 0.0) + cpu._own_seconds() - own) / gib
+    result["cpu_parts"] = used
+    return result
+
+
+def endpoint_pids(s: Setup) -> dict[str, int]:
+    """The S3 endpoint and the delay proxy in front of it."""
+    out = {"endpoint": s.s3.pid}
+    for p in s.procs:
+        if p.poll() is None and any("delay-proxy" in str(a) for a in p.args):
+            out["proxy"] = p.pid
+    return out
+
+
 def measure(job: str, env: dict, directory: Path, cap: int) -> dict:
     if job == "ls":
         return ls_then_read(directory)
@@ -154,7 +183,9 @@ def main() -> None:
         s.start_mount(tier=True, fresh_tier=True)
         drop_caches()
         before = s.s3_bytes()
-        r = cpu.measured(lambda: measure(job, env, s.mnt, a.cap), s.daemons())
+        parts = {"mount": s.mount.pid, "worker": s.worker.pid, **endpoint_pids(s)}
+        r = cpu.measured(lambda: by_process(lambda: measure(job, env, s.mnt, a.cap), parts),
+                         s.daemons())
         r["s3_per_byte"] = (s.s3_bytes() - before) / max(r["bytes"], 1)
         s.stop_mount()
         s.stop(s.worker)
@@ -164,7 +195,9 @@ def main() -> None:
         p = peer_mount(tool, s, work)
         drop_caches()
         before = endpoint_stats(s.s3_port)
-        r = cpu.measured(lambda: measure(job, env, s.mnt, a.cap), [p.pid])
+        parts = {tool: p.pid, **endpoint_pids(s)}
+        r = cpu.measured(lambda: by_process(lambda: measure(job, env, s.mnt, a.cap), parts),
+                         [p.pid])
         after = endpoint_stats(s.s3_port)
         r["s3_per_byte"] = (after[0] - before[0]) / max(r["bytes"], 1)
         r["gets"] = after[1] - before[1]
@@ -185,7 +218,7 @@ def main() -> None:
     write(a, tests, versions, out)
 
 
-PEERS = ("s3fs", "rclone")
+PEERS = ("s3fs", "s3fs-cache", "rclone")
 
 
 def write(a, tests, versions, out) -> None:
@@ -199,7 +232,8 @@ def write(a, tests, versions, out) -> None:
         f"The same s3-server and data as read-path.md, behind delay-proxy at {a.rtt_ms} ms "
         "RTT; page cache dropped before every run; every tool starts cold (lakecache: empty "
         "worker cache and local tier, TLS and tokens on; peers: default caches off, a "
-        "fresh mount per run). Peers: " + "; ".join(versions.values()) + ", mounted "
+        "fresh mount per run; s3fs-cache: s3fs with `use_cache` on local disk, empty at "
+        "the start of each run). Peers: " + "; ".join(versions.values()) + ", mounted "
         "read-only with default settings otherwise (rclone `--vfs-cache-mode off`). "
         f"Every job, local disk included, stops after {a.cap} s; its rate is over what it "
         f"read by then. Each cell: the median of {a.rounds} interleaved rounds "
@@ -211,8 +245,9 @@ def write(a, tests, versions, out) -> None:
         "worker and mount; the s3fs or rclone daemon) per GiB read, median over the rounds; "
         "the S3 endpoint and the delay proxy are left out.",
         "",
-        "| test | unit | local disk | lakecache | s3fs | rclone | lakecache / best peer |",
-        "|---|---|---|---|---|---|---|",
+        "| test | unit | local disk | lakecache | " + " | ".join(PEERS)
+        + " | lakecache / best peer |",
+        "|---|---|---|---|" + "---|" * len(PEERS) + "---|",
     ]
     for name, _, _, u in tests:
         lc = out[("lakecache", name)]
@@ -222,17 +257,35 @@ def write(a, tests, versions, out) -> None:
         ]
         lines.append(
             f"| {name} | {unit[u]} | {cell(out[('local', name)], u)} | {cell(lc, u)} | "
-            f"{cell(out[('s3fs', name)], u)} | {cell(out[('rclone', name)], u)} | "
-            f"{rounds.ratio_cell(lc, best, u)} |"
+            + " | ".join(cell(out[(t, name)], u) for t in PEERS)
+            + f" | {rounds.ratio_cell(lc, best, u)} |"
         )
     lines += ["", "## S3 bytes fetched per byte read", "",
-              "| test | lakecache | s3fs | rclone |", "|---|---|---|---|"]
+              "| test | lakecache | " + " | ".join(PEERS) + " |",
+              "|---|---|" + "---|" * len(PEERS)]
     for name, *_ in tests:
         lines.append(
             f"| {name} | "
             + " | ".join(cell(out[(t, name)], "s3_per_byte") for t in ("lakecache", *PEERS))
             + " |"
         )
+    lines += ["", "## CPU-s per GiB by process (median over the rounds)", "",
+              "The reader is fio (or the Python reader); the endpoint and the proxy "
+              "stand for the remote data lake and are the same programs for every tool.",
+              "", "| test | tool | reader | tool's daemons | endpoint | proxy |",
+              "|---|---|---|---|---|---|"]
+    for name, *_ in tests:
+        for tool in ("lakecache", *PEERS):
+            samples = out[(tool, name)]
+
+            def med(key, samples=samples):
+                vals = sorted(x["cpu_parts"].get(key, 0.0) for x in samples)
+                return vals[len(vals) // 2]
+
+            daemons = (f"mount {med('mount'):.2f} + worker {med('worker'):.2f}"
+                       if tool == "lakecache" else f"{med(tool):.2f}")
+            lines.append(f"| {name} | {tool} | {med('reader'):.2f} | {daemons} | "
+                         f"{med('endpoint'):.2f} | {med('proxy'):.2f} |")
     provenance.write(a.out, lines)
     print(f"wrote {a.out}")
 
