@@ -165,6 +165,7 @@ impl Fs {
 
     /// Serves reads from (and fills) a node-local tier.
     pub fn with_local_tier(mut self, tier: Arc<crate::local_tier::LocalTier>) -> Self {
+        self.prefetch.set_tier(tier.clone());
         self.completer = Some(Arc::new(crate::complete::Completer::new(
             self.data.clone(),
             tier.clone(),

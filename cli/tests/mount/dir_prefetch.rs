@@ -150,3 +150,35 @@ fn drop_page_cache(path: &Path) {
     let rc = unsafe { libc::posix_fadvise(f.as_raw_fd(), 0, 0, libc::POSIX_FADV_DONTNEED) };
     assert_eq!(rc, 0);
 }
+
+#[test]
+fn sizes_that_are_not_sizes_are_refused_before_mounting() {
+    let env = Env::start(1);
+    for (flag, value) in [
+        ("--dir-prefetch-window", "lots"),
+        ("--dir-prefetch-window", "-1"),
+        ("--random-whole-max", "-1"),
+        ("--random-whole-max", "2 GiB of it"),
+    ] {
+        let out = env
+            .mount_command()
+            .arg(format!("{flag}={value}"))
+            .output_bounded()
+            .unwrap();
+        let stderr = String::from_utf8_lossy(&out.stderr);
+        assert!(
+            !out.status.success()
+                && stderr.contains(&format!("invalid value '{value}' for '{flag}")),
+            "{flag}={value}: {}\n{stderr}",
+            out.status
+        );
+        assert!(!is_mounted(&env.mountpoint()), "{flag}={value} mounted");
+    }
+}
+
+fn is_mounted(mountpoint: &Path) -> bool {
+    fs::read_to_string("/proc/self/mounts")
+        .unwrap()
+        .lines()
+        .any(|l| l.split(' ').nth(1) == Some(mountpoint.to_str().unwrap()))
+}

@@ -73,6 +73,9 @@ pub struct DirPrefetch {
     window_bytes: u64,
     fetches: Arc<Semaphore>,
     runs: Mutex<HashMap<u64, DirRun>>,
+    /// The node-local tier: files whole there are read locally (or
+    /// passed through), so they are not fetched ahead.
+    tier: Option<Arc<crate::local_tier::LocalTier>>,
     pub stats: Arc<PrefetchStats>,
 }
 
@@ -225,8 +228,14 @@ impl DirPrefetch {
             window_bytes,
             fetches: Arc::new(Semaphore::new(FETCHES_IN_FLIGHT)),
             runs: Mutex::default(),
+            tier: None,
             stats: Arc::default(),
         }
+    }
+
+    /// Skips files the node-local tier holds whole.
+    pub fn set_tier(&mut self, tier: Arc<crate::local_tier::LocalTier>) {
+        self.tier = Some(tier);
     }
 
     fn lock(&self) -> std::sync::MutexGuard<'_, HashMap<u64, DirRun>> {
@@ -362,6 +371,14 @@ impl DirPrefetch {
                 run.next += 1;
                 continue;
             };
+            let local = self
+                .tier
+                .as_ref()
+                .and_then(|t| t.get(&uri.to_string(), &etag));
+            if local.is_some_and(|o| o.is_complete()) {
+                run.next += 1;
+                continue;
+            }
             let (data, fetches) = (self.data.clone(), self.fetches.clone());
             let tag = etag.clone();
             let fetch = tokio::spawn(async move {
