@@ -9,7 +9,7 @@ use super::*;
 const FILE: usize = 100 << 10;
 
 /// Mounts with a metrics listener and `extra` flags; the metrics port.
-fn mount_with_metrics(env: &mut Env, extra: &[&str]) -> u16 {
+pub(super) fn mount_with_metrics(env: &mut Env, extra: &[&str]) -> u16 {
     let mut cmd = env.mount_command();
     cmd.args(["--metrics-listen", "127.0.0.1:0"])
         .args(["--entry-ttl", "3600", "--attr-ttl", "3600"])

@@ -263,17 +263,7 @@ fn objects_under_a_whole_prefix_are_completed_after_a_header_read_and_others_are
 /// `reads` reads of 4 KiB at pseudo-random offsets of `file`, each
 /// checked against `data`.
 fn read_randomly(file: &Path, data: &[u8], reads: usize) {
-    let f = File::open(file).unwrap();
-    let mut x = 0x2545_f491_4f6c_dd1d_u64;
-    let mut buf = vec![0u8; 4096];
-    for _ in 0..reads {
-        x ^= x << 13;
-        x ^= x >> 7;
-        x ^= x << 17;
-        let at = (x % (data.len() as u64 / 4096)) * 4096;
-        f.read_exact_at(&mut buf, at).unwrap();
-        assert_eq!(buf, data[at as usize..at as usize + 4096], "at {at}");
-    }
+    read_randomly_from(file, data, reads, 0x2545_f491_4f6c_dd1d);
 }
 
 #[test]
@@ -348,15 +338,7 @@ fn without_a_tier_a_random_reader_gets_the_object_fetched_whole_into_the_worker(
     let len: usize = 64 << 20;
     let data = pattern(len, 89);
     env.put("shuffled.bin", Bytes::from(data.clone()));
-    let mut cmd = env.mount_command();
-    cmd.args(["--metrics-listen", "127.0.0.1:0"]);
-    env.spawn_mount(&mut cmd);
-    env.wait_mount_serving();
-    let port = env
-        .mount
-        .as_mut()
-        .expect("mounted")
-        .wait_for_port("mount metrics at http://", Duration::from_secs(30));
+    let port = super::dir_prefetch::mount_with_metrics(&mut env, &[]);
     let worker = env.workers[0].0;
     let s3_before = worker_metric_baseline(worker, "lakecache_s3_transferred", "");
     let file = env.mountpoint().join("shuffled.bin");
