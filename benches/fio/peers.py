@@ -224,13 +224,13 @@ PEERS = ("s3fs", "s3fs-cache", "rclone")
 def write(a, tests, versions, out) -> None:
     unit = {"mib_s": "MiB/s", "iops": "IOPS"}
     cell = rounds.cell
+    where = f"behind delay-proxy at {a.rtt_ms} ms RTT" if a.rtt_ms else "on loopback (no proxy)"
     lines = [
         f"# Cold reads at {a.rtt_ms} ms RTT: lakecache vs s3fs and rclone",
         "",
         *provenance.header(),
         "Run as root after `read_path.py` laid the datasets out in the same --work.",
-        f"The same s3-server and data as read-path.md, behind delay-proxy at {a.rtt_ms} ms "
-        "RTT; page cache dropped before every run; every tool starts cold (lakecache: empty "
+        f"The same s3-server and data as read-path.md, {where}; page cache dropped before every run; every tool starts cold (lakecache: empty "
         "worker cache and local tier, TLS and tokens on; peers: default caches off, a "
         "fresh mount per run; s3fs-cache: s3fs with `use_cache` on local disk, empty at "
         "the start of each run). Peers: " + "; ".join(versions.values()) + ", mounted "
@@ -276,16 +276,18 @@ def write(a, tests, versions, out) -> None:
               "|---|---|---|---|---|---|"]
     for name, *_ in tests:
         for tool in ("lakecache", *PEERS):
-            samples = out[(tool, name)]
+            parts = [x["cpu_parts"] for x in out[(tool, name)]]
 
-            def med(key, samples=samples):
-                vals = sorted(x["cpu_parts"].get(key, 0.0) for x in samples)
-                return vals[len(vals) // 2]
+            def med(key, parts=parts):
+                # No proxy runs at 0 ms: shown as absent, never as 0.
+                if all(key not in p for p in parts):
+                    return "—"
+                return f"{rounds.median(parts, key):.2f}"
 
-            daemons = (f"mount {med('mount'):.2f} + worker {med('worker'):.2f}"
-                       if tool == "lakecache" else f"{med(tool):.2f}")
-            lines.append(f"| {name} | {tool} | {med('reader'):.2f} | {daemons} | "
-                         f"{med('endpoint'):.2f} | {med('proxy'):.2f} |")
+            daemons = (f"mount {med('mount')} + worker {med('worker')}"
+                       if tool == "lakecache" else med(tool))
+            lines.append(f"| {name} | {tool} | {med('reader')} | {daemons} | "
+                         f"{med('endpoint')} | {med('proxy')} |")
     provenance.write(a.out, lines)
     print(f"wrote {a.out}")
 

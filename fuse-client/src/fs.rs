@@ -847,7 +847,7 @@ impl Fs {
         if !updating && self.config.tier_whole_for(&node.key) {
             reader.ask_whole();
         }
-        if !updating {
+        if !updating && self.prefetch.enabled() {
             let listing = self
                 .inodes
                 .get(node.parent)

@@ -238,6 +238,11 @@ impl DirPrefetch {
         self.tier = Some(tier);
     }
 
+    /// Whether a window may open at all (a zero window turns it off).
+    pub fn enabled(&self) -> bool {
+        self.window_bytes > 0
+    }
+
     fn lock(&self) -> std::sync::MutexGuard<'_, HashMap<u64, DirRun>> {
         self.runs.lock().unwrap_or_else(|p| p.into_inner())
     }
@@ -254,7 +259,7 @@ impl DirPrefetch {
         etag: &str,
         size: u64,
     ) -> Option<Prefetched> {
-        if self.window_bytes == 0 {
+        if !self.enabled() {
             return None;
         }
         let mut runs = self.lock();
