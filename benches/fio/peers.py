@@ -230,7 +230,8 @@ def write(a, tests, versions, out) -> None:
         "",
         *provenance.header(),
         "Run as root after `read_path.py` laid the datasets out in the same --work.",
-        f"The same s3-server and data as read-path.md, {where}; page cache dropped before every run; every tool starts cold (lakecache: empty "
+        f"The same s3-server and data as read-path.md, {where}; page cache dropped before "
+        "every run; every tool starts cold (lakecache: empty "
         "worker cache and local tier, TLS and tokens on; peers: default caches off, a "
         "fresh mount per run; s3fs-cache: s3fs with `use_cache` on local disk, empty at "
         "the start of each run). Peers: " + "; ".join(versions.values()) + ", mounted "
