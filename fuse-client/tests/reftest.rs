@@ -124,4 +124,28 @@ mod found {
             },
         ]);
     }
+
+    #[test]
+    fn a_renamed_directory_lists_what_was_created_in_it_after_a_listing() {
+        run(vec![
+            Mkdir { dir: 0, name: 0 },
+            Create { dir: 2, name: 3 },
+            Rename {
+                dir: 0,
+                name: 3,
+                to_dir: 1,
+                to_name: 0,
+            },
+            Mkdir { dir: 2, name: 1 },
+            Readdir { dir: 2 },
+            Rename {
+                dir: 3,
+                name: 0,
+                to_dir: 3,
+                to_name: 1,
+            },
+            Mkdir { dir: 2, name: 2 },
+            Readdir { dir: 4 },
+        ]);
+    }
 }

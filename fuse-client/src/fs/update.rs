@@ -396,6 +396,8 @@ impl Fs {
         }
         self.inodes.rekey_under(&src.key, new_key);
         self.listings.invalidate_under(&src.key);
+        // The target may be an empty directory that was listed before.
+        self.listings.invalidate_under(new_key);
         Ok(())
     }
 }
