@@ -998,6 +998,18 @@ impl Fs {
         Ok((node, fh))
     }
 
+    /// A read the node-local tier serves at once, on the calling thread
+    /// (see [`FileReader::read_tier_now`]); `None`: use [`Self::read`].
+    /// Never waits: a handle busy with another read is left to it.
+    pub fn read_now(&self, fh: u64, offset: u64, len: u32) -> Option<Bytes> {
+        match self.handle(fh).ok()? {
+            Handle::Read { reader, .. } => {
+                reader.try_lock().ok()?.read_tier_now(offset, len.into())
+            }
+            _ => None,
+        }
+    }
+
     pub async fn read(&self, fh: u64, offset: u64, len: u32) -> Result<Bytes, FsError> {
         match self.handle(fh)? {
             Handle::Read { reader, ino } => {

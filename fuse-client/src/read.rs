@@ -292,6 +292,45 @@ impl FileReader {
         Ok(bytes)
     }
 
+    /// Bytes `[offset, offset + len)` when the node-local tier holds them
+    /// and no read-ahead covers them, read on the calling thread: a read
+    /// the tier can serve costs no hop through the runtime. `None`: use
+    /// [`Self::read`]. Call within the runtime's context (completion of
+    /// the tier copy may start).
+    pub fn read_tier_now(&mut self, offset: u64, len: u64) -> Option<Bytes> {
+        let end = offset.saturating_add(len).min(self.size);
+        let object = self.tier.clone()?;
+        let buffered = match (self.chunks.front(), self.chunks.back()) {
+            (Some(f), Some(b)) => f.range.start <= offset && offset < b.range.end,
+            _ => false,
+        };
+        if offset >= end || buffered || !object.covers(offset, end - offset) {
+            return None;
+        }
+        match object.read_checked(offset, end - offset, &mut self.tier_checked) {
+            Ok(Some(bytes)) => {
+                self.track_run(offset, end);
+                object.note_read();
+                crate::metrics::global().tier_hit(bytes.len() as u64);
+                self.next_offset = self.next_offset.max(end);
+                self.served = true;
+                Some(bytes)
+            }
+            Ok(None) => None,
+            Err(e) => {
+                crate::local_tier::Damage::of(&e).note(
+                    object_id(&self.tier),
+                    &e,
+                    "reading from the workers",
+                );
+                if let Some(object) = self.tier.take() {
+                    object.forget_blocks();
+                }
+                None
+            }
+        }
+    }
+
     async fn read_range(&mut self, offset: u64, len: u64) -> Result<Bytes, FsError> {
         let end = offset.saturating_add(len).min(self.size);
         if offset >= end {
@@ -585,6 +624,43 @@ mod tests {
             tokio::time::sleep(std::time::Duration::from_millis(10)).await;
         }
         panic!("the local tier never completed");
+    }
+
+    #[tokio::test]
+    async fn reads_the_tier_holds_are_served_at_once_and_damage_still_caught() {
+        use crate::local_tier::LocalTier;
+        use std::os::unix::fs::FileExt;
+        let len = 3 * MIB + 5;
+        let (rec, reader, body) = setup(len);
+        let dir = tempfile::tempdir().unwrap();
+        let tier = LocalTier::open(dir.path(), 64 * MIB).unwrap();
+        let object = tier
+            .get_or_create("s3://bkt/obj", &reader.etag, len)
+            .unwrap();
+        let mut r = reader.with_tier(Some(object.clone()), None);
+        assert!(r.read_tier_now(0, 4096).is_none(), "nothing is there yet");
+        object.fill(MIB, &body[MIB as usize..2 * MIB as usize]).unwrap();
+        let fetched = rec.read_ranges().len();
+        for at in [MIB, MIB + 4096 * 7, 2 * MIB - 4096] {
+            let got = r.read_tier_now(at, 4096).expect("a filled block");
+            assert_eq!(&got[..], expect(&body, at, 4096));
+        }
+        assert!(r.read_tier_now(2 * MIB - 100, 4096).is_none(), "spans a hole");
+        assert_eq!(rec.read_ranges().len(), fetched, "no request left the node");
+        assert!(r.has_served());
+
+        // A flipped byte in a block this reader has not checked yet: not
+        // served, the copy is dropped, and the next read goes out.
+        object.fill(0, &body[..MIB as usize]).unwrap();
+        let f = std::fs::OpenOptions::new()
+            .write(true)
+            .open(object.backing_path())
+            .unwrap();
+        f.write_all_at(&[body[100] ^ 0xff], 100).unwrap();
+        assert!(r.read_tier_now(0, 4096).is_none());
+        assert!(!object.covers(0, 4096), "the damaged block is forgotten");
+        assert_eq!(&r.read(0, 4096).await.unwrap()[..], expect(&body, 0, 4096));
+        assert!(rec.read_ranges().len() > fetched, "fetched from the workers");
     }
 
     #[tokio::test]
