@@ -318,16 +318,19 @@ impl FileReader {
             }
             Ok(None) => None,
             Err(e) => {
-                crate::local_tier::Damage::of(&e).note(
-                    object_id(&self.tier),
-                    &e,
-                    "reading from the workers",
-                );
-                if let Some(object) = self.tier.take() {
-                    object.forget_blocks();
-                }
+                self.drop_damaged_tier(&e);
                 None
             }
+        }
+    }
+
+    /// A damaged or failing local copy costs speed, not the read: this
+    /// reader goes to the workers, and the copy's blocks are fetched
+    /// again by later reads.
+    fn drop_damaged_tier(&mut self, e: &crate::local_tier::TierError) {
+        crate::local_tier::Damage::of(e).note(object_id(&self.tier), e, "reading from the workers");
+        if let Some(object) = self.tier.take() {
+            object.forget_blocks();
         }
     }
 
@@ -366,19 +369,7 @@ impl FileReader {
                     return Ok(bytes);
                 }
                 Ok(None) => {}
-                Err(e) => {
-                    // A damaged or failing local copy costs speed, not
-                    // the read: this reader goes to the workers, and the
-                    // copy's blocks are fetched again by later reads.
-                    crate::local_tier::Damage::of(&e).note(
-                        object_id(&self.tier),
-                        &e,
-                        "reading from the workers",
-                    );
-                    if let Some(object) = self.tier.take() {
-                        object.forget_blocks();
-                    }
-                }
+                Err(e) => self.drop_damaged_tier(&e),
             }
         }
         // A reader in random mode (no window) turns sequential only by
@@ -626,31 +617,51 @@ mod tests {
         panic!("the local tier never completed");
     }
 
-    #[tokio::test]
-    async fn reads_the_tier_holds_are_served_at_once_and_damage_still_caught() {
-        use crate::local_tier::LocalTier;
-        use std::os::unix::fs::FileExt;
-        let len = 3 * MIB + 5;
+    /// [`setup`] with an empty node-local tier and its object for the reader's version.
+    #[allow(clippy::type_complexity)]
+    fn setup_with_tier(
+        len: u64,
+    ) -> (
+        Arc<FaultyDataPlane<MemoryDataPlane>>,
+        FileReader,
+        Vec<u8>,
+        tempfile::TempDir,
+        crate::local_tier::LocalTier,
+        Arc<TierObject>,
+    ) {
         let (rec, reader, body) = setup(len);
         let dir = tempfile::tempdir().unwrap();
-        let tier = LocalTier::open(dir.path(), 64 * MIB).unwrap();
+        let tier = crate::local_tier::LocalTier::open(dir.path(), 64 * MIB).unwrap();
         let object = tier
             .get_or_create("s3://bkt/obj", &reader.etag, len)
             .unwrap();
+        (rec, reader, body, dir, tier, object)
+    }
+
+    #[tokio::test]
+    async fn reads_the_tier_holds_are_served_at_once_and_damage_still_caught() {
+        use std::os::unix::fs::FileExt;
+        let len = 3 * MIB + 5;
+        let (rec, reader, body, _dir, _tier, object) = setup_with_tier(len);
         let mut r = reader.with_tier(Some(object.clone()), None);
         assert!(r.read_tier_now(0, 4096).is_none(), "nothing is there yet");
-        object.fill(MIB, &body[MIB as usize..2 * MIB as usize]).unwrap();
+        object
+            .fill(MIB, &body[MIB as usize..2 * MIB as usize])
+            .unwrap();
         let fetched = rec.read_ranges().len();
         for at in [MIB, MIB + 4096 * 7, 2 * MIB - 4096] {
             let got = r.read_tier_now(at, 4096).expect("a filled block");
             assert_eq!(&got[..], expect(&body, at, 4096));
         }
-        assert!(r.read_tier_now(2 * MIB - 100, 4096).is_none(), "spans a hole");
+        assert!(
+            r.read_tier_now(2 * MIB - 100, 4096).is_none(),
+            "spans a hole"
+        );
         assert_eq!(rec.read_ranges().len(), fetched, "no request left the node");
         assert!(r.has_served());
 
         // A flipped byte in a block this reader has not checked yet: not
-        // served, the copy is dropped, and the next read goes out.
+        // served, the block is forgotten, and the next read goes out.
         object.fill(0, &body[..MIB as usize]).unwrap();
         let f = std::fs::OpenOptions::new()
             .write(true)
@@ -660,20 +671,17 @@ mod tests {
         assert!(r.read_tier_now(0, 4096).is_none());
         assert!(!object.covers(0, 4096), "the damaged block is forgotten");
         assert_eq!(&r.read(0, 4096).await.unwrap()[..], expect(&body, 0, 4096));
-        assert!(rec.read_ranges().len() > fetched, "fetched from the workers");
+        assert!(
+            rec.read_ranges().len() > fetched,
+            "fetched from the workers"
+        );
     }
 
     #[tokio::test]
     async fn a_second_read_comes_from_the_local_tier_and_damage_is_refetched() {
-        use crate::local_tier::LocalTier;
         use std::os::unix::fs::FileExt;
         let len = 5 * MIB + 123;
-        let (rec, reader, body) = setup(len);
-        let dir = tempfile::tempdir().unwrap();
-        let tier = LocalTier::open(dir.path(), 64 * MIB).unwrap();
-        let object = tier
-            .get_or_create("s3://bkt/obj", &reader.etag, len)
-            .unwrap();
+        let (rec, reader, body, _dir, tier, object) = setup_with_tier(len);
         let mut first = reader.with_tier(Some(object.clone()), None);
         assert_eq!(read_all(&mut first, len).await, body);
         wait_complete(&object).await;
