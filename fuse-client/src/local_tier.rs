@@ -685,6 +685,12 @@ impl CheckedBlocks {
         self.0.get(i / 64).is_some_and(|w| w & (1 << (i % 64)) != 0)
     }
 
+    /// Whether every block `[offset, end)` touches was checked (a read of
+    /// them reads only its own bytes). An empty range is covered.
+    pub fn cover(&self, offset: u64, end: u64) -> bool {
+        offset >= end || (offset / BLOCK..=(end - 1) / BLOCK).all(|i| self.contains(i as usize))
+    }
+
     fn insert(&mut self, i: usize) {
         if self.0.len() <= i / 64 {
             self.0.resize(i / 64 + 1, 0);

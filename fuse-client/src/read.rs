@@ -293,10 +293,11 @@ impl FileReader {
     }
 
     /// Bytes `[offset, offset + len)` when the node-local tier holds them
-    /// and no read-ahead covers them, read on the calling thread: a read
-    /// the tier can serve costs no hop through the runtime. `None`: use
-    /// [`Self::read`]. Call within the runtime's context (completion of
-    /// the tier copy may start).
+    /// in blocks this reader has checked and no read-ahead covers them,
+    /// read on the calling thread: such a read costs no hop through the
+    /// runtime. A block's first read (a whole block read for its CRC)
+    /// stays off this thread. `None`: use [`Self::read`]. Call within the
+    /// runtime's context (completion of the tier copy may start).
     pub fn read_tier_now(&mut self, offset: u64, len: u64) -> Option<Bytes> {
         let end = offset.saturating_add(len).min(self.size);
         let object = self.tier.clone()?;
@@ -304,7 +305,11 @@ impl FileReader {
             (Some(f), Some(b)) => f.range.start <= offset && offset < b.range.end,
             _ => false,
         };
-        if offset >= end || buffered || !object.covers(offset, end - offset) {
+        if offset >= end
+            || buffered
+            || !self.tier_checked.cover(offset, end)
+            || !object.covers(offset, end - offset)
+        {
             return None;
         }
         match object.read_checked(offset, end - offset, &mut self.tier_checked) {
@@ -649,6 +654,14 @@ mod tests {
             .fill(MIB, &body[MIB as usize..2 * MIB as usize])
             .unwrap();
         let fetched = rec.read_ranges().len();
+        assert!(
+            r.read_tier_now(MIB, 4096).is_none(),
+            "a block's first read, which checks it whole, is left to the runtime"
+        );
+        assert_eq!(
+            &r.read(MIB, 4096).await.unwrap()[..],
+            expect(&body, MIB, 4096)
+        );
         for at in [MIB, MIB + 4096 * 7, 2 * MIB - 4096] {
             let got = r.read_tier_now(at, 4096).expect("a filled block");
             assert_eq!(&got[..], expect(&body, at, 4096));
@@ -660,17 +673,18 @@ mod tests {
         assert_eq!(rec.read_ranges().len(), fetched, "no request left the node");
         assert!(r.has_served());
 
-        // A flipped byte in a block this reader has not checked yet: not
-        // served, the block is forgotten, and the next read goes out.
+        // A flipped byte in a block this reader has not checked yet: its
+        // first read checks it, forgets it and reads from the workers.
         object.fill(0, &body[..MIB as usize]).unwrap();
         let f = std::fs::OpenOptions::new()
             .write(true)
             .open(object.backing_path())
             .unwrap();
         f.write_all_at(&[body[100] ^ 0xff], 100).unwrap();
-        assert!(r.read_tier_now(0, 4096).is_none());
-        assert!(!object.covers(0, 4096), "the damaged block is forgotten");
+        assert!(r.read_tier_now(0, 4096).is_none(), "not checked yet");
         assert_eq!(&r.read(0, 4096).await.unwrap()[..], expect(&body, 0, 4096));
+        assert!(!object.covers(0, 4096), "the damaged block is forgotten");
+        assert!(r.read_tier_now(0, 4096).is_none());
         assert!(
             rec.read_ranges().len() > fetched,
             "fetched from the workers"
