@@ -301,15 +301,9 @@ impl FileReader {
     pub fn read_tier_now(&mut self, offset: u64, len: u64) -> Option<Bytes> {
         let end = offset.saturating_add(len).min(self.size);
         let object = self.tier.clone()?;
-        let buffered = match (self.chunks.front(), self.chunks.back()) {
-            (Some(f), Some(b)) => f.range.start <= offset && offset < b.range.end,
-            _ => false,
-        };
-        if offset >= end
-            || buffered
-            || !self.tier_checked.cover(offset, end)
-            || !object.covers(offset, end - offset)
-        {
+        let buffered = self.buffered(offset);
+        // read_checked answers None, without I/O, where a block is missing.
+        if offset >= end || buffered || !self.tier_checked.cover(offset, end) {
             return None;
         }
         match object.read_checked(offset, end - offset, &mut self.tier_checked) {
@@ -326,6 +320,14 @@ impl FileReader {
                 self.drop_damaged_tier(&e);
                 None
             }
+        }
+    }
+
+    /// Whether `offset` lies in the read-ahead already fetched or on its way.
+    fn buffered(&self, offset: u64) -> bool {
+        match (self.chunks.front(), self.chunks.back()) {
+            (Some(f), Some(b)) => f.range.start <= offset && offset < b.range.end,
+            _ => false,
         }
     }
 
@@ -348,10 +350,7 @@ impl FileReader {
         if let Some(object) = &self.tier {
             object.note_read();
         }
-        let buffered = match (self.chunks.front(), self.chunks.back()) {
-            (Some(f), Some(b)) => f.range.start <= offset && offset < b.range.end,
-            _ => false,
-        };
+        let buffered = self.buffered(offset);
         // Bytes already fetched (or on their way) are served from memory;
         // otherwise the tier, where a miss is known without I/O.
         if let Some(object) = self
