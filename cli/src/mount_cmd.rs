@@ -91,6 +91,11 @@ pub struct FuseArgs {
     /// what it asks)
     #[arg(long, env = "LAKECACHE_RANDOM_WHOLE_MAX", default_value = "2GiB")]
     pub random_whole_max: ByteSize,
+    /// Do not push a random reader's whole-fetched object into the
+    /// kernel's page cache as it arrives (its reads then each ask the
+    /// mount, which serves them from the node-local tier)
+    #[arg(long, env = "LAKECACHE_NO_PAGE_CACHE_PUSH")]
+    pub no_page_cache_push: bool,
     /// A reader that opens a directory's files one after another (in
     /// listing order, or numbered names in number order) gets the next
     /// files fetched whole before it opens them, up to this many bytes
@@ -155,6 +160,7 @@ impl FuseArgs {
         config.posix_metadata = self.posix_metadata;
         config.truncate_rewrite_max = self.truncate_rewrite_max.0;
         config.random_whole_max = self.random_whole_max.0;
+        config.push_page_cache = !self.no_page_cache_push;
         // Read-ahead and queued uploads share the budget.
         config.dir_prefetch_window = self.dir_prefetch_window.0.min(config.memory_limit / 2);
         if config.dir_prefetch_window < self.dir_prefetch_window.0 {
@@ -418,7 +424,11 @@ pub const LOCAL_TIER_PATH: &str = "/v1/local-tier";
 pub fn start_local_tier(fs: &Fs) -> lakecache_telemetry::JsonRoutes {
     let mut routes = lakecache_telemetry::JsonRoutes::new();
     if let (Some(tier), Some(completer)) = (fs.local_tier(), fs.completer()) {
-        lakecache_fuse::metrics::global().observe_local_tier(tier.clone(), completer.clone());
+        lakecache_fuse::metrics::global().observe_local_tier(
+            tier.clone(),
+            completer.clone(),
+            fs.kernel_cache().clone(),
+        );
         let (tier, completer) = (tier.clone(), completer.clone());
         let view: lakecache_telemetry::JsonView = Arc::new(move || {
             serde_json::to_value(tier.report(Some(&completer))).unwrap_or_else(

@@ -15,6 +15,7 @@ use futures::StreamExt;
 use lakecache_protocol::ObjectUri;
 
 use crate::data_plane::{read_exact, DataError, DataPlane};
+use crate::kernel_cache::KernelCache;
 use crate::local_tier::{LocalTier, TierObject};
 use crate::memory::MemoryBudget;
 
@@ -105,6 +106,8 @@ pub struct Completer {
     wake: tokio::sync::Notify,
     started: AtomicBool,
     stats: CompletionStats,
+    /// Where a random reader's fetched bytes are also pushed.
+    kernel_cache: Option<Arc<KernelCache>>,
 }
 
 impl Completer {
@@ -117,7 +120,15 @@ impl Completer {
             wake: tokio::sync::Notify::new(),
             started: AtomicBool::new(false),
             stats: CompletionStats::default(),
+            kernel_cache: None,
         }
+    }
+
+    /// Pushes what it fetches for a random reader into the kernel's page
+    /// cache too.
+    pub fn with_kernel_cache(mut self, kernel_cache: Arc<KernelCache>) -> Self {
+        self.kernel_cache = Some(kernel_cache);
+        self
     }
 
     pub fn stats(&self) -> &CompletionStats {
@@ -306,6 +317,17 @@ impl Completer {
             Err(e) => return Err(Outcome::Retry(e.to_string())),
         };
         self.stats.fetched_bytes.fetch_add(len, Ordering::Relaxed);
+        // The reader gets the bytes from the kernel as soon as they are
+        // pushed, beside the write to the tier (held in the budget apart
+        // from the fill's share, or not pushed).
+        if let Some(kernel_cache) = self.kernel_cache.as_ref() {
+            if job.object.wanted_now() {
+                if let Some(pushed) = self.budget.try_reserve(len) {
+                    let uri = job.uri.to_string();
+                    kernel_cache.offer(&uri, &job.etag, range.start, bytes.clone(), pushed);
+                }
+            }
+        }
         let object = job.object.clone();
         let written = tokio::task::spawn_blocking(move || {
             let r = object.fill(range.start, &bytes);

@@ -41,6 +41,10 @@ pub struct FsConfig {
     /// A random reader (3 jumps in one open) of an object at most this
     /// large gets it fetched whole into the node-local tier; 0: never.
     pub random_whole_max: u64,
+    /// A random reader's whole-fetched object is also pushed into the
+    /// kernel's page cache for its inode as it arrives (see
+    /// `kernel_cache`), so its later reads never reach this process.
+    pub push_page_cache: bool,
     /// Bytes fetched ahead of a reader that opens a directory's files in
     /// order (small files, fetched whole); 0: off.
     pub dir_prefetch_window: u64,
@@ -83,6 +87,7 @@ impl FsConfig {
             write_back_prefixes: Vec::new(),
             tier_whole_prefixes: Vec::new(),
             random_whole_max: 2 << 30,
+            push_page_cache: true,
             dir_prefetch_window: 64 << 20,
             posix_metadata: true,
             truncate_rewrite_max: 1 << 30,

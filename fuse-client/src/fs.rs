@@ -61,7 +61,9 @@ enum Handle {
 pub struct Fs {
     data: Arc<dyn DataPlane>,
     config: FsConfig,
-    inodes: InodeTable,
+    inodes: Arc<InodeTable>,
+    /// Pushes whole-fetched objects into the kernel's page cache.
+    kernel_cache: Arc<crate::kernel_cache::KernelCache>,
     handles: Mutex<HashMap<u64, Handle>>,
     next_fh: AtomicU64,
     listings: Arc<ListingCache>,
@@ -136,7 +138,9 @@ impl Fs {
     }
 
     pub fn new(data: Arc<dyn DataPlane>, config: FsConfig) -> Self {
-        let inodes = InodeTable::new(&config.prefix);
+        let inodes = Arc::new(InodeTable::new(&config.prefix));
+        let kernel_cache =
+            crate::kernel_cache::KernelCache::new(inodes.clone(), config.push_page_cache);
         tracing::debug!(bytes = config.memory_limit, "mount memory budget");
         let memory = MemoryBudget::new(config.memory_limit);
         let prefetch = DirPrefetch::new(
@@ -152,6 +156,7 @@ impl Fs {
             lookup_misses: Mutex::default(),
             config,
             inodes,
+            kernel_cache,
             handles: Mutex::new(HashMap::new()),
             next_fh: AtomicU64::new(1),
             forgets: AtomicU64::new(0),
@@ -166,13 +171,18 @@ impl Fs {
     /// Serves reads from (and fills) a node-local tier.
     pub fn with_local_tier(mut self, tier: Arc<crate::local_tier::LocalTier>) -> Self {
         self.prefetch.set_tier(tier.clone());
-        self.completer = Some(Arc::new(crate::complete::Completer::new(
-            self.data.clone(),
-            tier.clone(),
-            self.memory.clone(),
-        )));
+        self.completer = Some(Arc::new(
+            crate::complete::Completer::new(self.data.clone(), tier.clone(), self.memory.clone())
+                .with_kernel_cache(self.kernel_cache.clone()),
+        ));
         self.tier = Some(tier);
         self
+    }
+
+    /// Pushes whole-fetched objects into the kernel's page cache, once
+    /// the mount connects it to the kernel.
+    pub fn kernel_cache(&self) -> &Arc<crate::kernel_cache::KernelCache> {
+        &self.kernel_cache
     }
 
     /// The tier's background completion, when the mount has a tier.
@@ -805,7 +815,11 @@ impl Fs {
         if access != libc::O_RDONLY && replaces {
             let previous = Some(node.meta.clone());
             let owner = tgid_of(pid).await;
-            return self.open_for_write(node, flags, owner, previous);
+            let opened = self.open_for_write(node, flags, owner, previous)?;
+            // The inode shows the new file now: no old bytes may land in
+            // the page cache the kernel truncates after this reply.
+            self.kernel_cache.settle(ino).await;
+            return Ok(opened);
         }
         // Without O_TRUNC the object is read as usual and copied to a
         // spool on its first change (fio's verify pass only reads).
@@ -821,7 +835,13 @@ impl Fs {
         let keep_cache = node.page_cache_etag.as_deref() == Some(etag.as_str());
         self.inodes
             .update(ino, |n| n.page_cache_etag = Some(etag.clone()));
+        if !keep_cache {
+            // The kernel drops the inode's pages after this reply: a store
+            // of another version's bytes must not land after that.
+            self.kernel_cache.settle(ino).await;
+        }
         let uri = self.uri(&node.key)?;
+        let (uri_text, version) = (uri.to_string(), etag.clone());
         let tier_object = self.tier_object(&uri, &etag, node.meta.size).await;
         let mut reader = FileReader::new(
             self.data.clone(),
@@ -871,6 +891,7 @@ impl Fs {
             reader: Arc::new(AsyncMutex::new(reader)),
             ino,
         });
+        self.kernel_cache.opened(fh, ino, &uri_text, &version);
         Ok((fh, keep_cache))
     }
 
@@ -1101,6 +1122,7 @@ impl Fs {
     }
 
     pub async fn release(&self, fh: u64) -> Result<(), FsError> {
+        self.kernel_cache.closed(fh);
         let result = match self.handle(fh) {
             Ok(Handle::Write { .. }) => self.commit(fh).await,
             Ok(Handle::Update(u)) => self.update_release(fh, &u).await,

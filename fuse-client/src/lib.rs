@@ -12,6 +12,7 @@ pub mod dir;
 pub mod error;
 pub mod fs;
 pub mod inode;
+pub mod kernel_cache;
 pub mod local_tier;
 pub mod memory;
 pub mod metrics;

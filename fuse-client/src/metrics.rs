@@ -111,6 +111,7 @@ impl MountMetrics {
         &self,
         tier: Arc<crate::local_tier::LocalTier>,
         completer: Arc<crate::complete::Completer>,
+        kernel_cache: Arc<crate::kernel_cache::KernelCache>,
     ) {
         use std::sync::atomic::Ordering::Relaxed;
         let meter = self.registry.meter("lakecache-mount");
@@ -184,6 +185,24 @@ impl MountMetrics {
                 o.observe(
                     s.abandoned.load(Relaxed),
                     &[KeyValue::new("outcome", "abandoned")],
+                );
+            })
+            .build();
+        meter
+            .u64_observable_counter("lakecache_fuse_page_cache_push")
+            .with_unit("By")
+            .with_description(
+                "Bytes of objects fetched whole for random readers pushed into the kernel's page cache (pushed), or skipped because the pusher was behind (dropped)",
+            )
+            .with_callback(move |o| {
+                let s = kernel_cache.stats();
+                o.observe(
+                    s.pushed_bytes.load(Relaxed),
+                    &[KeyValue::new("outcome", "pushed")],
+                );
+                o.observe(
+                    s.dropped_bytes.load(Relaxed),
+                    &[KeyValue::new("outcome", "dropped")],
                 );
             })
             .build();

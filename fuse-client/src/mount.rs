@@ -200,11 +200,13 @@ pub fn mount(
             })?),
             None => None,
         };
+    let kernel_cache = fs.kernel_cache().clone();
     let adapter = KernelAdapter::new(fs, runtime);
     let mut session = Session::new(adapter, &path, &config).map_err(|e| MountError::Mount {
         path: path.clone(),
         source: e,
     })?;
+    kernel_cache.connect(Box::new(session.notifier()));
     let unmounter = session.unmount_callable();
     let (done_tx, ended) = tokio::sync::watch::channel(false);
     let thread = std::thread::Builder::new()

@@ -319,7 +319,11 @@ fn with_random_whole_fetch_off_a_random_reader_fetches_about_what_it_reads() {
 /// `reads` random 4 KiB reads of `file` at offsets drawn from `seed`,
 /// each checked against `data`.
 fn read_randomly_from(file: &Path, data: &[u8], reads: usize, seed: u64) {
-    let f = File::open(file).unwrap();
+    read_randomly_through(&File::open(file).unwrap(), data, reads, seed);
+}
+
+/// [`read_randomly_from`] through an open file.
+fn read_randomly_through(f: &File, data: &[u8], reads: usize, seed: u64) {
     let mut x = seed | 1;
     let mut buf = vec![0u8; 4096];
     for _ in 0..reads {
@@ -362,5 +366,80 @@ fn without_a_tier_a_random_reader_gets_the_object_fetched_whole_into_the_worker(
     assert_eq!(
         worker_metric(worker, "lakecache_s3_requests", "op=\"get_object\""),
         gets
+    );
+}
+
+/// FUSE reads the mount has answered (a missing metric fails).
+fn mount_reads(port: u16) -> f64 {
+    mount_metric(
+        port,
+        "lakecache_fuse_op_duration_seconds_count",
+        &[("op", "read")],
+    )
+}
+
+#[test]
+fn a_random_readers_whole_object_reaches_the_page_cache_and_is_then_read_without_the_mount() {
+    let mut env = Env::start(1);
+    let len: usize = 64 << 20;
+    let data = pattern(len, 93);
+    env.put("shuffled.bin", Bytes::from(data.clone()));
+    let (tier, port) = mount_with_tier_and_metrics(&mut env, &[]);
+    let path = env.mountpoint().join("shuffled.bin");
+    let file = File::open(&path).unwrap();
+    read_randomly_through(&file, &data, 16, 0x9e37_79b9_7f4a_7c15);
+    let pushed = || {
+        mount_metric(
+            port,
+            "lakecache_fuse_page_cache_push_bytes_total",
+            &[("outcome", "pushed")],
+        )
+    };
+    wait_until("the object whole in the tier and pushed", 60, || {
+        tier_has_whole_object(&tier) && pushed() >= len as f64
+    });
+    // 2,000 more random 4 KiB reads through the same handle: the kernel
+    // answers them from the pages pushed, right bytes every one.
+    let before = mount_reads(port);
+    read_randomly_through(&file, &data, 2000, 0x2545_f491_4f6c_dd1d);
+    let asked = mount_reads(port) - before;
+    println!("{asked} of 2000 reads reached the mount after the push");
+    // Without the push about 1,900 would (the pages not read before).
+    assert!(asked <= 20.0, "{asked} of 2000 reads reached the mount");
+    drop(file);
+    // A new file written over it shows its own bytes, never pushed ones.
+    let replaced = pattern(len / 2, 94);
+    fs::write(&path, &replaced).unwrap();
+    let got = fs::read(&path).unwrap();
+    assert_eq!(got.len(), replaced.len());
+    assert!(got == replaced, "the rewritten file reads other bytes");
+}
+
+#[test]
+fn with_the_push_off_a_random_reader_still_gets_the_tier_and_every_read_asks_the_mount() {
+    let mut env = Env::start(1);
+    let len: usize = 16 << 20;
+    let data = pattern(len, 95);
+    env.put("shuffled.bin", Bytes::from(data.clone()));
+    let (tier, port) =
+        mount_with_tier_and_metrics(&mut env, &[("LAKECACHE_NO_PAGE_CACHE_PUSH", "true")]);
+    let file = File::open(env.mountpoint().join("shuffled.bin")).unwrap();
+    read_randomly_through(&file, &data, 16, 0x9e37_79b9_7f4a_7c15);
+    wait_until("the object whole in the tier", 60, || {
+        tier_has_whole_object(&tier)
+    });
+    let before = mount_reads(port);
+    read_randomly_through(&file, &data, 200, 0x2545_f491_4f6c_dd1d);
+    assert!(
+        mount_reads(port) - before >= 150.0,
+        "reads were answered without the mount"
+    );
+    assert_eq!(
+        mount_metric(
+            port,
+            "lakecache_fuse_page_cache_push_bytes_total",
+            &[("outcome", "pushed")]
+        ),
+        0.0
     );
 }

@@ -230,6 +230,10 @@ impl Fs {
                 "only regular files can be truncated".into(),
             ));
         }
+        // The object is about to change: nothing more is pushed into the
+        // kernel's page cache for the old version (see `kernel_cache`).
+        self.inodes.update(node.ino, |n| n.page_cache_etag = None);
+        self.kernel_cache().settle(node.ino).await;
         // A handle changing the file in place takes the new size.
         for candidate in [fh, node.writer].into_iter().flatten() {
             if let Ok(Handle::Update(u)) = self.handle(candidate) {

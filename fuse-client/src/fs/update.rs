@@ -88,6 +88,9 @@ impl Fs {
         if claimed != Some(true) {
             return Err(FsError::Busy("the file is already open for writing"));
         }
+        // Writes through this handle reach the kernel's page cache too:
+        // a store of the old bytes must not land over them.
+        self.kernel_cache().settle(update.ino).await;
         if state.file.is_some() {
             return Ok(state);
         }
