@@ -841,7 +841,13 @@ impl Fs {
             self.kernel_cache.settle(ino).await;
         }
         let uri = self.uri(&node.key)?;
-        let (uri_text, version) = (uri.to_string(), etag.clone());
+        // Only a mount with a tier fetches objects whole, hence pushes:
+        // without one, opens (a thousand a second for small files) skip
+        // the registration.
+        let push_key = self
+            .completer
+            .is_some()
+            .then(|| (uri.to_string(), etag.clone()));
         let tier_object = self.tier_object(&uri, &etag, node.meta.size).await;
         let mut reader = FileReader::new(
             self.data.clone(),
@@ -891,7 +897,9 @@ impl Fs {
             reader: Arc::new(AsyncMutex::new(reader)),
             ino,
         });
-        self.kernel_cache.opened(fh, ino, &uri_text, &version);
+        if let Some((uri, etag)) = push_key {
+            self.kernel_cache.opened(fh, ino, &uri, &etag);
+        }
         Ok((fh, keep_cache))
     }
 
