@@ -117,6 +117,8 @@ pub struct Cache {
     random_admission: crate::admission::RandomAdmission,
     /// Fails metadata calls fast while S3 is unreachable.
     pub(crate) s3_down: crate::outage::OutageBreaker,
+    /// Pages just fetched whole, served from memory until read.
+    fresh: crate::fresh::FreshPages,
 }
 
 /// What an S3 fetch holds while its bytes are in use: a fetch permit and
@@ -184,6 +186,11 @@ impl Cache {
         lru.restore(restored);
         metrics.set_egress_price_per_gb(config.egress_price_per_gb);
         let readahead = (config.fetch_concurrency / 2).max(1);
+        // Room for several sequential readers' read-ahead windows.
+        let fresh_bytes = (u64::from(config.readahead_pages) + 1)
+            .saturating_mul(config.page_size)
+            .saturating_mul(8)
+            .min(config.memory_limit / 4);
         let writeback = crate::writeback::WriteBack::open(dir, config.writeback.clone())
             .map_err(|e| CacheError::Local(e.to_string()))?;
         let writeback = Some(Arc::new(writeback));
@@ -210,6 +217,7 @@ impl Cache {
             traffic: Default::default(),
             random_admission: Default::default(),
             s3_down: Default::default(),
+            fresh: crate::fresh::FreshPages::new(fresh_bytes),
         });
         tokio::spawn(evictor(Arc::downgrade(&cache), cache.evict.clone()));
         if let Some(wb) = &cache.writeback {
@@ -534,6 +542,10 @@ impl Cache {
         let key = PageKey::new(&uri_s, &meta.etag, idx);
         let id = PageId::new(&uri_s, &meta.etag, idx, self.config.page_size, meta.size);
         let mut partly_filled = false;
+        if let Some(bytes) = self.fresh.serve(&key, &sub) {
+            self.count_traffic(uri.bucket(), bytes.len() as u64, 0);
+            return Ok(bytes);
+        }
         if self.lru.contains(&key) {
             match self.read_local(key, id, sub.clone()).await {
                 Ok(bytes) => {
@@ -563,9 +575,11 @@ impl Cache {
             let range = id.offset + sub.start..id.offset + sub.end;
             self.get_exact(uri, meta, range).await.map(|(data, _)| data)
         } else if sequential && !partly_filled {
-            self.fetch_page(uri, meta, idx, key, id)
-                .await
-                .map(|page| slice_within(&page, &sub))
+            self.fetch_page(uri, meta, idx, key, id).await.map(|page| {
+                self.fresh
+                    .serve(&key, &sub)
+                    .unwrap_or_else(|| slice_within(&page, &sub))
+            })
         } else if !sequential && !self.random_admission.admit(key, &sub, CHECK_BLOCK, id.len) {
             // A random read of part of a block: fetched exactly, kept
             // nowhere (see crate::admission).
@@ -618,6 +632,7 @@ impl Cache {
     }
 
     pub(crate) async fn drop_page(self: &Arc<Self>, key: &PageKey) {
+        self.fresh.forget(key);
         let (this, key) = (self.clone(), *key);
         let _ = tokio::task::spawn_blocking(move || {
             this.lru.remove(&key);
@@ -643,6 +658,7 @@ impl Cache {
             .run(key, || async move {
                 let range = id.offset..id.offset + id.len;
                 let (data, _held) = this.get_exact(uri, meta, range).await?;
+                this.fresh.keep(key, data.clone(), &this.memory);
                 this.keep_page(
                     uri.to_string(),
                     meta.etag.clone(),

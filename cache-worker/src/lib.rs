@@ -7,6 +7,7 @@ mod cache_dir;
 #[doc(hidden)]
 pub mod crashsim;
 mod flight;
+mod fresh;
 pub mod http;
 mod index;
 pub mod journal;

@@ -10,9 +10,10 @@ use std::io::{self, Write};
 use std::ops::Range;
 use std::os::unix::fs::{DirBuilderExt, FileExt};
 use std::path::{Path, PathBuf};
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Mutex;
 
-use bytes::{Bytes, BytesMut};
+use bytes::Bytes;
 use sha2::{Digest, Sha256};
 
 /// Granularity of CRC checks and of partial fills.
@@ -210,6 +211,9 @@ pub struct PageStore {
     pages: PathBuf,
     tmp: PathBuf,
     fill_locks: Vec<Mutex<()>>,
+    /// Whether fetched pages are staged with `O_DIRECT` (until the
+    /// filesystem refuses it).
+    direct: AtomicBool,
 }
 
 pub(crate) fn mkdir_private(path: &Path) -> io::Result<()> {
@@ -237,6 +241,7 @@ impl PageStore {
             pages,
             tmp,
             fill_locks: (0..FILL_LOCKS).map(|_| Mutex::new(())).collect(),
+            direct: AtomicBool::new(true),
         })
     }
 
@@ -257,6 +262,22 @@ impl PageStore {
             return Err(io::Error::other("page larger than the header can describe"));
         }
         let path = self.tmp.join(uuid::Uuid::new_v4().simple().to_string());
+        if !start_writeback && self.direct.load(Ordering::Relaxed) {
+            match self.stage_direct(&path, data) {
+                Ok(true) => {
+                    return Ok(Staged {
+                        path,
+                        crcs: block_crcs(data),
+                        len: data.len() as u64,
+                    })
+                }
+                Ok(false) => {
+                    tracing::info!(dir = %self.tmp.display(), "the cache directory refuses O_DIRECT; pages are written through the page cache");
+                    self.direct.store(false, Ordering::Relaxed);
+                }
+                Err(e) => return Err(e),
+            }
+        }
         let written = fs::File::create(&path).and_then(|mut f| {
             crate::crashsim::created(&path)?;
             f.write_all(&[0u8; HEADER_LEN as usize])?;
@@ -280,6 +301,41 @@ impl PageStore {
             crcs: block_crcs(data),
             len: data.len() as u64,
         })
+    }
+
+    /// Writes `data` after the header's room with `O_DIRECT`, leaving the
+    /// header a hole (zeros, as the buffered path writes). A fetched page
+    /// is read back soon at most once, and then from disk or from
+    /// memory ([`crate::cache`]'s fresh pages), so a page-cache copy of it
+    /// would only cost CPU. Ok(false): the filesystem refuses direct I/O
+    /// (nothing is left behind).
+    fn stage_direct(&self, path: &Path, data: &[u8]) -> io::Result<bool> {
+        let Some(file) = lakecache_protocol::direct_io::open_direct(path, true) else {
+            return Ok(false);
+        };
+        let written = crate::crashsim::created(path)
+            .and_then(|()| lakecache_protocol::direct_io::write_direct(&file, data, HEADER_LEN))
+            .and_then(|()| {
+                // The last block went out padded with zeros.
+                let len = HEADER_LEN + data.len() as u64;
+                if len.is_multiple_of(lakecache_protocol::direct_io::DIRECT_ALIGN) {
+                    Ok(())
+                } else {
+                    file.set_len(len)
+                }
+            });
+        match written {
+            Ok(()) => Ok(true),
+            Err(e) => {
+                let _ = fs::remove_file(path);
+                // EINVAL: an alignment this device does not take.
+                if e.raw_os_error() == Some(libc::EINVAL) {
+                    Ok(false)
+                } else {
+                    Err(e)
+                }
+            }
+        }
     }
 
     /// Like `stage`, and starts writing the bytes to the disk now (without
@@ -468,7 +524,7 @@ impl PageStore {
                 id.len
             )));
         }
-        let file = match fs::File::open(self.path(key)) {
+        let file = match self.open_for_read(&self.path(key)) {
             Ok(f) => f,
             Err(e) if e.kind() == io::ErrorKind::NotFound => return Err(PageReadError::Missing),
             Err(e) => return Err(e.into()),
@@ -477,8 +533,8 @@ impl PageStore {
         let last = range.end.div_ceil(CHECK_BLOCK) as usize;
         let start = first as u64 * CHECK_BLOCK;
         let end = (last as u64 * CHECK_BLOCK).min(id.len);
-        let mut raw = BytesMut::zeroed(HEADER_LEN as usize);
-        read_exact(&file, &mut raw, 0)?;
+        let mut raw = lakecache_protocol::buffer_pool::take(HEADER_LEN as usize);
+        read_aligned(&file, &mut raw, HEADER_LEN as usize, 0)?;
         let header = Header::decode(&raw, id)?;
         if let Some(missing) = (first..last).find(|b| !header.valid[*b]) {
             let upto = (missing..last).find(|b| header.valid[*b]).unwrap_or(last);
@@ -487,8 +543,7 @@ impl PageStore {
         // A reused buffer: a fresh multi-MiB one costs a page fault and
         // a page clear per 4 KiB before the read even starts.
         let mut buf = lakecache_protocol::buffer_pool::take((end - start) as usize);
-        buf.resize((end - start) as usize, 0);
-        read_exact(&file, &mut buf, HEADER_LEN + start)?;
+        read_aligned(&file, &mut buf, (end - start) as usize, HEADER_LEN + start)?;
         for (i, chunk) in buf.chunks(CHECK_BLOCK as usize).enumerate() {
             let block = first + i;
             if header.crcs[block] != crc32c::crc32c(chunk) {
@@ -499,6 +554,24 @@ impl PageStore {
         }
         let buf = lakecache_protocol::buffer_pool::freeze(buf);
         Ok(buf.slice((range.start - start) as usize..(range.end - start) as usize))
+    }
+
+    /// A page file opened for reading, with `O_DIRECT` where allowed:
+    /// pages are written around the page cache, so a read through it
+    /// would only add a copy and a cached page nobody reads again.
+    fn open_for_read(&self, path: &Path) -> io::Result<fs::File> {
+        if self.direct.load(Ordering::Relaxed) {
+            use std::os::unix::fs::OpenOptionsExt;
+            match fs::OpenOptions::new()
+                .read(true)
+                .custom_flags(libc::O_DIRECT)
+                .open(path)
+            {
+                Err(e) if e.raw_os_error() == Some(libc::EINVAL) => {}
+                other => return other,
+            }
+        }
+        fs::File::open(path)
     }
 
     pub fn remove(&self, key: &PageKey) {
@@ -512,6 +585,34 @@ impl PageStore {
     pub fn discard_staged(&self, staged: Staged) {
         let _ = fs::remove_file(&staged.path);
     }
+}
+
+/// Reads `len` bytes at `at` (aligned) into `buf`, asking for whole 4 KiB
+/// blocks as `O_DIRECT` requires; the file may end within the last one.
+/// A short file is a corrupt page, not an I/O failure.
+fn read_aligned(
+    file: &fs::File,
+    buf: &mut lakecache_protocol::buffer_pool::PoolBuf,
+    len: usize,
+    at: u64,
+) -> Result<(), PageReadError> {
+    buf.set_len(len.next_multiple_of(lakecache_protocol::buffer_pool::ALIGN));
+    let mut got = 0;
+    while got < len {
+        match file.read_at(&mut buf[got..], at + got as u64) {
+            Ok(0) => break,
+            Ok(n) => got += n,
+            Err(e) if e.kind() == io::ErrorKind::Interrupted => {}
+            Err(e) => return Err(e.into()),
+        }
+    }
+    if got < len {
+        return Err(PageReadError::Corrupt(
+            "page file shorter than its header says".into(),
+        ));
+    }
+    buf.set_len(len);
+    Ok(())
 }
 
 /// A short file is a corrupt page, not an I/O failure.
@@ -560,6 +661,15 @@ mod tests {
         store.write(&key, &id, &data).unwrap();
         let got = store.read(&key, &id, 10..CHECK_BLOCK + 5).unwrap();
         assert_eq!(&got[..], &data[10..CHECK_BLOCK as usize + 5]);
+        // Written around the page cache where allowed: the last block went
+        // out padded, and the file still ends where the page does.
+        let path = store.path(&key);
+        assert_eq!(
+            fs::metadata(&path).unwrap().len(),
+            HEADER_LEN + data.len() as u64
+        );
+        let tail = store.read(&key, &id, data.len() as u64 - 150..data.len() as u64);
+        assert_eq!(&tail.unwrap()[..], &data[data.len() - 150..]);
         // The same file read as another page size, ETag or index is refused.
         for other in [
             PageId::new("s3://b/k", "e", 0, 8 << 20, data.len() as u64),
@@ -571,9 +681,14 @@ mod tests {
                 Err(PageReadError::Corrupt(_))
             ));
         }
-        // Flip one byte in the second block: only reads touching it fail.
-        let path = store.path(&key);
+        // A file cut short in its last block is refused.
         let mut raw = fs::read(&path).unwrap();
+        fs::write(&path, &raw[..raw.len() - 1]).unwrap();
+        assert!(matches!(
+            store.read(&key, &id, 0..data.len() as u64),
+            Err(PageReadError::Corrupt(_))
+        ));
+        // Flip one byte in the second block: only reads touching it fail.
         raw[(HEADER_LEN + CHECK_BLOCK + 1) as usize] ^= 0xff;
         fs::write(&path, &raw).unwrap();
         assert!(store.read(&key, &id, 0..10).is_ok());

@@ -21,11 +21,11 @@ use std::path::{Path, PathBuf};
 use std::sync::{Arc, Mutex};
 
 use bytes::{Bytes, BytesMut};
+use lakecache_protocol::direct_io;
 use serde::{Deserialize, Serialize};
 use sha2::{Digest, Sha256};
 
 pub mod damage;
-mod direct;
 mod filler;
 mod guard;
 pub mod report;
@@ -533,8 +533,8 @@ impl TierObject {
     fn write_data(&self, offset: u64, data: &[u8]) -> std::io::Result<()> {
         let end = offset + data.len() as u64;
         let (a0, a1) = (
-            offset.next_multiple_of(direct::ALIGN),
-            end / direct::ALIGN * direct::ALIGN,
+            offset.next_multiple_of(direct_io::DIRECT_ALIGN),
+            end / direct_io::DIRECT_ALIGN * direct_io::DIRECT_ALIGN,
         );
         let (file, direct) = self.open_files()?;
         // A random reader reads these bytes back soon, each block checked
@@ -545,7 +545,7 @@ impl TierObject {
             return file.write_all_at(data, offset);
         };
         let middle = &data[(a0 - offset) as usize..(a1 - offset) as usize];
-        if let Err(e) = direct::write_aligned(&fd, middle, a0) {
+        if let Err(e) = direct_io::write_direct(&fd, middle, a0) {
             tracing::debug!(error = %e, "direct writes refused; the local tier writes through the page cache");
             self.no_direct
                 .store(true, std::sync::atomic::Ordering::Relaxed);
@@ -569,7 +569,7 @@ impl TierObject {
                 .read(true)
                 .write(true)
                 .open(&self.data_path)?;
-            let direct = open_direct(&self.data_path);
+            let direct = direct_io::open_direct(&self.data_path, false);
             *files = Some(OpenFiles {
                 file: Arc::new(file),
                 direct: direct.map(Arc::new),
@@ -665,15 +665,6 @@ impl TierObject {
         f.sync_all().map_err(io(&tmp))?;
         std::fs::rename(&tmp, &self.meta_path).map_err(io(&self.meta_path))
     }
-}
-
-fn open_direct(path: &Path) -> Option<File> {
-    use std::os::unix::fs::OpenOptionsExt;
-    OpenOptions::new()
-        .write(true)
-        .custom_flags(libc::O_DIRECT)
-        .open(path)
-        .ok()
 }
 
 /// Blocks one reader has checked against their CRCs.

@@ -320,7 +320,7 @@ impl WorkerClient {
         let capacity = hint.exact().unwrap_or(hint.lower()).min(MAX_PRESIZE);
         // Taken only once a second frame is coming: a body of one frame
         // is handed over as it is.
-        let mut out: Option<Vec<u8>> = None;
+        let mut out: Option<crate::buffer_pool::PoolBuf> = None;
         loop {
             let frame = tokio::time::timeout(progress, body.frame())
                 .await

@@ -7,6 +7,7 @@ pub mod buffer_pool;
 mod buffered;
 mod chain;
 mod client;
+pub mod direct_io;
 mod load;
 pub mod member_sig;
 pub mod memory;

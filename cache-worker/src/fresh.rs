@@ -1,0 +1,160 @@
+//! Whole pages just fetched from S3, kept in memory until their reader
+//! has had them. Page files are written with `O_DIRECT` (no page-cache
+//! copy), so without this a sequential reader's next request for a page
+//! the read-ahead fetched a moment ago would read it back from disk.
+//!
+//! Bounded in bytes, each page holding its share of the process's memory
+//! budget (a page that does not fit is simply not kept). A page leaves
+//! once every byte of it was served, when it is dropped from the cache,
+//! or when newer pages push it out.
+
+use std::collections::{HashMap, VecDeque};
+use std::ops::Range;
+use std::sync::Mutex;
+
+use bytes::Bytes;
+use lakecache_protocol::memory::{MemoryBudget, Reservation};
+
+use crate::pages::PageKey;
+
+struct Kept {
+    bytes: Bytes,
+    /// Bytes of the page served from here so far.
+    served: u64,
+    _held: Reservation,
+}
+
+#[derive(Default)]
+struct Inner {
+    pages: HashMap<PageKey, Kept>,
+    /// Insertion order; may name pages already gone.
+    order: VecDeque<PageKey>,
+    bytes: u64,
+}
+
+pub(crate) struct FreshPages {
+    inner: Mutex<Inner>,
+    capacity: u64,
+}
+
+impl FreshPages {
+    pub(crate) fn new(capacity: u64) -> Self {
+        Self {
+            inner: Mutex::new(Inner::default()),
+            capacity,
+        }
+    }
+
+    fn lock(&self) -> std::sync::MutexGuard<'_, Inner> {
+        self.inner.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    /// Keeps `bytes` (a whole page) if the budget has room for it now.
+    pub(crate) fn keep(&self, key: PageKey, bytes: Bytes, budget: &MemoryBudget) {
+        let len = bytes.len() as u64;
+        if len == 0 || len > self.capacity {
+            return;
+        }
+        let Some(held) = budget.try_reserve(len) else {
+            return;
+        };
+        let mut inner = self.lock();
+        while inner.bytes + len > self.capacity {
+            let Some(oldest) = inner.order.pop_front() else {
+                break;
+            };
+            if let Some(gone) = inner.pages.remove(&oldest) {
+                inner.bytes -= gone.bytes.len() as u64;
+            }
+        }
+        let kept = Kept {
+            bytes,
+            served: 0,
+            _held: held,
+        };
+        if let Some(old) = inner.pages.insert(key, kept) {
+            inner.bytes -= old.bytes.len() as u64;
+        }
+        inner.bytes += len;
+        inner.order.push_back(key);
+        // `order` may hold stale keys; keep it from growing without bound.
+        if inner.order.len() > 4 * inner.pages.len() + 64 {
+            let Inner { pages, order, .. } = &mut *inner;
+            order.retain(|k| pages.contains_key(k));
+        }
+    }
+
+    /// `range` (page-relative) of a kept page; the page leaves once all
+    /// of it was served.
+    pub(crate) fn serve(&self, key: &PageKey, range: &Range<u64>) -> Option<Bytes> {
+        let mut inner = self.lock();
+        let kept = inner.pages.get_mut(key)?;
+        let len = kept.bytes.len() as u64;
+        if range.start >= range.end || range.end > len {
+            return None;
+        }
+        let out = kept.bytes.slice(range.start as usize..range.end as usize);
+        kept.served += range.end - range.start;
+        if kept.served >= len {
+            inner.pages.remove(key);
+            inner.bytes -= len;
+        }
+        Some(out)
+    }
+
+    pub(crate) fn forget(&self, key: &PageKey) {
+        let mut inner = self.lock();
+        if let Some(gone) = inner.pages.remove(key) {
+            inner.bytes -= gone.bytes.len() as u64;
+        }
+    }
+
+    #[cfg(test)]
+    fn bytes(&self) -> u64 {
+        self.lock().bytes
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn key(n: u8) -> PageKey {
+        PageKey([n; 32])
+    }
+
+    #[test]
+    fn pages_are_served_until_read_whole_and_stay_within_bytes_and_budget() {
+        let budget = MemoryBudget::new(1 << 30);
+        let fresh = FreshPages::new(3 << 20);
+        let page = Bytes::from(vec![7u8; 1 << 20]);
+        fresh.keep(key(1), page.clone(), &budget);
+        // Served in pieces; gone once every byte went out.
+        let half = 512 * 1024;
+        assert_eq!(
+            fresh.serve(&key(1), &(0..half)).unwrap().len(),
+            half as usize
+        );
+        assert!(
+            fresh.serve(&key(1), &(0..(1 << 21))).is_none(),
+            "past the page"
+        );
+        assert!(fresh.serve(&key(1), &(half..1 << 20)).is_some());
+        assert!(fresh.serve(&key(1), &(0..1)).is_none());
+        assert_eq!(fresh.bytes(), 0);
+        // Newer pages push the oldest out at the byte bound.
+        for n in 2..=5 {
+            fresh.keep(key(n), page.clone(), &budget);
+        }
+        assert_eq!(fresh.bytes(), 3 << 20);
+        assert!(fresh.serve(&key(2), &(0..1)).is_none());
+        assert!(fresh.serve(&key(5), &(0..1)).is_some());
+        fresh.forget(&key(5));
+        assert!(fresh.serve(&key(5), &(0..1)).is_none());
+        // Nothing is kept that the memory budget cannot hold now.
+        let tight = MemoryBudget::new(1 << 20);
+        let _all = tight.try_reserve(1 << 20).unwrap();
+        fresh.keep(key(9), page, &tight);
+        assert!(fresh.serve(&key(9), &(0..1)).is_none());
+    }
+}
