@@ -145,6 +145,30 @@ impl Access<'_> {
         }
     }
 
+    /// The write-back backlog under `prefix` (an `s3://` URI, or empty
+    /// for all of it): whole for a cluster (peer) token or with tokens
+    /// off; for a tenant only under a prefix it may list, since the
+    /// backlog counts other tenants' pending writes.
+    pub fn writeback_status(&self, prefix: &str) -> Result<(), Denied> {
+        match &self.claims {
+            None => Ok(()),
+            Some(c) if c.peer => Ok(()),
+            Some(c) => {
+                // Inside a scope, not merely leading to one (as a listing
+                // may): counts over a parent would include others' writes.
+                let inside = prefix.starts_with("s3://")
+                    && (scope_covers(&c.read, prefix) || scope_covers(&c.write, prefix));
+                if inside && self.policy.allows(prefix) {
+                    return Ok(());
+                }
+                Err(out_of_scope(format!(
+                    "tenant {} may see the write-back backlog only under its own prefixes: ask with ?prefix=s3://bucket/prefix inside its scope, or use a cluster token for all of it",
+                    self.tenant_label()
+                )))
+            }
+        }
+    }
+
     /// Evicting a prefix: the allow-list, and write scope over all of it.
     pub fn free(&self, bucket: &str, prefix: &str) -> Result<(), Denied> {
         let target = format!("s3://{bucket}/{prefix}");

@@ -75,11 +75,24 @@ pub async fn route(state: &AppState, req: http::Request<Incoming>) -> (&'static 
     }
     let path = req.uri().path().to_string();
     let method = req.method().clone();
-    if path == "/v1/health" || path == "/metrics" || path == "/v1/writeback" {
+    if path == "/v1/writeback" {
+        // Names pending writes of every tenant: never open, whatever
+        // protects metrics.
+        let access = match state.access.authenticate(req.headers()) {
+            Ok(a) => a,
+            Err(denied) => return ("denied", *denied),
+        };
+        if method != Method::GET {
+            return ("invalid", method_not_allowed("GET"));
+        }
+        let query = req.uri().query().unwrap_or("");
+        return ("writeback", writeback_status(state, &access, query).await);
+    }
+    if path == "/v1/health" || path == "/metrics" {
         if let Err(denied) = Access::operator_endpoint(&state.access, req.headers()) {
             return ("denied", *denied);
         }
-        return operator_route(state, &method, &path, req.uri().query().unwrap_or("")).await;
+        return operator_route(state, &method, &path).await;
     }
     let access = match state.access.authenticate(req.headers()) {
         Ok(a) => a,
@@ -186,15 +199,9 @@ async fn object_route(
     )
 }
 
-async fn operator_route(
-    state: &AppState,
-    method: &Method,
-    path: &str,
-    query: &str,
-) -> (&'static str, Response) {
+async fn operator_route(state: &AppState, method: &Method, path: &str) -> (&'static str, Response) {
     match (method, path) {
         (&Method::GET, "/v1/health") => ("health", health(state).await),
-        (&Method::GET, "/v1/writeback") => ("writeback", writeback_status(state, query).await),
         (&Method::GET, _) => {
             // Rendering reads the write-back journal (see writeback_status).
             let metrics = state.metrics.clone();
@@ -269,7 +276,7 @@ async fn health(state: &AppState) -> Response {
 }
 
 /// `?prefix=s3://bucket/prefix` narrows the backlog to one prefix.
-async fn writeback_status(state: &AppState, query: &str) -> Response {
+async fn writeback_status(state: &AppState, access: &Access<'_>, query: &str) -> Response {
     let mut prefix = String::new();
     for pair in query.split('&').filter(|p| !p.is_empty()) {
         match pair.split_once('=') {
@@ -291,6 +298,7 @@ async fn writeback_status(state: &AppState, query: &str) -> Response {
             "prefix must be an s3://bucket/prefix URI",
         );
     }
+    check!(access.writeback_status(&prefix));
     let Some(wb) = state.cache.writeback.clone() else {
         return json(StatusCode::OK, &WriteBackStatus::default());
     };

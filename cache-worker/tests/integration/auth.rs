@@ -200,6 +200,35 @@ async fn every_route_checks_the_token_before_touching_s3() {
     assert_eq!(outcome(c.none.health().await), "ok");
     assert_eq!(outcome(c.none.metrics().await), "ok");
 
+    // The write-back backlog counts every tenant's pending writes: it
+    // needs a token even with metrics open, and a tenant sees it only
+    // under prefixes it may list.
+    for (who, client, prefix, want) in [
+        ("none", &c.none, None, "401 Unauthenticated"),
+        ("forged", &c.forged, None, "403 OutOfScope"),
+        ("expired", &c.expired, Some("s3://data/"), "403 OutOfScope"),
+        ("team-a, all", &c.team_a, None, "403 OutOfScope"),
+        (
+            "team-b",
+            &c.team_b,
+            Some("s3://data/datasets/"),
+            "403 OutOfScope",
+        ),
+        (
+            "team-a, bucket",
+            &c.team_a,
+            Some("s3://data/"),
+            "403 OutOfScope",
+        ),
+        ("team-a, own", &c.team_a, Some("s3://data/datasets/"), "ok"),
+    ] {
+        assert_eq!(
+            outcome(client.writeback_status(prefix).await),
+            want,
+            "write-back status for {who}"
+        );
+    }
+
     // Write-back copies and their bookkeeping are for workers only, even
     // inside a tenant's write scope.
     let own = uri("team-a/ckpt");
@@ -227,6 +256,7 @@ async fn every_route_checks_the_token_before_touching_s3() {
         ..claims("cluster-peer", &[], &[], LATER)
     };
     let peer = h.client.clone().with_token(Some(&key.mint(&peer))).unwrap();
+    assert_eq!(outcome(peer.writeback_status(None).await), "ok");
     let body = Full::new(Bytes::from(vec![1u8; 6]))
         .map_err(|e| match e {})
         .boxed();
