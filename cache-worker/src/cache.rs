@@ -190,7 +190,7 @@ impl Cache {
         let fresh_bytes = (u64::from(config.readahead_pages) + 1)
             .saturating_mul(config.page_size)
             .saturating_mul(8)
-            .min(config.memory_limit / 4);
+            .min(config.memory_limit / 8);
         let writeback = crate::writeback::WriteBack::open(dir, config.writeback.clone())
             .map_err(|e| CacheError::Local(e.to_string()))?;
         let writeback = Some(Arc::new(writeback));

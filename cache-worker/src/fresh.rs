@@ -6,19 +6,25 @@
 //! Bounded in bytes, each page holding its share of the process's memory
 //! budget (a page that does not fit is simply not kept). A page leaves
 //! once every byte of it was served, when it is dropped from the cache,
-//! or when newer pages push it out.
+//! when newer pages push it out, or after [`MAX_AGE`] unread (a reader
+//! that stopped must not hold budget that uploads wait for).
 
 use std::collections::{HashMap, VecDeque};
 use std::ops::Range;
 use std::sync::Mutex;
+use std::time::{Duration, Instant};
 
 use bytes::Bytes;
 use lakecache_protocol::memory::{MemoryBudget, Reservation};
 
 use crate::pages::PageKey;
 
+/// Pages unread this long after their fetch are let go.
+pub(crate) const MAX_AGE: Duration = Duration::from_secs(20);
+
 struct Kept {
     bytes: Bytes,
+    kept_at: Instant,
     /// Bytes of the page served from here so far.
     served: u64,
     _held: Reservation,
@@ -30,6 +36,24 @@ struct Inner {
     /// Insertion order; may name pages already gone.
     order: VecDeque<PageKey>,
     bytes: u64,
+}
+
+impl Inner {
+    /// Lets go of pages kept longer than [`MAX_AGE`] (oldest first).
+    fn expire(&mut self, now: Instant) {
+        while let Some(oldest) = self.order.front().copied() {
+            match self.pages.get(&oldest) {
+                Some(kept) if now.duration_since(kept.kept_at) < MAX_AGE => break,
+                Some(_) => {
+                    if let Some(gone) = self.pages.remove(&oldest) {
+                        self.bytes -= gone.bytes.len() as u64;
+                    }
+                }
+                None => {}
+            }
+            self.order.pop_front();
+        }
+    }
 }
 
 pub(crate) struct FreshPages {
@@ -59,6 +83,7 @@ impl FreshPages {
             return;
         };
         let mut inner = self.lock();
+        inner.expire(Instant::now());
         while inner.bytes + len > self.capacity {
             let Some(oldest) = inner.order.pop_front() else {
                 break;
@@ -69,6 +94,7 @@ impl FreshPages {
         }
         let kept = Kept {
             bytes,
+            kept_at: Instant::now(),
             served: 0,
             _held: held,
         };
@@ -88,6 +114,7 @@ impl FreshPages {
     /// of it was served.
     pub(crate) fn serve(&self, key: &PageKey, range: &Range<u64>) -> Option<Bytes> {
         let mut inner = self.lock();
+        inner.expire(Instant::now());
         let kept = inner.pages.get_mut(key)?;
         let len = kept.bytes.len() as u64;
         if range.start >= range.end || range.end > len {
@@ -154,7 +181,20 @@ mod tests {
         // Nothing is kept that the memory budget cannot hold now.
         let tight = MemoryBudget::new(1 << 20);
         let _all = tight.try_reserve(1 << 20).unwrap();
-        fresh.keep(key(9), page, &tight);
+        fresh.keep(key(9), page.clone(), &tight);
         assert!(fresh.serve(&key(9), &(0..1)).is_none());
+    }
+
+    #[test]
+    fn pages_left_unread_are_let_go_and_their_budget_returned() {
+        let budget = MemoryBudget::new(4 << 20);
+        let fresh = FreshPages::new(4 << 20);
+        fresh.keep(key(1), Bytes::from(vec![1u8; 1 << 20]), &budget);
+        assert!(budget.available() < 4 << 20);
+        let later = Instant::now() + MAX_AGE + Duration::from_secs(1);
+        fresh.lock().expire(later);
+        assert_eq!(fresh.bytes(), 0);
+        assert_eq!(budget.available(), 4 << 20);
+        assert!(fresh.serve(&key(1), &(0..1)).is_none());
     }
 }
