@@ -29,14 +29,15 @@ pub struct WorkerSettings {
     /// Disk space for cached pages, e.g. 500GiB [default: 10GiB]
     #[arg(long, env = "LAKECACHE_CACHE_SIZE")]
     pub cache_size: Option<ByteSize>,
-    /// Page size, 1MiB to 64MiB [default: 4MiB]
+    /// Page size, 1MiB to 64MiB: also the size of one S3 GET of a
+    /// sequential reader [default: 8MiB]
     #[arg(long, env = "LAKECACHE_PAGE_SIZE")]
     pub page_size: Option<ByteSize>,
     /// How long HEAD and LIST results are trusted; 0 revalidates every
     /// time [default: 60s]
     #[arg(long, env = "LAKECACHE_METADATA_TTL")]
     pub metadata_ttl: Option<Seconds>,
-    /// Pages fetched ahead of a sequential reader; 0 disables [default: 4]
+    /// Pages fetched ahead of a sequential reader; 0 disables [default: 2]
     #[arg(long, env = "LAKECACHE_READAHEAD_PAGES")]
     pub readahead_pages: Option<u32>,
     /// Concurrent page fetches from S3; bounds memory at this many pages
@@ -412,7 +413,10 @@ impl WorkerSettings {
         let access = self.access_policy()?;
 
         const MIB: u64 = 1 << 20;
-        let page_size = self.page_size.map_or(4 * MIB, |s| s.0);
+        // 8 MiB GETs: half the requests of 4 MiB (S3 bills and throttles
+        // per request), and a quarter less CPU per GiB in an S3 endpoint
+        // on the same machine (benches/results/cpu-split.md).
+        let page_size = self.page_size.map_or(DEFAULT_PAGE_SIZE, |s| s.0);
         if !(MIB..=64 * MIB).contains(&page_size) || !page_size.is_multiple_of(256 * 1024) {
             bail!("--page-size must be between 1MiB and 64MiB in steps of 256KiB, got {page_size} bytes");
         }
@@ -532,7 +536,7 @@ impl WorkerSettings {
                 metadata_ttl: self
                     .metadata_ttl
                     .map_or(std::time::Duration::from_secs(60), |s| s.0),
-                readahead_pages: self.readahead_pages.unwrap_or(4),
+                readahead_pages: self.readahead_pages.unwrap_or(DEFAULT_READAHEAD_PAGES),
                 fetch_concurrency,
                 part_size,
                 copy_part_limit: lakecache_worker::store::MAX_COPY_BYTES,
@@ -659,6 +663,10 @@ impl WorkerSettings {
 }
 
 /// A quarter of physical memory, between 256 MiB and 8 GiB.
+/// The default page and read-ahead: 16 MiB ahead of a sequential reader.
+const DEFAULT_PAGE_SIZE: u64 = 8 << 20;
+const DEFAULT_READAHEAD_PAGES: u32 = 2;
+
 fn default_memory_limit() -> u64 {
     (lakecache_protocol::memory::physical_memory() / 4).clamp(256 << 20, 8 << 30)
 }
