@@ -544,6 +544,7 @@ impl Cache {
         let mut partly_filled = false;
         if let Some(bytes) = self.fresh.serve(&key, &sub) {
             self.count_traffic(uri.bucket(), bytes.len() as u64, 0);
+            self.metrics.served_fresh(bytes.len() as u64);
             return Ok(bytes);
         }
         if self.lru.contains(&key) {

@@ -17,6 +17,7 @@ pub struct Metrics {
     requests: Counter<u64>,
     request_seconds: Histogram<f64>,
     served_bytes: Counter<u64>,
+    fresh_bytes: Counter<u64>,
     hit_bytes: Counter<u64>,
     miss_bytes: Counter<u64>,
     egress_saved_dollars: Counter<f64>,
@@ -195,6 +196,12 @@ impl Metrics {
                 "By",
                 "Object bytes sent to clients",
             ),
+            fresh_bytes: counter(
+                &meter,
+                "lakecache_fresh_served",
+                "By",
+                "Bytes served from pages just fetched whole, still in memory (no page file read)",
+            ),
             hit_bytes: counter(
                 &meter,
                 "lakecache_cache_hit",
@@ -280,6 +287,10 @@ impl Metrics {
 
     pub fn served(&self, bytes: u64) {
         self.served_bytes.add(bytes, &[]);
+    }
+
+    pub fn served_fresh(&self, bytes: u64) {
+        self.fresh_bytes.add(bytes, &[]);
     }
 
     /// Bytes of `bucket` served from pages (`hit`) and fetched from S3

@@ -187,6 +187,49 @@ async fn thirty_two_readers_of_a_cold_page_cause_one_get() {
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_page_just_fetched_whole_serves_its_readers_next_request_from_memory() {
+    let h = Harness::start().await;
+    let body = data(MIB as usize, 51);
+    h.put_direct("stream.bin", &body).await;
+    let half = MIB / 2;
+    // The first half, read from offset 0, fetches the whole page.
+    let first = h
+        .client
+        .read(&uri("stream.bin"), Some(0..half))
+        .await
+        .unwrap();
+    assert_eq!(&first[..], &body[..half as usize]);
+    assert_eq!(h.gets(), 1);
+    // Whatever is on disk now, the next request is answered from memory.
+    let files = h.page_files();
+    assert_eq!(files.len(), 1);
+    let mut raw = std::fs::read(&files[0]).unwrap();
+    raw[4096 + half as usize + 10] ^= 0x55;
+    std::fs::write(&files[0], raw).unwrap();
+    let second = h
+        .client
+        .read(&uri("stream.bin"), Some(half..MIB))
+        .await
+        .unwrap();
+    assert_eq!(sha(&second), sha(&body[half as usize..]));
+    assert_eq!(h.gets(), 1, "no second fetch");
+    let metrics = h.client.metrics().await.unwrap();
+    assert_eq!(
+        metric_value(&metrics, "lakecache_fresh_served_bytes_total"),
+        half as f64
+    );
+    // Served whole, the page left memory: the damaged file is caught.
+    let again = h
+        .client
+        .read(&uri("stream.bin"), Some(half..MIB))
+        .await
+        .unwrap();
+    assert_eq!(sha(&again), sha(&body[half as usize..]));
+    let metrics = h.client.metrics().await.unwrap();
+    assert_eq!(metric_value(&metrics, "lakecache_corrupt_pages_total"), 1.0);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn a_corrupted_page_file_is_detected_and_refetched() {
     let h = Harness::start().await;
     let body = data((MIB / 2) as usize, 50);
