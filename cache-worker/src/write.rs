@@ -316,14 +316,15 @@ impl Cache {
 
 impl Cache {
     /// Frees staged pages of a failed upload; the files go off the runtime.
+    /// Each stays counted as staged until its file is gone: the disk holds
+    /// it until then, and "nothing staged" must mean no file is left.
     fn discard_staged(self: &Arc<Self>, staged: Vec<StagedPage>) {
-        for page in &staged {
-            self.lru.release_staging(page.file.len);
-        }
         let this = self.clone();
         tokio::task::spawn_blocking(move || {
             for page in staged {
+                let len = page.file.len;
                 this.pages.discard_staged(page.file);
+                this.lru.release_staging(len);
             }
         });
     }
