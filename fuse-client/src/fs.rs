@@ -1137,11 +1137,7 @@ impl Fs {
             _ => Ok(()),
         };
         if let Some(Handle::Write { ino, .. }) = self.take_handle(fh) {
-            self.inodes.update(ino, |n| {
-                if n.writer == Some(fh) {
-                    n.writer = None;
-                }
-            });
+            self.writer_released(ino, fh);
         }
         result
     }

@@ -381,3 +381,39 @@ async fn a_directory_made_here_survives_its_lookup_during_an_s3_outage() {
         &b"weights"[..]
     );
 }
+
+/// `shutil.copy2` closes the copy, then sets its times and mode; the
+/// kernel's release of the handle comes on its own, and for an empty
+/// file it is the release that uploads. A mode set while that upload is
+/// under way must still reach S3 (it was lost: the copy's listing showed
+/// 644 where the source had 604).
+#[tokio::test]
+async fn a_mode_set_while_the_release_uploads_reaches_s3() {
+    let s = Setup::new(Quirks::default());
+    let (node, fh) =
+        s.fs.create(ROOT_INO, "empty", pid(), WHO, libc::O_WRONLY)
+            .await
+            .unwrap();
+    s.fs.flush(fh, pid()).await.unwrap();
+    let slow = DataFault::Delay(Duration::from_millis(300));
+    s.plane.inject(DataOp::Put, 0, u64::MAX, slow.clone());
+    s.plane.inject(DataOp::Upload, 0, u64::MAX, slow);
+    let release = s.fs.release(fh);
+    let chmod = async {
+        // The release holds the upload by now.
+        tokio::time::sleep(Duration::from_millis(100)).await;
+        let change = lakecache_fuse::SetAttr {
+            mode: Some(0o604),
+            ..Default::default()
+        };
+        s.fs.setattr(node.ino, change).await
+    };
+    let (released, changed) = tokio::join!(release, chmod);
+    released.unwrap();
+    assert_eq!(s.fs.attrs(&changed.unwrap()).perm, 0o604);
+    s.fs.sync_metadata().await.unwrap();
+    // A new mount sees what S3 holds.
+    let fresh = Fs::new(s.plane.clone(), FsConfig::new(BUCKET, ""));
+    let stored = fresh.lookup(ROOT_INO, "empty").await.unwrap();
+    assert_eq!(fresh.attrs(&stored).perm, 0o604);
+}

@@ -189,17 +189,39 @@ impl Fs {
         self.set_attrs(&node, &attrs).await
     }
 
+    /// A writing handle let go of `ino`: attributes changed after its
+    /// upload finished, while the handle still held the inode, are now
+    /// stored by a copy (the store skips an inode with a writer).
+    pub(super) fn writer_released(&self, ino: u64, fh: u64) {
+        let dirty = self.inodes.update(ino, |n| {
+            if n.writer == Some(fh) {
+                n.writer = None;
+            }
+            n.writer.is_none() && n.meta_dirty
+        });
+        if dirty == Some(true) {
+            self.dirty_meta.mark(ino);
+        }
+    }
+
     /// Makes `attrs` the node's attributes here at once; S3 gets them
     /// with the open upload's commit, or by a coalesced copy.
     pub(super) async fn set_attrs(&self, node: &Inode, attrs: &Attrs) -> Result<Inode, FsError> {
         let mut user = node.meta.user.clone().unwrap_or_default();
         posix::encode(attrs, &mut user);
+        // An upload still to finish carries the attributes. One that has
+        // finished (closed, its handle not yet released) does not: they
+        // are stored by a copy, like any closed file's.
+        let mut writing = false;
         if let Some(fh) = node.writer {
             if let Ok(Handle::Write { writer, .. }) = self.handle(fh) {
-                writer.lock().await.set_meta_explicitly(user.clone());
+                let mut w = writer.lock().await;
+                if !w.is_finished() {
+                    w.set_meta_explicitly(user.clone());
+                    writing = true;
+                }
             }
         }
-        let writing = node.writer.is_some();
         let updated = self
             .inodes
             .update(node.ino, |n| {
