@@ -567,7 +567,11 @@ impl PageStore {
                 .custom_flags(libc::O_DIRECT)
                 .open(path)
             {
-                Err(e) if e.raw_os_error() == Some(libc::EINVAL) => {}
+                // Refused here: every later open goes through the page
+                // cache, not through a failed open first.
+                Err(e) if e.raw_os_error() == Some(libc::EINVAL) => {
+                    self.direct.store(false, Ordering::Relaxed);
+                }
                 other => return other,
             }
         }
