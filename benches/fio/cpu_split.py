@@ -10,6 +10,9 @@ on. Prints one line per run and the medians; writes nothing else.
 Usage (as root; datasets as read_path.py lays them out under --work):
     python3 benches/fio/cpu_split.py --bin old=/tmp/lakecache-old \
         --bin new=target/release/lakecache --proxy target/release/delay-proxy
+
+A build named NAME=PATH,http reads every byte over HTTP (the mount gets
+no local worker socket), to compare against short-circuit reads.
 """
 
 from __future__ import annotations
@@ -31,12 +34,16 @@ def cpu_seconds(pid: int) -> float:
 
 
 class Build:
-    def __init__(self, binary: str, proxy: str) -> None:
-        self.bin, self.proxy = binary, proxy
+    def __init__(self, binary: str, proxy: str, http_only: bool) -> None:
+        self.bin, self.proxy, self.http_only = binary, proxy, http_only
 
 
 def one_run(build: Build, work: Path, state: str, jobs: int, rtt_ms: int) -> dict[str, float]:
     cold = state == "cold"
+    if build.http_only:
+        os.environ["LAKECACHE_BENCH_HTTP_READS"] = "1"
+    else:
+        os.environ.pop("LAKECACHE_BENCH_HTTP_READS", None)
     setup = Setup(build, work, True, rtt_ms if cold else 0)
     try:
         setup.start_worker(fresh=True)
@@ -98,9 +105,10 @@ def main() -> None:
     builds = {}
     for spec in a.bin:
         name, _, path = spec.partition("=")
-        if not path or not Path(path).is_file():
-            raise SystemExit(f"--bin wants NAME=PATH of a built lakecache, got {spec!r}")
-        builds[name] = Build(path, a.proxy)
+        path, _, mode = path.partition(",")
+        if not path or not Path(path).is_file() or mode not in ("", "http"):
+            raise SystemExit(f"--bin wants NAME=PATH[,http] of a built lakecache, got {spec!r}")
+        builds[name] = Build(path, a.proxy, mode == "http")
     if a.rounds < 1:
         raise SystemExit("--rounds must be at least 1")
     cases = [("cold", 1), ("cold", 4), ("warm", 1), ("warm", 4)]

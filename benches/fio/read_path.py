@@ -104,13 +104,18 @@ class Setup:
         self.worker = self.spawn(
             [self.bin, "worker", *self.worker_flags, "--listen",
              f"127.0.0.1:{self.worker_port}", "--cache-dir", str(cache), "--cache-size",
-             "14GiB", "--s3-endpoint", self.s3_url, "--s3-path-style"])
+             "14GiB", "--s3-endpoint", self.s3_url, "--s3-path-style"],
+            log=self.work / "worker.log")
         wait_port(self.worker_port)
 
     def start_mount(self, tier: bool, fresh_tier: bool = False) -> None:
         if fresh_tier and self.tier.exists():
             shutil.rmtree(self.tier)
         flags = ["--local-cache", str(self.tier), "--local-cache-size", "12GiB"] if tier else []
+        # The worker is on this host: its page files are read directly
+        # (set LAKECACHE_BENCH_HTTP_READS=1 to measure the HTTP path alone).
+        if not os.environ.get("LAKECACHE_BENCH_HTTP_READS"):
+            flags += ["--local-worker-socket", str(self.work / "cache" / "local.sock")]
         self.mount = self.spawn(
             [self.bin, "mount", f"s3://{BUCKET}", str(self.mnt), "--worker",
              f"127.0.0.1:{self.worker_port}", "--no-s3-fallback", "--memory-limit",

@@ -72,6 +72,7 @@ pub fn worker_options(cache_dir: PathBuf, capacity: u64) -> Result<WorkerOptions
         },
         limits: HttpLimits::default(),
         access: Default::default(),
+        local_socket: None,
         tls: None,
         peer_tls: None,
     })

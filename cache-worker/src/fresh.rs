@@ -129,6 +129,11 @@ impl FreshPages {
         Some(out)
     }
 
+    /// Whether `key` is held (a page just fetched, not yet read whole).
+    pub(crate) fn holds(&self, key: &PageKey) -> bool {
+        self.lock().pages.contains_key(key)
+    }
+
     pub(crate) fn forget(&self, key: &PageKey) {
         let mut inner = self.lock();
         if let Some(gone) = inner.pages.remove(key) {

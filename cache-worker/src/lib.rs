@@ -50,6 +50,9 @@ pub struct WorkerOptions {
     pub tls: Option<Arc<rustls::ServerConfig>>,
     /// How this worker verifies peers in page hand-offs (HTTPS clusters).
     pub peer_tls: Option<lakecache_protocol::tls::ClientTls>,
+    /// Unix socket for short-circuit reads by mounts on this host
+    /// (`lakecache_protocol::local_read`); `None`: HTTP only.
+    pub local_socket: Option<PathBuf>,
 }
 
 #[derive(Debug, thiserror::Error)]
@@ -59,6 +62,11 @@ pub enum WorkerError {
     #[error("cannot listen on {addr}: {source}")]
     Listen {
         addr: SocketAddr,
+        source: std::io::Error,
+    },
+    #[error("cannot create the local socket {path}: {source} (set another path with --local-socket, or turn it off with --no-local-socket)")]
+    LocalSocket {
+        path: PathBuf,
         source: std::io::Error,
     },
 }
@@ -74,6 +82,7 @@ pub struct RunningWorker {
     cache: Arc<Cache>,
     stop: Option<tokio::sync::oneshot::Sender<()>>,
     task: tokio::task::JoinHandle<()>,
+    local: Option<tokio::task::JoinHandle<()>>,
 }
 
 impl RunningWorker {
@@ -130,6 +139,10 @@ impl RunningWorker {
         if let Some(stop) = self.stop.take() {
             let _ = stop.send(());
         }
+        if let Some(local) = self.local.take() {
+            local.abort();
+            let _ = local.await;
+        }
         let _ = (&mut self.task).await;
         let weak = Arc::downgrade(&self.cache);
         drop(self);
@@ -144,6 +157,9 @@ impl Drop for RunningWorker {
     fn drop(&mut self) {
         if self.stop.is_some() {
             self.task.abort();
+        }
+        if let Some(local) = &self.local {
+            local.abort();
         }
     }
 }
@@ -200,6 +216,22 @@ pub async fn start_worker(
         ),
         access: options.access.clone(),
     });
+    let local = match &options.local_socket {
+        Some(path) => {
+            let socket = http::local::bind(path).map_err(|source| WorkerError::LocalSocket {
+                path: path.clone(),
+                source,
+            })?;
+            tracing::info!(socket = %path.display(), "short-circuit reads for mounts on this host");
+            Some(tokio::spawn(http::local::serve(
+                socket,
+                path.clone(),
+                state.clone(),
+                addr.to_string(),
+            )))
+        }
+        None => None,
+    };
     let (stop_tx, stop_rx) = tokio::sync::oneshot::channel::<()>();
     let acceptor = options.tls.clone().map(tokio_rustls::TlsAcceptor::from);
     let task = tokio::spawn(http::serve(listener, acceptor, state, async move {
@@ -211,5 +243,6 @@ pub async fn start_worker(
         cache,
         stop: Some(stop_tx),
         task,
+        local,
     })
 }

@@ -18,6 +18,7 @@ pub struct Metrics {
     request_seconds: Histogram<f64>,
     served_bytes: Counter<u64>,
     fresh_bytes: Counter<u64>,
+    local_bytes: Counter<u64>,
     hit_bytes: Counter<u64>,
     miss_bytes: Counter<u64>,
     egress_saved_dollars: Counter<f64>,
@@ -202,6 +203,12 @@ impl Metrics {
                 "By",
                 "Bytes served from pages just fetched whole, still in memory (no page file read)",
             ),
+            local_bytes: counter(
+                &meter,
+                "lakecache_local_served",
+                "By",
+                "Object bytes granted to readers on this host as page-file descriptors (local socket)",
+            ),
             hit_bytes: counter(
                 &meter,
                 "lakecache_cache_hit",
@@ -287,6 +294,10 @@ impl Metrics {
 
     pub fn served(&self, bytes: u64) {
         self.served_bytes.add(bytes, &[]);
+    }
+
+    pub fn served_local(&self, bytes: u64) {
+        self.local_bytes.add(bytes, &[]);
     }
 
     pub fn served_fresh(&self, bytes: u64) {

@@ -196,6 +196,18 @@ pub fn block_crcs(data: &[u8]) -> Vec<u32> {
         .collect()
 }
 
+/// An opened page file and where the checked blocks of a range lie in it.
+#[derive(Debug)]
+pub struct CheckedFile {
+    pub file: fs::File,
+    pub file_offset: u64,
+    pub read_len: u64,
+    pub block: u64,
+    pub crcs: Vec<u32>,
+    /// Where the range starts within the blocks read.
+    pub skip: u64,
+}
+
 /// A page's bytes in a temp file, not yet labelled or visible.
 #[derive(Debug)]
 pub struct Staged {
@@ -554,6 +566,46 @@ impl PageStore {
         }
         let buf = lakecache_protocol::buffer_pool::freeze(buf);
         Ok(buf.slice((range.start - start) as usize..(range.end - start) as usize))
+    }
+
+    /// The page file of `id` opened for a reader on this host, after
+    /// checking its header and that every block `range` touches is
+    /// filled: the file, where those blocks start in it, and their CRCs.
+    /// The reader reads and checks the blocks itself.
+    pub fn open_checked(
+        &self,
+        key: &PageKey,
+        id: &PageId,
+        range: Range<u64>,
+    ) -> Result<CheckedFile, PageReadError> {
+        if range.end > id.len || range.start >= range.end {
+            return Err(PageReadError::Corrupt(format!(
+                "range {range:?} outside a page of {} bytes",
+                id.len
+            )));
+        }
+        let file = match self.open_for_read(&self.path(key)) {
+            Ok(f) => f,
+            Err(e) if e.kind() == io::ErrorKind::NotFound => return Err(PageReadError::Missing),
+            Err(e) => return Err(e.into()),
+        };
+        let first = (range.start / CHECK_BLOCK) as usize;
+        let last = range.end.div_ceil(CHECK_BLOCK) as usize;
+        let mut raw = lakecache_protocol::buffer_pool::take(HEADER_LEN as usize);
+        read_aligned(&file, &mut raw, HEADER_LEN as usize, 0)?;
+        let header = Header::decode(&raw, id)?;
+        if let Some(missing) = (first..last).find(|b| !header.valid[*b]) {
+            return Err(PageReadError::Unfilled(missing..last));
+        }
+        let start = first as u64 * CHECK_BLOCK;
+        Ok(CheckedFile {
+            file,
+            file_offset: HEADER_LEN + start,
+            read_len: (last as u64 * CHECK_BLOCK).min(id.len) - start,
+            block: CHECK_BLOCK,
+            crcs: header.crcs[first..last].to_vec(),
+            skip: range.start - start,
+        })
     }
 
     /// A page file opened for reading, with `O_DIRECT` where allowed:

@@ -12,6 +12,9 @@ use lakecache_worker::{Metrics, S3Config};
 
 use crate::units::{ByteSize, Seconds};
 
+/// Where a worker with the default cache directory serves local reads.
+pub const DEFAULT_LOCAL_WORKER_SOCKET: &str = "/var/cache/lakecache/local.sock";
+
 #[derive(Args, Clone)]
 pub struct ClusterArgs {
     /// Cluster membership: etcd://HOST:PORT[/prefix], static:ADDR,ADDR or
@@ -53,6 +56,18 @@ pub struct ClusterArgs {
     /// Private key of --tls-cert
     #[arg(long, env = "LAKECACHE_TLS_KEY", requires = "tls_cert")]
     pub tls_key: Option<std::path::PathBuf>,
+    /// Local socket of a worker on this host (its CACHE_DIR/local.sock):
+    /// that worker's cached pages are read from its page files, with no
+    /// HTTP, TLS or copy through it [default: /var/cache/lakecache/local.sock
+    /// when it exists]
+    #[arg(long, env = "LAKECACHE_LOCAL_WORKER_SOCKET")]
+    pub local_worker_socket: Option<std::path::PathBuf>,
+    /// Read every byte over HTTP, even from a worker on this host (wins
+    /// over --local-worker-socket)
+    #[arg(long, env = "LAKECACHE_NO_LOCAL_READS",
+          value_parser = clap::builder::BoolishValueParser::new(), num_args = 0..=1,
+          default_missing_value = "true", default_value = "false")]
+    pub no_local_reads: bool,
     #[command(flatten)]
     pub etcd: crate::etcd_args::EtcdArgs,
     /// Do not read straight from S3 when no worker can answer
@@ -142,8 +157,20 @@ impl ClusterArgs {
             progress_timeout: self.progress_timeout.0,
             connect_timeout: self.connect_timeout.0,
             s3_fallback: !self.no_s3_fallback,
+            local_socket: self.local_socket(),
             ..ClusterOptions::default()
         }
+    }
+
+    fn local_socket(&self) -> Option<std::path::PathBuf> {
+        if self.no_local_reads {
+            return None;
+        }
+        if let Some(p) = &self.local_worker_socket {
+            return Some(p.clone());
+        }
+        let default = std::path::Path::new(DEFAULT_LOCAL_WORKER_SOCKET);
+        default.exists().then(|| default.to_path_buf())
     }
 
     /// The options, with the ring settings the cluster's first worker

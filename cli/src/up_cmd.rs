@@ -86,8 +86,13 @@ impl UpCmd {
             } else {
                 dir.join(format!("cache-{i}"))
             };
+            // The first worker serves this mount's short-circuit reads;
+            // a directory too deep for a socket path only loses those.
+            let socket = local_socket_of(&dir);
             let settings = WorkerSettings {
                 listen: Some(listen),
+                no_local_socket: Some(i > 0 || socket.is_none()),
+                local_socket: socket.filter(|_| i == 0),
                 cache_dir: Some(cache_dir),
                 cache_size: Some(self.cache_size),
                 s3_endpoint: Some(endpoint.url()),
@@ -304,6 +309,7 @@ impl UpCmd {
             membership,
             lakecache_registry::ClusterOptions {
                 token: Some(token.to_string()),
+                local_socket: local_socket_of(dir),
                 ..Default::default()
             },
             None,
@@ -339,4 +345,13 @@ impl UpCmd {
         )?;
         Ok((mounted, tier, routes))
     }
+}
+
+/// The first worker's local socket under `up`'s directory, when its path
+/// fits a Unix socket address.
+fn local_socket_of(dir: &std::path::Path) -> Option<std::path::PathBuf> {
+    let path = dir
+        .join("cache")
+        .join(crate::worker_config::LOCAL_SOCKET_NAME);
+    (path.as_os_str().len() <= 107).then_some(path)
 }

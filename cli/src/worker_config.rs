@@ -181,6 +181,14 @@ pub struct WorkerSettings {
     /// wire. Only for loopback or a network that is already encrypted
     #[arg(long, env = "LAKECACHE_INSECURE_HTTP", num_args = 0..=1, default_missing_value = "true")]
     pub insecure_http: Option<bool>,
+    /// Unix socket where mounts on this host read cached pages straight
+    /// from the page files (short-circuit reads; same user or root only,
+    /// tokens checked as over HTTP) [default: CACHE_DIR/local.sock]
+    #[arg(long, env = "LAKECACHE_LOCAL_SOCKET")]
+    pub local_socket: Option<PathBuf>,
+    /// Serve no local socket: mounts on this host read over HTTP too
+    #[arg(long, env = "LAKECACHE_NO_LOCAL_SOCKET", num_args = 0..=1, default_missing_value = "true")]
+    pub no_local_socket: Option<bool>,
     /// Stable id of this worker in the ring [default: the advertised address]
     #[arg(long, env = "LAKECACHE_WORKER_ID")]
     pub worker_id: Option<String>,
@@ -356,6 +364,8 @@ impl WorkerSettings {
                 tls_client_ca,
                 tls_ca,
                 insecure_http,
+                local_socket,
+                no_local_socket,
                 worker_id,
                 lease_ttl,
                 policy,
@@ -523,11 +533,28 @@ impl WorkerSettings {
             .s3_region
             .or_else(|| std::env::var("AWS_REGION").ok())
             .unwrap_or_else(|| "us-east-1".into());
+        let cache_dir = self
+            .cache_dir
+            .unwrap_or_else(|| "/var/cache/lakecache".into());
+        let local_socket = match (self.no_local_socket.unwrap_or(false), self.local_socket) {
+            (true, Some(_)) => bail!("--local-socket and --no-local-socket contradict each other"),
+            (true, None) => None,
+            (false, Some(p)) => Some(p),
+            (false, None) => Some(cache_dir.join(LOCAL_SOCKET_NAME)),
+        };
+        if let Some(p) = &local_socket {
+            // sockaddr_un holds 108 bytes with the terminating NUL.
+            if p.as_os_str().len() > 107 {
+                bail!(
+                    "the local socket path {} is longer than 107 bytes: set a shorter one with --local-socket, or --no-local-socket",
+                    p.display()
+                );
+            }
+        }
         let options = WorkerOptions {
             listen: self.listen.unwrap_or(([127, 0, 0, 1], 9500).into()),
-            cache_dir: self
-                .cache_dir
-                .unwrap_or_else(|| "/var/cache/lakecache".into()),
+            local_socket,
+            cache_dir,
             cache: CacheConfig {
                 page_size,
                 capacity,
@@ -576,6 +603,9 @@ impl WorkerSettings {
         Ok((options, s3))
     }
 }
+
+/// The worker's local socket in its cache directory, unless configured.
+pub const LOCAL_SOCKET_NAME: &str = "local.sock";
 
 type ServerTls = Option<std::sync::Arc<lakecache_protocol::tls::ServerConfig>>;
 
@@ -724,6 +754,43 @@ mod tests {
         assert_eq!(opts.cache.page_size, 8 << 20);
         assert!(opts.cache.metadata_ttl.is_zero());
         assert_eq!(s3.max_attempts, 5);
+    }
+
+    #[test]
+    fn the_local_socket_defaults_into_the_cache_dir_and_bad_settings_are_refused() {
+        let base = || WorkerSettings {
+            insecure_http: Some(true),
+            no_auth: Some(true),
+            cache_dir: Some("/srv/cache".into()),
+            ..Default::default()
+        };
+        let (opts, _) = base().resolve().unwrap();
+        assert_eq!(opts.local_socket, Some("/srv/cache/local.sock".into()));
+        let off = WorkerSettings {
+            no_local_socket: Some(true),
+            ..base()
+        };
+        assert_eq!(off.resolve().unwrap().0.local_socket, None);
+        for (w, says) in [
+            (
+                WorkerSettings {
+                    no_local_socket: Some(true),
+                    local_socket: Some("/run/w.sock".into()),
+                    ..base()
+                },
+                "contradict",
+            ),
+            (
+                WorkerSettings {
+                    local_socket: Some(format!("/run/{}.sock", "x".repeat(120)).into()),
+                    ..base()
+                },
+                "longer than 107 bytes",
+            ),
+        ] {
+            let err = format!("{:#}", w.resolve().unwrap_err());
+            assert!(err.contains(says), "{err}");
+        }
     }
 
     #[test]

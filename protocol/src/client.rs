@@ -1,6 +1,7 @@
 //! A pooled HTTP/1.1 client for one worker.
 
 use std::ops::Range;
+use std::sync::Arc;
 use std::time::Duration;
 
 use bytes::Bytes;
@@ -14,6 +15,7 @@ use hyper_util::rt::TokioExecutor;
 mod load;
 
 use crate::buffered::BufferedConnector;
+use crate::local_read::{LocalChannel, LocalError};
 use crate::tls::ClientTls;
 use crate::types::{ErrorBody, ErrorCode, Health, ListResponse, ObjectStat, ObjectVersion};
 use crate::uri::ObjectUri;
@@ -117,6 +119,9 @@ pub struct WorkerClient {
     deadlines: Deadlines,
     /// `Authorization` value sent with every request (never logged).
     bearer: Option<http::HeaderValue>,
+    /// This worker's Unix socket when it runs on this host: ranges of
+    /// cached versions are read from its page files (see `local_read`).
+    local: Option<Arc<LocalChannel>>,
 }
 
 impl std::fmt::Debug for WorkerClient {
@@ -206,7 +211,64 @@ impl WorkerClient {
             client,
             deadlines,
             bearer: None,
+            local: None,
         })
+    }
+
+    /// The same client, reading versioned ranges through `channel` (the
+    /// worker's local socket) and over HTTP where it declines.
+    pub fn with_local(mut self, channel: Option<Arc<LocalChannel>>) -> Self {
+        self.local = channel;
+        self
+    }
+
+    pub fn has_local(&self) -> bool {
+        self.local.is_some()
+    }
+
+    /// `range` at `etag` through the local socket. `None`: read over
+    /// HTTP (no socket, the worker declined, or the socket failed).
+    async fn read_local(
+        &self,
+        uri: &ObjectUri,
+        range: &Range<u64>,
+        etag: &str,
+    ) -> Option<Result<Bytes, ClientError>> {
+        let local = self.local.clone()?;
+        if range.is_empty() {
+            return None;
+        }
+        let (uri_c, range_c, etag_c) = (uri.clone(), range.clone(), etag.to_string());
+        let member = self
+            .base
+            .split_once("://")
+            .map_or(self.base.as_str(), |(_, rest)| rest)
+            .to_string();
+        let got =
+            tokio::task::spawn_blocking(move || local.read(&member, &uri_c, &etag_c, range_c))
+                .await;
+        match got {
+            Ok(Ok(bytes)) => Some(Ok(bytes)),
+            Ok(Err(LocalError::Refused { code, message })) => Some(Err(ClientError::Api {
+                status: code.http_status(),
+                code,
+                message,
+            })),
+            Ok(Err(LocalError::Unavailable(why))) => {
+                tracing::trace!(%uri, %why, "read over HTTP");
+                None
+            }
+            Ok(Err(e)) => {
+                // A damaged page file: HTTP reads it too, finds the damage
+                // and fetches the page again.
+                tracing::warn!(%uri, error = %e, "local read failed; reading over HTTP");
+                None
+            }
+            Err(e) => {
+                tracing::warn!(%uri, error = %e, "local read task failed; reading over HTTP");
+                None
+            }
+        }
     }
 
     /// The same client, sending `token` as `Authorization: Bearer` on
@@ -522,6 +584,11 @@ impl WorkerClient {
         range: Option<Range<u64>>,
         etag: Option<&str>,
     ) -> Result<(Bytes, Option<String>), ClientError> {
+        if let (Some(r), Some(e)) = (&range, etag) {
+            if let Some(local) = self.read_local(uri, r, e).await {
+                return local.map(|bytes| (bytes, Some(e.to_string())));
+            }
+        }
         let resp = self.read_stream_if(uri, range, etag).await?;
         let served_etag = resp
             .headers()

@@ -9,6 +9,7 @@ mod chain;
 mod client;
 pub mod direct_io;
 mod load;
+pub mod local_read;
 pub mod member_sig;
 pub mod memory;
 #[doc(hidden)]

@@ -15,6 +15,7 @@ use lakecache_store::{ObjectStore, StoreError};
 
 use crate::membership::{Member, Membership, View};
 use crate::ring::{Ring, RingOptions};
+use lakecache_protocol::local_read::LocalChannel;
 
 #[derive(Clone)]
 pub struct ClusterOptions {
@@ -37,6 +38,9 @@ pub struct ClusterOptions {
     pub token: Option<String>,
     /// Speak HTTPS to workers, verifying them with this CA.
     pub tls: Option<lakecache_protocol::tls::ClientTls>,
+    /// The local socket of a worker on this host: reads of that worker's
+    /// segments go through its page files (short-circuit reads).
+    pub local_socket: Option<std::path::PathBuf>,
 }
 
 impl std::fmt::Debug for ClusterOptions {
@@ -49,6 +53,7 @@ impl std::fmt::Debug for ClusterOptions {
             .field("s3_fallback", &self.s3_fallback)
             .field("token", &self.token.as_ref().map(|_| "<redacted>"))
             .field("tls", &self.tls.is_some())
+            .field("local_socket", &self.local_socket)
             .finish_non_exhaustive()
     }
 }
@@ -65,6 +70,7 @@ impl Default for ClusterOptions {
             s3_fallback: true,
             token: None,
             tls: None,
+            local_socket: None,
         }
     }
 }
@@ -122,7 +128,12 @@ impl Drop for ClusterClient {
     }
 }
 
-fn build_state(view: &View, options: &ClusterOptions, previous: Option<&State>) -> State {
+fn build_state(
+    view: &View,
+    options: &ClusterOptions,
+    previous: Option<&State>,
+    local: &Option<Arc<LocalChannel>>,
+) -> State {
     let ring = Ring::new(view, options.ring.clone());
     let mut clients = HashMap::new();
     for m in ring.members() {
@@ -135,7 +146,9 @@ fn build_state(view: &View, options: &ClusterOptions, previous: Option<&State>) 
                 match WorkerClient::connect(&m.address, options.deadlines(), options.tls.as_ref())
                     .and_then(|c| c.with_token(options.token.as_deref()))
                 {
-                    Ok(c) => c,
+                    // Every client may ask: the channel reads only for the
+                    // member whose address its worker listens on.
+                    Ok(c) => c.with_local(local.clone()),
                     Err(e) => {
                         tracing::warn!(member = %m.id, error = %e, "skipping member with a bad address");
                         continue;
@@ -156,7 +169,11 @@ impl ClusterClient {
         s3: Option<Arc<dyn ObjectStore>>,
     ) -> Arc<Self> {
         let mut rx = membership.subscribe();
-        let initial = build_state(&rx.borrow_and_update(), &options, None);
+        let local = options
+            .local_socket
+            .as_deref()
+            .map(|p| Arc::new(LocalChannel::new(p, options.token.clone())));
+        let initial = build_state(&rx.borrow_and_update(), &options, None, &local);
         let client = Arc::new(Self {
             membership,
             state: RwLock::new(Arc::new(initial)),
@@ -171,7 +188,7 @@ impl ClusterClient {
                 let Some(this) = weak.upgrade() else { return };
                 let view = rx.borrow_and_update().clone();
                 let previous = this.current();
-                let next = build_state(&view, &this.options, Some(&previous));
+                let next = build_state(&view, &this.options, Some(&previous), &local);
                 tracing::info!(members = next.ring.members().len(), "ring rebuilt");
                 *this.state.write().unwrap_or_else(|p| p.into_inner()) = Arc::new(next);
             }

@@ -33,8 +33,29 @@ pub struct Access<'a> {
 
 type Denied = Box<Response>;
 
+/// A refusal before it becomes an HTTP answer (the local socket sends
+/// the same code and message).
+#[derive(Debug, Clone)]
+pub struct Refusal {
+    pub code: ErrorCode,
+    pub message: String,
+}
+
+impl From<Refusal> for Denied {
+    fn from(r: Refusal) -> Self {
+        Box::new(error(r.code, r.message))
+    }
+}
+
 fn out_of_scope(message: String) -> Denied {
-    Box::new(error(ErrorCode::OutOfScope, message))
+    refused(message).into()
+}
+
+fn refused(message: String) -> Refusal {
+    Refusal {
+        code: ErrorCode::OutOfScope,
+        message,
+    }
 }
 
 fn now() -> u64 {
@@ -46,24 +67,43 @@ fn now() -> u64 {
 impl AccessPolicy {
     /// Checks the request's token, if this worker requires one.
     pub fn authenticate(&self, headers: &HeaderMap) -> Result<Access<'_>, Denied> {
-        let Some(keys) = &self.keys else {
-            return Ok(Access {
-                policy: self,
-                claims: None,
-            });
-        };
-        let unauthenticated = |m: &str| Box::new(error(ErrorCode::Unauthenticated, m));
+        if self.keys.is_none() {
+            return self.authenticate_token(None).map_err(Into::into);
+        }
         let Some(value) = headers.get(http::header::AUTHORIZATION) else {
-            return Err(unauthenticated(
-                "this worker requires a token: send Authorization: Bearer <token> (lakecache token create)",
-            ));
+            return self.authenticate_token(None).map_err(Into::into);
         };
         let token = value
             .to_str()
             .ok()
             .and_then(|v| v.strip_prefix("Bearer "))
             .map(str::trim)
-            .ok_or_else(|| unauthenticated("Authorization must be: Bearer <token>"))?;
+            .ok_or_else(|| {
+                Box::new(error(
+                    ErrorCode::Unauthenticated,
+                    "Authorization must be: Bearer <token>",
+                ))
+            })?;
+        self.authenticate_token(Some(token)).map_err(Into::into)
+    }
+
+    /// Checks a bearer token (`None`: the request carried none).
+    pub fn authenticate_token(&self, token: Option<&str>) -> Result<Access<'_>, Refusal> {
+        let Some(keys) = &self.keys else {
+            return Ok(Access {
+                policy: self,
+                claims: None,
+            });
+        };
+        let unauthenticated = |m: &str| Refusal {
+            code: ErrorCode::Unauthenticated,
+            message: m.to_string(),
+        };
+        let Some(token) = token else {
+            return Err(unauthenticated(
+                "this worker requires a token: send Authorization: Bearer <token> (lakecache token create)",
+            ));
+        };
         match keys.verify(token, now()) {
             Ok(claims) => Ok(Access {
                 policy: self,
@@ -72,7 +112,7 @@ impl AccessPolicy {
             Err(TokenError::Malformed) => {
                 Err(unauthenticated("the bearer value is not a lakecache token"))
             }
-            Err(e) => Err(out_of_scope(e.to_string())),
+            Err(e) => Err(refused(e.to_string())),
         }
     }
 
@@ -95,17 +135,22 @@ impl Access<'_> {
     }
 
     pub fn read(&self, uri: &ObjectUri) -> Result<(), Denied> {
+        self.may_read(uri).map_err(Into::into)
+    }
+
+    pub fn may_read(&self, uri: &ObjectUri) -> Result<(), Refusal> {
         if self.claims.as_ref().is_some_and(|c| c.peer) {
             // A worker reading a pending version another worker holds
             // (a rename onto a key it owns); the writer's scope was
             // checked where the write came in.
-            return self.peer_object(uri);
+            return self.may_reach_as_peer(uri);
         }
         self.object(uri, "read", Claims::may_read)
     }
 
     pub fn write(&self, uri: &ObjectUri) -> Result<(), Denied> {
         self.object(uri, "write", Claims::may_write)
+            .map_err(Into::into)
     }
 
     /// The allow-list first, then the token's scope.
@@ -114,17 +159,16 @@ impl Access<'_> {
         uri: &ObjectUri,
         verb: &str,
         granted: fn(&Claims, &ObjectUri) -> bool,
-    ) -> Result<(), Denied> {
+    ) -> Result<(), Refusal> {
         if !self.policy.allows(&uri.to_string()) {
-            return Err(out_of_scope(format!(
+            return Err(refused(format!(
                 "{uri} is outside this worker's allow-list"
             )));
         }
         match &self.claims {
-            Some(c) if !granted(c, uri) => Err(out_of_scope(format!(
-                "tenant {} may not {verb} {uri}",
-                c.tenant
-            ))),
+            Some(c) if !granted(c, uri) => {
+                Err(refused(format!("tenant {} may not {verb} {uri}", c.tenant)))
+            }
             _ => Ok(()),
         }
     }
@@ -209,9 +253,13 @@ impl Access<'_> {
     /// and the allow-list. The sending worker checked the writer's scope;
     /// peer tokens name no object scopes of their own.
     pub fn peer_object(&self, uri: &ObjectUri) -> Result<(), Denied> {
-        self.peer()?;
+        self.may_reach_as_peer(uri).map_err(Into::into)
+    }
+
+    fn may_reach_as_peer(&self, uri: &ObjectUri) -> Result<(), Refusal> {
+        self.may_call_as_peer()?;
         if !self.policy.allows(&uri.to_string()) {
-            return Err(out_of_scope(format!(
+            return Err(refused(format!(
                 "{uri} is outside this worker's allow-list"
             )));
         }
@@ -220,8 +268,12 @@ impl Access<'_> {
 
     /// Worker-to-worker calls need a peer token when tokens are on.
     pub fn peer(&self) -> Result<(), Denied> {
+        self.may_call_as_peer().map_err(Into::into)
+    }
+
+    fn may_call_as_peer(&self) -> Result<(), Refusal> {
         match &self.claims {
-            Some(c) if !c.peer => Err(out_of_scope(format!(
+            Some(c) if !c.peer => Err(refused(format!(
                 "tenant {} is not a cluster worker",
                 c.tenant
             ))),

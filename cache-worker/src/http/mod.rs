@@ -3,6 +3,7 @@
 pub mod auth;
 mod limits;
 mod load;
+pub mod local;
 mod peer_writeback;
 mod range;
 mod response;

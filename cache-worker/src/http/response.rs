@@ -49,7 +49,11 @@ pub fn error(code: ErrorCode, message: impl Into<String>) -> Response {
 }
 
 pub fn cache_error(e: &CacheError) -> Response {
-    let code = match e {
+    error(cache_error_code(e), e.to_string())
+}
+
+pub fn cache_error_code(e: &CacheError) -> ErrorCode {
+    match e {
         CacheError::Store(StoreError::NotFound) => ErrorCode::NotFound,
         CacheError::Store(StoreError::PreconditionFailed) => ErrorCode::PreconditionFailed,
         CacheError::Store(StoreError::AccessDenied(_)) => ErrorCode::AccessDenied,
@@ -67,8 +71,7 @@ pub fn cache_error(e: &CacheError) -> Response {
         CacheError::StagingFull(_) => ErrorCode::StagingFull,
         CacheError::ReplicasUnavailable(_) => ErrorCode::ReplicasUnavailable,
         CacheError::ShuttingDown => ErrorCode::UpstreamUnavailable,
-    };
-    error(code, e.to_string())
+    }
 }
 
 /// How often a slow JSON answer sends a byte while it is being built.

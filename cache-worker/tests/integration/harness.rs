@@ -51,6 +51,7 @@ pub fn default_options(cache_dir: PathBuf) -> WorkerOptions {
         },
         limits: HttpLimits::default(),
         access: Default::default(),
+        local_socket: None,
         tls: None,
         peer_tls: None,
     }

@@ -10,6 +10,7 @@ mod faults;
 mod harness;
 mod http_fuzz;
 mod limits;
+mod local;
 mod policies;
 mod power_loss;
 mod reads;

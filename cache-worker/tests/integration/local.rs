@@ -1,0 +1,200 @@
+//! Short-circuit reads: a client on the worker's host reads cached pages
+//! from the page files through the worker's Unix socket. The bytes are
+//! the object's (checked per block), HTTP carries none of them, pages not
+//! on disk yet, damage and version changes fall back to HTTP's handling,
+//! and tokens are checked as over HTTP.
+
+use std::path::PathBuf;
+use std::sync::Arc;
+
+use lakecache_protocol::local_read::LocalChannel;
+use lakecache_protocol::token::{Claims, KeyRing, SigningKey};
+use lakecache_protocol::{ClientError, ErrorCode};
+use lakecache_worker::AccessPolicy;
+
+use crate::harness::*;
+
+fn socket_of(h: &Harness) -> PathBuf {
+    h.options
+        .local_socket
+        .clone()
+        .expect("the harness set a socket")
+}
+
+async fn with_socket(tune: impl FnOnce(&mut lakecache_worker::WorkerOptions)) -> Harness {
+    Harness::with(|o| {
+        o.local_socket = Some(o.cache_dir.with_file_name("worker.sock"));
+        tune(o);
+    })
+    .await
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_reader_on_this_host_reads_page_files_checked_and_http_carries_no_bytes() {
+    let h = with_socket(|_| {}).await;
+    let body = data((3 * MIB + 12_345) as usize, 71);
+    let etag = h.put_direct("local/shard.bin", &body).await;
+    let channel = Arc::new(LocalChannel::new(&socket_of(&h), None));
+    let local = h.client.clone().with_local(Some(channel.clone()));
+    // Not cached yet: the socket declines, HTTP fetches and serves it
+    // (from memory, not read back from the new page files).
+    let (cold, _) = local
+        .read_checked(
+            &uri("local/shard.bin"),
+            Some(0..body.len() as u64),
+            Some(&etag),
+        )
+        .await
+        .unwrap();
+    assert_eq!(sha(&cold), sha(&body));
+    let served_before = metric_value(
+        &h.client.metrics().await.unwrap(),
+        "lakecache_served_bytes_total",
+    );
+    assert_eq!(served_before, body.len() as f64);
+
+    let channel = Arc::new(LocalChannel::new(&socket_of(&h), None));
+    assert!(channel.serves(&h.addr().to_string()));
+    assert!(
+        !channel.serves("127.0.0.1:1"),
+        "another port is another worker"
+    );
+    let local = h.client.clone().with_local(Some(channel));
+    // Across three pages, starting and ending inside blocks.
+    let range = 1_000..(2 * MIB + 777_777);
+    let (got, served_as) = local
+        .read_checked(&uri("local/shard.bin"), Some(range.clone()), Some(&etag))
+        .await
+        .unwrap();
+    assert_eq!(
+        sha(&got),
+        sha(&body[range.start as usize..range.end as usize])
+    );
+    assert_eq!(served_as.as_deref(), Some(etag.as_str()));
+    // The last page, short, and read a second time from its file.
+    for _ in 0..2 {
+        let tail = 3 * MIB..body.len() as u64;
+        let (got, _) = local
+            .read_checked(&uri("local/shard.bin"), Some(tail.clone()), Some(&etag))
+            .await
+            .unwrap();
+        assert_eq!(&got[..], &body[tail.start as usize..]);
+    }
+    let metrics = h.client.metrics().await.unwrap();
+    let local_bytes = (range.end - range.start) + 2 * 12_345;
+    assert_eq!(
+        metric_value(&metrics, "lakecache_local_served_bytes_total"),
+        local_bytes as f64
+    );
+    assert_eq!(
+        metric_value(&metrics, "lakecache_served_bytes_total"),
+        served_before,
+        "no object byte went over HTTP"
+    );
+    assert_eq!(h.gets(), 4, "one GET per page");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_damaged_page_file_or_another_version_falls_back_to_http() {
+    let h = with_socket(|_| {}).await;
+    let body = data(MIB as usize, 72);
+    let etag = h.put_direct("local/damaged.bin", &body).await;
+    let local = h
+        .client
+        .clone()
+        .with_local(Some(Arc::new(LocalChannel::new(&socket_of(&h), None))));
+    let (got, _) = local
+        .read_checked(&uri("local/damaged.bin"), Some(0..MIB), Some(&etag))
+        .await
+        .unwrap();
+    assert_eq!(sha(&got), sha(&body));
+    // One byte flipped in the page file: the reader's block check fails,
+    // the read goes over HTTP, which drops the page and fetches it again.
+    let files = h.page_files();
+    assert_eq!(files.len(), 1);
+    let mut raw = std::fs::read(&files[0]).unwrap();
+    raw[4096 + 300_000] ^= 0x10;
+    std::fs::write(&files[0], raw).unwrap();
+    let (got, _) = local
+        .read_checked(&uri("local/damaged.bin"), Some(0..MIB), Some(&etag))
+        .await
+        .unwrap();
+    assert_eq!(sha(&got), sha(&body), "never the damaged bytes");
+    let metrics = h.client.metrics().await.unwrap();
+    assert_eq!(metric_value(&metrics, "lakecache_corrupt_pages_total"), 1.0);
+    assert_eq!(h.gets(), 2);
+
+    // A version the worker does not have: HTTP's answer, 412.
+    let stale = local
+        .read_checked(&uri("local/damaged.bin"), Some(0..10), Some("not-the-etag"))
+        .await
+        .unwrap_err();
+    assert!(
+        matches!(stale, ClientError::Api { status: 412, .. }),
+        "{stale:?}"
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn the_socket_checks_tokens_and_scopes_as_http_does() {
+    let key = SigningKey::generate("k1");
+    let h = with_socket(|o| {
+        o.access = AccessPolicy {
+            keys: Some(KeyRing::new(key.clone(), None)),
+            allow: Vec::new(),
+            protect_metrics: false,
+        }
+    })
+    .await;
+    let body = data(100_000, 73);
+    let etag = h.put_direct("team-a/shard.bin", &body).await;
+    let mint = |tenant: &str, read: &str| {
+        key.mint(&Claims {
+            tenant: tenant.into(),
+            kid: String::new(),
+            exp: 4_000_000_000,
+            read: vec![read.into()],
+            write: Vec::new(),
+            peer: false,
+            members_key: None,
+        })
+    };
+    let read_with = |token: Option<String>| {
+        let channel = Arc::new(LocalChannel::new(&socket_of(&h), token));
+        // The HTTP client carries no token: only the socket may answer.
+        h.client.clone().with_local(Some(channel))
+    };
+    let target = uri("team-a/shard.bin");
+    for (token, want) in [
+        (None, ErrorCode::Unauthenticated),
+        (Some("garbage".to_string()), ErrorCode::Unauthenticated),
+        (
+            Some(mint("team-b", "s3://data/team-b/")),
+            ErrorCode::OutOfScope,
+        ),
+    ] {
+        let e = read_with(token)
+            .read_checked(&target, Some(0..100), Some(&etag))
+            .await
+            .unwrap_err();
+        assert!(
+            matches!(&e, ClientError::Api { code, .. } if *code == want),
+            "{e:?}"
+        );
+    }
+    assert_eq!(h.gets(), 0, "nothing refused touched S3");
+    let team_a = mint("team-a", "s3://data/team-a/");
+    // Cached first over HTTP (the socket serves pages already on disk).
+    let http = h.client.clone().with_token(Some(&team_a)).unwrap();
+    http.read(&target, None).await.unwrap();
+    let (got, _) = read_with(Some(team_a))
+        .read_checked(&target, Some(0..100_000), Some(&etag))
+        .await
+        .unwrap();
+    assert_eq!(&got[..], &body[..]);
+    let metrics = h.client.metrics().await.unwrap();
+    assert_eq!(
+        metric_value(&metrics, "lakecache_local_served_bytes_total"),
+        100_000.0
+    );
+}

@@ -1,0 +1,561 @@
+//! Short-circuit reads from a worker on the same host. Instead of sending
+//! a cached page through TLS, TCP and HTTP (copied and encrypted by the
+//! worker, copied and decrypted again by the mount), the worker checks
+//! the caller's token as for HTTP, makes sure the page is cached, and
+//! passes a read-only descriptor of its page file over a Unix socket
+//! (`SCM_RIGHTS`). The mount reads the bytes itself and checks every
+//! block against the CRC32C the worker sends with the descriptor.
+//!
+//! Wire format, both ways: a 4-byte little-endian length, then that many
+//! bytes of JSON ([`LocalRequest`] in, [`LocalAnswer`] out); a granted
+//! page's descriptor rides on the answer's first byte. Anything the
+//! worker will not short-circuit (a pending write, a partly filled page,
+//! a skip-cache prefix) is answered [`LocalAnswer::Unavailable`] and the
+//! caller reads over HTTP, where every such case is handled.
+
+use std::io::{self, Read, Write};
+use std::net::SocketAddr;
+use std::ops::Range;
+use std::os::fd::{AsRawFd, FromRawFd, OwnedFd, RawFd};
+use std::os::unix::fs::FileExt;
+use std::os::unix::net::UnixStream;
+use std::path::{Path, PathBuf};
+use std::sync::Mutex;
+use std::time::{Duration, Instant};
+
+use bytes::Bytes;
+use serde::{Deserialize, Serialize};
+
+use crate::buffer_pool::{self, ALIGN};
+use crate::{ErrorCode, ObjectUri};
+
+/// Version of the socket protocol; a worker answers `hello` with its own.
+pub const LOCAL_PROTOCOL: u32 = 1;
+
+/// Messages longer than this are refused (a page's CRC list is ~1 KiB).
+pub const MAX_MESSAGE: usize = 64 * 1024;
+
+/// How long a socket call may take before the read goes over HTTP.
+const SOCKET_TIMEOUT: Duration = Duration::from_secs(60);
+
+/// After the socket itself fails, reads go over HTTP this long before
+/// it is tried again (a restarting worker, a removed socket file).
+const BACKOFF: Duration = Duration::from_secs(5);
+
+/// Idle connections kept per channel.
+const MAX_IDLE: usize = 16;
+
+#[derive(Debug, Clone, Serialize, Deserialize, PartialEq, Eq)]
+#[serde(tag = "op", rename_all = "snake_case")]
+pub enum LocalRequest {
+    /// Who is listening: the worker's HTTP address and protocol version.
+    Hello,
+    /// A descriptor for bytes `offset..offset + len` of `uri` at `etag`,
+    /// within one page of the worker's.
+    Page {
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        token: Option<String>,
+        uri: String,
+        etag: String,
+        offset: u64,
+        len: u64,
+    },
+}
+
+/// Where a granted range lies in the passed file and how to check it.
+#[derive(Debug, Clone, Serialize, Deserialize, PartialEq, Eq)]
+pub struct PageGrant {
+    /// Offset in the file of the first checked block (block-aligned).
+    pub file_offset: u64,
+    /// Bytes to read from `file_offset`: whole blocks, the last one may
+    /// end with the page.
+    pub read_len: u64,
+    /// Size of a checked block.
+    pub block: u64,
+    /// CRC32C of each block read, in order.
+    pub crcs: Vec<u32>,
+    /// Where the bytes asked for start within what was read.
+    pub skip: u64,
+    /// The bytes granted from `skip`: the request's, up to the end of
+    /// the page holding its start (the next request goes on from there).
+    pub len: u64,
+}
+
+#[derive(Debug, Clone, Serialize, Deserialize, PartialEq, Eq)]
+#[serde(rename_all = "snake_case")]
+pub enum LocalAnswer {
+    Hello {
+        listen: String,
+        protocol: u32,
+    },
+    /// The page file's descriptor accompanies this answer.
+    Granted(PageGrant),
+    /// Not served here; read over HTTP.
+    Unavailable {
+        reason: String,
+    },
+    /// A definite refusal, as HTTP would give it.
+    Error {
+        code: ErrorCode,
+        message: String,
+    },
+}
+
+#[derive(Debug, thiserror::Error)]
+pub enum LocalError {
+    #[error("local worker socket: {0}")]
+    Io(#[from] io::Error),
+    #[error("local worker socket: bad message: {0}")]
+    Protocol(String),
+    /// Not served over the socket; read over HTTP.
+    #[error("not served over the local socket: {0}")]
+    Unavailable(String),
+    #[error("worker answered {code:?}: {message}")]
+    Refused { code: ErrorCode, message: String },
+    /// The bytes read from the page file fail their block CRC.
+    #[error("page file bytes fail their CRC32C (block {block})")]
+    Corrupt { block: usize },
+}
+
+/// `body` with its length in front.
+pub fn frame(body: &[u8]) -> io::Result<Vec<u8>> {
+    if body.len() > MAX_MESSAGE {
+        return Err(io::Error::new(
+            io::ErrorKind::InvalidInput,
+            "message too long",
+        ));
+    }
+    let mut frame = Vec::with_capacity(4 + body.len());
+    frame.extend_from_slice(&(body.len() as u32).to_le_bytes());
+    frame.extend_from_slice(body);
+    Ok(frame)
+}
+
+/// Writes one message, with `fd` attached when given.
+pub fn send_message(sock: RawFd, body: &[u8], fd: Option<RawFd>) -> io::Result<()> {
+    let frame = frame(body)?;
+    let sent = sendmsg_with_fd(sock, &frame, fd)?;
+    // The rest, if the socket took only part (the descriptor went first).
+    let mut stream = BorrowedSock(sock);
+    stream.write_all(&frame[sent..])
+}
+
+/// Reads one message and the descriptor sent with it, if any.
+pub fn recv_message(sock: RawFd) -> io::Result<(Vec<u8>, Option<OwnedFd>)> {
+    let mut len = [0u8; 4];
+    let (got, fd) = recvmsg_fd(sock, &mut len)?;
+    if got == 0 {
+        return Err(io::ErrorKind::UnexpectedEof.into());
+    }
+    let mut stream = BorrowedSock(sock);
+    stream.read_exact(&mut len[got..])?;
+    let n = u32::from_le_bytes(len) as usize;
+    if n > MAX_MESSAGE {
+        return Err(io::Error::new(
+            io::ErrorKind::InvalidData,
+            "message too long",
+        ));
+    }
+    let mut body = vec![0u8; n];
+    stream.read_exact(&mut body)?;
+    Ok((body, fd))
+}
+
+/// A socket we do not own, for `Read`/`Write` on it.
+struct BorrowedSock(RawFd);
+
+impl Read for BorrowedSock {
+    fn read(&mut self, buf: &mut [u8]) -> io::Result<usize> {
+        // SAFETY: reads into `buf`, which we borrow mutably, from a
+        // descriptor the caller keeps open.
+        let n = unsafe { libc::read(self.0, buf.as_mut_ptr().cast(), buf.len()) };
+        if n < 0 {
+            return Err(io::Error::last_os_error());
+        }
+        Ok(n as usize)
+    }
+}
+
+impl Write for BorrowedSock {
+    fn write(&mut self, buf: &[u8]) -> io::Result<usize> {
+        // SAFETY: writes from `buf` to a descriptor the caller keeps open.
+        let n = unsafe { libc::write(self.0, buf.as_ptr().cast(), buf.len()) };
+        if n < 0 {
+            return Err(io::Error::last_os_error());
+        }
+        Ok(n as usize)
+    }
+    fn flush(&mut self) -> io::Result<()> {
+        Ok(())
+    }
+}
+
+const CMSG_SPACE: usize = 64;
+
+#[repr(C, align(8))]
+struct CmsgBuf([u8; CMSG_SPACE]);
+
+/// One `sendmsg` of `data` with `fd` attached: how much was sent (the
+/// descriptor went with the first byte). A non-blocking socket that is
+/// full answers `WouldBlock` having sent nothing.
+pub fn sendmsg_with_fd(sock: RawFd, data: &[u8], fd: Option<RawFd>) -> io::Result<usize> {
+    let mut iov = libc::iovec {
+        iov_base: data.as_ptr() as *mut libc::c_void,
+        iov_len: data.len(),
+    };
+    let mut cmsg = CmsgBuf([0; CMSG_SPACE]);
+    // SAFETY: msghdr is plain data; every pointer set below outlives the
+    // sendmsg call, and CMSG_* stay within `cmsg` (sized for one fd).
+    unsafe {
+        let mut msg: libc::msghdr = std::mem::zeroed();
+        msg.msg_iov = &mut iov;
+        msg.msg_iovlen = 1;
+        if let Some(fd) = fd {
+            let space = libc::CMSG_SPACE(std::mem::size_of::<RawFd>() as u32) as usize;
+            msg.msg_control = cmsg.0.as_mut_ptr().cast();
+            msg.msg_controllen = space as _;
+            let header = libc::CMSG_FIRSTHDR(&msg);
+            (*header).cmsg_level = libc::SOL_SOCKET;
+            (*header).cmsg_type = libc::SCM_RIGHTS;
+            (*header).cmsg_len = libc::CMSG_LEN(std::mem::size_of::<RawFd>() as u32) as _;
+            std::ptr::write_unaligned(libc::CMSG_DATA(header).cast::<RawFd>(), fd);
+        }
+        loop {
+            let n = libc::sendmsg(sock, &msg, libc::MSG_NOSIGNAL);
+            if n >= 0 {
+                return Ok(n as usize);
+            }
+            let e = io::Error::last_os_error();
+            if e.kind() != io::ErrorKind::Interrupted {
+                return Err(e);
+            }
+        }
+    }
+}
+
+fn recvmsg_fd(sock: RawFd, buf: &mut [u8]) -> io::Result<(usize, Option<OwnedFd>)> {
+    let mut iov = libc::iovec {
+        iov_base: buf.as_mut_ptr().cast(),
+        iov_len: buf.len(),
+    };
+    let mut cmsg = CmsgBuf([0; CMSG_SPACE]);
+    // SAFETY: as in sendmsg_fd; a received descriptor is owned by us from
+    // here on (MSG_CMSG_CLOEXEC keeps it from leaking into children).
+    unsafe {
+        let mut msg: libc::msghdr = std::mem::zeroed();
+        msg.msg_iov = &mut iov;
+        msg.msg_iovlen = 1;
+        msg.msg_control = cmsg.0.as_mut_ptr().cast();
+        msg.msg_controllen = CMSG_SPACE as _;
+        let n = loop {
+            let n = libc::recvmsg(sock, &mut msg, libc::MSG_CMSG_CLOEXEC);
+            if n >= 0 {
+                break n as usize;
+            }
+            let e = io::Error::last_os_error();
+            if e.kind() != io::ErrorKind::Interrupted {
+                return Err(e);
+            }
+        };
+        let mut fds = Vec::new();
+        let mut header = libc::CMSG_FIRSTHDR(&msg);
+        while !header.is_null() {
+            if (*header).cmsg_level == libc::SOL_SOCKET && (*header).cmsg_type == libc::SCM_RIGHTS {
+                let data = libc::CMSG_DATA(header);
+                let bytes = (*header).cmsg_len as usize - (data as usize - header as usize);
+                for i in 0..bytes / std::mem::size_of::<RawFd>() {
+                    let fd = std::ptr::read_unaligned(data.cast::<RawFd>().add(i));
+                    fds.push(OwnedFd::from_raw_fd(fd));
+                }
+            }
+            header = libc::CMSG_NXTHDR(&msg, header);
+        }
+        // More than one descriptor is not our protocol: the extras close.
+        Ok((n, fds.into_iter().next()))
+    }
+}
+
+/// The client side: connections to one worker's socket, used from
+/// blocking threads.
+pub struct LocalChannel {
+    path: PathBuf,
+    token: Option<String>,
+    idle: Mutex<Vec<UnixStream>>,
+    listen: Mutex<Option<SocketAddr>>,
+    failed_at: Mutex<Option<Instant>>,
+}
+
+impl std::fmt::Debug for LocalChannel {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("LocalChannel")
+            .field("path", &self.path)
+            .finish_non_exhaustive()
+    }
+}
+
+impl LocalChannel {
+    pub fn new(path: &Path, token: Option<String>) -> Self {
+        Self {
+            path: path.to_path_buf(),
+            token,
+            idle: Mutex::new(Vec::new()),
+            listen: Mutex::new(None),
+            failed_at: Mutex::new(None),
+        }
+    }
+
+    pub fn path(&self) -> &Path {
+        &self.path
+    }
+
+    fn connection(&self) -> io::Result<UnixStream> {
+        if let Some(c) = self.idle.lock().unwrap_or_else(|p| p.into_inner()).pop() {
+            return Ok(c);
+        }
+        let c = UnixStream::connect(&self.path)?;
+        c.set_read_timeout(Some(SOCKET_TIMEOUT))?;
+        c.set_write_timeout(Some(SOCKET_TIMEOUT))?;
+        Ok(c)
+    }
+
+    fn done(&self, c: UnixStream) {
+        let mut idle = self.idle.lock().unwrap_or_else(|p| p.into_inner());
+        if idle.len() < MAX_IDLE {
+            idle.push(c);
+        }
+    }
+
+    fn call(&self, request: &LocalRequest) -> Result<(LocalAnswer, Option<OwnedFd>), LocalError> {
+        let body = serde_json::to_vec(request).map_err(|e| LocalError::Protocol(e.to_string()))?;
+        let c = self.connection()?;
+        send_message(c.as_raw_fd(), &body, None)?;
+        let (reply, fd) = recv_message(c.as_raw_fd())?;
+        let answer: LocalAnswer =
+            serde_json::from_slice(&reply).map_err(|e| LocalError::Protocol(e.to_string()))?;
+        self.done(c);
+        Ok((answer, fd))
+    }
+
+    /// The HTTP address of the worker behind the socket (asked once).
+    pub fn worker_listen(&self) -> Result<SocketAddr, LocalError> {
+        if let Some(addr) = *self.listen.lock().unwrap_or_else(|p| p.into_inner()) {
+            return Ok(addr);
+        }
+        match self.call(&LocalRequest::Hello)? {
+            (LocalAnswer::Hello { listen, protocol }, _) => {
+                if protocol != LOCAL_PROTOCOL {
+                    return Err(LocalError::Unavailable(format!(
+                        "worker speaks local protocol {protocol}, this mount {LOCAL_PROTOCOL}"
+                    )));
+                }
+                let addr: SocketAddr = listen
+                    .parse()
+                    .map_err(|_| LocalError::Protocol(format!("bad listen address {listen:?}")))?;
+                *self.listen.lock().unwrap_or_else(|p| p.into_inner()) = Some(addr);
+                Ok(addr)
+            }
+            (other, _) => Err(LocalError::Protocol(format!("hello answered {other:?}"))),
+        }
+    }
+
+    /// Whether this socket's worker is the member at `address`
+    /// (`host:port` as the ring names it). A worker listening on an
+    /// unspecified address matches any host on its port.
+    pub fn serves(&self, address: &str) -> bool {
+        let Ok(listen) = self.worker_listen() else {
+            return false;
+        };
+        let Ok(member) = address.parse::<SocketAddr>() else {
+            // A name: the port must match and the name be this host's.
+            return address.rsplit_once(':').is_some_and(|(host, port)| {
+                port.parse() == Ok(listen.port()) && host == "localhost"
+            });
+        };
+        member.port() == listen.port()
+            && (member.ip() == listen.ip() || listen.ip().is_unspecified())
+    }
+
+    /// Bytes `range` of `uri` at `etag`, read from the page files of the
+    /// worker at `member` when this socket is that worker's. A failure
+    /// of the socket itself (not a refusal or a damaged page) sends reads
+    /// over HTTP for a few seconds, logged once.
+    pub fn read(
+        &self,
+        member: &str,
+        uri: &ObjectUri,
+        etag: &str,
+        range: Range<u64>,
+    ) -> Result<Bytes, LocalError> {
+        let mut failed_at = self.failed_at.lock().unwrap_or_else(|p| p.into_inner());
+        if failed_at.is_some_and(|t| t.elapsed() < BACKOFF) {
+            return Err(LocalError::Unavailable(
+                "the local socket failed recently".into(),
+            ));
+        }
+        *failed_at = None;
+        drop(failed_at);
+        let got = match self.worker_listen() {
+            Ok(_) if !self.serves(member) => {
+                return Err(LocalError::Unavailable(format!(
+                    "{member} is another worker"
+                )))
+            }
+            Ok(_) => self.read_pages(uri, etag, range),
+            Err(e) => Err(e),
+        };
+        if let Err(e @ (LocalError::Io(_) | LocalError::Protocol(_))) = &got {
+            tracing::warn!(socket = %self.path.display(), error = %e, "local worker socket failed; reading over HTTP for {BACKOFF:?}");
+            *self.failed_at.lock().unwrap_or_else(|p| p.into_inner()) = Some(Instant::now());
+            return Err(LocalError::Unavailable(e.to_string()));
+        }
+        got
+    }
+
+    fn read_pages(
+        &self,
+        uri: &ObjectUri,
+        etag: &str,
+        range: Range<u64>,
+    ) -> Result<Bytes, LocalError> {
+        let want = range.end.saturating_sub(range.start) as usize;
+        let mut pieces: Vec<Bytes> = Vec::new();
+        let mut pos = range.start;
+        while pos < range.end {
+            let request = LocalRequest::Page {
+                token: self.token.clone(),
+                uri: uri.to_string(),
+                etag: etag.to_string(),
+                offset: pos,
+                len: range.end - pos,
+            };
+            let grant = match self.call(&request)? {
+                (LocalAnswer::Granted(g), Some(fd)) => (g, fd),
+                (LocalAnswer::Granted(_), None) => {
+                    return Err(LocalError::Protocol(
+                        "a grant came without a descriptor".into(),
+                    ))
+                }
+                (LocalAnswer::Unavailable { reason }, _) => {
+                    return Err(LocalError::Unavailable(reason))
+                }
+                (LocalAnswer::Error { code, message }, _) => {
+                    return Err(LocalError::Refused { code, message })
+                }
+                (other, _) => return Err(LocalError::Protocol(format!("page answered {other:?}"))),
+            };
+            let (g, fd) = grant;
+            if g.len == 0 || g.len > range.end - pos || g.skip + g.len > g.read_len {
+                return Err(LocalError::Protocol(format!(
+                    "a grant outside the request: {g:?}"
+                )));
+            }
+            let bytes = read_checked(fd, &g)?;
+            pos += g.len;
+            pieces.push(bytes);
+        }
+        if pieces.len() == 1 {
+            return Ok(pieces.remove(0));
+        }
+        let mut out = bytes::BytesMut::with_capacity(want);
+        for p in pieces {
+            out.extend_from_slice(&p);
+        }
+        Ok(out.freeze())
+    }
+}
+
+/// Reads a grant's blocks from `fd` (opened by the worker, perhaps with
+/// `O_DIRECT`: aligned offsets, aligned buffer, whole 4 KiB units) and
+/// checks each block's CRC32C.
+fn read_checked(fd: OwnedFd, g: &PageGrant) -> Result<Bytes, LocalError> {
+    let file = std::fs::File::from(fd);
+    if g.block == 0 || g.crcs.len() as u64 != g.read_len.div_ceil(g.block) {
+        return Err(LocalError::Protocol(format!(
+            "a grant with bad blocks: {g:?}"
+        )));
+    }
+    let len = g.read_len as usize;
+    let mut buf = buffer_pool::take(len.next_multiple_of(ALIGN));
+    buf.set_len(len.next_multiple_of(ALIGN));
+    let mut got = 0;
+    while got < len {
+        match file.read_at(&mut buf[got..], g.file_offset + got as u64) {
+            Ok(0) => break,
+            Ok(n) => got += n,
+            Err(e) if e.kind() == io::ErrorKind::Interrupted => {}
+            Err(e) => return Err(e.into()),
+        }
+    }
+    if got < len {
+        return Err(LocalError::Corrupt {
+            block: got / g.block as usize,
+        });
+    }
+    buf.set_len(len);
+    for (i, (chunk, crc)) in buf.chunks(g.block as usize).zip(&g.crcs).enumerate() {
+        if crc32c::crc32c(chunk) != *crc {
+            return Err(LocalError::Corrupt { block: i });
+        }
+    }
+    let bytes = buffer_pool::freeze(buf);
+    Ok(bytes.slice(g.skip as usize..(g.skip + g.len) as usize))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_descriptor_travels_with_its_message() {
+        let (a, b) = UnixStream::pair().unwrap();
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("f");
+        std::fs::write(&path, b"page bytes").unwrap();
+        let file = std::fs::File::open(&path).unwrap();
+        send_message(a.as_raw_fd(), b"{\"x\":1}", Some(file.as_raw_fd())).unwrap();
+        send_message(a.as_raw_fd(), b"second", None).unwrap();
+        let (body, fd) = recv_message(b.as_raw_fd()).unwrap();
+        assert_eq!(body, b"{\"x\":1}");
+        let got = std::fs::File::from(fd.expect("a descriptor"));
+        let mut text = String::new();
+        (&got).read_to_string(&mut text).unwrap();
+        assert_eq!(text, "page bytes");
+        let (body, fd) = recv_message(b.as_raw_fd()).unwrap();
+        assert_eq!(body, b"second");
+        assert!(fd.is_none());
+    }
+
+    #[test]
+    fn an_oversized_message_is_refused_not_allocated() {
+        let (a, b) = UnixStream::pair().unwrap();
+        (&a).write_all(&(u32::MAX).to_le_bytes()).unwrap();
+        let e = recv_message(b.as_raw_fd()).unwrap_err();
+        assert_eq!(e.kind(), io::ErrorKind::InvalidData);
+    }
+
+    #[test]
+    fn bytes_that_fail_their_crc_are_an_error() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("p");
+        let data = vec![7u8; 10_000];
+        std::fs::write(&path, &data).unwrap();
+        let grant = |crcs: Vec<u32>| PageGrant {
+            file_offset: 0,
+            read_len: 10_000,
+            block: 4096,
+            crcs,
+            skip: 100,
+            len: 50,
+        };
+        let good: Vec<u32> = data.chunks(4096).map(crc32c::crc32c).collect();
+        let open = || OwnedFd::from(std::fs::File::open(&path).unwrap());
+        let got = read_checked(open(), &grant(good.clone())).unwrap();
+        assert_eq!(&got[..], &data[100..150]);
+        let mut bad = good;
+        bad[2] ^= 1;
+        assert!(matches!(
+            read_checked(open(), &grant(bad)),
+            Err(LocalError::Corrupt { block: 2 })
+        ));
+    }
+}
