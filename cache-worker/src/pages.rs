@@ -530,42 +530,32 @@ impl PageStore {
         id: &PageId,
         range: Range<u64>,
     ) -> Result<Bytes, PageReadError> {
-        if range.end > id.len || range.start >= range.end {
-            return Err(PageReadError::Corrupt(format!(
-                "range {range:?} outside a page of {} bytes",
-                id.len
-            )));
-        }
-        let file = match self.open_for_read(&self.path(key)) {
-            Ok(f) => f,
-            Err(e) if e.kind() == io::ErrorKind::NotFound => return Err(PageReadError::Missing),
-            Err(e) => return Err(e.into()),
-        };
-        let first = (range.start / CHECK_BLOCK) as usize;
-        let last = range.end.div_ceil(CHECK_BLOCK) as usize;
-        let start = first as u64 * CHECK_BLOCK;
-        let end = (last as u64 * CHECK_BLOCK).min(id.len);
-        let mut raw = lakecache_protocol::buffer_pool::take(HEADER_LEN as usize);
-        read_aligned(&file, &mut raw, HEADER_LEN as usize, 0)?;
-        let header = Header::decode(&raw, id)?;
-        if let Some(missing) = (first..last).find(|b| !header.valid[*b]) {
-            let upto = (missing..last).find(|b| header.valid[*b]).unwrap_or(last);
-            return Err(PageReadError::Unfilled(missing..upto));
-        }
+        let len = range.end.saturating_sub(range.start);
+        let opened = self.open_checked(key, id, range)?;
+        let first = (opened.file_offset - HEADER_LEN) / CHECK_BLOCK;
         // A reused buffer: a fresh multi-MiB one costs a page fault and
         // a page clear per 4 KiB before the read even starts.
-        let mut buf = lakecache_protocol::buffer_pool::take((end - start) as usize);
-        read_aligned(&file, &mut buf, (end - start) as usize, HEADER_LEN + start)?;
-        for (i, chunk) in buf.chunks(CHECK_BLOCK as usize).enumerate() {
-            let block = first + i;
-            if header.crcs[block] != crc32c::crc32c(chunk) {
+        let mut buf = lakecache_protocol::buffer_pool::take(opened.read_len as usize);
+        read_aligned(
+            &opened.file,
+            &mut buf,
+            opened.read_len as usize,
+            opened.file_offset,
+        )?;
+        for (i, (chunk, crc)) in buf
+            .chunks(CHECK_BLOCK as usize)
+            .zip(&opened.crcs)
+            .enumerate()
+        {
+            if *crc != crc32c::crc32c(chunk) {
                 return Err(PageReadError::Corrupt(format!(
-                    "CRC mismatch in block {block}"
+                    "CRC mismatch in block {}",
+                    first + i as u64
                 )));
             }
         }
         let buf = lakecache_protocol::buffer_pool::freeze(buf);
-        Ok(buf.slice((range.start - start) as usize..(range.end - start) as usize))
+        Ok(buf.slice(opened.skip as usize..(opened.skip + len) as usize))
     }
 
     /// The page file of `id` opened for a reader on this host, after
@@ -595,7 +585,8 @@ impl PageStore {
         read_aligned(&file, &mut raw, HEADER_LEN as usize, 0)?;
         let header = Header::decode(&raw, id)?;
         if let Some(missing) = (first..last).find(|b| !header.valid[*b]) {
-            return Err(PageReadError::Unfilled(missing..last));
+            let upto = (missing..last).find(|b| header.valid[*b]).unwrap_or(last);
+            return Err(PageReadError::Unfilled(missing..upto));
         }
         let start = first as u64 * CHECK_BLOCK;
         Ok(CheckedFile {
