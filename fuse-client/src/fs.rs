@@ -611,8 +611,8 @@ impl Fs {
                 if pinned_away {
                     // Handles read this version through passthrough: the
                     // inode stays it, and the name's next lookup gets a
-                    // new inode for the new version.
-                    self.inodes.unlink(node.parent, &node.name);
+                    // new inode for the new version (or already has).
+                    self.inodes.unlink_inode(ino, node.parent, &node.name);
                     return Ok(node);
                 }
                 self.inodes.update(ino, |n| {
@@ -631,7 +631,7 @@ impl Fs {
             Err(e) => {
                 let e = FsError::from(e);
                 if matches!(e, FsError::NotFound) {
-                    self.inodes.unlink(node.parent, &node.name);
+                    self.inodes.unlink_inode(ino, node.parent, &node.name);
                 }
                 Err(e)
             }

@@ -258,6 +258,16 @@ impl InodeTable {
         self.lock().names.remove(&(parent, name.to_string()));
     }
 
+    /// Drops the name `parent/name` only while it still means `ino`: a
+    /// lookup may have given the name a newer inode meanwhile.
+    pub fn unlink_inode(&self, ino: u64, parent: u64, name: &str) {
+        let mut t = self.lock();
+        let key = (parent, name.to_string());
+        if t.names.get(&key) == Some(&ino) {
+            t.names.remove(&key);
+        }
+    }
+
     /// Moves an inode to a new name, replacing whatever had that name.
     pub fn rename(&self, ino: u64, new_parent: u64, new_name: &str, new_key: String, meta: Meta) {
         let mut t = self.lock();

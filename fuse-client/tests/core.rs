@@ -417,3 +417,28 @@ async fn a_mode_set_while_the_release_uploads_reaches_s3() {
     let stored = fresh.lookup(ROOT_INO, "empty").await.unwrap();
     assert_eq!(fresh.attrs(&stored).perm, 0o604);
 }
+
+/// An object replaced while a passthrough handle pins its old version:
+/// the name's next lookup gets a new inode. A revalidation of the old
+/// inode that comes after that must not take the name from the new one
+/// (it did, so every later lookup made yet another inode).
+#[tokio::test]
+async fn revalidating_a_pinned_old_version_leaves_the_names_new_inode_alone() {
+    let (fs, plane) = fs_with(|c| {
+        c.attr_ttl = Duration::ZERO;
+        c.entry_ttl = Duration::ZERO;
+    });
+    let store = plane.inner();
+    store.insert(BUCKET, "model.bin", body(5000, 1));
+    let old = fs.lookup(ROOT_INO, "model.bin").await.unwrap();
+    fs.pin_version(old.ino, true);
+    store.insert(BUCKET, "model.bin", body(7000, 2));
+    let new = fs.lookup(ROOT_INO, "model.bin").await.unwrap();
+    assert_ne!(new.ino, old.ino, "a pinned inode keeps its version");
+    assert_eq!(new.meta.size, 7000);
+    // The kernel asks about the old inode (a handle still has it open).
+    let still_old = fs.getattr(old.ino).await.unwrap();
+    assert_eq!(still_old.meta.size, 5000);
+    let again = fs.lookup(ROOT_INO, "model.bin").await.unwrap();
+    assert_eq!(again.ino, new.ino, "the name keeps its new inode");
+}
