@@ -222,10 +222,6 @@ impl WorkerClient {
         self
     }
 
-    pub fn has_local(&self) -> bool {
-        self.local.is_some()
-    }
-
     /// `range` at `etag` through the local socket. `None`: read over
     /// HTTP (no socket, the worker declined, or the socket failed).
     async fn read_local(
@@ -234,16 +230,16 @@ impl WorkerClient {
         range: &Range<u64>,
         etag: &str,
     ) -> Option<Result<Bytes, ClientError>> {
-        let local = self.local.clone()?;
-        if range.is_empty() {
-            return None;
-        }
-        let (uri_c, range_c, etag_c) = (uri.clone(), range.clone(), etag.to_string());
+        let local = self.local.as_ref()?;
         let member = self
             .base
             .split_once("://")
-            .map_or(self.base.as_str(), |(_, rest)| rest)
-            .to_string();
+            .map_or(self.base.as_str(), |(_, rest)| rest);
+        if range.is_empty() || !local.worth_asking(member) {
+            return None;
+        }
+        let (local, member) = (local.clone(), member.to_string());
+        let (uri_c, range_c, etag_c) = (uri.clone(), range.clone(), etag.to_string());
         let got =
             tokio::task::spawn_blocking(move || local.read(&member, &uri_c, &etag_c, range_c))
                 .await;

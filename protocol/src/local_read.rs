@@ -362,17 +362,22 @@ impl LocalChannel {
     /// (`host:port` as the ring names it). A worker listening on an
     /// unspecified address matches any host on its port.
     pub fn serves(&self, address: &str) -> bool {
-        let Ok(listen) = self.worker_listen() else {
-            return false;
-        };
-        let Ok(member) = address.parse::<SocketAddr>() else {
-            // A name: the port must match and the name be this host's.
-            return address.rsplit_once(':').is_some_and(|(host, port)| {
-                port.parse() == Ok(listen.port()) && host == "localhost"
-            });
-        };
-        member.port() == listen.port()
-            && (member.ip() == listen.ip() || listen.ip().is_unspecified())
+        self.worker_listen()
+            .is_ok_and(|listen| is_member(listen, address))
+    }
+
+    /// Whether a read for `member` may use the socket, known without I/O:
+    /// not while backing off after a failure, nor for a member the
+    /// worker's (already learnt) address rules out. Reads of other
+    /// workers' segments then skip the blocking pool altogether.
+    pub fn worth_asking(&self, member: &str) -> bool {
+        let backing_off = self
+            .failed_at
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .is_some_and(|t| t.elapsed() < BACKOFF);
+        let listen = *self.listen.lock().unwrap_or_else(|p| p.into_inner());
+        !backing_off && listen.is_none_or(|l| is_member(l, member))
     }
 
     /// Bytes `range` of `uri` at `etag`, read from the page files of the
@@ -395,7 +400,7 @@ impl LocalChannel {
         *failed_at = None;
         drop(failed_at);
         let got = match self.worker_listen() {
-            Ok(_) if !self.serves(member) => {
+            Ok(listen) if !is_member(listen, member) => {
                 return Err(LocalError::Unavailable(format!(
                     "{member} is another worker"
                 )))
@@ -462,6 +467,18 @@ impl LocalChannel {
         }
         Ok(out.freeze())
     }
+}
+
+/// Whether the member at `address` (`host:port`) is the worker
+/// listening on `listen`.
+fn is_member(listen: SocketAddr, address: &str) -> bool {
+    let Ok(member) = address.parse::<SocketAddr>() else {
+        // A name: the port must match and the name be this host's.
+        return address
+            .rsplit_once(':')
+            .is_some_and(|(host, port)| port.parse() == Ok(listen.port()) && host == "localhost");
+    };
+    member.port() == listen.port() && (member.ip() == listen.ip() || listen.ip().is_unspecified())
 }
 
 /// Reads a grant's blocks from `fd` (opened by the worker, perhaps with
