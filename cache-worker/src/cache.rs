@@ -615,7 +615,7 @@ impl Cache {
     /// a reader on this host (`http::local`): up to the end of the page
     /// holding `pos`. `Ok(None)`: not served this way (a page not cached
     /// or still in memory, a pending write, a skip-cache prefix, a partly
-    /// filled or unreadable page); the reader goes over HTTP.
+    /// filled or unreadable page); the bytes are sent from memory instead.
     pub(crate) async fn local_page(
         self: &Arc<Self>,
         uri: &ObjectUri,
@@ -641,13 +641,12 @@ impl Cache {
         let key = PageKey::new(&uri_s, &meta.etag, idx);
         let id = PageId::new(&uri_s, &meta.etag, idx, ps, meta.size);
         // A page not on disk yet, or just fetched and still in memory, is
-        // served over HTTP from memory: reading it back from the file
+        // sent from memory (inline on the socket, or HTTP): reading it back from the file
         // costs the reader a disk read per page, which made a single cold
         // stream 18% slower on this project's test VM (cpu-split-local.md).
         if !self.lru.contains(&key) || self.fresh.holds(&key) {
             return Ok(None);
         }
-        self.maybe_read_ahead(uri, meta, &(pos..end));
         {
             let (this, range) = (self.clone(), sub.clone());
             let opened = tokio::task::spawn_blocking(move || {
@@ -663,6 +662,11 @@ impl Cache {
             .map_err(join_failed)?;
             match opened {
                 Ok(file) => {
+                    // Recorded once granted, and as far as the grant goes:
+                    // a refused page is read by `Self::read` instead,
+                    // which records the same read itself.
+                    let granted_end = idx * ps + sub.end;
+                    self.maybe_read_ahead(uri, meta, &(pos..granted_end));
                     let len = sub.end - sub.start;
                     self.count_traffic(uri.bucket(), len, 0);
                     self.metrics.served_local(len);

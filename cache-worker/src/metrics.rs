@@ -19,6 +19,7 @@ pub struct Metrics {
     served_bytes: Counter<u64>,
     fresh_bytes: Counter<u64>,
     local_bytes: Counter<u64>,
+    inline_bytes: Counter<u64>,
     hit_bytes: Counter<u64>,
     miss_bytes: Counter<u64>,
     egress_saved_dollars: Counter<f64>,
@@ -209,6 +210,12 @@ impl Metrics {
                 "By",
                 "Object bytes granted to readers on this host as page-file descriptors (local socket)",
             ),
+            inline_bytes: counter(
+                &meter,
+                "lakecache_local_inline_served",
+                "By",
+                "Object bytes sent to readers on this host over the local socket, without TLS, TCP or HTTP (also counted in lakecache_served)",
+            ),
             hit_bytes: counter(
                 &meter,
                 "lakecache_cache_hit",
@@ -298,6 +305,10 @@ impl Metrics {
 
     pub fn served_local(&self, bytes: u64) {
         self.local_bytes.add(bytes, &[]);
+    }
+
+    pub fn served_inline(&self, bytes: u64) {
+        self.inline_bytes.add(bytes, &[]);
     }
 
     pub fn served_fresh(&self, bytes: u64) {

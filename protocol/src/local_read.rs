@@ -12,6 +12,16 @@
 //! worker will not short-circuit (a pending write, a partly filled page,
 //! a skip-cache prefix) is answered [`LocalAnswer::Unavailable`] and the
 //! caller reads over HTTP, where every such case is handled.
+//!
+//! Bytes that are not in a page file yet (a page being fetched from S3,
+//! or one just fetched and still in the worker's memory) come back
+//! inline instead, to a caller that said it takes them: an
+//! [`LocalAnswer::Inline`] answer followed by that many raw bytes on the
+//! same connection, the whole request (up to [`MAX_INLINE`]) read by the
+//! worker as one HTTP request would be. They are the bytes HTTP would
+//! have sent, minus the TLS, TCP and HTTP framing around them. A worker
+//! whose read fails part way closes the connection; the caller then
+//! reads the range over HTTP.
 
 use std::io::{self, Read, Write};
 use std::net::SocketAddr;
@@ -59,8 +69,16 @@ pub enum LocalRequest {
         etag: String,
         offset: u64,
         len: u64,
+        /// The caller takes [`LocalAnswer::Inline`] bytes (older mounts
+        /// do not send it, and get `Unavailable` instead).
+        #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+        inline: bool,
     },
 }
+
+/// Inline answers are at most this long; a longer request is answered in
+/// parts, each asked for anew.
+pub const MAX_INLINE: u64 = 64 << 20;
 
 /// Where a granted range lies in the passed file and how to check it.
 #[derive(Debug, Clone, Serialize, Deserialize, PartialEq, Eq)]
@@ -90,6 +108,11 @@ pub enum LocalAnswer {
     },
     /// The page file's descriptor accompanies this answer.
     Granted(PageGrant),
+    /// `len` bytes from the requested offset follow this answer on the
+    /// connection (at most [`MAX_INLINE`], never past the request).
+    Inline {
+        len: u64,
+    },
     /// Not served here; read over HTTP.
     Unavailable {
         reason: String,
@@ -326,14 +349,10 @@ impl LocalChannel {
     }
 
     fn call(&self, request: &LocalRequest) -> Result<(LocalAnswer, Option<OwnedFd>), LocalError> {
-        let body = serde_json::to_vec(request).map_err(|e| LocalError::Protocol(e.to_string()))?;
         let c = self.connection()?;
-        send_message(c.as_raw_fd(), &body, None)?;
-        let (reply, fd) = recv_message(c.as_raw_fd())?;
-        let answer: LocalAnswer =
-            serde_json::from_slice(&reply).map_err(|e| LocalError::Protocol(e.to_string()))?;
+        let answer = call_on(&c, request)?;
         self.done(c);
-        Ok((answer, fd))
+        Ok(answer)
     }
 
     /// The HTTP address of the worker behind the socket (asked once).
@@ -432,19 +451,43 @@ impl LocalChannel {
                 etag: etag.to_string(),
                 offset: pos,
                 len: range.end - pos,
+                inline: true,
             };
-            let grant = match self.call(&request)? {
-                (LocalAnswer::Granted(g), Some(fd)) => (g, fd),
+            let c = self.connection()?;
+            let grant = match call_on(&c, &request)? {
+                (LocalAnswer::Inline { len }, None) => {
+                    if len == 0 || len > range.end - pos || len > MAX_INLINE {
+                        return Err(LocalError::Protocol(format!(
+                            "inline bytes outside the request: {len} at {pos}"
+                        )));
+                    }
+                    // Cut short: the worker's read failed part way. HTTP
+                    // reads the range (and reports its error); the socket
+                    // itself is not suspect, so no back-off.
+                    let bytes = read_inline(&c, len as usize).map_err(|e| {
+                        LocalError::Unavailable(format!("inline bytes broke off: {e}"))
+                    })?;
+                    self.done(c);
+                    pos += len;
+                    pieces.push(bytes);
+                    continue;
+                }
+                (LocalAnswer::Granted(g), Some(fd)) => {
+                    self.done(c);
+                    (g, fd)
+                }
                 (LocalAnswer::Granted(_), None) => {
                     return Err(LocalError::Protocol(
                         "a grant came without a descriptor".into(),
                     ))
                 }
-                (LocalAnswer::Unavailable { reason }, _) => {
-                    return Err(LocalError::Unavailable(reason))
+                (LocalAnswer::Unavailable { reason }, None) => {
+                    self.done(c);
+                    return Err(LocalError::Unavailable(reason));
                 }
-                (LocalAnswer::Error { code, message }, _) => {
-                    return Err(LocalError::Refused { code, message })
+                (LocalAnswer::Error { code, message }, None) => {
+                    self.done(c);
+                    return Err(LocalError::Refused { code, message });
                 }
                 (other, _) => return Err(LocalError::Protocol(format!("page answered {other:?}"))),
             };
@@ -467,6 +510,27 @@ impl LocalChannel {
         }
         Ok(out.freeze())
     }
+}
+
+/// One request and its answer on connection `c`.
+fn call_on(
+    c: &UnixStream,
+    request: &LocalRequest,
+) -> Result<(LocalAnswer, Option<OwnedFd>), LocalError> {
+    let body = serde_json::to_vec(request).map_err(|e| LocalError::Protocol(e.to_string()))?;
+    send_message(c.as_raw_fd(), &body, None)?;
+    let (reply, fd) = recv_message(c.as_raw_fd())?;
+    let answer: LocalAnswer =
+        serde_json::from_slice(&reply).map_err(|e| LocalError::Protocol(e.to_string()))?;
+    Ok((answer, fd))
+}
+
+/// The `len` raw bytes that follow an inline answer.
+fn read_inline(mut c: &UnixStream, len: usize) -> Result<Bytes, LocalError> {
+    let mut buf = buffer_pool::take(len);
+    buf.set_len(len);
+    c.read_exact(&mut buf)?;
+    Ok(buffer_pool::freeze(buf))
 }
 
 /// Whether the member at `address` (`host:port`) is the worker
@@ -540,6 +604,123 @@ mod tests {
         let (body, fd) = recv_message(b.as_raw_fd()).unwrap();
         assert_eq!(body, b"second");
         assert!(fd.is_none());
+    }
+
+    /// A fake worker on a real socket: answers hello, then each page
+    /// request with `answer(offset, len)` and the bytes it returns.
+    fn fake_worker(
+        dir: &Path,
+        answer: impl Fn(u64, u64) -> (LocalAnswer, Vec<u8>) + Send + 'static,
+    ) -> PathBuf {
+        let path = dir.join("w.sock");
+        let listener = std::os::unix::net::UnixListener::bind(&path).unwrap();
+        std::thread::spawn(move || {
+            for conn in listener.incoming() {
+                let Ok(mut conn) = conn else { return };
+                while let Ok((body, _)) = recv_message(conn.as_raw_fd()) {
+                    let (reply, bytes) = match serde_json::from_slice(&body).unwrap() {
+                        LocalRequest::Hello => (
+                            LocalAnswer::Hello {
+                                listen: "127.0.0.1:7000".into(),
+                                protocol: LOCAL_PROTOCOL,
+                            },
+                            Vec::new(),
+                        ),
+                        LocalRequest::Page {
+                            offset,
+                            len,
+                            inline,
+                            ..
+                        } => {
+                            assert!(inline, "this client takes inline bytes");
+                            answer(offset, len)
+                        }
+                    };
+                    let reply = serde_json::to_vec(&reply).unwrap();
+                    send_message(conn.as_raw_fd(), &reply, None).unwrap();
+                    conn.write_all(&bytes).unwrap();
+                }
+            }
+        });
+        path
+    }
+
+    #[test]
+    fn inline_pieces_are_joined_and_a_piece_past_the_request_is_refused() {
+        let dir = tempfile::tempdir().unwrap();
+        let object: Vec<u8> = (0..3_000_000u32).map(|i| (i % 251) as u8).collect();
+        let served = object.clone();
+        // 1 MiB pieces at most, as the worker sends them.
+        let path = fake_worker(dir.path(), move |offset, len| {
+            let n = len.min(1 << 20);
+            let bytes = served[offset as usize..(offset + n) as usize].to_vec();
+            (LocalAnswer::Inline { len: n }, bytes)
+        });
+        let channel = LocalChannel::new(&path, None);
+        let uri: ObjectUri = "s3://bucket/k".parse().unwrap();
+        let got = channel
+            .read("127.0.0.1:7000", &uri, "e", 10..2_500_000)
+            .unwrap();
+        assert_eq!(&got[..], &object[10..2_500_000]);
+
+        let dir = tempfile::tempdir().unwrap();
+        let path = fake_worker(dir.path(), |_, len| {
+            (
+                LocalAnswer::Inline { len: len + 1 },
+                vec![0; len as usize + 1],
+            )
+        });
+        let channel = LocalChannel::new(&path, None);
+        let e = channel
+            .read("127.0.0.1:7000", &uri, "e", 0..100)
+            .unwrap_err();
+        // Refused, then HTTP for a while: never bytes past the request.
+        assert!(matches!(e, LocalError::Unavailable(_)), "{e:?}");
+    }
+
+    #[test]
+    fn inline_bytes_cut_short_send_that_read_to_http_without_backing_off() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("w.sock");
+        let listener = std::os::unix::net::UnixListener::bind(&path).unwrap();
+        std::thread::spawn(move || {
+            for (n, conn) in listener.incoming().enumerate() {
+                let Ok(mut conn) = conn else { return };
+                while let Ok((body, _)) = recv_message(conn.as_raw_fd()) {
+                    let reply = match serde_json::from_slice(&body).unwrap() {
+                        LocalRequest::Hello => LocalAnswer::Hello {
+                            listen: "127.0.0.1:7000".into(),
+                            protocol: LOCAL_PROTOCOL,
+                        },
+                        LocalRequest::Page { len, .. } => LocalAnswer::Inline { len },
+                    };
+                    let inline = matches!(reply, LocalAnswer::Inline { .. });
+                    let reply = serde_json::to_vec(&reply).unwrap();
+                    send_message(conn.as_raw_fd(), &reply, None).unwrap();
+                    if inline {
+                        // The first connection's read fails part way; the
+                        // next one's is whole.
+                        let whole = if n == 0 { 10 } else { 100 };
+                        conn.write_all(&[5u8; 100][..whole]).unwrap();
+                        if n == 0 {
+                            break;
+                        }
+                    }
+                }
+            }
+        });
+        let channel = LocalChannel::new(&path, None);
+        let uri: ObjectUri = "s3://bucket/k".parse().unwrap();
+        let e = channel
+            .read("127.0.0.1:7000", &uri, "e", 0..100)
+            .unwrap_err();
+        assert!(
+            matches!(&e, LocalError::Unavailable(why) if why.contains("broke off")),
+            "{e:?}"
+        );
+        assert!(channel.worth_asking("127.0.0.1:7000"), "no back-off");
+        let got = channel.read("127.0.0.1:7000", &uri, "e", 0..100).unwrap();
+        assert_eq!(&got[..], &[5u8; 100][..]);
     }
 
     #[test]

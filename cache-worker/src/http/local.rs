@@ -9,8 +9,10 @@ use std::os::unix::fs::PermissionsExt;
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
 
+use futures::StreamExt as _;
 use lakecache_protocol::local_read::{
-    frame, sendmsg_with_fd, LocalAnswer, LocalRequest, PageGrant, LOCAL_PROTOCOL, MAX_MESSAGE,
+    frame, sendmsg_with_fd, LocalAnswer, LocalRequest, PageGrant, LOCAL_PROTOCOL, MAX_INLINE,
+    MAX_MESSAGE,
 };
 use lakecache_protocol::{ErrorCode, ObjectUri};
 use tokio::io::{AsyncReadExt, AsyncWriteExt, Interest};
@@ -93,13 +95,13 @@ async fn connection(mut stream: UnixStream, state: &AppState, listen: &str) -> i
         }
         let mut body = vec![0u8; n];
         stream.read_exact(&mut body).await?;
-        let (answer, file) = match serde_json::from_slice::<LocalRequest>(&body) {
+        let (answer, sent_with) = match serde_json::from_slice::<LocalRequest>(&body) {
             Ok(LocalRequest::Hello) => (
                 LocalAnswer::Hello {
                     listen: listen.to_string(),
                     protocol: LOCAL_PROTOCOL,
                 },
-                None,
+                SentWith::Nothing,
             ),
             Ok(LocalRequest::Page {
                 token,
@@ -107,14 +109,29 @@ async fn connection(mut stream: UnixStream, state: &AppState, listen: &str) -> i
                 etag,
                 offset,
                 len,
-            }) => page(state, token.as_deref(), &uri, &etag, offset, len).await,
+                inline,
+            }) => {
+                let asked = Asked {
+                    uri: &uri,
+                    etag: &etag,
+                    offset,
+                    len,
+                    inline,
+                };
+                page(state, token.as_deref(), asked).await
+            }
             Err(e) => (
                 refusal(
                     ErrorCode::BadRequest,
                     format!("not a local-socket request: {e}"),
                 ),
-                None,
+                SentWith::Nothing,
             ),
+        };
+        let (file, inline) = match sent_with {
+            SentWith::Nothing => (None, None),
+            SentWith::File(f) => (Some(f), None),
+            SentWith::Stream(inline) => (None, Some(inline)),
         };
         let reply = serde_json::to_vec(&answer).map_err(io::Error::other)?;
         let reply = frame(&reply)?;
@@ -124,41 +141,111 @@ async fn connection(mut stream: UnixStream, state: &AppState, listen: &str) -> i
             .async_io(Interest::WRITABLE, || sendmsg_with_fd(raw, &reply, fd))
             .await?;
         stream.write_all(&reply[sent..]).await?;
+        if let Some(inline) = inline {
+            send_inline(&mut stream, inline, state).await?;
+        }
     }
+}
+
+/// Writes the bytes an inline answer promised, as the cache produces
+/// them. A failure part way ends the connection: the reader sees it
+/// short and reads the range over HTTP.
+async fn send_inline(stream: &mut UnixStream, inline: Inline, state: &AppState) -> io::Result<()> {
+    let Inline {
+        mut pieces,
+        len,
+        _slot,
+    } = inline;
+    let mut sent = 0u64;
+    while sent < len {
+        let piece = match pieces.next().await {
+            Some(Ok(piece)) if sent + piece.len() as u64 <= len && !piece.is_empty() => piece,
+            Some(Ok(piece)) => {
+                return Err(io::Error::other(format!(
+                    "a piece of {} bytes at {sent} of {len}",
+                    piece.len()
+                )))
+            }
+            Some(Err(e)) => {
+                tracing::warn!(error = %e, "inline read failed part way; the reader goes over HTTP");
+                return Err(io::Error::other(e.to_string()));
+            }
+            None => return Err(io::Error::other(format!("{sent} of {len} bytes"))),
+        };
+        stream.write_all(&piece).await?;
+        sent += piece.len() as u64;
+        state.metrics.served_inline(piece.len() as u64);
+    }
+    Ok(())
+}
+
+type Pieces = std::pin::Pin<
+    Box<dyn futures::Stream<Item = Result<bytes::Bytes, CacheError>> + Send + 'static>,
+>;
+
+/// Bytes promised inline: `len` of them, from `pieces`, with the
+/// tenant's request slot held until they are sent.
+struct Inline {
+    pieces: Pieces,
+    len: u64,
+    _slot: tokio::sync::OwnedSemaphorePermit,
+}
+
+/// What follows an answer: a page file's descriptor, or inline bytes.
+enum SentWith {
+    Nothing,
+    File(std::fs::File),
+    Stream(Inline),
+}
+
+/// A page request's fields.
+struct Asked<'a> {
+    uri: &'a str,
+    etag: &'a str,
+    offset: u64,
+    len: u64,
+    /// The caller takes inline bytes.
+    inline: bool,
+}
+
+/// How a granted request is served.
+enum Found {
+    File(crate::pages::CheckedFile),
+    /// `len` bytes from the request's offset, as HTTP would send them.
+    Stream(Pieces, u64),
+    Elsewhere,
 }
 
 fn refusal(code: ErrorCode, message: String) -> LocalAnswer {
     LocalAnswer::Error { code, message }
 }
 
-async fn page(
-    state: &AppState,
-    token: Option<&str>,
-    uri: &str,
-    etag: &str,
-    offset: u64,
-    len: u64,
-) -> (LocalAnswer, Option<std::fs::File>) {
+async fn page(state: &AppState, token: Option<&str>, asked: Asked<'_>) -> (LocalAnswer, SentWith) {
     let access = match state.access.authenticate_token(token) {
         Ok(a) => a,
-        Err(r) => return (refusal(r.code, r.message), None),
+        Err(r) => return (refusal(r.code, r.message), SentWith::Nothing),
     };
-    let uri = match uri.parse::<ObjectUri>() {
+    let uri = match asked.uri.parse::<ObjectUri>() {
         Ok(u) => u,
-        Err(e) => return (refusal(ErrorCode::InvalidPath, e.to_string()), None),
+        Err(e) => {
+            return (
+                refusal(ErrorCode::InvalidPath, e.to_string()),
+                SentWith::Nothing,
+            )
+        }
     };
     if let Err(r) = access.may_read(&uri) {
-        return (refusal(r.code, r.message), None);
+        return (refusal(r.code, r.message), SentWith::Nothing);
     }
     let unavailable = |reason: &str| {
         (
             LocalAnswer::Unavailable {
                 reason: reason.to_string(),
             },
-            None,
+            SentWith::Nothing,
         )
     };
-    let _slot = match state
+    let slot = match state
         .tenants
         .admit(access.tenant().unwrap_or("anonymous"))
         .await
@@ -168,18 +255,30 @@ async fn page(
     };
     let tenant = access.tenant().map(Arc::<str>::from);
     let cache = state.cache.clone();
+    let (offset, len) = (asked.offset, asked.len);
     let found = crate::tenant::scope(tenant, async {
         let meta = cache.stat(&uri).await?;
-        if meta.etag != etag {
-            // HTTP settles versions (uploads renamed, stale metadata).
-            return Ok(None);
-        }
         let end = offset.saturating_add(len).min(meta.size);
-        cache.local_page(&uri, &meta, offset, end).await
+        if meta.etag != asked.etag || offset >= end {
+            // HTTP settles versions (uploads renamed, stale metadata) and
+            // answers ranges past the end.
+            return Ok(Found::Elsewhere);
+        }
+        if let Some(file) = cache.local_page(&uri, &meta, offset, end).await? {
+            return Ok(Found::File(file));
+        }
+        if !asked.inline {
+            return Ok(Found::Elsewhere);
+        }
+        // One read of the whole range, as one HTTP request would be: the
+        // worker's read-ahead follows a reader by where its reads start.
+        let end = end.min(offset.saturating_add(MAX_INLINE));
+        let pieces = cache.read(&uri, &meta, offset..end).await?;
+        Ok(Found::Stream(Box::pin(pieces), end - offset))
     })
     .await;
     match found {
-        Ok(Some(f)) => {
+        Ok(Found::File(f)) => {
             let grant = PageGrant {
                 file_offset: f.file_offset,
                 read_len: f.read_len,
@@ -188,15 +287,23 @@ async fn page(
                 skip: f.skip,
                 len: (f.read_len - f.skip).min(len),
             };
-            (LocalAnswer::Granted(grant), Some(f.file))
+            (LocalAnswer::Granted(grant), SentWith::File(f.file))
         }
-        Ok(None) => unavailable("not served from page files"),
+        Ok(Found::Stream(pieces, len)) => (
+            LocalAnswer::Inline { len },
+            SentWith::Stream(Inline {
+                pieces,
+                len,
+                _slot: slot,
+            }),
+        ),
+        Ok(Found::Elsewhere) => unavailable("not served from page files"),
         Err(CacheError::Store(lakecache_store::StoreError::PreconditionFailed)) => {
             unavailable("the object changed")
         }
         Err(e) => (
             refusal(super::response::cache_error_code(&e), e.to_string()),
-            None,
+            SentWith::Nothing,
         ),
     }
 }

@@ -1,8 +1,9 @@
 //! Short-circuit reads: a client on the worker's host reads cached pages
-//! from the page files through the worker's Unix socket. The bytes are
-//! the object's (checked per block), HTTP carries none of them, pages not
-//! on disk yet, damage and version changes fall back to HTTP's handling,
-//! and tokens are checked as over HTTP.
+//! from the page files through the worker's Unix socket, and pages not on
+//! disk yet as bytes sent inline on it. The bytes are the object's
+//! (checked per block), HTTP carries none of them, damage and version
+//! changes fall back to HTTP's handling, and tokens are checked as over
+//! HTTP.
 
 use std::path::PathBuf;
 use std::sync::Arc;
@@ -29,15 +30,36 @@ async fn with_socket(tune: impl FnOnce(&mut lakecache_worker::WorkerOptions)) ->
     .await
 }
 
+/// HTTP reads the worker answered so far (the series must exist).
+fn http_reads(metrics: &str) -> f64 {
+    let lines: Vec<&str> = metrics
+        .lines()
+        .filter(|l| l.starts_with("lakecache_requests_total{") && l.contains("op=\"read\""))
+        .collect();
+    assert!(!lines.is_empty(), "no read requests counted in:\n{metrics}");
+    lines
+        .iter()
+        .map(|l| l.rsplit(' ').next().unwrap().parse::<f64>().unwrap())
+        .sum()
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
-async fn a_reader_on_this_host_reads_page_files_checked_and_http_carries_no_bytes() {
+async fn a_reader_on_this_host_gets_cold_bytes_inline_then_page_files_and_http_carries_none() {
     let h = with_socket(|_| {}).await;
     let body = data((3 * MIB + 12_345) as usize, 71);
     let etag = h.put_direct("local/shard.bin", &body).await;
+    // One read over HTTP, so that the count of HTTP reads exists.
+    h.put_direct("local/other.bin", b"over http").await;
+    h.client.read(&uri("local/other.bin"), None).await.unwrap();
+    let metrics = h.client.metrics().await.unwrap();
+    let http_before = http_reads(&metrics);
+    let served_before = metric_value(&metrics, "lakecache_served_bytes_total");
+
     let channel = Arc::new(LocalChannel::new(&socket_of(&h), None));
     let local = h.client.clone().with_local(Some(channel.clone()));
-    // Not cached yet: the socket declines, HTTP fetches and serves it
-    // (from memory, not read back from the new page files).
+    // Not cached yet: the worker fetches each page and sends its bytes
+    // inline on the socket (from memory, not read back from the new
+    // page files).
     let (cold, _) = local
         .read_checked(
             &uri("local/shard.bin"),
@@ -47,11 +69,14 @@ async fn a_reader_on_this_host_reads_page_files_checked_and_http_carries_no_byte
         .await
         .unwrap();
     assert_eq!(sha(&cold), sha(&body));
-    let served_before = metric_value(
-        &h.client.metrics().await.unwrap(),
-        "lakecache_served_bytes_total",
+    let metrics = h.client.metrics().await.unwrap();
+    assert_eq!(
+        metric_value(&metrics, "lakecache_local_inline_served_bytes_total"),
+        body.len() as f64
     );
-    assert_eq!(served_before, body.len() as f64);
+    let served_cold = metric_value(&metrics, "lakecache_served_bytes_total");
+    assert_eq!(served_cold - served_before, body.len() as f64);
+    assert_eq!(h.gets(), 4 + 1, "one GET per page (and the HTTP read)");
 
     let channel = Arc::new(LocalChannel::new(&socket_of(&h), None));
     assert!(channel.serves(&h.addr().to_string()));
@@ -88,10 +113,46 @@ async fn a_reader_on_this_host_reads_page_files_checked_and_http_carries_no_byte
     );
     assert_eq!(
         metric_value(&metrics, "lakecache_served_bytes_total"),
-        served_before,
-        "no object byte went over HTTP"
+        served_cold,
+        "the worker sent no bytes of cached pages itself"
     );
-    assert_eq!(h.gets(), 4, "one GET per page");
+    assert_eq!(http_reads(&metrics), http_before, "no read went over HTTP");
+    assert_eq!(h.gets(), 4 + 1);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_caller_that_takes_no_inline_bytes_is_sent_to_http_for_a_cold_page() {
+    use lakecache_protocol::local_read::{recv_message, send_message, LocalAnswer};
+    use std::os::fd::AsRawFd;
+    let h = with_socket(|_| {}).await;
+    let body = data(MIB as usize + 10, 73);
+    let etag = h.put_direct("local/old-mount.bin", &body).await;
+    // What a mount from before inline answers sends: no `inline` field.
+    let request = format!(
+        r#"{{"op":"page","uri":"{}","etag":"{etag}","offset":0,"len":100}}"#,
+        uri("local/old-mount.bin")
+    );
+    let sock = std::os::unix::net::UnixStream::connect(socket_of(&h)).unwrap();
+    let ask = |sock: &std::os::unix::net::UnixStream| {
+        send_message(sock.as_raw_fd(), request.as_bytes(), None).unwrap();
+        let (reply, fd) = recv_message(sock.as_raw_fd()).unwrap();
+        (serde_json::from_slice::<LocalAnswer>(&reply).unwrap(), fd)
+    };
+    let (answer, fd) = tokio::task::block_in_place(|| ask(&sock));
+    assert!(
+        matches!(answer, LocalAnswer::Unavailable { .. }),
+        "{answer:?}"
+    );
+    assert!(fd.is_none());
+    assert_eq!(h.gets(), 0, "declining fetched nothing");
+    // Once cached, the same request gets the page file.
+    h.client
+        .read(&uri("local/old-mount.bin"), None)
+        .await
+        .unwrap();
+    let (answer, fd) = tokio::task::block_in_place(|| ask(&sock));
+    assert!(matches!(answer, LocalAnswer::Granted(_)), "{answer:?}");
+    assert!(fd.is_some());
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
@@ -187,7 +248,7 @@ async fn the_socket_checks_tokens_and_scopes_as_http_does() {
     // Cached first over HTTP (the socket serves pages already on disk).
     let http = h.client.clone().with_token(Some(&team_a)).unwrap();
     http.read(&target, None).await.unwrap();
-    let (got, _) = read_with(Some(team_a))
+    let (got, _) = read_with(Some(team_a.clone()))
         .read_checked(&target, Some(0..100_000), Some(&etag))
         .await
         .unwrap();
@@ -196,5 +257,18 @@ async fn the_socket_checks_tokens_and_scopes_as_http_does() {
     assert_eq!(
         metric_value(&metrics, "lakecache_local_served_bytes_total"),
         100_000.0
+    );
+    // A cold object comes inline, under the same token.
+    let cold = data(70_000, 74);
+    let cold_etag = h.put_direct("team-a/cold.bin", &cold).await;
+    let (got, _) = read_with(Some(team_a))
+        .read_checked(&uri("team-a/cold.bin"), Some(0..70_000), Some(&cold_etag))
+        .await
+        .unwrap();
+    assert_eq!(&got[..], &cold[..]);
+    let metrics = h.client.metrics().await.unwrap();
+    assert_eq!(
+        metric_value(&metrics, "lakecache_local_inline_served_bytes_total"),
+        70_000.0
     );
 }
