@@ -63,3 +63,59 @@ fn a_mount_beside_its_worker_reads_over_the_socket_cold_and_warm() {
         "the worker sent nothing itself on the warm read"
     );
 }
+
+#[test]
+fn a_worker_killed_and_restarted_under_a_socket_reading_mount_loses_no_read() {
+    const FILES: usize = 16;
+    let mut env = Env::start(1);
+    let files: Vec<Vec<u8>> = (0..FILES)
+        .map(|i| pattern((1 << 20) + 17 * i, 92 + i as u64))
+        .collect();
+    for (i, data) in files.iter().enumerate() {
+        env.put(&format!("socket/part-{i}.bin"), Bytes::from(data.clone()));
+    }
+    let socket = env.dir.path().join("cache-0").join("local.sock");
+    let flag = [
+        std::ffi::OsStr::new("--local-worker-socket"),
+        socket.as_os_str(),
+    ];
+    env.mount_with(&flag);
+    let port = env.workers[0].0;
+    let mnt = env.mountpoint();
+    // Each file read through the mount once (the kernel keeps what it read).
+    let read = |i: usize| {
+        let (len, sha) = sha_file(&mnt.join(format!("socket/part-{i}.bin")))?;
+        assert_eq!(len, files[i].len() as u64);
+        assert_eq!(sha, Sha256::digest(&files[i]).to_vec(), "part {i}");
+        Ok::<_, std::io::Error>(())
+    };
+    read(0).unwrap();
+    assert!(worker_metric(port, "lakecache_local_inline_served_bytes_total") > 0.0);
+
+    // kill -9: the socket file stays behind and the mount's pooled
+    // connections to it are dead.
+    env.workers[0].1.kill9();
+    env.workers[0].1 = env.spawn_worker(0, port, &[]);
+    assert!(
+        socket.exists(),
+        "the restarted worker bound its socket again"
+    );
+    // The first read after the restart finds those connections dead and
+    // goes over HTTP; the bytes are right either way.
+    read(1).unwrap_or_else(|e| panic!("read after restart: {e}\n{}", env.log()));
+    // After its back-off the mount takes the new worker's socket again.
+    let mut next = 2;
+    common::wait_until(
+        "the mount reading over the restarted worker's socket",
+        Duration::from_secs(30),
+        Duration::from_secs(1),
+        || {
+            assert!(next < FILES, "ran out of files to read\n{}", env.log());
+            read(next).unwrap();
+            next += 1;
+            let scrape = reqwest_like_get(port, "/metrics");
+            common::metric(&scrape, "lakecache_local_inline_served_bytes_total", &[])
+                .is_ok_and(|v| v > 0.0)
+        },
+    );
+}
