@@ -641,9 +641,10 @@ impl Cache {
         let key = PageKey::new(&uri_s, &meta.etag, idx);
         let id = PageId::new(&uri_s, &meta.etag, idx, ps, meta.size);
         // A page not on disk yet, or just fetched and still in memory, is
-        // sent from memory (inline on the socket, or HTTP): reading it back from the file
-        // costs the reader a disk read per page, which made a single cold
-        // stream 18% slower on this project's test VM (cpu-split-local.md).
+        // sent from memory (inline on the socket, or over HTTP): reading
+        // it back from the file costs the reader a disk read per page,
+        // which made a single cold stream 18% slower on this project's
+        // test VM (cpu-split-local.md).
         if !self.lru.contains(&key) || self.fresh.holds(&key) {
             return Ok(None);
         }

@@ -8,20 +8,21 @@
 //!
 //! Wire format, both ways: a 4-byte little-endian length, then that many
 //! bytes of JSON ([`LocalRequest`] in, [`LocalAnswer`] out); a granted
-//! page's descriptor rides on the answer's first byte. Anything the
-//! worker will not short-circuit (a pending write, a partly filled page,
-//! a skip-cache prefix) is answered [`LocalAnswer::Unavailable`] and the
-//! caller reads over HTTP, where every such case is handled.
+//! page's descriptor rides on the answer's first byte.
 //!
 //! Bytes that are not in a page file yet (a page being fetched from S3,
-//! or one just fetched and still in the worker's memory) come back
-//! inline instead, to a caller that said it takes them: an
+//! one just fetched and still in the worker's memory, a pending write, a
+//! partly filled page, a skip-cache prefix) come back inline instead, to
+//! a caller that said it takes them: an
 //! [`LocalAnswer::Inline`] answer followed by that many raw bytes on the
 //! same connection, the whole request (up to [`MAX_INLINE`]) read by the
 //! worker as one HTTP request would be. They are the bytes HTTP would
 //! have sent, minus the TLS, TCP and HTTP framing around them. A worker
 //! whose read fails part way closes the connection; the caller then
-//! reads the range over HTTP.
+//! reads the range over HTTP. A caller that takes no inline bytes, or a
+//! version the worker does not have, is answered
+//! [`LocalAnswer::Unavailable`] and reads over HTTP, which handles every
+//! such case.
 
 use std::io::{self, Read, Write};
 use std::net::SocketAddr;
@@ -607,24 +608,27 @@ mod tests {
     }
 
     /// A fake worker on a real socket: answers hello, then each page
-    /// request with `answer(offset, len)` and the bytes it returns.
+    /// request with `answer(connection number, offset, len)`: the answer,
+    /// the bytes that follow it, and whether to close the connection
+    /// after them.
     fn fake_worker(
         dir: &Path,
-        answer: impl Fn(u64, u64) -> (LocalAnswer, Vec<u8>) + Send + 'static,
+        answer: impl Fn(usize, u64, u64) -> (LocalAnswer, Vec<u8>, bool) + Send + 'static,
     ) -> PathBuf {
         let path = dir.join("w.sock");
         let listener = std::os::unix::net::UnixListener::bind(&path).unwrap();
         std::thread::spawn(move || {
-            for conn in listener.incoming() {
+            for (n, conn) in listener.incoming().enumerate() {
                 let Ok(mut conn) = conn else { return };
                 while let Ok((body, _)) = recv_message(conn.as_raw_fd()) {
-                    let (reply, bytes) = match serde_json::from_slice(&body).unwrap() {
+                    let (reply, bytes, close) = match serde_json::from_slice(&body).unwrap() {
                         LocalRequest::Hello => (
                             LocalAnswer::Hello {
                                 listen: "127.0.0.1:7000".into(),
                                 protocol: LOCAL_PROTOCOL,
                             },
                             Vec::new(),
+                            false,
                         ),
                         LocalRequest::Page {
                             offset,
@@ -633,12 +637,15 @@ mod tests {
                             ..
                         } => {
                             assert!(inline, "this client takes inline bytes");
-                            answer(offset, len)
+                            answer(n, offset, len)
                         }
                     };
                     let reply = serde_json::to_vec(&reply).unwrap();
                     send_message(conn.as_raw_fd(), &reply, None).unwrap();
                     conn.write_all(&bytes).unwrap();
+                    if close {
+                        break;
+                    }
                 }
             }
         });
@@ -651,10 +658,10 @@ mod tests {
         let object: Vec<u8> = (0..3_000_000u32).map(|i| (i % 251) as u8).collect();
         let served = object.clone();
         // 1 MiB pieces at most, as the worker sends them.
-        let path = fake_worker(dir.path(), move |offset, len| {
+        let path = fake_worker(dir.path(), move |_, offset, len| {
             let n = len.min(1 << 20);
             let bytes = served[offset as usize..(offset + n) as usize].to_vec();
-            (LocalAnswer::Inline { len: n }, bytes)
+            (LocalAnswer::Inline { len: n }, bytes, false)
         });
         let channel = LocalChannel::new(&path, None);
         let uri: ObjectUri = "s3://bucket/k".parse().unwrap();
@@ -664,11 +671,9 @@ mod tests {
         assert_eq!(&got[..], &object[10..2_500_000]);
 
         let dir = tempfile::tempdir().unwrap();
-        let path = fake_worker(dir.path(), |_, len| {
-            (
-                LocalAnswer::Inline { len: len + 1 },
-                vec![0; len as usize + 1],
-            )
+        let path = fake_worker(dir.path(), |_, _, len| {
+            let bytes = vec![0; len as usize + 1];
+            (LocalAnswer::Inline { len: len + 1 }, bytes, false)
         });
         let channel = LocalChannel::new(&path, None);
         let e = channel
@@ -681,33 +686,11 @@ mod tests {
     #[test]
     fn inline_bytes_cut_short_send_that_read_to_http_without_backing_off() {
         let dir = tempfile::tempdir().unwrap();
-        let path = dir.path().join("w.sock");
-        let listener = std::os::unix::net::UnixListener::bind(&path).unwrap();
-        std::thread::spawn(move || {
-            for (n, conn) in listener.incoming().enumerate() {
-                let Ok(mut conn) = conn else { return };
-                while let Ok((body, _)) = recv_message(conn.as_raw_fd()) {
-                    let reply = match serde_json::from_slice(&body).unwrap() {
-                        LocalRequest::Hello => LocalAnswer::Hello {
-                            listen: "127.0.0.1:7000".into(),
-                            protocol: LOCAL_PROTOCOL,
-                        },
-                        LocalRequest::Page { len, .. } => LocalAnswer::Inline { len },
-                    };
-                    let inline = matches!(reply, LocalAnswer::Inline { .. });
-                    let reply = serde_json::to_vec(&reply).unwrap();
-                    send_message(conn.as_raw_fd(), &reply, None).unwrap();
-                    if inline {
-                        // The first connection's read fails part way; the
-                        // next one's is whole.
-                        let whole = if n == 0 { 10 } else { 100 };
-                        conn.write_all(&[5u8; 100][..whole]).unwrap();
-                        if n == 0 {
-                            break;
-                        }
-                    }
-                }
-            }
+        // The first connection's read fails part way; the next one's is
+        // whole.
+        let path = fake_worker(dir.path(), |n, _, len| {
+            let whole = if n == 0 { 10 } else { len as usize };
+            (LocalAnswer::Inline { len }, vec![5u8; whole], n == 0)
         });
         let channel = LocalChannel::new(&path, None);
         let uri: ObjectUri = "s3://bucket/k".parse().unwrap();

@@ -128,20 +128,18 @@ async fn connection(mut stream: UnixStream, state: &AppState, listen: &str) -> i
                 SentWith::Nothing,
             ),
         };
-        let (file, inline) = match sent_with {
-            SentWith::Nothing => (None, None),
-            SentWith::File(f) => (Some(f), None),
-            SentWith::Stream(inline) => (None, Some(inline)),
-        };
         let reply = serde_json::to_vec(&answer).map_err(io::Error::other)?;
         let reply = frame(&reply)?;
-        let fd = file.as_ref().map(|f| f.as_raw_fd());
+        let fd = match &sent_with {
+            SentWith::File(f) => Some(f.as_raw_fd()),
+            _ => None,
+        };
         let raw = stream.as_raw_fd();
         let sent = stream
             .async_io(Interest::WRITABLE, || sendmsg_with_fd(raw, &reply, fd))
             .await?;
         stream.write_all(&reply[sent..]).await?;
-        if let Some(inline) = inline {
+        if let SentWith::Stream(inline) = sent_with {
             send_inline(&mut stream, inline, state).await?;
         }
     }
