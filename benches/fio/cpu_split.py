@@ -101,6 +101,8 @@ def main() -> None:
     ap.add_argument("--work", default="/var/tmp/lakecache-readpath")
     ap.add_argument("--rtt-ms", type=int, default=10)
     ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--cases", default="cold:1,cold:4,warm:1,warm:4",
+                    help="STATE:JOBS,... to run (states: cold, warm)")
     a = ap.parse_args()
     builds = {}
     for spec in a.bin:
@@ -111,7 +113,12 @@ def main() -> None:
         builds[name] = Build(path, a.proxy, mode == "http")
     if a.rounds < 1:
         raise SystemExit("--rounds must be at least 1")
-    cases = [("cold", 1), ("cold", 4), ("warm", 1), ("warm", 4)]
+    try:
+        cases = [(st, int(j)) for st, _, j in (c.partition(":") for c in a.cases.split(","))]
+    except ValueError:
+        raise SystemExit(f"--cases wants STATE:JOBS,..., got {a.cases!r}") from None
+    if not cases or any(st not in ("cold", "warm") or j < 1 for st, j in cases):
+        raise SystemExit(f"--cases wants cold or warm and JOBS >= 1, got {a.cases!r}")
     results: dict[tuple[str, str, int], list[dict[str, float]]] = {}
     for r in range(a.rounds):
         for name, build in builds.items():

@@ -101,7 +101,7 @@ pub struct Cache {
     /// Partial fills: (page, first block, end block).
     block_flights: SingleFlight<(PageKey, u64, u64), Result<Bytes, CacheError>>,
     head_flights: SingleFlight<String, Result<ObjectMeta, CacheError>>,
-    fetch_permits: Semaphore,
+    fetch_permits: Arc<Semaphore>,
     readahead_permits: Arc<Semaphore>,
     /// Where the last read of each object ended, to detect sequential access.
     last_read_end: Mutex<HashMap<String, u64>>,
@@ -119,12 +119,14 @@ pub struct Cache {
     pub(crate) s3_down: crate::outage::OutageBreaker,
     /// Pages just fetched whole, served from memory until read.
     fresh: crate::fresh::FreshPages,
+    /// Fetched pages whose page file is still being written.
+    writing: crate::fresh::PagesInWrite,
 }
 
 /// What an S3 fetch holds while its bytes are in use: a fetch permit and
 /// the bytes' share of the memory budget.
-type FetchHeld<'a> = (
-    tokio::sync::SemaphorePermit<'a>,
+type FetchHeld = (
+    tokio::sync::OwnedSemaphorePermit,
     lakecache_protocol::memory::Reservation,
 );
 
@@ -199,7 +201,7 @@ impl Cache {
             _dir_lock: dir_lock,
             memory: MemoryBudget::new(config.memory_limit),
             closing: tokio::sync::watch::Sender::new(false),
-            fetch_permits: Semaphore::new(config.fetch_concurrency.max(1)),
+            fetch_permits: Arc::new(Semaphore::new(config.fetch_concurrency.max(1))),
             readahead_permits: Arc::new(Semaphore::new(readahead)),
             config,
             store,
@@ -218,6 +220,7 @@ impl Cache {
             random_admission: Default::default(),
             s3_down: Default::default(),
             fresh: crate::fresh::FreshPages::new(fresh_bytes),
+            writing: Default::default(),
         });
         tokio::spawn(evictor(Arc::downgrade(&cache), cache.evict.clone()));
         if let Some(wb) = &cache.writeback {
@@ -522,9 +525,17 @@ impl Cache {
     ) -> Result<(), CacheError> {
         let ps = self.config.page_size;
         let len = ps.min(meta.size.saturating_sub(idx * ps));
-        self.page_range(uri, meta, idx, 0..len, true)
-            .await
-            .map(|_| ())
+        self.page_range(uri, meta, idx, 0..len, true).await?;
+        // A preload counts a page once its file is written, not when its
+        // bytes are in memory.
+        let key = PageKey::new(&uri.to_string(), &meta.etag, idx);
+        self.writing.written(&key).await;
+        Ok(())
+    }
+
+    /// Fetched pages whose files are still being written.
+    pub fn page_writes_in_flight(&self) -> u64 {
+        self.writing.len() as u64
     }
 
     /// `sub` (page-relative) of page `idx`, from disk or S3. A miss of a
@@ -542,7 +553,11 @@ impl Cache {
         let key = PageKey::new(&uri_s, &meta.etag, idx);
         let id = PageId::new(&uri_s, &meta.etag, idx, self.config.page_size, meta.size);
         let mut partly_filled = false;
-        if let Some(bytes) = self.fresh.serve(&key, &sub) {
+        if let Some(bytes) = self
+            .fresh
+            .serve(&key, &sub)
+            .or_else(|| self.writing.serve(&key, &sub))
+        {
             self.count_traffic(uri.bucket(), bytes.len() as u64, 0);
             self.metrics.served_fresh(bytes.len() as u64);
             return Ok(bytes);
@@ -734,17 +749,27 @@ impl Cache {
         self.page_flights
             .run(key, || async move {
                 let range = id.offset..id.offset + id.len;
-                let (data, _held) = this.get_exact(uri, meta, range).await?;
+                let (data, held) = this.get_exact(uri, meta, range).await?;
                 this.fresh.keep(key, data.clone(), &this.memory);
-                this.keep_page(
+                // Readers get the page now; its file is written behind
+                // them (an O_DIRECT write of a page took about a quarter
+                // of a cold page's latency). Until indexed, the page is
+                // served from memory and read-ahead counts it as held.
+                // The fetch permit and the bytes' budget stay held until
+                // written, so a slow disk holds S3 fetches back.
+                this.writing.insert(key, data.clone());
+                let (writer, uri_s, etag, kept) = (
+                    this.clone(),
                     uri.to_string(),
                     meta.etag.clone(),
-                    idx,
-                    key,
-                    id,
                     data.clone(),
-                )
-                .await;
+                );
+                let tenant = crate::tenant::current();
+                tokio::spawn(crate::tenant::scope(tenant, async move {
+                    let _held = held;
+                    writer.keep_page(uri_s, etag, idx, key, id, kept).await;
+                    writer.writing.remove(&key);
+                }));
                 Ok(data)
             })
             .await
@@ -758,10 +783,11 @@ impl Cache {
         uri: &ObjectUri,
         meta: &ObjectMeta,
         range: Range<u64>,
-    ) -> Result<(Bytes, FetchHeld<'_>), CacheError> {
+    ) -> Result<(Bytes, FetchHeld), CacheError> {
         let permit = self
             .fetch_permits
-            .acquire()
+            .clone()
+            .acquire_owned()
             .await
             .map_err(|e| CacheError::Local(e.to_string()))?;
         let want = range.end - range.start;
@@ -971,7 +997,10 @@ impl Cache {
         let end_page = limit.div_ceil(ps);
         for idx in last_page + 1..(last_page + 1 + window).min(end_page) {
             let page_key = PageKey::new(&key, &meta.etag, idx);
-            if self.page_flights.in_flight(&page_key) || self.lru.contains(&page_key) {
+            if self.page_flights.in_flight(&page_key)
+                || self.writing.holds(&page_key)
+                || self.lru.contains(&page_key)
+            {
                 continue;
             }
             let Ok(permit) = self.readahead_permits.clone().try_acquire_owned() else {

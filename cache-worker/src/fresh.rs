@@ -147,6 +147,61 @@ impl FreshPages {
     }
 }
 
+/// Pages fetched from S3 whose page file is being written behind their
+/// readers: served from memory, and counted as present by read-ahead,
+/// until indexed. Unbounded here because each entry's bytes are held by
+/// its writer anyway (under a fetch permit and the memory budget).
+#[derive(Default)]
+pub(crate) struct PagesInWrite {
+    pages: Mutex<HashMap<PageKey, Bytes>>,
+    /// Woken as each write ends.
+    done: tokio::sync::Notify,
+}
+
+impl PagesInWrite {
+    fn lock(&self) -> std::sync::MutexGuard<'_, HashMap<PageKey, Bytes>> {
+        self.pages.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    pub(crate) fn insert(&self, key: PageKey, bytes: Bytes) {
+        self.lock().insert(key, bytes);
+    }
+
+    pub(crate) fn remove(&self, key: &PageKey) {
+        self.lock().remove(key);
+        self.done.notify_waiters();
+    }
+
+    pub(crate) fn len(&self) -> usize {
+        self.lock().len()
+    }
+
+    /// Returns once `key` is not being written (now, or when its write
+    /// ends, whether or not it succeeded).
+    pub(crate) async fn written(&self, key: &PageKey) {
+        loop {
+            // Created before the check: a write ending in between wakes it.
+            let ended = self.done.notified();
+            if !self.holds(key) {
+                return;
+            }
+            ended.await;
+        }
+    }
+
+    pub(crate) fn holds(&self, key: &PageKey) -> bool {
+        self.lock().contains_key(key)
+    }
+
+    /// `range` of the page, if it is being written and holds the range.
+    pub(crate) fn serve(&self, key: &PageKey, range: &Range<u64>) -> Option<Bytes> {
+        let pages = self.lock();
+        let bytes = pages.get(key)?;
+        let fits = range.start < range.end && range.end <= bytes.len() as u64;
+        fits.then(|| bytes.slice(range.start as usize..range.end as usize))
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -188,6 +243,36 @@ mod tests {
         let _all = tight.try_reserve(1 << 20).unwrap();
         fresh.keep(key(9), page.clone(), &tight);
         assert!(fresh.serve(&key(9), &(0..1)).is_none());
+    }
+
+    #[tokio::test]
+    async fn pages_in_write_are_served_until_removed() {
+        let writing = PagesInWrite::default();
+        writing.insert(key(1), Bytes::from(vec![3u8; 1 << 20]));
+        assert!(writing.holds(&key(1)));
+        assert_eq!(writing.serve(&key(1), &(10..20)).unwrap(), vec![3u8; 10]);
+        assert!(
+            writing.serve(&key(1), &(0..(2 << 20))).is_none(),
+            "past the page"
+        );
+        assert!(writing.serve(&key(1), &(5..5)).is_none(), "empty");
+        let waiter = {
+            let w = std::sync::Arc::new(writing);
+            let waiting = w.clone();
+            let task = tokio::spawn(async move { waiting.written(&key(1)).await });
+            tokio::task::yield_now().await;
+            assert!(
+                !task.is_finished(),
+                "returned while the page was being written"
+            );
+            w.remove(&key(1));
+            task.await.unwrap();
+            w
+        };
+        let writing = waiter;
+        assert_eq!(writing.len(), 0);
+        assert!(!writing.holds(&key(1)));
+        assert!(writing.serve(&key(1), &(0..1)).is_none());
     }
 
     #[test]

@@ -160,6 +160,16 @@ impl Metrics {
                 })
                 .build();
         }
+        let writing = cache.clone();
+        meter
+            .u64_observable_gauge("lakecache_page_writes_in_flight")
+            .with_description("Fetched pages served from memory while their files are written")
+            .with_callback(move |o| {
+                if let Some(c) = writing.get().and_then(std::sync::Weak::upgrade) {
+                    o.observe(c.page_writes_in_flight(), &[]);
+                }
+            })
+            .build();
         Ok(Self {
             cache,
             writeback,

@@ -187,16 +187,11 @@ impl KernelAdapter {
         ));
     }
 
-    /// A read the node-local tier holds, served on this kernel-request
-    /// thread: no hop to the runtime and back (a random reader of a whole
-    /// tier copy is bound by that hop, not by the disk).
-    fn read_from_tier_now(
-        &self,
-        ino: u64,
-        fh: u64,
-        offset: u64,
-        size: u32,
-    ) -> Option<bytes::Bytes> {
+    /// A read the node-local tier or fetched read-ahead holds, served on
+    /// this kernel-request thread: no hop to the runtime and back (a
+    /// random reader of a whole tier copy, and a cold stream once its
+    /// read-ahead is ahead, are bound by that hop).
+    fn read_ready_now(&self, ino: u64, fh: u64, offset: u64, size: u32) -> Option<bytes::Bytes> {
         let span = tracing::debug_span!("fuse", op = "read", ino);
         let _in_span = span.enter();
         let _in_runtime = self.runtime.enter();
@@ -527,7 +522,7 @@ impl Filesystem for KernelAdapter {
         reply: ReplyData,
     ) {
         tracing::trace!(ino = ino.0, offset, size, "fuse read");
-        if let Some(bytes) = self.read_from_tier_now(ino.0, fh.0, offset, size) {
+        if let Some(bytes) = self.read_ready_now(ino.0, fh.0, offset, size) {
             return reply.data(&bytes);
         }
         self.spawn_at(

@@ -1027,13 +1027,17 @@ impl Fs {
         Ok((node, fh))
     }
 
-    /// A read the node-local tier serves at once, on the calling thread
-    /// (see [`FileReader::read_tier_now`]); `None`: use [`Self::read`].
+    /// A read the node-local tier or fetched read-ahead serves at once, on
+    /// the calling thread (see [`FileReader::read_tier_now`] and
+    /// [`FileReader::read_buffered_now`]); `None`: use [`Self::read`].
     /// Never waits: a handle busy with another read is left to it.
     pub fn read_now(&self, fh: u64, offset: u64, len: u32) -> Option<Bytes> {
         match self.handle(fh).ok()? {
             Handle::Read { reader, .. } => {
-                reader.try_lock().ok()?.read_tier_now(offset, len.into())
+                let mut reader = reader.try_lock().ok()?;
+                reader
+                    .read_tier_now(offset, len.into())
+                    .or_else(|| reader.read_buffered_now(offset, len.into()))
             }
             _ => None,
         }

@@ -57,6 +57,58 @@ impl Chunk {
     }
 }
 
+impl Chunk {
+    /// The chunk's bytes if its fetch has finished, without waiting.
+    /// `Err(())`: the fetch failed (its error is for the reader that
+    /// waits on it; the caller starts the stream over instead).
+    fn ready_now(&mut self) -> Result<Option<Bytes>, ()> {
+        if let Some(task) = self.fetch.as_mut() {
+            if !task.is_finished() {
+                return Ok(None);
+            }
+            match futures::FutureExt::now_or_never(task) {
+                Some(Ok(Ok(bytes))) => {
+                    self.fetch = None;
+                    self.data = Some(bytes);
+                }
+                Some(_) => {
+                    self.fetch = None;
+                    return Err(());
+                }
+                None => return Ok(None),
+            }
+        }
+        Ok(self.data.clone())
+    }
+}
+
+impl Chunk {
+    /// The part of this fetched chunk within `[offset, end)`, counted as
+    /// served.
+    fn take_piece(&mut self, offset: u64, end: u64) -> Option<Bytes> {
+        let bytes = self.data.as_ref()?;
+        let from = (offset.max(self.range.start) - self.range.start) as usize;
+        let to = (end.min(self.range.end) - self.range.start) as usize;
+        self.served += (to - from) as u64;
+        if self.speculative {
+            crate::metrics::global().readahead_hit((to - from) as u64);
+        }
+        Some(bytes.slice(from..to))
+    }
+}
+
+/// Most reads fall inside one chunk: its bytes are handed over uncopied.
+fn join_pieces(mut pieces: Vec<Bytes>, len: u64) -> Bytes {
+    if pieces.len() == 1 {
+        return pieces.remove(0);
+    }
+    let mut out = BytesMut::with_capacity(len as usize);
+    for piece in pieces {
+        out.extend_from_slice(&piece);
+    }
+    out.freeze()
+}
+
 impl Drop for Chunk {
     fn drop(&mut self) {
         if let Some(task) = self.fetch.take() {
@@ -323,6 +375,54 @@ impl FileReader {
         }
     }
 
+    /// Bytes `[offset, offset + len)` when read-ahead already holds all
+    /// of them, on the calling thread: a streaming reader's requests cost
+    /// no hop through the runtime (at 128 KiB per kernel request, that
+    /// hop was a large share of a cold stream's time). The stream goes on
+    /// as in [`Self::read`]: the window grows and more is fetched ahead.
+    /// `None`: use [`Self::read`]. Call within the runtime's context.
+    pub fn read_buffered_now(&mut self, offset: u64, len: u64) -> Option<Bytes> {
+        let end = offset.saturating_add(len).min(self.size);
+        if offset >= end || !self.buffered(offset) || self.chunks.back()?.range.end < end {
+            return None;
+        }
+        for chunk in self.chunks.iter_mut() {
+            if chunk.range.start >= end {
+                break;
+            }
+            if chunk.range.end <= offset {
+                continue;
+            }
+            match chunk.ready_now() {
+                Ok(Some(_)) => {}
+                Ok(None) => return None,
+                Err(()) => {
+                    // Start over on the async path, which refetches.
+                    self.chunks.clear();
+                    self.window = 0;
+                    return None;
+                }
+            }
+        }
+        self.track_run(offset, end);
+        if let Some(object) = &self.tier {
+            object.note_read();
+        }
+        self.advance_stream(offset, end);
+        let mut pieces = Vec::new();
+        for chunk in self.chunks.iter_mut() {
+            if chunk.range.start >= end {
+                break;
+            }
+            if chunk.range.end <= offset {
+                continue;
+            }
+            pieces.push(chunk.take_piece(offset, end)?);
+        }
+        self.served = true;
+        Some(join_pieces(pieces, end - offset))
+    }
+
     /// Whether `offset` lies in the read-ahead already fetched or on its way.
     fn buffered(&self, offset: u64) -> bool {
         match (self.chunks.front(), self.chunks.back()) {
@@ -411,6 +511,22 @@ impl FileReader {
         // Read-ahead starts when the next read continues the stream. A
         // large first read from the start (the kernel already streams)
         // fetches as much again, which saves each small file a round trip.
+        self.advance_stream(offset, end);
+        match self.collect(offset, end).await {
+            Ok(bytes) => Ok(bytes),
+            Err(e) => {
+                // Start over: the next read refetches instead of meeting
+                // the failed chunk again, and the window grows anew.
+                self.chunks.clear();
+                self.window = 0;
+                Err(e)
+            }
+        }
+    }
+
+    /// A sequential read of `[offset, end)`: grows the window, drops the
+    /// chunks the reader passed and schedules fetches ahead of it.
+    fn advance_stream(&mut self, offset: u64, end: u64) {
         let starting = self.window == 0;
         let first_ahead = if offset == 0 && end - offset >= LARGE_FIRST_READ {
             (end - offset).min(self.policy.initial)
@@ -432,16 +548,6 @@ impl FileReader {
         }
         let ahead = if starting { first_ahead } else { self.window };
         self.schedule(offset, end, end.saturating_add(ahead).min(self.size));
-        match self.collect(offset, end).await {
-            Ok(bytes) => Ok(bytes),
-            Err(e) => {
-                // Start over: the next read refetches instead of meeting
-                // the failed chunk again, and the window grows anew.
-                self.chunks.clear();
-                self.window = 0;
-                Err(e)
-            }
-        }
     }
 
     /// Assembles `[offset, end)` from the scheduled chunks.
@@ -454,24 +560,10 @@ impl FileReader {
             if chunk.range.end <= offset {
                 continue;
             }
-            let bytes = chunk.bytes().await?;
-            let from = (offset.max(chunk.range.start) - chunk.range.start) as usize;
-            let to = (end.min(chunk.range.end) - chunk.range.start) as usize;
-            chunk.served += (to - from) as u64;
-            if chunk.speculative {
-                crate::metrics::global().readahead_hit((to - from) as u64);
-            }
-            pieces.push(bytes.slice(from..to));
+            chunk.bytes().await?;
+            pieces.push(chunk.take_piece(offset, end).ok_or(FsError::BadHandle)?);
         }
-        // Most reads fall inside one chunk: hand its bytes over uncopied.
-        if pieces.len() == 1 {
-            return Ok(pieces.remove(0));
-        }
-        let mut out = BytesMut::with_capacity((end - offset) as usize);
-        for piece in pieces {
-            out.extend_from_slice(&piece);
-        }
-        Ok(out.freeze())
+        Ok(join_pieces(pieces, end - offset))
     }
 
     /// Starts fetches so that chunks cover `[from, until)`: always up to
@@ -944,5 +1036,74 @@ mod tests {
         assert_eq!(err.errno(), libc::EIO);
         let got = r.read(3 * MIB, 4 * KIB).await.unwrap();
         assert_eq!(&got[..], expect(&body, 3 * MIB, 4 * KIB));
+    }
+
+    /// Lets spawned fetches of the in-memory data plane run to the end.
+    async fn settle() {
+        for _ in 0..20 {
+            tokio::task::yield_now().await;
+        }
+    }
+
+    #[tokio::test]
+    async fn fetched_read_ahead_is_served_without_waiting_and_the_stream_goes_on() {
+        let len = 8 * MIB + 3;
+        let (rec, mut r, body) = setup(len);
+        assert!(
+            r.read_buffered_now(0, 128 * KIB).is_none(),
+            "nothing fetched yet"
+        );
+        let (mut off, mut now, mut waited) = (0, 0, 0);
+        while off < len {
+            settle().await;
+            let got = match r.read_buffered_now(off, 128 * KIB) {
+                Some(bytes) => {
+                    now += 1;
+                    bytes
+                }
+                None => {
+                    waited += 1;
+                    r.read(off, 128 * KIB).await.unwrap()
+                }
+            };
+            assert_eq!(&got[..], expect(&body, off, 128 * KIB), "at {off}");
+            off += got.len() as u64;
+        }
+        // The stream's first reads wait; after that the window keeps
+        // ahead of the reader, so every read is served at once.
+        assert!(waited <= 3, "{waited} reads waited, {now} did not");
+        assert!(now >= 60, "{now}");
+        // Each byte fetched once: serving at once dropped no read-ahead.
+        let fetched: u64 = rec.read_ranges().iter().map(|r| r.end - r.start).sum();
+        assert_eq!(fetched, len);
+        assert!(r.has_served());
+    }
+
+    #[tokio::test]
+    async fn a_failed_read_ahead_chunk_is_refetched_by_the_waiting_path() {
+        let len = 4 * MIB;
+        let (rec, mut r, body) = setup(len);
+        let mut off = 0;
+        for _ in 0..2 {
+            off += r.read(off, 128 * KIB).await.unwrap().len() as u64;
+        }
+        // The read-ahead fetched so far is served; the fetches it starts
+        // from here on fail, until the first read that meets one.
+        rec.inject(DataOp::Read, 0, 64, DataFault::Fail(DataError::UploadCut));
+        let mut refused = 0;
+        while off < len {
+            settle().await;
+            let got = match r.read_buffered_now(off, 128 * KIB) {
+                Some(bytes) => bytes,
+                None => {
+                    refused += 1;
+                    rec.heal();
+                    r.read(off, 128 * KIB).await.unwrap()
+                }
+            };
+            assert_eq!(&got[..], expect(&body, off, 128 * KIB), "at {off}");
+            off += got.len() as u64;
+        }
+        assert!(refused >= 1, "the failed chunk was not served at once");
     }
 }

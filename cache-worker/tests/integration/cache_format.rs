@@ -21,7 +21,11 @@ async fn page_size_change_on_restart_never_serves_old_pages() {
     h.put_direct("striped.bin", &body).await;
     let whole = h.client.read(&uri("striped.bin"), None).await.unwrap();
     assert_eq!(whole.len(), body.len());
-    assert_eq!(h.page_files().len(), 4, "four 4 MiB pages cached");
+    assert_eq!(
+        h.settled_page_files().await.len(),
+        4,
+        "four 4 MiB pages cached"
+    );
 
     h.options.cache.page_size = 8 * MIB;
     h.restart_worker().await;
@@ -52,7 +56,7 @@ async fn a_page_file_under_another_name_is_rejected() {
     let body = striped(2);
     h.put_direct("swap.bin", &body).await;
     h.client.read(&uri("swap.bin"), None).await.unwrap();
-    let files = h.page_files();
+    let files = h.settled_page_files().await;
     assert_eq!(files.len(), 2);
     let (a, b) = (
         std::fs::read(&files[0]).unwrap(),
@@ -74,7 +78,7 @@ async fn a_truncated_page_file_is_refetched() {
     let body = striped(1);
     h.put_direct("short.bin", &body).await;
     h.client.read(&uri("short.bin"), None).await.unwrap();
-    let files = h.page_files();
+    let files = h.settled_page_files().await;
     let f = std::fs::OpenOptions::new()
         .write(true)
         .open(&files[0])

@@ -154,6 +154,24 @@ impl Harness {
             .unwrap()
     }
 
+    /// The page files once no fetched page is still being written (its
+    /// bytes are served from memory meanwhile): waits, with a deadline,
+    /// for `lakecache_page_writes_in_flight` to read 0.
+    pub async fn settled_page_files(&self) -> Vec<PathBuf> {
+        let deadline = std::time::Instant::now() + std::time::Duration::from_secs(30);
+        loop {
+            let metrics = self.client.metrics().await.unwrap();
+            if metric_value(&metrics, "lakecache_page_writes_in_flight") == 0.0 {
+                return self.page_files();
+            }
+            assert!(
+                std::time::Instant::now() < deadline,
+                "page writes still in flight after 30 s:\n{metrics}"
+            );
+            tokio::time::sleep(std::time::Duration::from_millis(10)).await;
+        }
+    }
+
     pub fn page_files(&self) -> Vec<PathBuf> {
         let mut out = Vec::new();
         let root = self.options.cache_dir.join("pages");

@@ -77,6 +77,9 @@ async fn a_reader_on_this_host_gets_cold_bytes_inline_then_page_files_and_http_c
     let served_cold = metric_value(&metrics, "lakecache_served_bytes_total");
     assert_eq!(served_cold - served_before, body.len() as f64);
     assert_eq!(h.gets(), 4 + 1, "one GET per page (and the HTTP read)");
+    // Fetched pages are written behind their readers; the reads below
+    // are of page files.
+    h.settled_page_files().await;
 
     let channel = Arc::new(LocalChannel::new(&socket_of(&h), None));
     assert!(channel.serves(&h.addr().to_string()));
@@ -171,7 +174,7 @@ async fn a_damaged_page_file_or_another_version_falls_back_to_http() {
     assert_eq!(sha(&got), sha(&body));
     // One byte flipped in the page file: the reader's block check fails,
     // the read goes over HTTP, which drops the page and fetches it again.
-    let files = h.page_files();
+    let files = h.settled_page_files().await;
     assert_eq!(files.len(), 1);
     let mut raw = std::fs::read(&files[0]).unwrap();
     raw[4096 + 300_000] ^= 0x10;
@@ -248,6 +251,7 @@ async fn the_socket_checks_tokens_and_scopes_as_http_does() {
     // Cached first over HTTP (the socket serves pages already on disk).
     let http = h.client.clone().with_token(Some(&team_a)).unwrap();
     http.read(&target, None).await.unwrap();
+    h.settled_page_files().await;
     let (got, _) = read_with(Some(team_a.clone()))
         .read_checked(&target, Some(0..100_000), Some(&etag))
         .await

@@ -94,7 +94,8 @@ async fn eviction_under_a_small_capacity_keeps_reads_correct() {
     assert!(evicted > 0.0, "no evictions recorded:\n{metrics}");
     // Page files on disk match the accounting.
     let on_disk: u64 = h
-        .page_files()
+        .settled_page_files()
+        .await
         .iter()
         .map(|p| std::fs::metadata(p).map(|m| m.len()).unwrap_or(0))
         .sum();
@@ -201,7 +202,7 @@ async fn a_page_just_fetched_whole_serves_its_readers_next_request_from_memory()
     assert_eq!(&first[..], &body[..half as usize]);
     assert_eq!(h.gets(), 1);
     // Whatever is on disk now, the next request is answered from memory.
-    let files = h.page_files();
+    let files = h.settled_page_files().await;
     assert_eq!(files.len(), 1);
     let mut raw = std::fs::read(&files[0]).unwrap();
     raw[4096 + half as usize + 10] ^= 0x55;
@@ -235,7 +236,7 @@ async fn a_corrupted_page_file_is_detected_and_refetched() {
     let body = data((MIB / 2) as usize, 50);
     h.put_direct("fragile.bin", &body).await;
     h.client.read(&uri("fragile.bin"), None).await.unwrap();
-    let files = h.page_files();
+    let files = h.settled_page_files().await;
     assert_eq!(files.len(), 1);
     let mut raw = std::fs::read(&files[0]).unwrap();
     // Past the 4 KiB header: a data byte.

@@ -69,6 +69,7 @@ async fn a_scanning_tenant_evicts_its_own_pages_not_another_teams_dataset() {
             .await
             .unwrap();
     }
+    h.settled_page_files().await;
     let health = h.client.health().await.unwrap();
     let scan = &health.tenants["scanner"];
     assert!(scan.cache_bytes <= 8 * MIB, "{health:?}");

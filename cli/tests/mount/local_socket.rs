@@ -46,7 +46,11 @@ fn a_mount_beside_its_worker_reads_over_the_socket_cold_and_warm() {
     );
 
     // A new mount (no kernel page cache): the pages are on the worker's
-    // disk now, and the mount reads them from the page files.
+    // disk now (once written behind the reads), and the mount reads them
+    // from the page files.
+    super::tier_completion::wait_until("the worker's page files written", 30, || {
+        worker_metric(port, "lakecache_page_writes_in_flight") == 0.0
+    });
     env.mount.take().unwrap().term();
     wait_mounted(&env.mountpoint(), false);
     env.mount_with(&flag);
