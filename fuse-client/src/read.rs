@@ -539,8 +539,15 @@ impl FileReader {
             (self.window * 2).min(self.policy.max)
         };
         self.next_offset = self.next_offset.max(end);
-        // Drop what the reader has passed.
-        while self.chunks.front().is_some_and(|c| c.range.end <= offset) {
+        // Drop what the reader has passed, keeping the chunk it just left
+        // until it is REORDER_SLACK past it: the kernel's concurrent
+        // read-ahead requests arrive out of order, and a late one must
+        // still find its bytes here (not refetch them, or count as a jump).
+        while self
+            .chunks
+            .front()
+            .is_some_and(|c| c.range.end.saturating_add(REORDER_SLACK) <= offset)
+        {
             self.chunks.pop_front();
         }
         if self.chunks.front().is_some_and(|c| c.range.start > offset) {
@@ -1105,5 +1112,40 @@ mod tests {
             off += got.len() as u64;
         }
         assert!(refused >= 1, "the failed chunk was not served at once");
+    }
+
+    #[tokio::test]
+    async fn a_late_kernel_read_behind_the_stream_is_served_from_memory() {
+        let len = 4 * MIB;
+        let (rec, mut r, body) = setup(len);
+        // Stream into the second 512 KiB chunk, holding back one read of
+        // the first chunk, as the kernel's concurrent requests may.
+        let held_back = 384 * KIB;
+        let mut off = 0;
+        while off < 768 * KIB {
+            if off != held_back {
+                let got = r.read(off, 128 * KIB).await.unwrap();
+                assert_eq!(&got[..], expect(&body, off, 128 * KIB));
+            }
+            off += 128 * KIB;
+        }
+        let late = r.read(held_back, 128 * KIB).await.unwrap();
+        assert_eq!(&late[..], expect(&body, held_back, 128 * KIB));
+        // The stream goes on where it was.
+        let got = r.read(off, 128 * KIB).await.unwrap();
+        assert_eq!(&got[..], expect(&body, off, 128 * KIB));
+        let ranges = rec.read_ranges();
+        assert!(
+            !ranges.contains(&(held_back..held_back + 128 * KIB)),
+            "the late read was fetched again: {ranges:?}"
+        );
+        let mut starts: Vec<u64> = ranges.iter().map(|r| r.start).collect();
+        starts.sort_unstable();
+        starts.dedup();
+        assert_eq!(
+            starts.len(),
+            ranges.len(),
+            "a range fetched twice: {ranges:?}"
+        );
     }
 }
