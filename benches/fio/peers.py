@@ -161,6 +161,10 @@ def main() -> None:
     ap.add_argument("--cap", type=int, default=60, help="seconds per job at most")
     ap.add_argument("--out", default=str(HERE.parent / "results" / "peers.md"))
     ap.add_argument("--only", default="", help="run only tests whose name contains this")
+    ap.add_argument("--lake-in-ram", action="store_true",
+                    help="after each drop of the page cache, read the endpoint's stored objects "
+                    "back into it, so the emulated data lake serves from memory instead of "
+                    "from the disk the caches write to (local disk runs stay cold)")
     rounds.add_args(ap)
     a = ap.parse_args()
     rounds.check(a.rounds)
@@ -174,6 +178,11 @@ def main() -> None:
     s = Setup(a, work, True, a.rtt_ms)
     out: dict = {}
 
+    def drop_for_tool() -> None:
+        drop_caches()
+        if a.lake_in_ram:
+            warm_lake(work)
+
     def local_once(job: str, env: dict) -> dict:
         drop_caches()
         return {"local": cpu.measured(lambda: measure(job, env, work / "local", a.cap))}
@@ -181,7 +190,7 @@ def main() -> None:
     def lakecache_once(job: str, env: dict) -> dict:
         s.start_worker(fresh=True)
         s.start_mount(tier=True, fresh_tier=True)
-        drop_caches()
+        drop_for_tool()
         before = s.s3_bytes()
         parts = {"mount": s.mount.pid, "worker": s.worker.pid, **endpoint_pids(s)}
         r = cpu.measured(lambda: by_process(lambda: measure(job, env, s.mnt, a.cap), parts),
@@ -193,7 +202,7 @@ def main() -> None:
 
     def peer_once(tool: str, job: str, env: dict) -> dict:
         p = peer_mount(tool, s, work)
-        drop_caches()
+        drop_for_tool()
         before = endpoint_stats(s.s3_port)
         parts = {tool: p.pid, **endpoint_pids(s)}
         r = cpu.measured(lambda: by_process(lambda: measure(job, env, s.mnt, a.cap), parts),
@@ -221,6 +230,16 @@ def main() -> None:
 PEERS = ("s3fs", "s3fs-cache", "rclone")
 
 
+def warm_lake(work: Path) -> None:
+    """Reads every object the endpoint stores into the page cache: a remote
+    data lake never reads from this machine's disk, which the caches under
+    test write to."""
+    for blob in sorted((work / "s3" / "blobs").glob("*/*")):
+        with open(blob, "rb") as f:
+            while f.read(8 << 20):
+                pass
+
+
 def write(a, tests, versions, out) -> None:
     unit = {"mib_s": "MiB/s", "iops": "IOPS"}
     cell = rounds.cell
@@ -231,7 +250,15 @@ def write(a, tests, versions, out) -> None:
         *provenance.header(),
         "Run as root after `read_path.py` laid the datasets out in the same --work.",
         f"The same s3-server and data as read-path.md, {where}; page cache dropped before "
-        "every run; every tool starts cold (lakecache: empty "
+        "every run"
+        + (
+            " (then the endpoint's stored objects read back into it: the emulated lake "
+            "serves from memory, never from the disk the caches write to; local disk stays "
+            "cold)"
+            if a.lake_in_ram
+            else ""
+        )
+        + "; every tool starts cold (lakecache: empty "
         "worker cache and local tier, TLS and tokens on; peers: default caches off, a "
         "fresh mount per run; s3fs-cache: s3fs with `use_cache` on local disk, empty at "
         "the start of each run). Peers: " + "; ".join(versions.values()) + ", mounted "
