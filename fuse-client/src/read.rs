@@ -386,23 +386,22 @@ impl FileReader {
         if offset >= end || !self.buffered(offset) || self.chunks.back()?.range.end < end {
             return None;
         }
-        for chunk in self.chunks.iter_mut() {
-            if chunk.range.start >= end {
-                break;
-            }
-            if chunk.range.end <= offset {
-                continue;
-            }
+        let mut failed = false;
+        for chunk in self.chunks_over(offset, end) {
             match chunk.ready_now() {
                 Ok(Some(_)) => {}
                 Ok(None) => return None,
                 Err(()) => {
-                    // Start over on the async path, which refetches.
-                    self.chunks.clear();
-                    self.window = 0;
-                    return None;
+                    failed = true;
+                    break;
                 }
             }
+        }
+        if failed {
+            // Start over on the async path, which refetches.
+            self.chunks.clear();
+            self.window = 0;
+            return None;
         }
         self.track_run(offset, end);
         if let Some(object) = &self.tier {
@@ -410,13 +409,7 @@ impl FileReader {
         }
         self.advance_stream(offset, end);
         let mut pieces = Vec::new();
-        for chunk in self.chunks.iter_mut() {
-            if chunk.range.start >= end {
-                break;
-            }
-            if chunk.range.end <= offset {
-                continue;
-            }
+        for chunk in self.chunks_over(offset, end) {
             pieces.push(chunk.take_piece(offset, end)?);
         }
         self.served = true;
@@ -557,16 +550,19 @@ impl FileReader {
         self.schedule(offset, end, end.saturating_add(ahead).min(self.size));
     }
 
+    /// The chunks holding bytes of `[offset, end)`, in order (chunks are
+    /// contiguous and sorted).
+    fn chunks_over(&mut self, offset: u64, end: u64) -> impl Iterator<Item = &mut Chunk> {
+        self.chunks
+            .iter_mut()
+            .skip_while(move |c| c.range.end <= offset)
+            .take_while(move |c| c.range.start < end)
+    }
+
     /// Assembles `[offset, end)` from the scheduled chunks.
     async fn collect(&mut self, offset: u64, end: u64) -> Result<Bytes, FsError> {
         let mut pieces = Vec::new();
-        for chunk in self.chunks.iter_mut() {
-            if chunk.range.start >= end {
-                break;
-            }
-            if chunk.range.end <= offset {
-                continue;
-            }
+        for chunk in self.chunks_over(offset, end) {
             chunk.bytes().await?;
             pieces.push(chunk.take_piece(offset, end).ok_or(FsError::BadHandle)?);
         }
