@@ -767,8 +767,10 @@ impl Cache {
                 let tenant = crate::tenant::current();
                 tokio::spawn(crate::tenant::scope(tenant, async move {
                     let _held = held;
+                    // Unmarked however the write ends (a panic or an
+                    // aborted task too): a preload waits on the mark.
+                    let _unmark = writer.writing.unmark_on_drop(key);
                     writer.keep_page(uri_s, etag, idx, key, id, kept).await;
-                    writer.writing.remove(&key);
                 }));
                 Ok(data)
             })

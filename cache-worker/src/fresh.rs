@@ -172,6 +172,11 @@ impl PagesInWrite {
         self.done.notify_waiters();
     }
 
+    /// Removes `key` when the returned guard drops.
+    pub(crate) fn unmark_on_drop(&self, key: PageKey) -> Unmark<'_> {
+        Unmark { pages: self, key }
+    }
+
     pub(crate) fn len(&self) -> usize {
         self.lock().len()
     }
@@ -199,6 +204,17 @@ impl PagesInWrite {
         let bytes = pages.get(key)?;
         let fits = range.start < range.end && range.end <= bytes.len() as u64;
         fits.then(|| bytes.slice(range.start as usize..range.end as usize))
+    }
+}
+
+pub(crate) struct Unmark<'a> {
+    pages: &'a PagesInWrite,
+    key: PageKey,
+}
+
+impl Drop for Unmark<'_> {
+    fn drop(&mut self) {
+        self.pages.remove(&self.key);
     }
 }
 
@@ -272,6 +288,18 @@ mod tests {
         let writing = waiter;
         assert_eq!(writing.len(), 0);
         assert!(!writing.holds(&key(1)));
+        // A write that ends by panicking still unmarks its page.
+        let writing = std::sync::Arc::new(writing);
+        writing.insert(key(2), Bytes::from_static(b"page"));
+        let w = writing.clone();
+        let died = tokio::spawn(async move {
+            let _unmark = w.unmark_on_drop(key(2));
+            panic!("the page write failed hard");
+        })
+        .await;
+        assert!(died.is_err());
+        assert!(!writing.holds(&key(2)));
+        writing.written(&key(2)).await;
         assert!(writing.serve(&key(1), &(0..1)).is_none());
     }
 
