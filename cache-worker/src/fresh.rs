@@ -263,7 +263,7 @@ mod tests {
 
     #[tokio::test]
     async fn pages_in_write_are_served_until_removed() {
-        let writing = PagesInWrite::default();
+        let writing = std::sync::Arc::new(PagesInWrite::default());
         writing.insert(key(1), Bytes::from(vec![3u8; 1 << 20]));
         assert!(writing.holds(&key(1)));
         assert_eq!(writing.serve(&key(1), &(10..20)).unwrap(), vec![3u8; 10]);
@@ -272,24 +272,18 @@ mod tests {
             "past the page"
         );
         assert!(writing.serve(&key(1), &(5..5)).is_none(), "empty");
-        let waiter = {
-            let w = std::sync::Arc::new(writing);
-            let waiting = w.clone();
-            let task = tokio::spawn(async move { waiting.written(&key(1)).await });
-            tokio::task::yield_now().await;
-            assert!(
-                !task.is_finished(),
-                "returned while the page was being written"
-            );
-            w.remove(&key(1));
-            task.await.unwrap();
-            w
-        };
-        let writing = waiter;
+        let waiting = writing.clone();
+        let task = tokio::spawn(async move { waiting.written(&key(1)).await });
+        tokio::task::yield_now().await;
+        assert!(
+            !task.is_finished(),
+            "returned while the page was being written"
+        );
+        writing.remove(&key(1));
+        task.await.unwrap();
         assert_eq!(writing.len(), 0);
         assert!(!writing.holds(&key(1)));
         // A write that ends by panicking still unmarks its page.
-        let writing = std::sync::Arc::new(writing);
         writing.insert(key(2), Bytes::from_static(b"page"));
         let w = writing.clone();
         let died = tokio::spawn(async move {

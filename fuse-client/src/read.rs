@@ -55,16 +55,14 @@ impl Chunk {
         // A chunk whose fetch failed was already dropped by the reader.
         self.data.clone().ok_or(FsError::BadHandle)
     }
-}
 
-impl Chunk {
-    /// The chunk's bytes if its fetch has finished, without waiting.
-    /// `Err(())`: the fetch failed (its error is for the reader that
-    /// waits on it; the caller starts the stream over instead).
-    fn ready_now(&mut self) -> Result<Option<Bytes>, ()> {
+    /// Whether the chunk's bytes are here, without waiting (a finished
+    /// fetch is taken in). `Err(())`: the fetch failed (its error is for
+    /// the reader that waits on it; the caller starts the stream over).
+    fn ready_now(&mut self) -> Result<bool, ()> {
         if let Some(task) = self.fetch.as_mut() {
             if !task.is_finished() {
-                return Ok(None);
+                return Ok(false);
             }
             match futures::FutureExt::now_or_never(task) {
                 Some(Ok(Ok(bytes))) => {
@@ -75,14 +73,12 @@ impl Chunk {
                     self.fetch = None;
                     return Err(());
                 }
-                None => return Ok(None),
+                None => return Ok(false),
             }
         }
-        Ok(self.data.clone())
+        Ok(self.data.is_some())
     }
-}
 
-impl Chunk {
     /// The part of this fetched chunk within `[offset, end)`, counted as
     /// served.
     fn take_piece(&mut self, offset: u64, end: u64) -> Option<Bytes> {
@@ -389,8 +385,8 @@ impl FileReader {
         let mut failed = false;
         for chunk in self.chunks_over(offset, end) {
             match chunk.ready_now() {
-                Ok(Some(_)) => {}
-                Ok(None) => return None,
+                Ok(true) => {}
+                Ok(false) => return None,
                 Err(()) => {
                     failed = true;
                     break;
