@@ -106,6 +106,7 @@ impl Peers {
                 read: Vec::new(),
                 write: Vec::new(),
                 peer: true,
+                operator: false,
                 members_key: None,
             })
         });

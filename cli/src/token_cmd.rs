@@ -55,6 +55,10 @@ struct CreateArgs {
     /// A worker-to-worker token (page hand-offs)
     #[arg(long, hide = true)]
     peer: bool,
+    /// The operator's token: the whole write-back backlog, and health and
+    /// metrics behind --protect-metrics (no data scope unless given)
+    #[arg(long)]
+    operator: bool,
 }
 
 impl TokenCmd {
@@ -107,6 +111,16 @@ fn keygen(args: &KeygenArgs) -> Result<()> {
     Ok(())
 }
 
+/// Who a token speaks for, beyond its scopes.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Role {
+    Tenant,
+    /// Worker to worker.
+    Peer,
+    /// The cluster's operator (`Claims::operator`).
+    Operator,
+}
+
 /// A signed token for `tenant`.
 pub fn mint(
     keys: &KeyRing,
@@ -114,7 +128,7 @@ pub fn mint(
     read: &[String],
     write: &[String],
     ttl: Seconds,
-    peer: bool,
+    role: Role,
 ) -> Result<String> {
     if tenant.is_empty()
         || tenant.len() > 64
@@ -127,8 +141,8 @@ pub fn mint(
     for scope in read.iter().chain(write) {
         validate_scope(scope)?;
     }
-    if read.is_empty() && write.is_empty() && !peer {
-        bail!("a token needs at least one --allow or --allow-write scope");
+    if read.is_empty() && write.is_empty() && role == Role::Tenant {
+        bail!("a token needs at least one --allow or --allow-write scope (or --operator)");
     }
     let exp = std::time::SystemTime::now()
         .duration_since(std::time::UNIX_EPOCH)?
@@ -140,7 +154,8 @@ pub fn mint(
         exp,
         read: read.to_vec(),
         write: write.to_vec(),
-        peer,
+        peer: role == Role::Peer,
+        operator: role == Role::Operator,
         members_key: None,
     }))
 }
@@ -153,8 +168,33 @@ fn create(args: &CreateArgs) -> Result<()> {
         &args.allow,
         &args.allow_write,
         args.ttl,
-        args.peer,
+        match (args.peer, args.operator) {
+            (true, true) => bail!("a token is either --peer or --operator, not both"),
+            (true, false) => Role::Peer,
+            (false, true) => Role::Operator,
+            (false, false) => Role::Tenant,
+        },
     )?;
     println!("{token}");
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn ttl() -> Seconds {
+        Seconds(std::time::Duration::from_secs(60))
+    }
+
+    #[test]
+    fn an_operator_token_needs_no_scope_and_says_what_it_is() {
+        let keys = KeyRing::new(SigningKey::generate("k1"), None);
+        let token = mint(&keys, "ops", &[], &[], ttl(), Role::Operator).unwrap();
+        let claims = keys.verify(&token, 0).unwrap();
+        assert!(claims.operator && !claims.peer);
+        assert!(claims.read.is_empty() && claims.write.is_empty());
+        let err = mint(&keys, "team-a", &[], &[], ttl(), Role::Tenant).unwrap_err();
+        assert!(err.to_string().contains("--allow"), "{err}");
+    }
 }

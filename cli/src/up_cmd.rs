@@ -287,7 +287,9 @@ impl UpCmd {
             &scope,
             &scope,
             crate::units::Seconds(std::time::Duration::from_secs(30 * 86_400)),
-            false,
+            // Whoever runs `up` operates this cluster: `lakecache status`
+            // with this token shows the whole write-back backlog.
+            crate::token_cmd::Role::Operator,
         )?;
         let token_path = dir.join("token");
         crate::token_cmd::write_private(&token_path, &token)?;

@@ -143,6 +143,7 @@ mod tests {
             read: vec!["s3://b/".into()],
             write: vec![],
             peer: false,
+            operator: false,
             members_key: None,
         });
         let ring = KeyRing::new(SigningKey::generate("k2"), Some(old));

@@ -37,6 +37,10 @@ pub struct Claims {
     /// Worker-to-worker calls (page hand-offs) need this.
     #[serde(default, skip_serializing_if = "std::ops::Not::not")]
     pub peer: bool,
+    /// The cluster's operator: sees the whole write-back backlog, and
+    /// health and metrics where they are protected. Grants no data scope.
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub operator: bool,
     /// Public key (Ed25519, base64url) that verifies the cluster's signed
     /// worker registrations; set by [`SigningKey::mint`].
     #[serde(default, skip_serializing_if = "Option::is_none")]
@@ -306,6 +310,7 @@ mod tests {
             read: vec!["s3://datasets/llm/".into()],
             write: vec!["s3://ckpt/team-a/".into()],
             peer: false,
+            operator: false,
             members_key: None,
         }
     }

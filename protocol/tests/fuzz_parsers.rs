@@ -68,6 +68,7 @@ proptest! {
             read: vec!["s3://data/".into()],
             write: vec![],
             peer: false,
+            operator: false,
             members_key: None,
         });
         let i = at.index(token.len());

@@ -21,7 +21,8 @@ pub struct AccessPolicy {
     /// `s3://bucket/` or `s3://bucket/prefix` scopes any request may
     /// reach; empty: every bucket the worker's credentials reach.
     pub allow: Vec<String>,
-    /// Require a token for `/metrics` and `/v1/health` too.
+    /// Require an operator's (or a peer worker's) token for `/metrics`
+    /// and `/v1/health` too.
     pub protect_metrics: bool,
 }
 
@@ -190,13 +191,13 @@ impl Access<'_> {
     }
 
     /// The write-back backlog under `prefix` (an `s3://` URI, or empty
-    /// for all of it): whole for a cluster (peer) token or with tokens
-    /// off; for a tenant only under a prefix it may list, since the
-    /// backlog counts other tenants' pending writes.
+    /// for all of it): whole for an operator's or a peer worker's token,
+    /// or with tokens off; for a tenant only under a prefix it may list,
+    /// since the backlog counts other tenants' pending writes.
     pub fn writeback_status(&self, prefix: &str) -> Result<(), Denied> {
         match &self.claims {
             None => Ok(()),
-            Some(c) if c.peer => Ok(()),
+            Some(c) if c.peer || c.operator => Ok(()),
             Some(c) => {
                 // Inside a scope, not merely leading to one (as a listing
                 // may): counts over a parent would include others' writes.
@@ -206,7 +207,7 @@ impl Access<'_> {
                     return Ok(());
                 }
                 Err(out_of_scope(format!(
-                    "tenant {} may see the write-back backlog only under its own prefixes: ask with ?prefix=s3://bucket/prefix inside its scope, or use a cluster token for all of it",
+                    "tenant {} may see the write-back backlog only under its own prefixes: ask with ?prefix=s3://bucket/prefix inside its scope, or use an operator token (lakecache token create --operator) for all of it",
                     self.tenant_label()
                 )))
             }
@@ -266,6 +267,17 @@ impl Access<'_> {
         Ok(())
     }
 
+    /// A tenant's routes refuse peer workers' tokens: they carry no data
+    /// scope, and no worker calls these on another.
+    pub fn not_peer(&self) -> Result<(), Denied> {
+        match &self.claims {
+            Some(c) if c.peer => Err(out_of_scope(
+                "a peer worker's token may not call this route".to_string(),
+            )),
+            _ => Ok(()),
+        }
+    }
+
     /// Worker-to-worker calls need a peer token when tokens are on.
     pub fn peer(&self) -> Result<(), Denied> {
         self.may_call_as_peer().map_err(Into::into)
@@ -281,12 +293,20 @@ impl Access<'_> {
         }
     }
 
-    /// Health and metrics: open unless the policy protects them.
+    /// Health and metrics: open unless the policy protects them; then
+    /// an operator's or a peer worker's token. A tenant's token is not
+    /// enough: both name every tenant and count its traffic.
     pub fn operator_endpoint(policy: &AccessPolicy, headers: &HeaderMap) -> Result<(), Denied> {
-        if policy.protect_metrics {
-            policy.authenticate(headers).map(|_| ())
-        } else {
-            Ok(())
+        if !policy.protect_metrics {
+            return Ok(());
+        }
+        let access = policy.authenticate(headers)?;
+        match &access.claims {
+            Some(c) if !(c.operator || c.peer) => Err(out_of_scope(format!(
+                "tenant {} may not read this worker's health or metrics: they are protected (--protect-metrics); use an operator token (lakecache token create --operator)",
+                c.tenant
+            ))),
+            _ => Ok(()),
         }
     }
 }

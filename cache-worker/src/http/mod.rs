@@ -8,6 +8,7 @@ mod peer_writeback;
 mod range;
 mod response;
 mod routes;
+pub mod table;
 mod versions;
 
 use std::convert::Infallible;

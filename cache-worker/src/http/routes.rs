@@ -19,6 +19,7 @@ use super::limits::{Admitted, BodyIdle, IdleTimeoutBody, TenantLimiter};
 use super::peer_writeback::{drop_replica, pending_entry, replica_delete, replica_role};
 use super::range::{parse_range, resolve};
 use super::response::{cache_error, error, full, json, json_when_ready, BoxError, Response};
+use super::table::{find, AccessRule, Handler, Miss};
 use super::HttpLimits;
 use crate::cache::{Cache, CacheError};
 use crate::metrics::Metrics;
@@ -75,29 +76,52 @@ pub async fn route(state: &AppState, req: http::Request<Incoming>) -> (&'static 
     }
     let path = req.uri().path().to_string();
     let method = req.method().clone();
-    if path == "/v1/writeback" {
-        // Names pending writes of every tenant: never open, whatever
-        // protects metrics.
-        let access = match state.access.authenticate(req.headers()) {
-            Ok(a) => a,
-            Err(denied) => return ("denied", *denied),
-        };
-        if method != Method::GET {
-            return ("invalid", method_not_allowed("GET"));
+    let (spec, rest) = match find(method.as_str(), &path) {
+        Ok(found) => found,
+        Err(Miss::Path) => {
+            let msg = format!("no route for {path}");
+            return ("invalid", error(ErrorCode::RouteNotFound, msg));
         }
-        let query = req.uri().query().unwrap_or("");
-        return ("writeback", writeback_status(state, &access, query).await);
-    }
-    if path == "/v1/health" || path == "/metrics" {
+        Err(Miss::Method { allow, rule }) => {
+            // Who may ask first: the methods of a route are no secret,
+            // but an unauthenticated caller learns nothing it may not.
+            let known = match rule {
+                AccessRule::Operational => {
+                    Access::operator_endpoint(&state.access, req.headers()).map(|_| ())
+                }
+                _ => state.access.authenticate(req.headers()).map(|_| ()),
+            };
+            if let Err(denied) = known {
+                return ("denied", *denied);
+            }
+            return ("invalid", method_not_allowed(&allow));
+        }
+    };
+    let rest = rest.to_string();
+    if spec.rule == AccessRule::Operational {
         if let Err(denied) = Access::operator_endpoint(&state.access, req.headers()) {
             return ("denied", *denied);
         }
-        return operator_route(state, &method, &path).await;
+        return operator_route(state, spec.handler).await;
     }
     let access = match state.access.authenticate(req.headers()) {
         Ok(a) => a,
         Err(denied) => return ("denied", *denied),
     };
+    let by_rule = match spec.rule {
+        AccessRule::Peer => access.peer(),
+        AccessRule::Scoped => access.not_peer(),
+        _ => Ok(()),
+    };
+    if let Err(denied) = by_rule {
+        return ("denied", *denied);
+    }
+    if spec.handler == Handler::Writeback {
+        // Not a tenant's request: no tenant slot (the backlog is what an
+        // operator looks at while tenants are throttled).
+        let query = req.uri().query().unwrap_or("");
+        return ("writeback", writeback_status(state, &access, query).await);
+    }
     if let Some(tenant) = access.tenant() {
         tracing::Span::current().record("tenant", tenant);
     }
@@ -110,126 +134,89 @@ pub async fn route(state: &AppState, req: http::Request<Incoming>) -> (&'static 
         Err(busy) => return ("throttled", *busy),
     };
     let tenant = access.tenant().map(std::sync::Arc::<str>::from);
-    let (op, resp) =
-        crate::tenant::scope(tenant, object_route(state, &access, &path, method, req)).await;
+    let (op, resp) = crate::tenant::scope(
+        tenant,
+        object_route(state, &access, spec.handler, &rest, method, req),
+    )
+    .await;
     (op, Admitted::wrap(resp, slot))
 }
 
+/// Serves a request the table admitted.
 async fn object_route(
     state: &AppState,
     access: &Access<'_>,
-    path: &str,
+    handler: Handler,
+    rest: &str,
     method: Method,
     req: http::Request<Incoming>,
 ) -> (&'static str, Response) {
-    if let Some(rest) = path.strip_prefix("/v1/objects/") {
-        return match method {
-            Method::GET => ("read", read(state, access, rest, &req, true).await),
-            Method::HEAD => ("head", read(state, access, rest, &req, false).await),
-            Method::PUT => ("write", write(state, access, rest, req).await),
-            Method::DELETE => ("delete", delete(state, access, rest).await),
-            _ => ("invalid", method_not_allowed("GET, HEAD, PUT, DELETE")),
-        };
-    }
-    if let Some(rest) = path.strip_prefix("/v1/load") {
-        if rest.is_empty() || rest.starts_with('/') {
-            return super::load::route(state, access, rest, method, req).await;
+    let query = req.uri().query().unwrap_or("").to_string();
+    let query = query.as_str();
+    match handler {
+        Handler::Read => ("read", read(state, access, rest, &req, true).await),
+        Handler::Head => ("head", read(state, access, rest, &req, false).await),
+        Handler::Write => ("write", write(state, access, rest, req).await),
+        Handler::Delete => ("delete", delete(state, access, rest).await),
+        Handler::Stat => ("stat", stat(state, access, rest).await),
+        Handler::Version => (
+            "version",
+            super::versions::route(state, access, rest, query).await,
+        ),
+        Handler::List => ("list", list(state, access, rest, query).await),
+        Handler::LoadList | Handler::LoadJob => {
+            super::load::route(state, access, rest, method, req).await
         }
-    }
-    if let Some(bucket) = path.strip_prefix("/v1/free/") {
-        return super::load::free(state, access, bucket, method, req).await;
-    }
-    if let Some(rest) = path.strip_prefix("/v1/pages/") {
-        return match method {
-            Method::PUT => ("accept_pages", accept_pages(state, access, rest, req).await),
-            _ => ("invalid", method_not_allowed("PUT")),
-        };
-    }
-    if let Some(rest) = path.strip_prefix("/v1/pending/") {
-        return match method {
-            Method::GET => (
-                "pending_entry",
-                pending_entry(state, access, rest, req.uri().query().unwrap_or("")).await,
-            ),
-            _ => ("invalid", method_not_allowed("GET")),
-        };
-    }
-    if let Some(rest) = path.strip_prefix("/v1/replica/") {
-        let query = req.uri().query().unwrap_or("");
-        return match method {
-            Method::DELETE => (
-                "drop_replica",
-                drop_replica(state, access, rest, query).await,
-            ),
-            Method::POST => (
-                "replica_delete",
-                replica_delete(state, access, rest, query, req.headers()).await,
-            ),
-            _ => ("invalid", method_not_allowed("DELETE, POST")),
-        };
-    }
-    if let Some(rest) = path.strip_prefix("/v1/version/") {
-        let query = req.uri().query().unwrap_or("");
-        return match method {
-            Method::GET => (
-                "version",
-                super::versions::route(state, access, rest, query).await,
-            ),
-            _ => ("invalid", method_not_allowed("GET")),
-        };
-    }
-    if let Some(rest) = path.strip_prefix("/v1/stat/") {
-        return match method {
-            Method::GET => ("stat", stat(state, access, rest).await),
-            _ => ("invalid", method_not_allowed("GET")),
-        };
-    }
-    if let Some(bucket) = path.strip_prefix("/v1/list/") {
-        return match method {
-            Method::GET => (
-                "list",
-                list(state, access, bucket, req.uri().query().unwrap_or("")).await,
-            ),
-            _ => ("invalid", method_not_allowed("GET")),
-        };
-    }
-    (
-        "invalid",
-        error(ErrorCode::RouteNotFound, format!("no route for {path}")),
-    )
-}
-
-async fn operator_route(state: &AppState, method: &Method, path: &str) -> (&'static str, Response) {
-    match (method, path) {
-        (&Method::GET, "/v1/health") => ("health", health(state).await),
-        (&Method::GET, _) => {
-            // Rendering reads the write-back journal (see writeback_status).
-            let metrics = state.metrics.clone();
-            let text = match tokio::task::spawn_blocking(move || metrics.render()).await {
-                Ok(text) => text,
-                Err(e) => {
-                    let msg = format!("rendering metrics failed: {e}");
-                    return ("metrics", error(ErrorCode::Internal, msg));
-                }
-            };
-            let mut resp = http::Response::new(full(text));
-            resp.headers_mut().insert(
-                header::CONTENT_TYPE,
-                HeaderValue::from_static("text/plain; version=0.0.4"),
-            );
-            ("metrics", resp)
+        Handler::Free => super::load::free(state, access, rest, method, req).await,
+        Handler::AcceptPages => ("accept_pages", accept_pages(state, access, rest, req).await),
+        Handler::PendingEntry => (
+            "pending_entry",
+            pending_entry(state, access, rest, query).await,
+        ),
+        Handler::DropReplica => (
+            "drop_replica",
+            drop_replica(state, access, rest, query).await,
+        ),
+        Handler::ReplicaDelete => (
+            "replica_delete",
+            replica_delete(state, access, rest, query, req.headers()).await,
+        ),
+        Handler::Health | Handler::Metrics | Handler::Writeback => {
+            let msg = format!("{handler:?} is not served here");
+            ("invalid", error(ErrorCode::Internal, msg))
         }
-        _ => ("invalid", method_not_allowed("GET")),
     }
 }
 
-pub(super) fn method_not_allowed(allow: &'static str) -> Response {
+async fn operator_route(state: &AppState, handler: Handler) -> (&'static str, Response) {
+    if handler == Handler::Health {
+        return ("health", health(state).await);
+    }
+    // Rendering reads the write-back journal (see writeback_status).
+    let metrics = state.metrics.clone();
+    let text = match tokio::task::spawn_blocking(move || metrics.render()).await {
+        Ok(text) => text,
+        Err(e) => {
+            let msg = format!("rendering metrics failed: {e}");
+            return ("metrics", error(ErrorCode::Internal, msg));
+        }
+    };
+    let mut resp = http::Response::new(full(text));
+    resp.headers_mut().insert(
+        header::CONTENT_TYPE,
+        HeaderValue::from_static("text/plain; version=0.0.4"),
+    );
+    ("metrics", resp)
+}
+
+pub(super) fn method_not_allowed(allow: &str) -> Response {
     let mut resp = error(
         ErrorCode::MethodNotAllowed,
         format!("allowed methods: {allow}"),
     );
-    resp.headers_mut()
-        .insert(header::ALLOW, HeaderValue::from_static(allow));
+    if let Ok(value) = HeaderValue::from_str(allow) {
+        resp.headers_mut().insert(header::ALLOW, value);
+    }
     resp
 }
 

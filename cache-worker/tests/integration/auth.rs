@@ -19,6 +19,7 @@ fn claims(tenant: &str, read: &[&str], write: &[&str], exp: u64) -> Claims {
         read: read.iter().map(|s| s.to_string()).collect(),
         write: write.iter().map(|s| s.to_string()).collect(),
         peer: false,
+        operator: false,
         members_key: None,
     }
 }
@@ -332,9 +333,18 @@ async fn the_allow_list_bounds_every_token_and_rotation_keeps_old_tokens() {
         outcome(client.read(&uri("datasets/a.bin"), None).await),
         "403 OutOfScope"
     );
-    // Protected metrics need a token.
+    // Protected metrics need the operator's token; a tenant's, however
+    // wide its scope, is not one.
     assert_eq!(outcome(h.client.metrics().await), "401 Unauthenticated");
-    assert_eq!(outcome(wide_new.metrics().await), "ok");
+    assert_eq!(outcome(wide_new.metrics().await), "403 OutOfScope");
+    let mut operator = claims("ops", &[], &[], LATER);
+    operator.operator = true;
+    let ops = h
+        .client
+        .clone()
+        .with_token(Some(&new.mint(&operator)))
+        .unwrap();
+    assert_eq!(outcome(ops.metrics().await), "ok");
 }
 
 /// Connections beyond `max_connections` wait to be accepted instead of

@@ -277,6 +277,7 @@ async fn random_requests_never_crash_the_worker_or_get_500() {
         read: vec![scope.into()],
         write: vec![scope.into()],
         peer: false,
+        operator: false,
         members_key: None,
     };
     let good = key.mint(&claims("fuzz", "s3://data/fuzz/"));

@@ -20,6 +20,7 @@ fn token(key: &SigningKey, tenant: &str) -> String {
         read: vec!["s3://data/".into()],
         write: vec!["s3://data/".into()],
         peer: false,
+        operator: false,
         members_key: None,
     })
 }

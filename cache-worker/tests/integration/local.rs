@@ -220,6 +220,7 @@ async fn the_socket_checks_tokens_and_scopes_as_http_does() {
             read: vec![read.into()],
             write: Vec::new(),
             peer: false,
+            operator: false,
             members_key: None,
         })
     };

@@ -15,6 +15,7 @@ mod policies;
 mod power_loss;
 mod reads;
 mod replicas;
+mod route_matrix;
 mod store_faults;
 mod tenants;
 mod tls;

@@ -19,6 +19,7 @@ fn token_client(h: &Harness, key: &SigningKey, tenant: &str) -> WorkerClient {
         read: vec!["s3://data/".into()],
         write: vec![format!("s3://data/{tenant}/")],
         peer: false,
+        operator: false,
         members_key: None,
     };
     h.client
