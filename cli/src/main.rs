@@ -15,6 +15,7 @@ mod snapshot_cmd;
 mod status_cmd;
 mod sync_cmd;
 mod token_cmd;
+mod umount_cmd;
 mod units;
 mod up_cmd;
 mod worker_cmd;
@@ -80,6 +81,8 @@ enum Command {
     Token(token_cmd::TokenCmd),
     /// Mount s3://bucket[/prefix] at a path through the cache (FUSE)
     Mount(mount_cmd::MountCmd),
+    /// Unmount a mount; --abort ends one whose daemon is stuck
+    Umount(umount_cmd::UmountCmd),
     /// Preload s3://bucket/prefix into the workers' caches, with progress
     Load(Box<load_cmd::LoadCmd>),
     /// Evict the cached pages under s3://bucket/prefix on every worker
@@ -194,6 +197,7 @@ fn main() {
             Command::Load(cmd) => cmd.run().await,
             Command::Free(cmd) => cmd.run().await,
             Command::Snapshot(cmd) => cmd.run().await,
+            Command::Umount(cmd) => cmd.run(),
             // Ran and exited before the runtime started.
             Command::MountGuard { .. } => Ok(()),
         }

@@ -42,6 +42,12 @@ pub struct FuseArgs {
     /// [default: 1/8 of RAM, at most 4GiB]
     #[arg(long, env = "LAKECACHE_MEMORY_LIMIT")]
     pub memory_limit: Option<ByteSize>,
+    /// A write whose worker takes no byte for this long (while bytes wait
+    /// for it), or stays silent this long after the last byte, fails with
+    /// EIO instead of hanging the writer as long as the worker hangs
+    /// (1s to 1h)
+    #[arg(long, env = "LAKECACHE_WRITE_PROGRESS_TIMEOUT", default_value = "10s")]
+    pub write_progress_timeout: crate::units::Seconds,
     /// Owner shown for objects that carry none in their metadata
     /// [default: the mounting user]
     #[arg(long)]
@@ -159,6 +165,11 @@ impl FuseArgs {
         config.dir_mode = self.dir_mode;
         config.posix_metadata = self.posix_metadata;
         config.truncate_rewrite_max = self.truncate_rewrite_max.0;
+        let progress = self.write_progress_timeout.0;
+        if !(Duration::from_secs(1)..=Duration::from_secs(3600)).contains(&progress) {
+            bail!("--write-progress-timeout must be 1s to 1h, got {progress:?}");
+        }
+        config.write_progress_timeout = progress;
         config.random_whole_max = self.random_whole_max.0;
         config.push_page_cache = !self.no_page_cache_push;
         // Read-ahead and queued uploads share the budget.

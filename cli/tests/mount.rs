@@ -1096,5 +1096,7 @@ mod tier_completion;
 mod tier_damage;
 #[path = "mount/tier_refusals.rs"]
 mod tier_refusals;
+#[path = "mount/write_stall.rs"]
+mod write_stall;
 #[path = "mount/writeback.rs"]
 mod writeback;

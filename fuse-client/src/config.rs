@@ -2,6 +2,11 @@
 
 use std::time::Duration;
 
+/// Long against a healthy worker's pauses (it answers a write's end with
+/// a byte every 500 ms, and takes body bytes unless S3 stalls its part
+/// uploads), short against a checkpoint's patience.
+pub const DEFAULT_WRITE_PROGRESS: Duration = Duration::from_secs(10);
+
 use lakecache_protocol::WriteMode;
 
 #[derive(Debug, Clone)]
@@ -24,6 +29,11 @@ pub struct FsConfig {
     pub readahead_chunk: u64,
     /// Upper bound on one upload: a writer that stalls longer fails.
     pub upload_timeout: Duration,
+    /// A worker that takes no byte of a write for this long while bytes
+    /// wait for it, or says nothing for this long once the body is sent,
+    /// is given up on: the write fails with EIO instead of holding the
+    /// application (and its FUSE request) for as long as the worker hangs.
+    pub write_progress_timeout: Duration,
     /// One budget for read-ahead and queued upload data of all handles.
     pub memory_limit: u64,
     /// What the mount's token lets it write (`s3://bucket/prefix`
@@ -61,6 +71,14 @@ pub struct FsConfig {
 }
 
 impl FsConfig {
+    /// The bounds every upload of this mount runs under.
+    pub fn upload_limits(&self) -> crate::data_plane::UploadLimits {
+        crate::data_plane::UploadLimits {
+            total: self.upload_timeout,
+            progress: self.write_progress_timeout,
+        }
+    }
+
     pub fn new(bucket: impl Into<String>, prefix: impl Into<String>) -> Self {
         let mut prefix = prefix.into();
         if !prefix.is_empty() && !prefix.ends_with('/') {
@@ -81,6 +99,7 @@ impl FsConfig {
             readahead_max: 64 << 20,
             readahead_chunk: 8 << 20,
             upload_timeout: Duration::from_secs(6 * 3600),
+            write_progress_timeout: DEFAULT_WRITE_PROGRESS,
             memory_limit: crate::memory::default_limit(),
             write_scopes: None,
             write_mode: WriteMode::Through,

@@ -956,7 +956,7 @@ impl Fs {
         let writer = FileWriter::new(
             self.data.clone(),
             uri,
-            self.config.upload_timeout,
+            self.config.upload_limits(),
             self.memory.clone(),
             self.config.write_mode_for(&node.key),
             user,

@@ -22,6 +22,7 @@ pub struct MountMetrics {
     worker_whole_fetches: Counter<u64>,
     upload_bytes: Counter<u64>,
     upload_seconds: Histogram<f64>,
+    write_stalls: Counter<u64>,
 }
 
 /// The process's mount metrics.
@@ -89,6 +90,17 @@ impl MountMetrics {
                 "",
                 "Objects read randomly, without a node-local tier, that the workers were asked to fetch whole",
             ),
+            write_stalls: {
+                let stalls = counter(
+                    &meter,
+                    "lakecache_fuse_write_stalls",
+                    "",
+                    "Writes given up because their worker made no progress for --write-progress-timeout",
+                );
+                // Exported from the start: a healthy mount reads 0, not nothing.
+                stalls.add(0, &[]);
+                stalls
+            },
             upload_bytes: counter(
                 &meter,
                 "lakecache_fuse_upload",
@@ -241,6 +253,10 @@ impl MountMetrics {
 
     pub fn worker_whole_fetch(&self) {
         self.worker_whole_fetches.add(1, &[]);
+    }
+
+    pub fn write_stall(&self) {
+        self.write_stalls.add(1, &[]);
     }
 
     pub fn upload(&self, bytes: u64, elapsed: Duration) {

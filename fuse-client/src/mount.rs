@@ -71,6 +71,94 @@ pub fn is_mounted(path: &Path) -> bool {
         .any(|mp| unescape_mountinfo(mp) == want)
 }
 
+/// What `abort_connection` did.
+#[derive(Debug)]
+pub struct Aborted {
+    /// The FUSE connection's number (`/sys/fs/fuse/connections/N`).
+    pub connection: u32,
+    /// Whether the mount point was detached afterwards.
+    pub detached: bool,
+}
+
+/// Ends a FUSE mount whose server is stuck: aborts the kernel's FUSE
+/// connection (every request waiting on the server fails at once, and
+/// processes blocked in them can be killed again), then detaches the
+/// mount point. Never touches the mount itself, which would block: the
+/// connection is found in `/proc/self/mountinfo` by the mount point's
+/// path, taken as given (made absolute, not resolved).
+pub fn abort_connection(path: &Path) -> std::io::Result<Aborted> {
+    use std::io::{Error, ErrorKind};
+    let path = if path.is_absolute() {
+        path.to_path_buf()
+    } else {
+        std::env::current_dir()?.join(path)
+    };
+    let want = path.to_string_lossy().trim_end_matches('/').to_string();
+    let info = std::fs::read_to_string("/proc/self/mountinfo")?;
+    // The last entry for the path is the one on top.
+    let entry = info
+        .lines()
+        .rfind(|l| l.split(' ').nth(4).map(unescape_mountinfo).as_deref() == Some(&want))
+        .ok_or_else(|| Error::new(ErrorKind::NotFound, format!("{want} is not a mount point")))?;
+    let fstype = entry
+        .split_once(" - ")
+        .and_then(|(_, rest)| rest.split(' ').next())
+        .unwrap_or("");
+    if fstype != "fuse" && !fstype.starts_with("fuse.") {
+        return Err(Error::new(
+            ErrorKind::InvalidInput,
+            format!("{want} is a {fstype} mount, not a FUSE one"),
+        ));
+    }
+    let connection = entry
+        .split(' ')
+        .nth(2)
+        .and_then(|dev| dev.split_once(':'))
+        .and_then(|(_, minor)| minor.parse::<u32>().ok())
+        .ok_or_else(|| {
+            Error::new(
+                ErrorKind::InvalidData,
+                format!("unreadable mountinfo entry {entry:?}"),
+            )
+        })?;
+    let connections = Path::new("/sys/fs/fuse/connections");
+    let abort = connections.join(connection.to_string()).join("abort");
+    if !abort.exists() {
+        mount_fusectl(connections)?;
+    }
+    std::fs::write(&abort, b"1")
+        .map_err(|e| Error::new(e.kind(), format!("writing {}: {e}", abort.display())))?;
+    Ok(Aborted {
+        connection,
+        detached: force_unmount(&path).is_ok(),
+    })
+}
+
+/// The kernel's FUSE control filesystem, where systemd has not mounted it.
+fn mount_fusectl(at: &Path) -> std::io::Result<()> {
+    let target = std::ffi::CString::new(at.as_os_str().as_encoded_bytes())
+        .map_err(|_| std::io::Error::from(std::io::ErrorKind::InvalidInput))?;
+    // SAFETY: every pointer is a NUL-terminated string that outlives the call.
+    let rc = unsafe {
+        libc::mount(
+            c"fusectl".as_ptr(),
+            target.as_ptr(),
+            c"fusectl".as_ptr(),
+            0,
+            std::ptr::null(),
+        )
+    };
+    if rc == 0 || std::io::Error::last_os_error().raw_os_error() == Some(libc::EBUSY) {
+        Ok(())
+    } else {
+        let e = std::io::Error::last_os_error();
+        Err(std::io::Error::new(
+            e.kind(),
+            format!("mounting fusectl at {}: {e}", at.display()),
+        ))
+    }
+}
+
 fn unescape_mountinfo(s: &str) -> String {
     s.replace("\\040", " ")
         .replace("\\011", "\t")

@@ -2,14 +2,13 @@
 //! upload through the owning worker; the upload ends on flush/fsync.
 
 use std::sync::Arc;
-use std::time::Duration;
 
 use bytes::Bytes;
 use lakecache_protocol::{ObjectStat, ObjectUri, UserMeta, WriteMode};
 use tokio::sync::mpsc;
 use tokio::task::JoinHandle;
 
-use crate::data_plane::{ByteStream, DataError, DataPlane};
+use crate::data_plane::{ByteStream, DataError, DataPlane, UploadLimits};
 use crate::error::FsError;
 use crate::memory::{MemoryBudget, Reservation};
 
@@ -30,7 +29,7 @@ struct Upload {
 pub struct FileWriter {
     data: Arc<dyn DataPlane>,
     pub uri: ObjectUri,
-    timeout: Duration,
+    limits: UploadLimits,
     written: u64,
     /// Size set by ftruncate before the data arrived (safetensors does
     /// this); the gap past `written` is zeros unless written over.
@@ -53,7 +52,7 @@ impl FileWriter {
     pub fn new(
         data: Arc<dyn DataPlane>,
         uri: ObjectUri,
-        timeout: Duration,
+        limits: UploadLimits,
         budget: Arc<MemoryBudget>,
         mode: WriteMode,
         meta: UserMeta,
@@ -61,7 +60,7 @@ impl FileWriter {
         Self {
             data,
             uri,
-            timeout,
+            limits,
             budget,
             mode,
             meta,
@@ -171,14 +170,14 @@ impl FileWriter {
     fn start(&self) -> Upload {
         let (sender, receiver) = mpsc::channel::<(Bytes, Reservation)>(QUEUED_WRITES);
         let body: ByteStream = Box::pin(stream_from(receiver));
-        let (data, uri, timeout, mode, meta) = (
+        let (data, uri, limits, mode, meta) = (
             self.data.clone(),
             self.uri.clone(),
-            self.timeout,
+            self.limits,
             self.mode,
             self.meta.clone(),
         );
-        let task = tokio::spawn(async move { data.upload(&uri, body, timeout, mode, &meta).await });
+        let task = tokio::spawn(async move { data.upload(&uri, body, limits, mode, &meta).await });
         Upload { sender, task }
     }
 
@@ -237,7 +236,7 @@ impl FileWriter {
             None if self.mode == WriteMode::Back => {
                 let empty: ByteStream = Box::pin(futures::stream::empty());
                 self.data
-                    .upload(&self.uri, empty, self.timeout, self.mode, &self.meta)
+                    .upload(&self.uri, empty, self.limits, self.mode, &self.meta)
                     .await
             }
             None => self.data.put(&self.uri, Bytes::new(), &self.meta).await,

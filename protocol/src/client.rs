@@ -370,8 +370,16 @@ impl WorkerClient {
 
     /// The whole body; every piece must come within the progress deadline
     /// of the one before it.
-    async fn collect(&self, mut body: Incoming) -> Result<Bytes, ClientError> {
-        let progress = self.deadlines.progress;
+    async fn collect(&self, body: Incoming) -> Result<Bytes, ClientError> {
+        self.collect_within(body, self.deadlines.progress).await
+    }
+
+    /// A body whose pieces come at most `progress` apart.
+    async fn collect_within(
+        &self,
+        mut body: Incoming,
+        progress: Duration,
+    ) -> Result<Bytes, ClientError> {
         // Sized once from Content-Length: growing by doubling would copy
         // multi-MiB ranges several times into freshly mapped pages.
         let hint = body.size_hint();
@@ -731,6 +739,30 @@ impl WorkerClient {
     where
         S: futures::Stream<Item = Result<Bytes, BoxError>> + Send + Sync + 'static,
     {
+        self.put_checked(uri, body, crate::WriteMode::Back, headers, meta, None)
+            .await
+    }
+
+    /// Streams `body` as the object's new content, its CRC32C following
+    /// as a trailer (the worker refuses the write if its bytes differ or
+    /// the trailer is missing). With `watch`, the worker keeps answering
+    /// while it stores the object (see [`crate::KEEPALIVE_HEADER`]), and a
+    /// worker silent for that long once the body is sent, or between two
+    /// bytes of its answer, fails the call with [`ClientError::Timeout`]:
+    /// the call is bounded by progress, not by a total. The caller bounds
+    /// the body's own progress (it knows when it has bytes waiting).
+    pub async fn put_checked<S>(
+        &self,
+        uri: &ObjectUri,
+        body: S,
+        mode: crate::WriteMode,
+        headers: &[(&str, &str)],
+        meta: &crate::UserMeta,
+        watch: Option<Duration>,
+    ) -> Result<ObjectStat, ClientError>
+    where
+        S: futures::Stream<Item = Result<Bytes, BoxError>> + Send + Sync + 'static,
+    {
         use futures::StreamExt as _;
         use std::sync::atomic::{AtomicU32, Ordering};
         use std::sync::Arc;
@@ -742,12 +774,16 @@ impl WorkerClient {
             running.store(now, Ordering::Relaxed);
             Ok::<_, BoxError>(hyper::body::Frame::data(b))
         });
+        // Fires once the whole body, trailer included, is handed to the
+        // connection: from then on the worker owes an answer.
+        let (sent_tx, sent_rx) = tokio::sync::oneshot::channel::<()>();
         let trailer = futures::stream::once(async move {
             let mut trailers = http::HeaderMap::new();
             let value = crc.load(Ordering::Relaxed).to_string();
             if let Ok(v) = http::HeaderValue::from_str(&value) {
                 trailers.insert(crate::BODY_CRC32C_TRAILER, v);
             }
+            let _ = sent_tx.send(());
             Ok::<_, BoxError>(hyper::body::Frame::trailers(trailers))
         });
         let body: RequestBody =
@@ -756,17 +792,46 @@ impl WorkerClient {
             self.request(http::Method::PUT, &uri.api_path("objects")),
             meta,
         )
-        .header(crate::WRITE_MODE_HEADER, "back")
         .header(http::header::TRAILER, crate::BODY_CRC32C_TRAILER);
+        if mode == crate::WriteMode::Back {
+            req = req.header(crate::WRITE_MODE_HEADER, "back");
+        }
+        if watch.is_some() {
+            req = req.header(crate::KEEPALIVE_HEADER, "1");
+        }
         for (name, value) in headers {
             req = req.header(*name, *value);
         }
         let req = req
             .body(body)
             .map_err(|e| ClientError::Decode(e.to_string()))?;
-        let resp = self.send(req).await?;
-        let body = self.collect(resp.into_body()).await?;
-        serde_json::from_slice(&body).map_err(|e| ClientError::Decode(e.to_string()))
+        let Some(progress) = watch else {
+            let resp = self.send(req).await?;
+            let body = self.collect(resp.into_body()).await?;
+            return serde_json::from_slice(&body).map_err(|e| ClientError::Decode(e.to_string()));
+        };
+        let silent_after_body = async move {
+            match sent_rx.await {
+                Ok(()) => tokio::time::sleep(progress).await,
+                // The body was dropped unsent: the request fails by itself.
+                Err(_) => std::future::pending().await,
+            }
+        };
+        let resp = tokio::select! {
+            resp = self.send(req) => resp?,
+            () = silent_after_body => return Err(self.timed_out(progress)),
+        };
+        let body = self.collect_within(resp.into_body(), progress).await?;
+        let text = body.trim_ascii_start();
+        match serde_json::from_slice::<crate::WriteOutcome>(text) {
+            Ok(crate::WriteOutcome::Stored(stat)) => Ok(stat),
+            Ok(crate::WriteOutcome::Failed(e)) => Err(ClientError::Api {
+                status: e.error.code.http_status(),
+                code: e.error.code,
+                message: e.error.message,
+            }),
+            Err(e) => Err(ClientError::Decode(format!("write outcome: {e}"))),
+        }
     }
 
     /// One worker's write-back backlog (under `prefix`, an

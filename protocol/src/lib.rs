@@ -34,7 +34,7 @@ pub use load::{
 };
 pub use types::{
     BucketTraffic, ErrorBody, ErrorCode, ErrorDetail, Health, ListEntry, ListResponse, ObjectStat,
-    ObjectVersion, TenantUsage,
+    ObjectVersion, TenantUsage, WriteOutcome,
 };
 pub use uri::{validate_bucket, validate_key, InvalidUri, ObjectUri, MAX_KEY_BYTES};
 pub use user_meta::{
@@ -43,5 +43,5 @@ pub use user_meta::{
 };
 pub use writeback::{
     is_cache_version, EntryState, WriteBackEntry, WriteBackStatus, WriteMode, BODY_CRC32C_TRAILER,
-    CACHE_VERSION_PREFIX, REPLICA_OF_HEADER, VERSION_HEADER, WRITE_MODE_HEADER,
+    CACHE_VERSION_PREFIX, KEEPALIVE_HEADER, REPLICA_OF_HEADER, VERSION_HEADER, WRITE_MODE_HEADER,
 };

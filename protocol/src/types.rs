@@ -132,6 +132,15 @@ pub struct ErrorDetail {
     pub message: String,
 }
 
+/// The last JSON of a watched write's answer (see
+/// [`crate::KEEPALIVE_HEADER`]): the stored object, or why it was not.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(untagged)]
+pub enum WriteOutcome {
+    Failed(ErrorBody),
+    Stored(ObjectStat),
+}
+
 /// The JSON body of every error response: `{"error":{"code":..,"message":..}}`.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 pub struct ErrorBody {

@@ -11,6 +11,14 @@ pub const WRITE_MODE_HEADER: &str = "x-lakecache-write-mode";
 /// client computed it; the worker refuses a body that does not match.
 pub const BODY_CRC32C_TRAILER: &str = "x-lakecache-crc32c";
 
+/// On a PUT: the client watches the write's progress. The worker answers
+/// `200` as soon as the body is in, then a space every 500 ms while it
+/// stores the object, then the outcome as JSON ([`crate::WriteOutcome`]):
+/// a client can tell a worker that is working from one that went silent,
+/// without a total timeout. With the body's CRC32C trailer declared, the
+/// worker refuses a body whose trailer is missing or does not match.
+pub const KEEPALIVE_HEADER: &str = "x-lakecache-keepalive";
+
 /// On a write-back PUT from one worker to another: this copy is a replica
 /// of a write the sender (the primary) takes. Value: the primary's journal
 /// identity, a space, and the primary's ring address.

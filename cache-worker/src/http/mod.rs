@@ -1,6 +1,7 @@
 //! The worker's HTTP server (hyper 1, HTTP/1.1 with keep-alive).
 
 pub mod auth;
+mod body_check;
 mod limits;
 mod load;
 pub mod local;

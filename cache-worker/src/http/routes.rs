@@ -9,16 +9,20 @@ use http_body::Frame;
 use http_body_util::{BodyExt, BodyStream, StreamBody};
 use hyper::body::Incoming;
 use lakecache_protocol::{
-    user_meta_from_headers, validate_bucket, ErrorCode, Health, ListResponse, ObjectStat,
-    ObjectUri, UserMeta, WriteBackStatus, WriteMode, BODY_CRC32C_TRAILER, COPY_SOURCE_HEADER,
-    FROM_HEADER, MAX_KEY_BYTES, METADATA_DIRECTIVE_HEADER, OFFSET_HEADER, WRITE_MODE_HEADER,
+    user_meta_from_headers, validate_bucket, ErrorBody, ErrorCode, Health, ListResponse,
+    ObjectStat, ObjectUri, UserMeta, WriteBackStatus, WriteMode, WriteOutcome, BODY_CRC32C_TRAILER,
+    COPY_SOURCE_HEADER, FROM_HEADER, KEEPALIVE_HEADER, MAX_KEY_BYTES, METADATA_DIRECTIVE_HEADER,
+    OFFSET_HEADER, WRITE_MODE_HEADER,
 };
 
 use super::auth::{Access, AccessPolicy};
+use super::body_check::CheckedBody;
 use super::limits::{Admitted, BodyIdle, IdleTimeoutBody, TenantLimiter};
 use super::peer_writeback::{drop_replica, pending_entry, replica_delete, replica_role};
 use super::range::{parse_range, resolve};
-use super::response::{cache_error, error, full, json, json_when_ready, BoxError, Response};
+use super::response::{
+    cache_error, cache_error_code, error, full, json, json_when_ready, BoxError, Response,
+};
 use super::table::{find, AccessRule, Handler, Miss};
 use super::HttpLimits;
 use crate::cache::{Cache, CacheError};
@@ -455,21 +459,6 @@ async fn read(
 }
 
 /// The client's CRC32C of the whole body, from the trailers.
-fn trailer_crc(trailers: &http::HeaderMap) -> Result<Option<u32>, CacheError> {
-    let Some(v) = trailers.get(BODY_CRC32C_TRAILER) else {
-        return Ok(None);
-    };
-    v.to_str()
-        .ok()
-        .and_then(|s| s.trim().parse::<u32>().ok())
-        .map(Some)
-        .ok_or_else(|| {
-            CacheError::Invalid(format!(
-                "trailer {BODY_CRC32C_TRAILER} must be a decimal CRC32C"
-            ))
-        })
-}
-
 fn if_match(req: &http::Request<Incoming>) -> Option<String> {
     req.headers()
         .get(header::IF_MATCH)
@@ -555,57 +544,64 @@ async fn write(
     if mode != WriteMode::Back && matches!(role, WriteRole::Replica { .. }) {
         return error(ErrorCode::BadRequest, "a replica copy must be a write-back");
     }
-    let mut received = 0u64;
+    // A declared checksum trailer is required: its absence fails the
+    // write rather than skipping the check.
+    let crc_required = req
+        .headers()
+        .get_all(header::TRAILER)
+        .iter()
+        .filter_map(|v| v.to_str().ok())
+        .flat_map(|v| v.split(','))
+        .any(|name| name.trim().eq_ignore_ascii_case(BODY_CRC32C_TRAILER));
+    let keepalive = req.headers().contains_key(KEEPALIVE_HEADER);
     let client_crc = Arc::new(OnceLock::new());
-    let crc_slot = client_crc.clone();
     let body = IdleTimeoutBody::new(req.into_body(), state.limits.body_idle_timeout);
-    let body = BodyStream::new(body).filter_map(move |frame| {
-        let item = match frame {
-            Ok(frame) => match frame.into_data() {
-                Ok(data) => {
-                    received += data.len() as u64;
-                    if received > limit {
-                        Some(Err(CacheError::BodyTooLarge(limit)))
-                    } else {
-                        Some(Ok(data))
-                    }
-                }
-                Err(frame) => match frame.into_trailers().ok().map(|t| trailer_crc(&t)) {
-                    Some(Err(e)) => Some(Err(e)),
-                    Some(Ok(Some(crc))) => {
-                        let _ = crc_slot.set(crc);
-                        None
-                    }
-                    _ => None,
-                },
-            },
-            Err(e) => Some(Err(body_error(e))),
-        };
-        std::future::ready(item)
-    });
-    if mode == WriteMode::Back {
-        let (cache, task_uri) = (state.cache.clone(), uri.clone());
-        let taken = crate::tenant::spawn(async move {
-            cache
-                .write_back(&task_uri, Box::pin(body), client_crc, role, user)
-                .await
-        });
-        return match taken.await {
-            Ok(Ok(meta)) => json(StatusCode::OK, &stat_body(&uri, &meta)),
-            Ok(Err(e)) => cache_error(&e),
-            Err(e) => cache_error(&CacheError::Local(format!("write-back task failed: {e}"))),
-        };
-    }
-    // The upload runs in its own task: if the client goes away, hyper
+    let (body, arrived) = CheckedBody::new(body, limit, crc_required, client_crc.clone());
+    // The write runs in its own task: if the client goes away, hyper
     // drops this handler, but the task sees the body end in an error and
     // aborts the multipart upload and frees its staged pages.
     let (cache, task_uri) = (state.cache.clone(), uri.clone());
-    let upload =
-        crate::tenant::spawn(async move { cache.write(&task_uri, Box::pin(body), &user).await });
-    match upload.await {
-        Ok(Ok(meta)) => json(StatusCode::OK, &stat_body(&uri, &meta)),
+    let mut task = if mode == WriteMode::Back {
+        crate::tenant::spawn(async move {
+            cache
+                .write_back(&task_uri, Box::pin(body), client_crc, role, user)
+                .await
+        })
+    } else {
+        crate::tenant::spawn(async move { cache.write(&task_uri, Box::pin(body), &user).await })
+    };
+    if keepalive {
+        // The head goes out once the body is in; then spaces while the
+        // object is stored, so the client can tell work from silence.
+        tokio::select! {
+            _ = arrived => {}
+            done = &mut task => return write_answer(&uri, done),
+        }
+        let outcome = tokio::spawn(async move {
+            match task.await {
+                Ok(Ok(meta)) => WriteOutcome::Stored(stat_body(&uri, &meta)),
+                Ok(Err(e)) => {
+                    WriteOutcome::Failed(ErrorBody::new(cache_error_code(&e), e.to_string()))
+                }
+                Err(e) => WriteOutcome::Failed(ErrorBody::new(
+                    ErrorCode::Internal,
+                    format!("write task failed: {e}"),
+                )),
+            }
+        });
+        return json_when_ready(outcome);
+    }
+    write_answer(&uri, task.await)
+}
+
+fn write_answer(
+    uri: &ObjectUri,
+    done: Result<Result<ObjectMeta, CacheError>, tokio::task::JoinError>,
+) -> Response {
+    match done {
+        Ok(Ok(meta)) => json(StatusCode::OK, &stat_body(uri, &meta)),
         Ok(Err(e)) => cache_error(&e),
-        Err(e) => cache_error(&CacheError::Local(format!("upload task failed: {e}"))),
+        Err(e) => cache_error(&CacheError::Local(format!("write task failed: {e}"))),
     }
 }
 

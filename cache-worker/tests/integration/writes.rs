@@ -185,3 +185,94 @@ async fn a_worker_shutting_down_aborts_its_uploads() {
     );
     drop(conn);
 }
+
+/// A watched write (the mount's): the worker answers once the body is
+/// in, keeps the answer alive while it stores the object, and checks the
+/// body's CRC32C trailer, in both modes.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_watched_write_is_stored_and_answered_in_both_modes() {
+    use lakecache_protocol::WriteMode;
+    let h = Harness::start().await;
+    for (mode, key) in [
+        (WriteMode::Through, "watched/through.bin"),
+        (WriteMode::Back, "watched/back.bin"),
+    ] {
+        let data = crate::harness::data(3 << 20, 5);
+        let pieces: Vec<Result<Bytes, lakecache_protocol::BoxError>> = data
+            .chunks(1 << 20)
+            .map(|c| Ok(Bytes::copy_from_slice(c)))
+            .collect();
+        let stat = tokio::time::timeout(
+            std::time::Duration::from_secs(30),
+            h.client.put_checked(
+                &uri(key),
+                futures::stream::iter(pieces),
+                mode,
+                &[],
+                &Default::default(),
+                Some(std::time::Duration::from_secs(2)),
+            ),
+        )
+        .await
+        .expect("a watched write hung")
+        .expect("a watched write failed");
+        assert_eq!(stat.size, data.len() as u64, "{mode:?}");
+        let back = h.client.read(&uri(key), None).await.unwrap();
+        assert_eq!(&back[..], &data[..], "{mode:?}");
+    }
+}
+
+/// A chunked PUT of `body` with the CRC32C trailer declared; `trailer`
+/// is the value sent, or none.
+fn chunked_put(key: &str, mode: &str, body: &[u8], trailer: Option<u32>) -> Vec<u8> {
+    let mut req = format!(
+        "PUT /v1/objects/data/{key} HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\
+         Transfer-Encoding: chunked\r\nTrailer: x-lakecache-crc32c\r\n\
+         x-lakecache-write-mode: {mode}\r\n\r\n{:x}\r\n",
+        body.len()
+    )
+    .into_bytes();
+    req.extend_from_slice(body);
+    req.extend_from_slice(b"\r\n0\r\n");
+    if let Some(crc) = trailer {
+        req.extend_from_slice(format!("x-lakecache-crc32c: {crc}\r\n").as_bytes());
+    }
+    req.extend_from_slice(b"\r\n");
+    req
+}
+
+/// The body's checksum is checked before anything is stored, in both
+/// modes: a wrong trailer, or a declared one never sent, fails the write
+/// and S3 never sees the object.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_body_whose_checksum_is_wrong_or_missing_is_refused_in_both_modes() {
+    let h = Harness::start().await;
+    let body = crate::harness::data(3 << 20, 9);
+    let right = crc32c::crc32c(&body);
+    for mode in ["through", "back"] {
+        for (case, trailer) in [("wrong", Some(right ^ 1)), ("missing", None)] {
+            let key = format!("crc/{mode}-{case}.bin");
+            let (status, text) =
+                raw_request(h.addr(), &chunked_put(&key, mode, &body, trailer)).await;
+            assert_eq!(status, 400, "{mode} {case}: {text}");
+            assert!(text.contains("checksum_mismatch"), "{mode} {case}: {text}");
+            assert_eq!(
+                h.direct.head(&uri(&key)).await.err(),
+                Some(lakecache_worker::store::StoreError::NotFound),
+                "{mode} {case}: the refused body reached S3"
+            );
+            let stat = h.client.stat(&uri(&key)).await;
+            assert!(
+                stat.is_err(),
+                "{mode} {case}: the refused body is served: {stat:?}"
+            );
+        }
+        // The same body with its right checksum is stored.
+        let key = format!("crc/{mode}-right.bin");
+        let (status, text) =
+            raw_request(h.addr(), &chunked_put(&key, mode, &body, Some(right))).await;
+        assert_eq!(status, 200, "{mode}: {text}");
+        let back = h.client.read(&uri(&key), None).await.unwrap();
+        assert_eq!(&back[..], &body[..], "{mode}");
+    }
+}

@@ -1,19 +1,16 @@
 //! The real data plane: the cache cluster's failover client.
 
 use std::ops::Range;
-use std::time::Duration;
 
 use bytes::Bytes;
 use futures::StreamExt;
-use http_body::Frame;
-use http_body_util::{BodyExt, StreamBody};
 use lakecache_protocol::{
-    ClientError, ErrorCode, ListResponse, ObjectStat, ObjectUri, RequestBody, UserMeta, WriteMode,
+    BoxError, ClientError, ErrorCode, ListResponse, ObjectStat, ObjectUri, UserMeta, WriteMode,
 };
 use lakecache_registry::{ClusterClient, ClusterError};
 use lakecache_store::StoreError;
 
-use super::{ByteStream, DataError, DataPlane};
+use super::{ByteStream, DataError, DataPlane, UploadLimits};
 
 impl From<ClusterError> for DataError {
     fn from(e: ClusterError) -> Self {
@@ -133,21 +130,60 @@ impl DataPlane for ClusterClient {
         &self,
         uri: &ObjectUri,
         body: ByteStream,
-        timeout: Duration,
+        limits: UploadLimits,
         mode: WriteMode,
         meta: &UserMeta,
     ) -> Result<ObjectStat, DataError> {
         // A stream cannot be replayed on a replica: one worker takes it.
-        let worker = self.writer_for(uri)?.with_timeout(timeout);
-        let result = match mode {
-            WriteMode::Through => {
-                let frames = body.map(|b| Ok(Frame::data(b)));
-                let body: RequestBody = BodyExt::boxed(StreamBody::new(frames));
-                worker.put(uri, body, meta).await
-            }
-            WriteMode::Back => worker.put_back(uri, body, meta).await,
+        let worker = self.writer_for(uri)?.with_timeout(limits.total);
+        let stalled = || DataError::Stalled {
+            worker: worker.base_url().to_string(),
+            after: limits.progress,
         };
-        result.map_err(|e| DataError::from(ClusterError::Worker(e)))
+        // The body goes through a one-piece hand-off, so a worker that
+        // takes nothing while a piece waits shows as a wait here. `None`
+        // marks the body's end: a hand-off dropped without it (the write
+        // given up) fails the request body instead of ending it cleanly,
+        // so the worker never stores a truncated object.
+        let (tx, rx) = tokio::sync::mpsc::channel::<Option<Bytes>>(1);
+        let pump = async move {
+            let mut body = body;
+            loop {
+                let piece = body.next().await;
+                let last = piece.is_none();
+                match tokio::time::timeout(limits.progress, tx.send(piece)).await {
+                    Ok(Ok(())) if !last => {}
+                    // Handed over whole, or the request ended by itself:
+                    // its own watch and result take it from here.
+                    Ok(_) => return std::future::pending().await,
+                    Err(_) => return,
+                }
+            }
+        };
+        let frames = futures::stream::unfold(Some(rx), |rx| async move {
+            let mut rx = rx?;
+            match rx.recv().await {
+                Some(Some(piece)) => Some((Ok(piece), Some(rx))),
+                Some(None) => None,
+                None => Some((Err(BoxError::from("the write was given up")), None)),
+            }
+        });
+        let put = worker.put_checked(uri, frames, mode, &[], meta, Some(limits.progress));
+        let result = tokio::select! {
+            result = put => result,
+            () = pump => {
+                crate::metrics::global().write_stall();
+                return Err(stalled());
+            }
+        };
+        match result {
+            Ok(stat) => Ok(stat),
+            Err(ClientError::Timeout { .. }) => {
+                crate::metrics::global().write_stall();
+                Err(stalled())
+            }
+            Err(e) => Err(DataError::from(ClusterError::Worker(e))),
+        }
     }
 
     async fn delete(&self, uri: &ObjectUri) -> Result<(), DataError> {

@@ -218,12 +218,12 @@ impl<D: DataPlane> DataPlane for FaultyDataPlane<D> {
         &self,
         uri: &ObjectUri,
         body: ByteStream,
-        timeout: Duration,
+        limits: super::UploadLimits,
         mode: lakecache_protocol::WriteMode,
         meta: &UserMeta,
     ) -> Result<ObjectStat, DataError> {
         let Some(keep) = self.before(DataOp::Upload).await? else {
-            return self.inner.upload(uri, body, timeout, mode, meta).await;
+            return self.inner.upload(uri, body, limits, mode, meta).await;
         };
         // Read the body up to the cut, then fail as a broken stream does;
         // the inner plane never sees a partial object.

@@ -308,7 +308,7 @@ impl DataPlane for MemoryDataPlane {
         &self,
         uri: &ObjectUri,
         mut body: ByteStream,
-        _timeout: Duration,
+        _limits: super::UploadLimits,
         _mode: lakecache_protocol::WriteMode,
         meta: &UserMeta,
     ) -> Result<ObjectStat, DataError> {

@@ -25,6 +25,14 @@ pub use snapshot::{load_manifest, ManifestError, SnapshotDataPlane};
 /// The body of a streaming upload: chunks in file order.
 pub type ByteStream = Pin<Box<dyn Stream<Item = Bytes> + Send + Sync>>;
 
+/// How long an upload may take: in all, and without progress (no byte
+/// taken while bytes wait, or no answer byte once the body is sent).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct UploadLimits {
+    pub total: Duration,
+    pub progress: Duration,
+}
+
 /// A lower-level failure kept whole, so logs show its cause chain.
 pub type Cause = Arc<dyn StdError + Send + Sync>;
 
@@ -66,6 +74,10 @@ pub enum DataError {
     /// An upload whose body the store stopped reading before the end.
     #[error("the upload ended before all its data was sent")]
     UploadCut,
+    /// The worker taking an upload made no progress for the deadline:
+    /// hung, or cut off without the connection saying so.
+    #[error("worker {worker} made no progress on the write for {after:?} (--write-progress-timeout); the write was given up")]
+    Stalled { worker: String, after: Duration },
     /// Anything else, with the failure that caused it.
     #[error("{context}")]
     Backend {
@@ -159,7 +171,7 @@ pub trait DataPlane: Send + Sync + 'static {
         &self,
         uri: &ObjectUri,
         body: ByteStream,
-        timeout: Duration,
+        limits: UploadLimits,
         mode: WriteMode,
         meta: &UserMeta,
     ) -> Result<ObjectStat, DataError>;

@@ -5,7 +5,6 @@
 
 use std::ops::Range;
 use std::sync::Arc;
-use std::time::Duration;
 
 use bytes::Bytes;
 use lakecache_protocol::snapshot::{Snapshot, SnapshotError};
@@ -135,7 +134,7 @@ impl DataPlane for SnapshotDataPlane {
         &self,
         _: &ObjectUri,
         _: ByteStream,
-        _: Duration,
+        _: super::UploadLimits,
         _: WriteMode,
         _: &UserMeta,
     ) -> Result<ObjectStat, DataError> {

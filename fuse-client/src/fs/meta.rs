@@ -322,7 +322,7 @@ impl Fs {
             let mode = self.config.write_mode_for(&node.key);
             let stored = self
                 .data
-                .upload(&uri, body, self.config.upload_timeout, mode, &user)
+                .upload(&uri, body, self.config.upload_limits(), mode, &user)
                 .await;
             match feeder.await {
                 Ok(Ok(())) => {}
@@ -453,7 +453,7 @@ impl Fs {
                     .upload(
                         &uri,
                         body,
-                        self.config.upload_timeout,
+                        self.config.upload_limits(),
                         lakecache_protocol::WriteMode::Back,
                         meta,
                     )

@@ -1,0 +1,224 @@
+//! A worker that hangs (SIGSTOP: socket open, silent) while a file is
+//! written through the mount: the writer gets EIO within the progress
+//! deadline instead of sitting in a FUSE request nothing can end, in
+//! both write modes. Once the worker resumes, the mount writes again and
+//! nothing half-written shows up as the file.
+
+use super::*;
+
+const PROGRESS: &str = "2s";
+
+/// The port the mount's metrics listener reported.
+fn metrics_port(env: &mut Env) -> u16 {
+    env.mount
+        .as_mut()
+        .expect("mounted")
+        .wait_for_port("mount metrics at http://", Duration::from_secs(30))
+}
+
+fn stalls(port: u16) -> f64 {
+    let text = reqwest_like_get(port, "/metrics");
+    common::metric(&text, "lakecache_fuse_write_stalls_total", &[]).unwrap()
+}
+
+/// Writes 8 MiB (enough to start the upload), stops the worker, and
+/// goes on writing; returns how long the writer took to get its answer,
+/// and the answer. A writer still blocked after a minute fails the test
+/// (the worker is resumed first, so the writer and the test can end).
+fn write_with_worker_stopped(env: &mut Env, name: &str) -> (Duration, std::io::Result<()>) {
+    let path = env.mountpoint().join(name);
+    let block = pattern(1 << 20, 7);
+    let mut f = File::create(&path).unwrap();
+    for _ in 0..8 {
+        f.write_all(&block).unwrap();
+    }
+    let pid = env.workers[0].1.id().to_string();
+    Command::new("kill").args(["-STOP", &pid]).status().unwrap();
+    let started = Instant::now();
+    let (tx, rx) = std::sync::mpsc::channel();
+    let writer = std::thread::spawn(move || {
+        let result = (|| {
+            for _ in 0..256 {
+                f.write_all(&block)?;
+            }
+            f.sync_all()?;
+            drop(f);
+            Ok(())
+        })();
+        let _ = tx.send(started.elapsed());
+        result
+    });
+    let answered = rx.recv_timeout(common::scaled(Duration::from_secs(60)));
+    Command::new("kill").args(["-CONT", &pid]).status().unwrap();
+    let result = writer.join().unwrap();
+    match answered {
+        Ok(took) => (took, result),
+        Err(_) => panic!(
+            "the writer was still blocked a minute after the worker stopped (it ended with {result:?} once the worker resumed)"
+        ),
+    }
+}
+
+fn a_stopped_worker_fails_the_write_within_the_deadline(mode: &str) {
+    let mut env = Env::start(1);
+    env.mount_with(&[
+        "--write-mode",
+        mode,
+        "--write-progress-timeout",
+        PROGRESS,
+        "--metrics-listen",
+        "127.0.0.1:0",
+    ]);
+    let port = metrics_port(&mut env);
+    assert_eq!(stalls(port), 0.0, "a stall before any write");
+
+    let (took, result) = write_with_worker_stopped(&mut env, "stalled.bin");
+    eprintln!("{mode}: writer answered {took:?} after the worker stopped: {result:?}");
+    let err = result.expect_err("a write to a stopped worker succeeded");
+    assert_eq!(err.raw_os_error(), Some(libc::EIO), "{err}");
+    // 2 s without progress, plus the machine's slack; before the deadline
+    // existed the writer waited for as long as the worker was stopped.
+    assert!(
+        took < common::scaled(Duration::from_secs(20)),
+        "the writer waited {took:?} on a stopped worker"
+    );
+    assert!(stalls(port) >= 1.0, "the stall was not counted");
+    assert!(
+        env.log().contains("made no progress on the write"),
+        "the mount's log does not say why the write failed:\n{}",
+        common::tail(&env.log(), 30)
+    );
+
+    // The worker is back: the mount writes again, and what it wrote is
+    // what S3 and the mount serve.
+    let data = pattern(24 << 20, 11);
+    let path = env.mountpoint().join("after.bin");
+    fs::write(&path, &data).unwrap();
+    if mode == "back" {
+        let out = Command::new(BIN)
+            .args([
+                "sync",
+                &format!("s3://{BUCKET}/after.bin"),
+                "--timeout",
+                "60",
+            ])
+            .args(["--registry", &env.registry()])
+            .output_bounded()
+            .unwrap();
+        assert!(
+            out.status.success(),
+            "{}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+    }
+    common::wait_until(
+        "the write after the stall in S3",
+        common::scaled(Duration::from_secs(60)),
+        Duration::from_millis(100),
+        || env.s3_get("after.bin").as_deref() == Some(&data[..]),
+    );
+    assert_eq!(fs::read(&path).unwrap(), data);
+    // The given-up file is not in S3 with part of its bytes.
+    let stalled = env.s3_get("stalled.bin");
+    assert!(
+        stalled.as_ref().is_none_or(|b| b.len() == 264 << 20),
+        "a partial stalled.bin of {:?} bytes reached S3",
+        stalled.map(|b| b.len())
+    );
+}
+
+#[test]
+fn a_stopped_worker_fails_a_write_through_within_the_deadline() {
+    a_stopped_worker_fails_the_write_within_the_deadline("through");
+}
+
+#[test]
+fn a_stopped_worker_fails_a_write_back_within_the_deadline() {
+    a_stopped_worker_fails_the_write_within_the_deadline("back");
+}
+
+/// The mount's own daemon stuck (SIGSTOP): a reader blocks in the mount
+/// where even SIGKILL cannot end it. `lakecache umount --abort` aborts
+/// the kernel's FUSE connection: the reader gets an error at once, and
+/// the mount point is detached.
+#[test]
+fn umount_abort_ends_a_mount_whose_daemon_is_stuck() {
+    let mut env = Env::start(1);
+    env.put("a.bin", Bytes::from(pattern(1 << 20, 3)));
+    env.mount();
+    let mountpoint = env.mountpoint();
+    let daemon = env.mount.as_ref().expect("mounted").id().to_string();
+    Command::new("kill")
+        .args(["-STOP", &daemon])
+        .status()
+        .unwrap();
+    let mut reader = Command::new("cat")
+        .arg(mountpoint.join("a.bin"))
+        .stdout(Stdio::null())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    // The reader is stuck waiting on the mount's answer.
+    let wchan = format!("/proc/{}/wchan", reader.id());
+    common::wait_until(
+        "the reader blocked in a FUSE request",
+        common::scaled(Duration::from_secs(10)),
+        Duration::from_millis(20),
+        || {
+            fs::read_to_string(&wchan)
+                .is_ok_and(|w| w.contains("fuse") || w.contains("request_wait_answer"))
+        },
+    );
+    let stuck = reader.try_wait().unwrap().is_none();
+
+    let out = common::output_within(
+        Command::new(BIN)
+            .args(["umount", "--abort"])
+            .arg(&mountpoint),
+        common::scaled(Duration::from_secs(30)),
+    )
+    .expect("lakecache umount --abort did not return");
+    let mut reader_status = None;
+    common::wait_until(
+        "the stuck reader ending",
+        common::scaled(Duration::from_secs(10)),
+        Duration::from_millis(20),
+        || {
+            reader_status = reader.try_wait().unwrap();
+            reader_status.is_some()
+        },
+    );
+    let reader_status = reader_status.unwrap();
+    Command::new("kill")
+        .args(["-CONT", &daemon])
+        .status()
+        .unwrap();
+    assert!(
+        out.status.success(),
+        "umount --abort failed: {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    assert!(stuck, "the reader was not blocked by the stopped daemon");
+    assert!(
+        !reader_status.success(),
+        "the reader read through an aborted mount"
+    );
+    assert!(
+        !lakecache_fuse::mount::is_mounted(&mountpoint),
+        "the mount point is still mounted"
+    );
+    // Not a mount now: a clear error, not a hang.
+    let again = common::output_within(
+        Command::new(BIN)
+            .args(["umount", "--abort"])
+            .arg(&mountpoint),
+        common::scaled(Duration::from_secs(30)),
+    )
+    .unwrap();
+    assert!(!again.status.success());
+    assert!(
+        String::from_utf8_lossy(&again.stderr).contains("is not a mount point"),
+        "{}",
+        String::from_utf8_lossy(&again.stderr)
+    );
+}
