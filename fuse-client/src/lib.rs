@@ -20,6 +20,7 @@ pub mod mount;
 mod passthrough;
 pub mod posix;
 pub mod read;
+pub mod resend;
 pub mod unmount_guard;
 pub mod write;
 

@@ -23,6 +23,7 @@ pub struct MountMetrics {
     upload_bytes: Counter<u64>,
     upload_seconds: Histogram<f64>,
     write_stalls: Counter<u64>,
+    write_resends: Counter<u64>,
 }
 
 /// The process's mount metrics.
@@ -100,6 +101,16 @@ impl MountMetrics {
                 // Exported from the start: a healthy mount reads 0, not nothing.
                 stalls.add(0, &[]);
                 stalls
+            },
+            write_resends: {
+                let resends = counter(
+                    &meter,
+                    "lakecache_fuse_write_resends",
+                    "",
+                    "Writes sent again, whole, to the next worker after the one taking them stalled",
+                );
+                resends.add(0, &[]);
+                resends
             },
             upload_bytes: counter(
                 &meter,
@@ -253,6 +264,10 @@ impl MountMetrics {
 
     pub fn worker_whole_fetch(&self) {
         self.worker_whole_fetches.add(1, &[]);
+    }
+
+    pub fn write_resend(&self) {
+        self.write_resends.add(1, &[]);
     }
 
     pub fn write_stall(&self) {

@@ -11,9 +11,12 @@ use tokio::task::JoinHandle;
 use crate::data_plane::{ByteStream, DataError, DataPlane, UploadLimits};
 use crate::error::FsError;
 use crate::memory::{MemoryBudget, Reservation};
+use crate::resend::Resend;
 
 /// Writes buffered towards the worker before `write` waits.
 const QUEUED_WRITES: usize = 16;
+/// Workers a write is sent to again after the one taking it stalled.
+const MAX_RESENDS: usize = 2;
 /// A file this small is held until close, so its upload carries the
 /// metadata set after the data (`cp -a` sets owner, mode and times on
 /// the open file last): one PUT instead of a PUT and a metadata copy.
@@ -169,7 +172,7 @@ impl FileWriter {
 
     fn start(&self) -> Upload {
         let (sender, receiver) = mpsc::channel::<(Bytes, Reservation)>(QUEUED_WRITES);
-        let body: ByteStream = Box::pin(stream_from(receiver));
+        let resend = Resend::new(receiver, self.budget.clone());
         let (data, uri, limits, mode, meta) = (
             self.data.clone(),
             self.uri.clone(),
@@ -177,7 +180,28 @@ impl FileWriter {
             self.mode,
             self.meta.clone(),
         );
-        let task = tokio::spawn(async move { data.upload(&uri, body, limits, mode, &meta).await });
+        let task = tokio::spawn(async move {
+            let mut avoid = Vec::new();
+            loop {
+                let body = Resend::attempt(&resend);
+                let result = data.upload(&uri, body, limits, mode, &meta, &avoid).await;
+                match result {
+                    Err(DataError::Stalled { worker, .. })
+                        if avoid.len() < MAX_RESENDS && Resend::whole(&resend) =>
+                    {
+                        tracing::warn!(
+                            %uri,
+                            %worker,
+                            kept_bytes = Resend::kept_bytes(&resend),
+                            "the write's worker stalled; sending the write again to the next worker"
+                        );
+                        crate::metrics::global().write_resend();
+                        avoid.push(worker);
+                    }
+                    other => return other,
+                }
+            }
+        });
         Upload { sender, task }
     }
 
@@ -236,7 +260,7 @@ impl FileWriter {
             None if self.mode == WriteMode::Back => {
                 let empty: ByteStream = Box::pin(futures::stream::empty());
                 self.data
-                    .upload(&self.uri, empty, self.limits, self.mode, &self.meta)
+                    .upload(&self.uri, empty, self.limits, self.mode, &self.meta, &[])
                     .await
             }
             None => self.data.put(&self.uri, Bytes::new(), &self.meta).await,
@@ -257,13 +281,4 @@ impl FileWriter {
         self.outcome = Some(result.clone());
         result.map_err(FsError::UploadFailed)
     }
-}
-
-fn stream_from(
-    mut rx: mpsc::Receiver<(Bytes, Reservation)>,
-) -> impl futures::Stream<Item = Bytes> + Send + Sync {
-    futures::stream::poll_fn(move |cx| {
-        rx.poll_recv(cx)
-            .map(|piece| piece.map(|(bytes, _released)| bytes))
-    })
 }

@@ -112,6 +112,10 @@ impl Deadlines {
     }
 }
 
+/// A watched write's answer (keepalive spaces, then a stat or an error)
+/// is small; a longer one is not a worker's.
+const MAX_WRITE_ANSWER: usize = 16 << 20;
+
 #[derive(Clone)]
 pub struct WorkerClient {
     base: String,
@@ -374,6 +378,38 @@ impl WorkerClient {
         self.collect_within(body, self.deadlines.progress).await
     }
 
+    /// A watched write's answer: keepalive bytes, then the outcome. A gap
+    /// longer than `progress` is a hang only if the worker does not answer
+    /// a probe either.
+    async fn collect_watched(
+        &self,
+        mut body: Incoming,
+        progress: Duration,
+    ) -> Result<Bytes, ClientError> {
+        let mut out = Vec::new();
+        loop {
+            let frame = match tokio::time::timeout(progress, body.frame()).await {
+                Ok(frame) => frame,
+                Err(_) if self.answers_within(progress).await => continue,
+                Err(_) => return Err(self.timed_out(progress)),
+            };
+            match frame {
+                None => return Ok(Bytes::from(out)),
+                Some(Err(e)) => return Err(self.transport(e)),
+                Some(Ok(frame)) => {
+                    if let Ok(data) = frame.into_data() {
+                        if out.len() + data.len() > MAX_WRITE_ANSWER {
+                            return Err(ClientError::Decode(format!(
+                                "a write's answer over {MAX_WRITE_ANSWER} bytes"
+                            )));
+                        }
+                        out.extend_from_slice(&data);
+                    }
+                }
+            }
+        }
+    }
+
     /// A body whose pieces come at most `progress` apart.
     async fn collect_within(
         &self,
@@ -432,6 +468,19 @@ impl WorkerClient {
 
     pub async fn health(&self) -> Result<Health, ClientError> {
         self.get_json("/v1/health").await
+    }
+
+    /// Whether the worker's server answers at all within `within`, on a
+    /// connection of its own: any HTTP answer counts (a refusal too), so
+    /// a busy worker reads as alive and a stopped one does not.
+    pub async fn answers_within(&self, within: Duration) -> bool {
+        let Ok(req) = self.request(http::Method::GET, "/v1/health").body(empty()) else {
+            return false;
+        };
+        match tokio::time::timeout(within, self.client.request(req)).await {
+            Ok(Ok(_)) => true,
+            Ok(Err(_)) | Err(_) => false,
+        }
     }
 
     pub async fn stat(&self, uri: &ObjectUri) -> Result<ObjectStat, ClientError> {
@@ -810,18 +859,27 @@ impl WorkerClient {
             let body = self.collect(resp.into_body()).await?;
             return serde_json::from_slice(&body).map_err(|e| ClientError::Decode(e.to_string()));
         };
+        let probe = self.clone();
         let silent_after_body = async move {
-            match sent_rx.await {
-                Ok(()) => tokio::time::sleep(progress).await,
+            if sent_rx.await.is_err() {
                 // The body was dropped unsent: the request fails by itself.
-                Err(_) => std::future::pending().await,
+                std::future::pending::<()>().await;
+            }
+            // Silence alone is not a hang: a worker still reading the
+            // last bytes from its socket (its disk or S3 busy) answers a
+            // probe on a connection of its own; a stopped one does not.
+            loop {
+                tokio::time::sleep(progress).await;
+                if !probe.answers_within(progress).await {
+                    return;
+                }
             }
         };
         let resp = tokio::select! {
             resp = self.send(req) => resp?,
             () = silent_after_body => return Err(self.timed_out(progress)),
         };
-        let body = self.collect_within(resp.into_body(), progress).await?;
+        let body = self.collect_watched(resp.into_body(), progress).await?;
         let text = body.trim_ascii_start();
         match serde_json::from_slice::<crate::WriteOutcome>(text) {
             Ok(crate::WriteOutcome::Stored(stat)) => Ok(stat),

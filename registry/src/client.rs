@@ -590,6 +590,43 @@ impl ClusterClient {
             .ok_or_else(|| ClusterError::NoWorkers(self.membership.describe()))
     }
 
+    /// The worker to take a write of `uri` that the workers at `avoid`
+    /// (their base URLs, [`WorkerClient::base_url`]) gave up on: the next on the ring, healthy ones first.
+    /// Each worker avoided is marked suspect, so reads and writes leave it
+    /// alone for `suspect_for` too.
+    pub fn writer_avoiding(
+        &self,
+        uri: &ObjectUri,
+        avoid: &[String],
+    ) -> Result<WorkerClient, ClusterError> {
+        if avoid.is_empty() {
+            return self.writer_for(uri);
+        }
+        let state = self.current();
+        let key = uri.to_string();
+        let wanted = self.options.attempts.max(1) + avoid.len();
+        let mut candidates = state.ring.replicas(&key, 0, wanted);
+        let avoided = |m: &crate::Member| {
+            state
+                .clients
+                .get(&m.id)
+                .is_some_and(|c| avoid.iter().any(|a| a == c.base_url()))
+        };
+        for m in candidates.iter().filter(|m| avoided(m)) {
+            let stalled = ClientError::Timeout {
+                addr: m.address.clone(),
+                timeout: Duration::ZERO,
+            };
+            self.mark_suspect(&m.id, &stalled);
+        }
+        candidates.retain(|m| !avoided(m));
+        candidates.sort_by_key(|m| self.is_suspect(&m.id));
+        candidates
+            .first()
+            .and_then(|m| state.clients.get(&m.id).cloned())
+            .ok_or_else(|| ClusterError::NoWorkers(self.membership.describe()))
+    }
+
     /// Writes through the owner of the object's first segment.
     pub async fn put(&self, uri: &ObjectUri, data: Bytes) -> Result<ObjectStat, ClusterError> {
         self.put_with_meta(uri, data, &UserMeta::new()).await

@@ -222,3 +222,180 @@ fn umount_abort_ends_a_mount_whose_daemon_is_stuck() {
         String::from_utf8_lossy(&again.stderr)
     );
 }
+
+/// The scene: three workers, six 128 MiB checkpoint files written
+/// at once with `dd conv=fsync`, the owner of one of them stopped 1 s
+/// in. Every writer succeeds (the stalled write is sent again, whole, to
+/// the next worker), in about the time of a run without the hang, and
+/// every file reads back byte-identical. A newer version written while
+/// the stopped worker is still away is what S3 keeps after it resumes.
+fn six_writers_with_one_worker_stopped(mode: &str) {
+    const FILES: usize = 6;
+    const MIB: usize = 128;
+    let mut env = Env::start(3);
+    env.mount_with(&[
+        "--write-mode",
+        mode,
+        "--write-progress-timeout",
+        PROGRESS,
+        "--metrics-listen",
+        "127.0.0.1:0",
+    ]);
+    let port = metrics_port(&mut env);
+    let sources: Vec<PathBuf> = (0..FILES)
+        .map(|i| {
+            let p = env.dir.path().join(format!("src-{i}.bin"));
+            fs::write(&p, pattern(MIB << 20, 100 + i as u64)).unwrap();
+            p
+        })
+        .collect();
+    let run = |env: &Env, round: &str, victim: Option<&str>| -> Vec<Duration> {
+        let started = Instant::now();
+        let writers: Vec<_> = sources
+            .iter()
+            .enumerate()
+            .map(|(i, src)| {
+                Command::new("dd")
+                    .arg(format!("if={}", src.display()))
+                    .arg(format!(
+                        "of={}",
+                        env.mountpoint().join(format!("{round}-{i}.ckpt")).display()
+                    ))
+                    .args(["bs=1M", "conv=fsync", "status=none"])
+                    .stderr(Stdio::piped())
+                    .spawn()
+                    .unwrap()
+            })
+            .collect();
+        if let Some(pid) = victim {
+            common::wait_until(
+                "1 s into the writes",
+                Duration::from_secs(5),
+                Duration::from_millis(10),
+                || started.elapsed() >= Duration::from_secs(1),
+            );
+            Command::new("kill").args(["-STOP", pid]).status().unwrap();
+        }
+        writers
+            .into_iter()
+            .enumerate()
+            .map(|(i, w)| {
+                let out = w.wait_with_output().unwrap();
+                assert!(
+                    out.status.success(),
+                    "{round}: writer {i} failed: {}\nmount log:\n{}",
+                    String::from_utf8_lossy(&out.stderr),
+                    common::tail(&env.log(), 30)
+                );
+                started.elapsed()
+            })
+            .collect()
+    };
+    let calm = run(&env, "calm", None);
+    let slowest_calm = calm.iter().max().copied().unwrap();
+    // No false alarm: healthy workers, however loaded, are never given up on.
+    assert_eq!(stalls(port), 0.0, "{mode}: a healthy worker was taken for hung");
+    // The owner of the first hung-round file.
+    let victim = owner_index(&env, "hung-0.ckpt");
+    let pid = env.workers[victim].1.id().to_string();
+    let hung = run(&env, "hung", Some(&pid));
+    let slowest_hung = hung.iter().max().copied().unwrap();
+    eprintln!(
+        "{mode}: slowest of {FILES} writers {slowest_calm:?} without a hang, {slowest_hung:?} with worker {victim} stopped 1 s in"
+    );
+    // A newer version of a file the stopped worker was taking.
+    let newer = pattern(4 << 20, 999);
+    fs::write(env.mountpoint().join("hung-0.ckpt"), &newer).unwrap();
+    Command::new("kill").args(["-CONT", &pid]).status().unwrap();
+    assert!(
+        reqwest_like_get(port, "/metrics").contains("lakecache_fuse_write_resends_total"),
+        "no resend metric"
+    );
+    let resends = common::metric(
+        &reqwest_like_get(port, "/metrics"),
+        "lakecache_fuse_write_resends_total",
+        &[],
+    )
+    .unwrap();
+    assert!(resends >= 1.0, "no write was sent again");
+    // The slowest writer within the deadline and a resend of the calm
+    // time (generous: a loaded machine), not as long as the worker hung.
+    assert!(
+        slowest_hung < slowest_calm + common::scaled(Duration::from_secs(30)),
+        "{slowest_hung:?} against {slowest_calm:?} without the hang"
+    );
+    if mode == "back" {
+        let out = Command::new(BIN)
+            .args(["sync", &format!("s3://{BUCKET}/"), "--timeout", "120"])
+            .args(["--registry", &env.registry()])
+            .output_bounded()
+            .unwrap();
+        assert!(
+            out.status.success(),
+            "{}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+    }
+    for (i, src) in sources.iter().enumerate() {
+        let want = fs::read(src).unwrap();
+        for round in ["calm", "hung"] {
+            let name = format!("{round}-{i}.ckpt");
+            if name == "hung-0.ckpt" {
+                continue;
+            }
+            let got = fs::read(env.mountpoint().join(&name)).unwrap();
+            assert!(got == want, "{mode}: {name} reads back different bytes");
+        }
+    }
+    // The resumed worker never lands its stale copy over the newer one.
+    common::wait_until(
+        "the newer hung-0.ckpt in S3",
+        common::scaled(Duration::from_secs(60)),
+        Duration::from_millis(100),
+        || env.s3_get("hung-0.ckpt").as_deref() == Some(&newer[..]),
+    );
+    let settle = Instant::now();
+    common::wait_until(
+        "the resumed worker answering",
+        common::scaled(Duration::from_secs(30)),
+        Duration::from_millis(100),
+        || worker_requests_opt(env.workers[victim].0, "write").is_ok(),
+    );
+    assert_eq!(
+        env.s3_get("hung-0.ckpt").as_deref(),
+        Some(&newer[..]),
+        "a stale copy replaced the newer hung-0.ckpt {:?} after the worker resumed",
+        settle.elapsed()
+    );
+}
+
+/// The index in `env.workers` of the worker owning `key`'s first segment.
+fn owner_index(env: &Env, key: &str) -> usize {
+    let owner = env.rt.block_on(async {
+        let addrs: Vec<String> = env
+            .workers
+            .iter()
+            .map(|(p, _)| format!("127.0.0.1:{p}"))
+            .collect();
+        let membership = Arc::new(lakecache_registry::StaticMembership::new(&addrs));
+        let mut options = lakecache_registry::ClusterOptions::default();
+        options.ring.segment_size = 16 << 20;
+        let cluster = lakecache_registry::ClusterClient::new(membership, options, None);
+        let uri = ObjectUri::new(BUCKET, key).unwrap();
+        cluster.owner_of(&uri, 0).unwrap().address
+    });
+    env.workers
+        .iter()
+        .position(|(p, _)| owner.ends_with(&format!(":{p}")))
+        .unwrap()
+}
+
+#[test]
+fn six_writers_through_with_one_worker_stopped_all_succeed() {
+    six_writers_with_one_worker_stopped("through");
+}
+
+#[test]
+fn six_writers_back_with_one_worker_stopped_all_succeed() {
+    six_writers_with_one_worker_stopped("back");
+}

@@ -1,6 +1,9 @@
 //! The real data plane: the cache cluster's failover client.
 
 use std::ops::Range;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
 
 use bytes::Bytes;
 use futures::StreamExt;
@@ -133,9 +136,21 @@ impl DataPlane for ClusterClient {
         limits: UploadLimits,
         mode: WriteMode,
         meta: &UserMeta,
+        avoid: &[String],
     ) -> Result<ObjectStat, DataError> {
-        // A stream cannot be replayed on a replica: one worker takes it.
-        let worker = self.writer_for(uri)?.with_timeout(limits.total);
+        // One worker takes the stream; a resend (the caller kept the
+        // bytes) goes to the next one that has not stalled on it.
+        let worker = match self.writer_avoiding(uri, avoid) {
+            Ok(w) => w.with_timeout(limits.total),
+            // No other worker to take it: the stall is the answer.
+            Err(_) if !avoid.is_empty() => {
+                return Err(DataError::Stalled {
+                    worker: avoid.join(", "),
+                    after: limits.progress,
+                })
+            }
+            Err(e) => return Err(e.into()),
+        };
         let stalled = || DataError::Stalled {
             worker: worker.base_url().to_string(),
             after: limits.progress,
@@ -146,26 +161,63 @@ impl DataPlane for ClusterClient {
         // given up) fails the request body instead of ending it cleanly,
         // so the worker never stores a truncated object.
         let (tx, rx) = tokio::sync::mpsc::channel::<Option<Bytes>>(1);
+        let handoff = Arc::new(Handoff::default());
+        let probe = worker.clone();
+        let watched = handoff.clone();
         let pump = async move {
             let mut body = body;
             loop {
                 let piece = body.next().await;
                 let last = piece.is_none();
-                match tokio::time::timeout(limits.progress, tx.send(piece)).await {
-                    Ok(Ok(())) if !last => {}
-                    // Handed over whole, or the request ended by itself:
-                    // its own watch and result take it from here.
-                    Ok(_) => return std::future::pending().await,
-                    Err(_) => return,
+                // A piece waiting its turn: while the worker takes nothing,
+                // ask it (on a connection of its own) whether it is there
+                // at all. A worker busy with slow S3 part uploads answers
+                // and is waited for; a hung one does not.
+                let slot = loop {
+                    match tokio::time::timeout(limits.progress, tx.reserve()).await {
+                        Ok(Ok(slot)) => break slot,
+                        // The request ended by itself; its result says how.
+                        Ok(Err(_)) => return std::future::pending().await,
+                        Err(_) if probe.answers_within(limits.progress).await => {}
+                        Err(_) => return,
+                    }
+                };
+                slot.send(piece);
+                if last {
+                    break;
+                }
+            }
+            // All handed over, but the connection may still hold the tail
+            // (a file that fits in its buffers): the same watch until the
+            // end is taken, then the request's own watch goes on.
+            loop {
+                if watched.ended.load(Ordering::Acquire) {
+                    return std::future::pending().await;
+                }
+                let idle = watched.idle();
+                if idle < limits.progress {
+                    tokio::time::sleep(limits.progress - idle).await;
+                } else if probe.answers_within(limits.progress).await {
+                    tokio::time::sleep(limits.progress).await;
+                } else {
+                    return;
                 }
             }
         };
-        let frames = futures::stream::unfold(Some(rx), |rx| async move {
-            let mut rx = rx?;
-            match rx.recv().await {
-                Some(Some(piece)) => Some((Ok(piece), Some(rx))),
-                Some(None) => None,
-                None => Some((Err(BoxError::from("the write was given up")), None)),
+        let frames = futures::stream::unfold(Some(rx), move |rx| {
+            let handoff = handoff.clone();
+            async move {
+                let mut rx = rx?;
+                let piece = rx.recv().await;
+                handoff.taken();
+                match piece {
+                    Some(Some(piece)) => Some((Ok(piece), Some(rx))),
+                    Some(None) => {
+                        handoff.ended.store(true, Ordering::Release);
+                        None
+                    }
+                    None => Some((Err(BoxError::from("the write was given up")), None)),
+                }
             }
         });
         let put = worker.put_checked(uri, frames, mode, &[], meta, Some(limits.progress));
@@ -198,5 +250,34 @@ impl DataPlane for ClusterClient {
         meta: Option<&UserMeta>,
     ) -> Result<ObjectStat, DataError> {
         Ok(ClusterClient::copy(self, from, etag, to, meta).await?)
+    }
+}
+
+/// How far the connection has taken an upload's body: when it last took
+/// a piece, and whether it took the end.
+struct Handoff {
+    last: Mutex<Instant>,
+    ended: AtomicBool,
+}
+
+impl Default for Handoff {
+    fn default() -> Self {
+        Self {
+            last: Mutex::new(Instant::now()),
+            ended: AtomicBool::new(false),
+        }
+    }
+}
+
+impl Handoff {
+    fn taken(&self) {
+        *self.last.lock().unwrap_or_else(|p| p.into_inner()) = Instant::now();
+    }
+
+    fn idle(&self) -> Duration {
+        self.last
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .elapsed()
     }
 }

@@ -221,9 +221,13 @@ impl<D: DataPlane> DataPlane for FaultyDataPlane<D> {
         limits: super::UploadLimits,
         mode: lakecache_protocol::WriteMode,
         meta: &UserMeta,
+        avoid: &[String],
     ) -> Result<ObjectStat, DataError> {
         let Some(keep) = self.before(DataOp::Upload).await? else {
-            return self.inner.upload(uri, body, limits, mode, meta).await;
+            return self
+                .inner
+                .upload(uri, body, limits, mode, meta, avoid)
+                .await;
         };
         // Read the body up to the cut, then fail as a broken stream does;
         // the inner plane never sees a partial object.

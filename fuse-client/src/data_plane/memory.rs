@@ -311,6 +311,7 @@ impl DataPlane for MemoryDataPlane {
         _limits: super::UploadLimits,
         _mode: lakecache_protocol::WriteMode,
         meta: &UserMeta,
+        _avoid: &[String],
     ) -> Result<ObjectStat, DataError> {
         self.delay().await;
         let mut buf = BytesMut::new();

@@ -166,7 +166,9 @@ pub trait DataPlane: Send + Sync + 'static {
     ) -> Result<ObjectStat, DataError>;
 
     /// Streams the object's new content; returns once it is stored (in
-    /// S3 for `through`, durable in the cache for `back`).
+    /// S3 for `through`, durable in the cache for `back`). `avoid` names
+    /// workers (as [`DataError::Stalled`] does) that stalled on earlier
+    /// attempts of this write: the upload goes to another.
     async fn upload(
         &self,
         uri: &ObjectUri,
@@ -174,6 +176,7 @@ pub trait DataPlane: Send + Sync + 'static {
         limits: UploadLimits,
         mode: WriteMode,
         meta: &UserMeta,
+        avoid: &[String],
     ) -> Result<ObjectStat, DataError>;
 
     async fn delete(&self, uri: &ObjectUri) -> Result<(), DataError>;

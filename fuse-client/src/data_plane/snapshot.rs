@@ -137,6 +137,7 @@ impl DataPlane for SnapshotDataPlane {
         _: super::UploadLimits,
         _: WriteMode,
         _: &UserMeta,
+        _: &[String],
     ) -> Result<ObjectStat, DataError> {
         Err(Self::read_only())
     }

@@ -322,7 +322,7 @@ impl Fs {
             let mode = self.config.write_mode_for(&node.key);
             let stored = self
                 .data
-                .upload(&uri, body, self.config.upload_limits(), mode, &user)
+                .upload(&uri, body, self.config.upload_limits(), mode, &user, &[])
                 .await;
             match feeder.await {
                 Ok(Ok(())) => {}
@@ -456,6 +456,7 @@ impl Fs {
                         self.config.upload_limits(),
                         lakecache_protocol::WriteMode::Back,
                         meta,
+                        &[],
                     )
                     .await?
             }

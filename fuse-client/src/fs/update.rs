@@ -260,7 +260,7 @@ impl Fs {
         let mode = self.config.write_mode_for(&node.key);
         let stored = self
             .data
-            .upload(&uri, body, self.config.upload_limits(), mode, &user)
+            .upload(&uri, body, self.config.upload_limits(), mode, &user, &[])
             .await;
         match feeder.await {
             Ok(Ok(())) => {}
