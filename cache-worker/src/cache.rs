@@ -74,6 +74,9 @@ pub enum CacheError {
     Invalid(String),
     #[error("checksum mismatch: {0}")]
     ChecksumMismatch(String),
+    /// The write outlived its client's patience (see `fence.rs`).
+    #[error("write fenced: {0}")]
+    Fenced(String),
     #[error("{0}")]
     StagingFull(String),
     #[error("{0}")]

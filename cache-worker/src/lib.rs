@@ -6,6 +6,7 @@ pub mod cache;
 mod cache_dir;
 #[doc(hidden)]
 pub mod crashsim;
+pub mod fence;
 mod flight;
 mod fresh;
 pub mod http;
@@ -170,6 +171,7 @@ pub async fn start_worker(
     store: Arc<dyn ObjectStore>,
     metrics: Arc<Metrics>,
 ) -> Result<RunningWorker, WorkerError> {
+    fence::start();
     let store: Arc<dyn ObjectStore> = if options.cache.tenant_s3_rps.is_empty() {
         store
     } else {

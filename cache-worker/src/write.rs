@@ -139,6 +139,8 @@ impl Cache {
             let rest = page.freeze();
             self.stage(&rest, pages_seen, staged).await;
         }
+        // The commit: a write its client gave up on is not stored.
+        crate::fence::check()?;
         let etag = match upload {
             None => self.store.put(uri, part.freeze(), user).await?,
             Some(_) => {
@@ -153,6 +155,7 @@ impl Cache {
                     up.done.push(join_part(task).await?);
                 }
                 let parts = std::mem::take(&mut up.done);
+                crate::fence::check()?;
                 self.store.complete_multipart(uri, &up.id, parts).await?
             }
         };

@@ -845,8 +845,13 @@ impl WorkerClient {
         if mode == crate::WriteMode::Back {
             req = req.header(crate::WRITE_MODE_HEADER, "back");
         }
-        if watch.is_some() {
-            req = req.header(crate::KEEPALIVE_HEADER, "1");
+        if let Some(progress) = watch {
+            let sent_ms = std::time::SystemTime::now()
+                .duration_since(std::time::UNIX_EPOCH)
+                .map_or(0, |d| d.as_millis());
+            req = req
+                .header(crate::KEEPALIVE_HEADER, progress.as_millis().to_string())
+                .header(crate::SENT_AT_HEADER, sent_ms.to_string());
         }
         for (name, value) in headers {
             req = req.header(*name, *value);

@@ -17,7 +17,13 @@ pub const BODY_CRC32C_TRAILER: &str = "x-lakecache-crc32c";
 /// a client can tell a worker that is working from one that went silent,
 /// without a total timeout. With the body's CRC32C trailer declared, the
 /// worker refuses a body whose trailer is missing or does not match.
+/// Its value: how long the client waits for progress, in milliseconds.
 pub const KEEPALIVE_HEADER: &str = "x-lakecache-keepalive";
+/// With [`KEEPALIVE_HEADER`]: when the client sent the write (its wall
+/// clock, ms since the Unix epoch). A worker that was paused longer than
+/// the client waits, after that, does not store the write: the client
+/// has given up on it and may have sent it, or a newer one, elsewhere.
+pub const SENT_AT_HEADER: &str = "x-lakecache-sent-at";
 
 /// On a write-back PUT from one worker to another: this copy is a replica
 /// of a write the sender (the primary) takes. Value: the primary's journal

@@ -12,7 +12,7 @@ use lakecache_protocol::{
     user_meta_from_headers, validate_bucket, ErrorBody, ErrorCode, Health, ListResponse,
     ObjectStat, ObjectUri, UserMeta, WriteBackStatus, WriteMode, WriteOutcome, BODY_CRC32C_TRAILER,
     COPY_SOURCE_HEADER, FROM_HEADER, KEEPALIVE_HEADER, MAX_KEY_BYTES, METADATA_DIRECTIVE_HEADER,
-    OFFSET_HEADER, WRITE_MODE_HEADER,
+    OFFSET_HEADER, SENT_AT_HEADER, WRITE_MODE_HEADER,
 };
 
 use super::auth::{Access, AccessPolicy};
@@ -554,6 +554,7 @@ async fn write(
         .flat_map(|v| v.split(','))
         .any(|name| name.trim().eq_ignore_ascii_case(BODY_CRC32C_TRAILER));
     let keepalive = req.headers().contains_key(KEEPALIVE_HEADER);
+    let patience = client_patience(req.headers());
     let client_crc = Arc::new(OnceLock::new());
     let body = IdleTimeoutBody::new(req.into_body(), state.limits.body_idle_timeout);
     let (body, arrived) = CheckedBody::new(body, limit, crc_required, client_crc.clone());
@@ -562,13 +563,15 @@ async fn write(
     // aborts the multipart upload and frees its staged pages.
     let (cache, task_uri) = (state.cache.clone(), uri.clone());
     let mut task = if mode == WriteMode::Back {
-        crate::tenant::spawn(async move {
+        crate::tenant::spawn(crate::fence::scope(patience, async move {
             cache
                 .write_back(&task_uri, Box::pin(body), client_crc, role, user)
                 .await
-        })
+        }))
     } else {
-        crate::tenant::spawn(async move { cache.write(&task_uri, Box::pin(body), &user).await })
+        crate::tenant::spawn(crate::fence::scope(patience, async move {
+            cache.write(&task_uri, Box::pin(body), &user).await
+        }))
     };
     if keepalive {
         // The head goes out once the body is in; then spaces while the
@@ -592,6 +595,20 @@ async fn write(
         return json_when_ready(outcome);
     }
     write_answer(&uri, task.await)
+}
+
+/// A watched write's client: how long it waits, and when it sent.
+fn client_patience(headers: &http::HeaderMap) -> Option<crate::fence::ClientPatience> {
+    let number = |name: &str| {
+        headers
+            .get(name)
+            .and_then(|v| v.to_str().ok())
+            .and_then(|v| v.trim().parse::<u64>().ok())
+    };
+    Some(crate::fence::ClientPatience {
+        deadline: std::time::Duration::from_millis(number(KEEPALIVE_HEADER)?),
+        sent_ms: number(SENT_AT_HEADER)?,
+    })
 }
 
 fn write_answer(

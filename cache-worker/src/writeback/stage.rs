@@ -228,6 +228,12 @@ impl Cache {
                 return Err(e);
             }
         };
+        // The commit: a write its client gave up on is not recorded.
+        if let Err(e) = crate::fence::check() {
+            let _ = unrecorded(wb, &object).await;
+            self.forget_copies(&object, &object.replicas);
+            return Err(e);
+        }
         let (wb2, record) = (wb.clone(), object.clone());
         let recorded = tokio::task::spawn_blocking(move || wb2.record(record))
             .await

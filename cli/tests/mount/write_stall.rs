@@ -294,7 +294,11 @@ fn six_writers_with_one_worker_stopped(mode: &str) {
     let calm = run(&env, "calm", None);
     let slowest_calm = calm.iter().max().copied().unwrap();
     // No false alarm: healthy workers, however loaded, are never given up on.
-    assert_eq!(stalls(port), 0.0, "{mode}: a healthy worker was taken for hung");
+    assert_eq!(
+        stalls(port),
+        0.0,
+        "{mode}: a healthy worker was taken for hung"
+    );
     // The owner of the first hung-round file.
     let victim = owner_index(&env, "hung-0.ckpt");
     let pid = env.workers[victim].1.id().to_string();
@@ -398,4 +402,87 @@ fn six_writers_through_with_one_worker_stopped_all_succeed() {
 #[test]
 fn six_writers_back_with_one_worker_stopped_all_succeed() {
     six_writers_with_one_worker_stopped("back");
+}
+
+/// The stopped worker got the whole of a small write into its socket
+/// before it stopped (so its copy is complete), the mount sent the write
+/// again elsewhere, and the application then wrote a newer version. When
+/// the worker resumes, its stale copy must not land over the newer one.
+#[test]
+fn a_resumed_worker_never_lands_its_stale_copy_over_a_newer_write_through() {
+    a_resumed_worker_never_lands_its_stale_copy("through");
+}
+
+#[test]
+fn a_resumed_worker_never_lands_its_stale_copy_over_a_newer_write_back() {
+    a_resumed_worker_never_lands_its_stale_copy("back");
+}
+
+fn a_resumed_worker_never_lands_its_stale_copy(mode: &str) {
+    let mut env = Env::start(3);
+    env.mount_with(&["--write-progress-timeout", PROGRESS, "--write-mode", mode]);
+    let victim = owner_index(&env, "small.ckpt");
+    let pid = env.workers[victim].1.id().to_string();
+    let old = pattern(2 << 20, 1);
+    let newer = pattern(3 << 20, 2);
+    // Opened while the owner answers (so it is not suspect), written once
+    // it is stopped: the owner takes the upload, its socket holds all of
+    // it, the mount gives up on it and sends it to the next worker.
+    let mut f = File::create(env.mountpoint().join("small.ckpt")).unwrap();
+    Command::new("kill").args(["-STOP", &pid]).status().unwrap();
+    f.write_all(&old).unwrap();
+    f.sync_all().unwrap();
+    drop(f);
+    assert!(
+        env.log().contains("sending the write again"),
+        "the write did not go to the stopped owner first:\n{}",
+        common::tail(&env.log(), 20)
+    );
+    fs::write(env.mountpoint().join("small.ckpt"), &newer).unwrap();
+    let sync = |env: &Env| {
+        if mode == "back" {
+            let out = Command::new(BIN)
+                .args(["sync", &format!("s3://{BUCKET}/"), "--timeout", "60"])
+                .args(["--registry", &env.registry()])
+                .output_bounded()
+                .unwrap();
+            assert!(
+                out.status.success(),
+                "{}",
+                String::from_utf8_lossy(&out.stderr)
+            );
+        }
+    };
+    if mode == "through" {
+        assert_eq!(env.s3_get("small.ckpt").as_deref(), Some(&newer[..]));
+    }
+    Command::new("kill").args(["-CONT", &pid]).status().unwrap();
+    // The resumed worker reads the old write to its end and would store
+    // it now: it must see it outlived the mount's patience and refuse it.
+    let log = env.worker_log_paths[victim].clone();
+    common::wait_until(
+        "the resumed worker refusing the old write",
+        common::scaled(Duration::from_secs(30)),
+        Duration::from_millis(50),
+        || {
+            // Refused as outliving the mount's patience, or (had its body
+            // not been whole in the socket) failed as cut off.
+            fs::read_to_string(&log).is_ok_and(|t| {
+                t.lines().any(|l| {
+                    l.contains("small.ckpt")
+                        && (l.contains("write fenced") || l.contains("nothing was acknowledged"))
+                })
+            })
+        },
+    );
+    sync(&env);
+    assert_eq!(
+        env.s3_get("small.ckpt").map(|b| b.len()),
+        Some(newer.len()),
+        "{mode}: the resumed worker's stale copy replaced the newer write"
+    );
+    assert_eq!(
+        fs::read(env.mountpoint().join("small.ckpt")).unwrap(),
+        newer
+    );
 }
