@@ -234,6 +234,43 @@ impl Env {
     fn log(&self) -> String {
         fs::read_to_string(&self.mount_log).unwrap_or_default()
     }
+
+    /// The index in `workers` of the worker owning the segment of `key`
+    /// that holds byte `offset`, as the mount's ring computes it.
+    fn owner_index(&self, key: &str, offset: u64) -> usize {
+        let owner = self.rt.block_on(async {
+            let addrs: Vec<String> = self
+                .workers
+                .iter()
+                .map(|(p, _)| format!("127.0.0.1:{p}"))
+                .collect();
+            let membership = Arc::new(lakecache_registry::StaticMembership::new(&addrs));
+            let mut options = lakecache_registry::ClusterOptions::default();
+            options.ring.segment_size = 16 << 20;
+            let cluster = lakecache_registry::ClusterClient::new(membership, options, None);
+            let uri = ObjectUri::new(BUCKET, key).unwrap();
+            cluster.owner_of(&uri, offset).unwrap().address
+        });
+        self.workers
+            .iter()
+            .position(|(p, _)| owner.ends_with(&format!(":{p}")))
+            .unwrap()
+    }
+
+    /// `lakecache sync` of the whole bucket: what is written back is in S3.
+    fn sync_bucket(&self, timeout_secs: u32) {
+        let out = Command::new(BIN)
+            .args(["sync", &format!("s3://{BUCKET}/"), "--timeout"])
+            .arg(timeout_secs.to_string())
+            .args(["--registry", &self.registry()])
+            .output_bounded()
+            .unwrap();
+        assert!(
+            out.status.success(),
+            "{}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+    }
 }
 
 impl Drop for Env {
@@ -745,24 +782,7 @@ fn read_through_a_worker_failure(hang: bool) -> Duration {
     env.put("big.bin", Bytes::from(data));
     env.mount();
     // The owner of a segment well ahead of where the kill happens.
-    let victim = env.rt.block_on(async {
-        let addrs: Vec<String> = env
-            .workers
-            .iter()
-            .map(|(p, _)| format!("127.0.0.1:{p}"))
-            .collect();
-        let membership = Arc::new(lakecache_registry::StaticMembership::new(&addrs));
-        let mut options = lakecache_registry::ClusterOptions::default();
-        options.ring.segment_size = 16 << 20;
-        let cluster = lakecache_registry::ClusterClient::new(membership, options, None);
-        let uri = ObjectUri::new(BUCKET, "big.bin").unwrap();
-        cluster.owner_of(&uri, 20 << 24).unwrap().address
-    });
-    let victim = env
-        .workers
-        .iter()
-        .position(|(p, _)| victim.ends_with(&format!(":{p}")))
-        .unwrap();
+    let victim = env.owner_index("big.bin", 20 << 24);
 
     let started = Instant::now();
     let mut f = File::open(env.mountpoint().join("big.bin")).unwrap();

@@ -95,21 +95,7 @@ fn a_stopped_worker_fails_the_write_within_the_deadline(mode: &str) {
     let path = env.mountpoint().join("after.bin");
     fs::write(&path, &data).unwrap();
     if mode == "back" {
-        let out = Command::new(BIN)
-            .args([
-                "sync",
-                &format!("s3://{BUCKET}/after.bin"),
-                "--timeout",
-                "60",
-            ])
-            .args(["--registry", &env.registry()])
-            .output_bounded()
-            .unwrap();
-        assert!(
-            out.status.success(),
-            "{}",
-            String::from_utf8_lossy(&out.stderr)
-        );
+        env.sync_bucket(60);
     }
     common::wait_until(
         "the write after the stall in S3",
@@ -300,7 +286,7 @@ fn six_writers_with_one_worker_stopped(mode: &str) {
         "{mode}: a healthy worker was taken for hung"
     );
     // The owner of the first hung-round file.
-    let victim = owner_index(&env, "hung-0.ckpt");
+    let victim = env.owner_index("hung-0.ckpt", 0);
     let pid = env.workers[victim].1.id().to_string();
     let hung = run(&env, "hung", Some(&pid));
     let slowest_hung = hung.iter().max().copied().unwrap();
@@ -329,16 +315,7 @@ fn six_writers_with_one_worker_stopped(mode: &str) {
         "{slowest_hung:?} against {slowest_calm:?} without the hang"
     );
     if mode == "back" {
-        let out = Command::new(BIN)
-            .args(["sync", &format!("s3://{BUCKET}/"), "--timeout", "120"])
-            .args(["--registry", &env.registry()])
-            .output_bounded()
-            .unwrap();
-        assert!(
-            out.status.success(),
-            "{}",
-            String::from_utf8_lossy(&out.stderr)
-        );
+        env.sync_bucket(120);
     }
     for (i, src) in sources.iter().enumerate() {
         let want = fs::read(src).unwrap();
@@ -373,27 +350,6 @@ fn six_writers_with_one_worker_stopped(mode: &str) {
     );
 }
 
-/// The index in `env.workers` of the worker owning `key`'s first segment.
-fn owner_index(env: &Env, key: &str) -> usize {
-    let owner = env.rt.block_on(async {
-        let addrs: Vec<String> = env
-            .workers
-            .iter()
-            .map(|(p, _)| format!("127.0.0.1:{p}"))
-            .collect();
-        let membership = Arc::new(lakecache_registry::StaticMembership::new(&addrs));
-        let mut options = lakecache_registry::ClusterOptions::default();
-        options.ring.segment_size = 16 << 20;
-        let cluster = lakecache_registry::ClusterClient::new(membership, options, None);
-        let uri = ObjectUri::new(BUCKET, key).unwrap();
-        cluster.owner_of(&uri, 0).unwrap().address
-    });
-    env.workers
-        .iter()
-        .position(|(p, _)| owner.ends_with(&format!(":{p}")))
-        .unwrap()
-}
-
 #[test]
 fn six_writers_through_with_one_worker_stopped_all_succeed() {
     six_writers_with_one_worker_stopped("through");
@@ -421,7 +377,7 @@ fn a_resumed_worker_never_lands_its_stale_copy_over_a_newer_write_back() {
 fn a_resumed_worker_never_lands_its_stale_copy(mode: &str) {
     let mut env = Env::start(3);
     env.mount_with(&["--write-progress-timeout", PROGRESS, "--write-mode", mode]);
-    let victim = owner_index(&env, "small.ckpt");
+    let victim = env.owner_index("small.ckpt", 0);
     let pid = env.workers[victim].1.id().to_string();
     let old = pattern(2 << 20, 1);
     let newer = pattern(3 << 20, 2);
@@ -441,16 +397,7 @@ fn a_resumed_worker_never_lands_its_stale_copy(mode: &str) {
     fs::write(env.mountpoint().join("small.ckpt"), &newer).unwrap();
     let sync = |env: &Env| {
         if mode == "back" {
-            let out = Command::new(BIN)
-                .args(["sync", &format!("s3://{BUCKET}/"), "--timeout", "60"])
-                .args(["--registry", &env.registry()])
-                .output_bounded()
-                .unwrap();
-            assert!(
-                out.status.success(),
-                "{}",
-                String::from_utf8_lossy(&out.stderr)
-            );
+            env.sync_bucket(60);
         }
     };
     if mode == "through" {
