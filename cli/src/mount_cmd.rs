@@ -428,12 +428,32 @@ pub async fn serve_mount_metrics(
 
 /// Where the mount's listener serves the local tier, object by object.
 pub const LOCAL_TIER_PATH: &str = "/v1/local-tier";
+/// Where it serves the settings that bound its writes.
+pub const SETTINGS_PATH: &str = "/v1/settings";
+
+/// The settings `lakecache status --mount` shows.
+#[derive(serde::Serialize, serde::Deserialize)]
+pub struct MountSettings {
+    pub write_mode: lakecache_protocol::WriteMode,
+    pub write_progress_timeout_ms: u64,
+    pub upload_timeout_ms: u64,
+    pub memory_limit_bytes: u64,
+}
 
 /// Exports the local tier's metrics and goes on completing what a
 /// previous mount's readers wanted whole (on the runtime); returns the
 /// tier's view for the mount's listener.
 pub fn start_local_tier(fs: &Fs) -> lakecache_telemetry::JsonRoutes {
     let mut routes = lakecache_telemetry::JsonRoutes::new();
+    let config = fs.config();
+    let settings = serde_json::to_value(MountSettings {
+        write_mode: config.write_mode,
+        write_progress_timeout_ms: config.write_progress_timeout.as_millis() as u64,
+        upload_timeout_ms: config.upload_timeout.as_millis() as u64,
+        memory_limit_bytes: config.memory_limit,
+    })
+    .unwrap_or_else(|e| serde_json::json!({ "error": format!("mount settings: {e}") }));
+    routes.push((SETTINGS_PATH, Arc::new(move || settings.clone())));
     if let (Some(tier), Some(completer)) = (fs.local_tier(), fs.completer()) {
         lakecache_fuse::metrics::global().observe_local_tier(
             tier.clone(),

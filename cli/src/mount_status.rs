@@ -10,27 +10,59 @@ use http_body_util::{BodyExt, Empty};
 use hyper_util::rt::TokioIo;
 use lakecache_fuse::local_tier::report::TierReport;
 
-use crate::mount_cmd::LOCAL_TIER_PATH;
+use crate::mount_cmd::{MountSettings, LOCAL_TIER_PATH, SETTINGS_PATH};
 use crate::units::ByteSize;
 
 /// Objects printed in the table (the JSON has every listed one).
 const TABLE_ROWS: usize = 40;
 
 pub async fn show(addr: SocketAddr, json: bool) -> Result<()> {
-    let body = tokio::time::timeout(Duration::from_secs(10), get(addr, LOCAL_TIER_PATH))
-        .await
-        .with_context(|| format!("the mount at {addr} did not answer within 10 s"))??;
+    let within = |path: &'static str| async move {
+        tokio::time::timeout(Duration::from_secs(10), get(addr, path))
+            .await
+            .with_context(|| format!("the mount at {addr} did not answer within 10 s"))?
+    };
     if json {
+        let body = within(LOCAL_TIER_PATH)
+            .await?
+            .ok_or_else(|| no_tier(addr))?;
         println!("{}", String::from_utf8_lossy(&body));
         return Ok(());
     }
+    // Mounts from before the settings route answer 404: nothing to show.
+    if let Some(body) = within(SETTINGS_PATH).await? {
+        let s: MountSettings = serde_json::from_slice(&body).with_context(|| {
+            format!("the mount at {addr} answered {SETTINGS_PATH} with something other than its settings")
+        })?;
+        print_settings(&s);
+    }
+    let Some(body) = within(LOCAL_TIER_PATH).await? else {
+        println!("no node-local tier (the mount was started without --local-cache)");
+        return Ok(());
+    };
     let report: TierReport = serde_json::from_slice(&body)
         .with_context(|| format!("the mount at {addr} answered {LOCAL_TIER_PATH} with something other than a tier report"))?;
     print_report(&report);
     Ok(())
 }
 
-async fn get(addr: SocketAddr, path: &str) -> Result<Bytes> {
+fn no_tier(addr: SocketAddr) -> anyhow::Error {
+    anyhow::anyhow!("the mount at {addr} has no node-local tier (it was started without --local-cache), or {addr} is not a mount (is this the address given to the mount's --metrics-listen?)")
+}
+
+fn print_settings(s: &MountSettings) {
+    let secs = |ms: u64| format!("{}s", ms as f64 / 1000.0);
+    println!(
+        "writes: {} mode; progress deadline {} (--write-progress-timeout: a worker silent that long, and then to a probe, is given up on and the write goes to the next worker); whole upload at most {}; memory {}",
+        s.write_mode,
+        secs(s.write_progress_timeout_ms),
+        secs(s.upload_timeout_ms),
+        ByteSize(s.memory_limit_bytes).human()
+    );
+}
+
+/// The body at `path`, or `None` when the mount answers 404.
+async fn get(addr: SocketAddr, path: &str) -> Result<Option<Bytes>> {
     let hint = "is this the address given to the mount's --metrics-listen?";
     let stream = tokio::net::TcpStream::connect(addr)
         .await
@@ -54,7 +86,7 @@ async fn get(addr: SocketAddr, path: &str) -> Result<Bytes> {
         .with_context(|| format!("reading the answer of http://{addr}{path}"))?
         .to_bytes();
     if status == http::StatusCode::NOT_FOUND {
-        bail!("the mount at {addr} has no node-local tier (it was started without --local-cache), or {addr} is not a mount ({hint})");
+        return Ok(None);
     }
     if !status.is_success() {
         bail!(
@@ -62,7 +94,7 @@ async fn get(addr: SocketAddr, path: &str) -> Result<Bytes> {
             String::from_utf8_lossy(&body).trim()
         );
     }
-    Ok(body)
+    Ok(Some(body))
 }
 
 fn print_report(r: &TierReport) {

@@ -71,6 +71,23 @@ fn a_stopped_worker_fails_the_write_within_the_deadline(mode: &str) {
     ]);
     let port = metrics_port(&mut env);
     assert_eq!(stalls(port), 0.0, "a stall before any write");
+    // The deadline, as an operator sees it.
+    let out = common::output_within(
+        Command::new(BIN).args(["status", "--mount", &format!("127.0.0.1:{port}")]),
+        common::scaled(Duration::from_secs(30)),
+    )
+    .unwrap();
+    let shown = String::from_utf8_lossy(&out.stdout);
+    assert!(
+        out.status.success(),
+        "{shown}{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    assert!(
+        shown.contains(&format!("{mode} mode; progress deadline 2s"))
+            && shown.contains("no node-local tier"),
+        "{shown}"
+    );
 
     let (took, result) = write_with_worker_stopped(&mut env, "stalled.bin");
     eprintln!("{mode}: writer answered {took:?} after the worker stopped: {result:?}");
