@@ -84,6 +84,10 @@ pub enum ErrorCode {
     UpstreamUnavailable,
     /// A write-back body whose checksum does not match what the client sent.
     ChecksumMismatch,
+    /// The worker was paused longer than the client waits after the
+    /// client sent the write, and did not store it (the client may have
+    /// sent it elsewhere); the client may send it again.
+    WriteFenced,
     /// Write-back staging stayed full for longer than the stall timeout.
     StagingFull,
     /// Fewer workers than `--write-replicas` could take a copy of a
@@ -113,7 +117,7 @@ impl ErrorCode {
             ErrorCode::BodyTooLarge => 413,
             ErrorCode::HeadersTooLarge => 431,
             ErrorCode::PreconditionFailed => 412,
-            ErrorCode::Conflict => 409,
+            ErrorCode::Conflict | ErrorCode::WriteFenced => 409,
             ErrorCode::AccessDenied | ErrorCode::OutOfScope => 403,
             ErrorCode::Unauthenticated => 401,
             ErrorCode::TooManyRequests => 429,

@@ -68,7 +68,7 @@ pub fn cache_error_code(e: &CacheError) -> ErrorCode {
         CacheError::BodyIdle(_) => ErrorCode::BodyTimeout,
         CacheError::CopyTooLarge(_) => ErrorCode::CopyTooLarge,
         CacheError::ChecksumMismatch(_) => ErrorCode::ChecksumMismatch,
-        CacheError::Fenced(_) => ErrorCode::Conflict,
+        CacheError::Fenced(_) => ErrorCode::WriteFenced,
         CacheError::StagingFull(_) => ErrorCode::StagingFull,
         CacheError::ReplicasUnavailable(_) => ErrorCode::ReplicasUnavailable,
         CacheError::ShuttingDown => ErrorCode::UpstreamUnavailable,

@@ -234,6 +234,12 @@ impl DataPlane for ClusterClient {
                 crate::metrics::global().write_stall();
                 Err(stalled())
             }
+            // The worker paused past our deadline and refused to store the
+            // write: as good as stalled, and the write goes elsewhere.
+            Err(ClientError::Api {
+                code: ErrorCode::WriteFenced,
+                ..
+            }) => Err(stalled()),
             Err(e) => Err(DataError::from(ClusterError::Worker(e))),
         }
     }
