@@ -52,6 +52,9 @@ pub struct WriteBackConfig {
     /// How long a worker that stops answering may hold up uploads that
     /// must follow its earlier writes (once per outage).
     pub peer_order_wait: Duration,
+    /// A copy's worker that makes no progress this long, and then does
+    /// not answer a probe, is given up on (the next candidate takes it).
+    pub replica_progress: Duration,
 }
 
 impl Default for WriteBackConfig {
@@ -62,6 +65,7 @@ impl Default for WriteBackConfig {
             parts_in_flight: 4,
             replicas: None,
             peer_order_wait: Duration::from_secs(30),
+            replica_progress: Duration::from_secs(10),
         }
     }
 }

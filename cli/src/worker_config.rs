@@ -68,6 +68,12 @@ pub struct WorkerSettings {
     /// client sees EIO); what was acknowledged stays staged [default: 600s]
     #[arg(long, env = "LAKECACHE_WRITE_STALL_TIMEOUT")]
     pub write_stall_timeout: Option<Seconds>,
+    /// A write-back copy whose worker takes no byte for this long while
+    /// bytes wait, or says nothing that long after the body, and then
+    /// does not answer a probe, is given up on and the copy goes to the
+    /// next worker on the ring [default: 10s]
+    #[arg(long, env = "LAKECACHE_REPLICA_PROGRESS_TIMEOUT")]
+    pub replica_progress_timeout: Option<Seconds>,
     /// Workers that hold a write-back object durably before its write is
     /// acknowledged: this one and the next ones on the ring, 1..=8
     /// [default: 2 when the ring has 2 or more workers, else 1]
@@ -336,6 +342,7 @@ impl WorkerSettings {
                 memory_limit,
                 write_staging_limit,
                 write_stall_timeout,
+                replica_progress_timeout,
                 write_replicas,
                 max_body_size,
                 max_uri_bytes,
@@ -514,6 +521,13 @@ impl WorkerSettings {
         if limits.body_idle_timeout < std::time::Duration::from_secs(1) {
             bail!("--body-idle-timeout must be at least 1s");
         }
+        if let Some(t) = self.replica_progress_timeout {
+            if !(std::time::Duration::from_secs(1)..=std::time::Duration::from_secs(3600))
+                .contains(&t.0)
+            {
+                bail!("--replica-progress-timeout must be 1s to 1h, got {:?}", t.0);
+            }
+        }
         if limits.max_uri_bytes < 256 || limits.max_header_bytes < 8192 {
             bail!("--max-uri-bytes must be >= 256 and --max-header-bytes >= 8192");
         }
@@ -582,6 +596,9 @@ impl WorkerSettings {
                         .write_stall_timeout
                         .map_or(std::time::Duration::from_secs(600), |s| s.0),
                     replicas: self.write_replicas,
+                    replica_progress: self
+                        .replica_progress_timeout
+                        .map_or(std::time::Duration::from_secs(10), |s| s.0),
                     ..Default::default()
                 },
             },

@@ -1306,3 +1306,59 @@ fn load_spreads_over_the_ring_resumes_and_leaves_reads_to_the_cache() {
         assert_eq!(p.bytes_owned, expect, "worker {id}: {p:?}");
     }
 }
+
+/// A write-back whose copy goes to a hung worker (SIGSTOP: socket open,
+/// silent): the primary gives that copy up after the replica progress
+/// deadline and the next worker on the ring takes it, so the write is
+/// acknowledged with two durable copies in about twice the deadline
+/// (10 s, then a probe as long), not after the copy's 20-minute request
+/// timeout.
+#[test]
+fn a_hung_replica_is_replaced_and_the_write_back_acknowledged() {
+    let mut c = Cluster::start(3);
+    c.wait_members(&["w0", "w1", "w2"], Duration::from_secs(15));
+    let uri_text = "s3://data/replica-hang.bin";
+    let ring = segment_replicas(&c, uri_text, 1, 3).remove(0);
+    let (primary, replica) = (ring[0].clone(), ring[1].clone());
+    let port = c
+        .workers
+        .iter()
+        .find(|(id, _, _)| *id == primary)
+        .map(|(_, port, _)| *port)
+        .unwrap();
+    let pid = c.worker_mut(&replica).id().to_string();
+    Command::new("kill").args(["-STOP", &pid]).status().unwrap();
+    let data = block(5);
+    let body: Vec<Result<bytes::Bytes, lakecache_protocol::BoxError>> = (0..64)
+        .map(|_| Ok(bytes::Bytes::from(data.clone())))
+        .collect();
+    let started = Instant::now();
+    let rt = tokio::runtime::Runtime::new().unwrap();
+    let client = c.worker_client(port, Duration::from_secs(120));
+    let uri: ObjectUri = uri_text.parse().unwrap();
+    let stored = rt.block_on(client.put_checked(
+        &uri,
+        futures::stream::iter(body),
+        lakecache_protocol::WriteMode::Back,
+        &[],
+        &Default::default(),
+        Some(Duration::from_secs(30)),
+    ));
+    let took = started.elapsed();
+    Command::new("kill").args(["-CONT", &pid]).status().unwrap();
+    eprintln!("write-back with replica {replica} stopped: {took:?}");
+    let stored = stored.unwrap_or_else(|e| panic!("the write failed: {e}\n{}", c.logs()));
+    assert_eq!(stored.size, 64 * data.len() as u64);
+    assert!(
+        took < common::scaled(Duration::from_secs(60)),
+        "the hung replica held the write for {took:?}"
+    );
+    // Acknowledged means two durable copies (the default with three
+    // workers): the primary's and the next live worker's.
+    assert!(
+        c.logs()
+            .contains("a replica made no progress on a write-back copy"),
+        "the copy was not given up:\n{}",
+        c.logs()
+    );
+}

@@ -715,6 +715,7 @@ impl WorkerClient {
         replica_of: &str,
         body: S,
         meta: &crate::UserMeta,
+        watch: Option<Duration>,
     ) -> Result<ObjectStat, ClientError>
     where
         S: futures::Stream<Item = Result<Bytes, BoxError>> + Send + Sync + 'static,
@@ -723,7 +724,8 @@ impl WorkerClient {
             (crate::VERSION_HEADER, version),
             (crate::REPLICA_OF_HEADER, replica_of),
         ];
-        self.put_back_with(uri, body, &headers, meta).await
+        self.put_checked(uri, body, crate::WriteMode::Back, &headers, meta, watch)
+            .await
     }
 
     /// A copy of a delete the sending worker (the primary) journaled

@@ -28,6 +28,8 @@ struct Stream {
     addr: String,
     tx: Option<mpsc::Sender<Result<Bytes, BoxError>>>,
     task: JoinHandle<Result<(), ClientError>>,
+    /// For probing the replica's liveness.
+    client: WorkerClient,
 }
 
 /// The copies of one body being taken.
@@ -54,12 +56,34 @@ impl Copies {
 
     /// Forwards a chunk of the body to every live stream. A stream whose
     /// replica failed is left behind; it is replaced at [`Cache::finish_copies`].
-    pub(super) async fn send(&mut self, chunk: &Bytes) {
+    /// So is one whose replica takes nothing for `progress` and then does
+    /// not answer a probe: a hung replica must not hold the write.
+    pub(super) async fn send(&mut self, chunk: &Bytes, progress: Duration) {
         for stream in &mut self.streams {
-            if let Some(tx) = &stream.tx {
-                if tx.send(Ok(chunk.clone())).await.is_err() {
-                    stream.tx = None;
+            let gone = {
+                let Some(tx) = &stream.tx else { continue };
+                let slot = loop {
+                    match tokio::time::timeout(progress, tx.reserve()).await {
+                        Ok(Ok(slot)) => break Some(slot),
+                        Ok(Err(_)) => break None,
+                        Err(_) if stream.client.answers_within(progress).await => {}
+                        Err(_) => {
+                            tracing::warn!(replica = %stream.addr, ?progress, "a replica made no progress on a write-back copy; giving it up for the next candidate");
+                            stream.task.abort();
+                            break None;
+                        }
+                    }
+                };
+                match slot {
+                    Some(slot) => {
+                        slot.send(Ok(chunk.clone()));
+                        false
+                    }
+                    None => true,
                 }
+            };
+            if gone {
+                stream.tx = None;
             }
         }
     }
@@ -129,9 +153,11 @@ impl Cache {
                 out.replica_of.clone(),
                 user.clone(),
             );
+            let progress = wb.config.replica_progress;
+            let probe = client.clone();
             let task = tokio::spawn(async move {
                 client
-                    .put_replica(&uri, &version, &replica_of, body, &user)
+                    .put_replica(&uri, &version, &replica_of, body, &user, Some(progress))
                     .await
                     .map(|_| ())
             });
@@ -139,6 +165,7 @@ impl Cache {
                 addr,
                 tx: Some(tx),
                 task,
+                client: probe,
             });
         }
         Ok(out)
@@ -222,8 +249,16 @@ impl Cache {
                 }
             })
         };
+        let progress = wb.config.replica_progress;
         let sent = client
-            .put_replica(&uri, &object.version, replica_of, body, &object.meta)
+            .put_replica(
+                &uri,
+                &object.version,
+                replica_of,
+                body,
+                &object.meta,
+                Some(progress),
+            )
             .await;
         feed.abort();
         sent.map(|_| ())

@@ -147,7 +147,7 @@ impl Cache {
             let Some(chunk) = chunk else { break };
             let chunk = chunk?;
             taken.add_crcs(&chunk, part_size);
-            copies.send(&chunk).await;
+            copies.send(&chunk, wb.config.replica_progress).await;
             if taken.size.div_ceil(part_size) > MAX_PARTS {
                 return Err(CacheError::Invalid(format!(
                     "write-back holds objects up to {} bytes ({MAX_PARTS} parts of {part_size}); write larger ones through",

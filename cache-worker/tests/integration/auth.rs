@@ -281,6 +281,7 @@ async fn every_route_checks_the_token_before_touching_s3() {
             "journal 127.0.0.1:1",
             futures::stream::iter([Ok(Bytes::from_static(b"posing"))]),
             &Default::default(),
+            None,
         )
         .await;
     assert_eq!(outcome(posed), "403 OutOfScope");

@@ -251,6 +251,7 @@ async fn a_worker_alone_refuses_two_copies_and_a_malformed_copy_header_is_refuse
             "journal 127.0.0.1:1",
             futures::stream::iter([Ok(Bytes::from_static(b"x"))]),
             &Default::default(),
+            None,
         )
         .await
         .unwrap_err();
