@@ -82,7 +82,8 @@ impl CheckedBody {
     }
 }
 
-fn body_error(e: BoxError) -> CacheError {
+/// A body read failure, as the cache reports it (an idle client apart).
+pub(super) fn body_error(e: BoxError) -> CacheError {
     match e.downcast_ref::<BodyIdle>() {
         Some(idle) => CacheError::BodyIdle(idle.to_string()),
         None => CacheError::Body(e.to_string()),

@@ -16,8 +16,8 @@ use lakecache_protocol::{
 };
 
 use super::auth::{Access, AccessPolicy};
-use super::body_check::CheckedBody;
-use super::limits::{Admitted, BodyIdle, IdleTimeoutBody, TenantLimiter};
+use super::body_check::{body_error, CheckedBody};
+use super::limits::{Admitted, IdleTimeoutBody, TenantLimiter};
 use super::peer_writeback::{drop_replica, pending_entry, replica_delete, replica_role};
 use super::range::{parse_range, resolve};
 use super::response::{
@@ -45,13 +45,6 @@ macro_rules! check {
             return *denied;
         }
     };
-}
-
-fn body_error(e: BoxError) -> CacheError {
-    match e.downcast_ref::<BodyIdle>() {
-        Some(idle) => CacheError::BodyIdle(idle.to_string()),
-        None => CacheError::Body(e.to_string()),
-    }
 }
 
 /// Dispatches a request; returns the operation name (for metrics and
