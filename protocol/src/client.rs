@@ -46,6 +46,14 @@ pub enum ClientError {
     Timeout { addr: String, timeout: Duration },
     #[error("short body from worker: expected {expected} bytes, got {got}")]
     ShortBody { expected: u64, got: u64 },
+    /// The bytes that arrived do not match the CRC32C the worker sent
+    /// with them: damaged on the way.
+    #[error("bytes from worker {addr} fail their CRC32C (sent {sent:08x}, arrived {arrived:08x})")]
+    Damaged {
+        addr: String,
+        sent: u32,
+        arrived: u32,
+    },
     #[error("unexpected response from worker: {0}")]
     Decode(String),
     #[error("invalid worker address {0:?}")]
@@ -65,7 +73,8 @@ impl ClientError {
             ClientError::Api { status, .. } => *status >= 500,
             ClientError::Transport { .. }
             | ClientError::Timeout { .. }
-            | ClientError::ShortBody { .. } => true,
+            | ClientError::ShortBody { .. }
+            | ClientError::Damaged { .. } => true,
             ClientError::Decode(_) | ClientError::InvalidAddress(_) | ClientError::Tls { .. } => {
                 false
             }
@@ -413,34 +422,58 @@ impl WorkerClient {
     /// A body whose pieces come at most `progress` apart.
     async fn collect_within(
         &self,
-        mut body: Incoming,
+        body: Incoming,
         progress: Duration,
     ) -> Result<Bytes, ClientError> {
-        // Sized once from Content-Length: growing by doubling would copy
-        // multi-MiB ranges several times into freshly mapped pages.
         let hint = body.size_hint();
-        let capacity = hint.exact().unwrap_or(hint.lower()).min(MAX_PRESIZE);
-        // Taken only once a second frame is coming: a body of one frame
-        // is handed over as it is.
+        let capacity = hint.exact().unwrap_or(hint.lower());
+        self.collect_with_trailers(body, progress, capacity)
+            .await
+            .map(|(bytes, _)| bytes)
+    }
+
+    /// A body and its trailers; `capacity` is the expected length.
+    async fn collect_with_trailers(
+        &self,
+        mut body: Incoming,
+        progress: Duration,
+        capacity: u64,
+    ) -> Result<(Bytes, Option<http::HeaderMap>), ClientError> {
+        // Sized once from the expected length: growing by doubling would
+        // copy multi-MiB ranges several times into freshly mapped pages.
+        let capacity = capacity.min(MAX_PRESIZE) as usize;
+        // A body of one frame is handed over as it is; the buffer is
+        // taken only once a second frame comes.
+        let mut first: Option<Bytes> = None;
         let mut out: Option<crate::buffer_pool::PoolBuf> = None;
+        let mut trailers = None;
         loop {
             let frame = tokio::time::timeout(progress, body.frame())
                 .await
                 .map_err(|_| self.timed_out(progress))?;
             match frame {
-                None => return Ok(out.map(crate::buffer_pool::freeze).unwrap_or_default()),
+                None => break,
                 Some(Err(e)) => return Err(self.transport(e)),
-                Some(Ok(frame)) => {
-                    if let Ok(data) = frame.into_data() {
-                        if out.is_none() && body.is_end_stream() {
-                            return Ok(data);
-                        }
-                        out.get_or_insert_with(|| crate::buffer_pool::take(capacity as usize))
-                            .extend_from_slice(&data);
-                    }
-                }
+                Some(Ok(frame)) => match frame.into_data() {
+                    Ok(data) if out.is_none() && first.is_none() => first = Some(data),
+                    Ok(data) => out
+                        .get_or_insert_with(|| {
+                            let mut buf = crate::buffer_pool::take(capacity);
+                            if let Some(f) = first.take() {
+                                buf.extend_from_slice(&f);
+                            }
+                            buf
+                        })
+                        .extend_from_slice(&data),
+                    Err(frame) => trailers = frame.into_trailers().ok(),
+                },
             }
         }
+        let bytes = match out {
+            Some(buf) => crate::buffer_pool::freeze(buf),
+            None => first.unwrap_or_default(),
+        };
+        Ok((bytes, trailers))
     }
 
     fn request(&self, method: http::Method, path: &str) -> http::request::Builder {
@@ -599,7 +632,23 @@ impl WorkerClient {
         range: Option<Range<u64>>,
         etag: Option<&str>,
     ) -> Result<http::Response<Incoming>, ClientError> {
+        self.get_object(uri, range, etag, false).await
+    }
+
+    /// A GET of the object; with `crc_trailer`, the worker sends the
+    /// body's CRC32C as a trailer ([`crate::LENGTH_HEADER`] then carries
+    /// the length).
+    async fn get_object(
+        &self,
+        uri: &ObjectUri,
+        range: Option<Range<u64>>,
+        etag: Option<&str>,
+        crc_trailer: bool,
+    ) -> Result<http::Response<Incoming>, ClientError> {
         let mut builder = self.request(http::Method::GET, &uri.api_path("objects"));
+        if crc_trailer {
+            builder = builder.header(http::header::TE, "trailers");
+        }
         if let Some(tag) = etag {
             builder = builder.header(http::header::IF_MATCH, format!("\"{tag}\""));
         }
@@ -642,29 +691,81 @@ impl WorkerClient {
                 return local.map(|bytes| (bytes, Some(e.to_string())));
             }
         }
-        let resp = self.read_stream_if(uri, range, etag).await?;
-        let served_etag = resp
-            .headers()
-            .get(http::header::ETAG)
-            .and_then(|v| v.to_str().ok())
-            .map(|v| v.trim_matches('"').to_string());
-        let expected = resp
-            .headers()
-            .get(http::header::CONTENT_LENGTH)
-            .and_then(|v| v.to_str().ok())
-            .and_then(|v| v.parse::<u64>().ok());
-        let body = self.collect(resp.into_body()).await.map_err(|e| match e {
-            ClientError::Transport { .. } => ClientError::ShortBody {
-                expected: expected.unwrap_or(0),
-                got: 0,
-            },
+        // Damage on the way is read again once from this worker; a second
+        // damaged answer goes back to the caller, which asks a replica.
+        match self.read_over_http(uri, range.clone(), etag).await {
+            Err(ClientError::Damaged { sent, arrived, .. }) => {
+                tracing::warn!(worker = %self.base, %uri, ?range, sent, arrived, "a read arrived damaged (CRC32C mismatch); reading it again");
+                self.read_over_http(uri, range, etag).await
+            }
             other => other,
-        })?;
+        }
+    }
+
+    /// One GET, its bytes checked against the worker's CRC32C trailer
+    /// where the worker sends one.
+    async fn read_over_http(
+        &self,
+        uri: &ObjectUri,
+        range: Option<Range<u64>>,
+        etag: Option<&str>,
+    ) -> Result<(Bytes, Option<String>), ClientError> {
+        let resp = self.get_object(uri, range, etag, true).await?;
+        let header = |name: &str| {
+            resp.headers()
+                .get(name)
+                .and_then(|v| v.to_str().ok())
+                .map(str::to_string)
+        };
+        let served_etag =
+            header(http::header::ETAG.as_str()).map(|v| v.trim_matches('"').to_string());
+        let expected = header(http::header::CONTENT_LENGTH.as_str())
+            .or_else(|| header(crate::LENGTH_HEADER))
+            .and_then(|v| v.parse::<u64>().ok());
+        let crc_declared = resp
+            .headers()
+            .get_all(http::header::TRAILER)
+            .iter()
+            .filter_map(|v| v.to_str().ok())
+            .flat_map(|v| v.split(','))
+            .any(|t| t.trim().eq_ignore_ascii_case(crate::BODY_CRC32C_TRAILER));
+        let progress = self.deadlines.progress;
+        let (body, trailers) = self
+            .collect_with_trailers(resp.into_body(), progress, expected.unwrap_or(0))
+            .await
+            .map_err(|e| match e {
+                ClientError::Transport { .. } => ClientError::ShortBody {
+                    expected: expected.unwrap_or(0),
+                    got: 0,
+                },
+                other => other,
+            })?;
         if let Some(expected) = expected {
             if body.len() as u64 != expected {
                 return Err(ClientError::ShortBody {
                     expected,
                     got: body.len() as u64,
+                });
+            }
+        }
+        if crc_declared {
+            let sent = trailers
+                .as_ref()
+                .and_then(|t| t.get(crate::BODY_CRC32C_TRAILER))
+                .and_then(|v| v.to_str().ok())
+                .and_then(|v| v.parse::<u32>().ok())
+                .ok_or_else(|| {
+                    ClientError::Decode(format!(
+                        "the worker declared a {} trailer and sent none (or not a number)",
+                        crate::BODY_CRC32C_TRAILER
+                    ))
+                })?;
+            let arrived = crc32c::crc32c(&body);
+            if arrived != sent {
+                return Err(ClientError::Damaged {
+                    addr: self.base.clone(),
+                    sent,
+                    arrived,
                 });
             }
         }

@@ -10,6 +10,10 @@ pub const WRITE_MODE_HEADER: &str = "x-lakecache-write-mode";
 /// Trailer of a write-back PUT: CRC32C (decimal) of the whole body as the
 /// client computed it; the worker refuses a body that does not match.
 pub const BODY_CRC32C_TRAILER: &str = "x-lakecache-crc32c";
+/// On a GET answered with the CRC32C trailer (the client sent
+/// `TE: trailers`): the body's length, which a chunked body cannot carry
+/// in Content-Length.
+pub const LENGTH_HEADER: &str = "x-lakecache-length";
 
 /// On a PUT: the client watches the write's progress. The worker answers
 /// `200` as soon as the body is in, then a space every 500 ms while it

@@ -7,6 +7,7 @@ mod load;
 pub mod local;
 mod peer_writeback;
 mod range;
+mod read_crc;
 mod response;
 mod routes;
 pub mod table;

@@ -20,6 +20,7 @@ use super::body_check::{body_error, CheckedBody};
 use super::limits::{Admitted, IdleTimeoutBody, TenantLimiter};
 use super::peer_writeback::{drop_replica, pending_entry, replica_delete, replica_role};
 use super::range::{parse_range, resolve};
+use super::read_crc::{takes_trailers, with_crc_trailer};
 use super::response::{
     cache_error, cache_error_code, error, full, json, json_when_ready, BoxError, Response,
 };
@@ -443,6 +444,9 @@ async fn read(
             header::CONTENT_TYPE,
             HeaderValue::from_static("application/octet-stream"),
         );
+        if with_body && takes_trailers(req.headers()) {
+            return with_crc_trailer(resp, range.end - range.start);
+        }
         return resp;
     }
     error(

@@ -19,5 +19,6 @@ mod route_matrix;
 mod store_faults;
 mod tenants;
 mod tls;
+mod wire_damage;
 mod writeback;
 mod writes;
