@@ -274,7 +274,7 @@ impl PageStore {
             return Err(io::Error::other("page larger than the header can describe"));
         }
         let path = self.tmp.join(uuid::Uuid::new_v4().simple().to_string());
-        if !start_writeback && self.direct.load(Ordering::Relaxed) {
+        if self.direct.load(Ordering::Relaxed) {
             match self.stage_direct(&path, data) {
                 Ok(true) => {
                     return Ok(Staged {

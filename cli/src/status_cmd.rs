@@ -42,6 +42,9 @@ struct Row {
     buckets: std::collections::BTreeMap<String, lakecache_protocol::BucketTraffic>,
     #[serde(skip_serializing_if = "std::collections::BTreeMap::is_empty")]
     tenants: std::collections::BTreeMap<String, lakecache_protocol::TenantUsage>,
+    /// The worker's write-path deadlines (older workers do not say).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    deadlines: Option<lakecache_protocol::WorkerDeadlines>,
     error: Option<String>,
 }
 
@@ -119,6 +122,7 @@ impl StatusCmd {
                         writeback,
                         buckets: h.buckets,
                         tenants: h.tenants,
+                        deadlines: h.deadlines,
                         error: None,
                     }
                 }
@@ -132,6 +136,7 @@ impl StatusCmd {
                     writeback: None,
                     buckets: Default::default(),
                     tenants: Default::default(),
+                    deadlines: None,
                     error: Some(e),
                 },
             }
@@ -194,6 +199,7 @@ impl StatusCmd {
                 wb.map_or("-".to_string(), |w| w.replica_objects.to_string()),
             );
         }
+        print_deadlines(&rows);
         if !saved.is_empty() {
             println!(
                 "\n{:<32} {:>12} {:>12} {:>14}",
@@ -250,5 +256,28 @@ impl StatusCmd {
             eprintln!("{}: {}", r.id, r.error.as_deref().unwrap_or("unreachable"));
         }
         Ok(())
+    }
+}
+
+/// One line per worker: how long it waits on the write path.
+fn print_deadlines(rows: &[Row]) {
+    let secs = |ms: u64| format!("{}s", ms as f64 / 1000.0);
+    let mut header = false;
+    for r in rows {
+        let Some(d) = &r.deadlines else { continue };
+        if !header {
+            println!("\nwrite-path deadlines");
+            header = true;
+        }
+        let mut line = format!("  {:<24} upload body idle {}", r.id, secs(d.body_idle_ms));
+        match (d.replica_progress_ms, d.staging_stall_ms) {
+            (Some(progress), Some(stall)) => line.push_str(&format!(
+                ", replica progress {}, write-back staging stall {}",
+                secs(progress),
+                secs(stall)
+            )),
+            _ => line.push_str(", write-back off"),
+        }
+        println!("{line}");
     }
 }

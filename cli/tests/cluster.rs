@@ -1361,4 +1361,14 @@ fn a_hung_replica_is_replaced_and_the_write_back_acknowledged() {
         "the copy was not given up:\n{}",
         c.logs()
     );
+    // The deadlines that decided it are shown by `lakecache status`.
+    let status = c.cli(&["status", "--registry", &c.registry()]);
+    let shown = String::from_utf8_lossy(&status.stdout);
+    assert!(
+        shown.contains("write-path deadlines")
+            && shown.contains(primary.as_str())
+            && shown.contains("replica progress 10s"),
+        "{shown}\n{}",
+        String::from_utf8_lossy(&status.stderr)
+    );
 }

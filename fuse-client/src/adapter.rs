@@ -553,7 +553,13 @@ impl Filesystem for KernelAdapter {
         reply: ReplyWrite,
     ) {
         // The one copy: the kernel's buffer is only borrowed for this call.
-        let data = bytes::Bytes::copy_from_slice(data);
+        // Into a pooled buffer: a fresh 1 MiB allocation per request would
+        // fault in (and later unmap) 256 pages every time.
+        let data = {
+            let mut buf = lakecache_protocol::buffer_pool::take(data.len());
+            buf.extend_from_slice(data);
+            lakecache_protocol::buffer_pool::freeze(buf)
+        };
         let size = data.len() as u64;
         self.spawn_at(
             "write",

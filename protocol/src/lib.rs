@@ -34,7 +34,7 @@ pub use load::{
 };
 pub use types::{
     BucketTraffic, ErrorBody, ErrorCode, ErrorDetail, Health, ListEntry, ListResponse, ObjectStat,
-    ObjectVersion, TenantUsage, WriteOutcome,
+    ObjectVersion, TenantUsage, WorkerDeadlines, WriteOutcome,
 };
 pub use uri::{validate_bucket, validate_key, InvalidUri, ObjectUri, MAX_KEY_BYTES};
 pub use user_meta::{

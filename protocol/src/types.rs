@@ -182,6 +182,21 @@ pub struct Health {
     /// Cache use by tenant (tenants with pages, pending data or a quota).
     #[serde(default)]
     pub tenants: std::collections::BTreeMap<String, TenantUsage>,
+    /// The write path's deadlines (absent from older workers).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub deadlines: Option<WorkerDeadlines>,
+}
+
+/// How long a worker waits on the write path before giving up.
+#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct WorkerDeadlines {
+    /// An upload whose client sends nothing for this long is aborted.
+    pub body_idle_ms: u64,
+    /// A write-back copy whose replica takes nothing for this long (and
+    /// then fails a probe) goes to the next worker; None without write-back.
+    pub replica_progress_ms: Option<u64>,
+    /// A write-back body waits this long for staging room before failing.
+    pub staging_stall_ms: Option<u64>,
 }
 
 /// One tenant's share of a worker's cache.

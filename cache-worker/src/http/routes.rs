@@ -239,8 +239,15 @@ fn stat_body(uri: &ObjectUri, meta: &ObjectMeta) -> ObjectStat {
 /// probe must not stall every other request behind a slow disk.
 async fn health(state: &AppState) -> Response {
     let cache = state.cache.clone();
+    let body_idle = state.limits.body_idle_timeout;
     let built = tokio::task::spawn_blocking(move || {
         let buckets = cache.traffic();
+        let wb = cache.write_back_state().ok().map(|wb| &wb.config);
+        let deadlines = lakecache_protocol::WorkerDeadlines {
+            body_idle_ms: body_idle.as_millis() as u64,
+            replica_progress_ms: wb.map(|c| c.replica_progress.as_millis() as u64),
+            staging_stall_ms: wb.map(|c| c.stall_timeout.as_millis() as u64),
+        };
         Health {
             status: "ok".into(),
             cache_used_bytes: cache.used_bytes(),
@@ -251,6 +258,7 @@ async fn health(state: &AppState) -> Response {
             pinned_bytes: cache.pinned_bytes(),
             buckets,
             tenants: cache.tenant_usage(),
+            deadlines: Some(deadlines),
         }
     })
     .await;

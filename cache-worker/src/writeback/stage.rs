@@ -1,14 +1,15 @@
 //! Taking a write-back body: pages to disk, synced, then one journal
 //! record. Only after that record is synced does the caller hear "ok".
 
-use std::collections::BTreeSet;
+use std::collections::{BTreeSet, VecDeque};
 use std::path::PathBuf;
 use std::sync::{Arc, OnceLock};
 use std::time::Instant;
 
-use bytes::{Bytes, BytesMut};
+use bytes::Bytes;
 use futures::{Stream, StreamExt};
-use lakecache_protocol::{ObjectUri, UserMeta};
+use lakecache_protocol::{buffer_pool, ObjectUri, UserMeta};
+use tokio::task::JoinHandle;
 
 use super::copies::Copies;
 use super::{now_ms, WriteBack, VERSION_PREFIX};
@@ -16,10 +17,13 @@ use crate::cache::{join_failed, Cache, CacheError};
 use crate::journal::{PendingObject, ReplicaOf};
 use crate::pages::Staged;
 use crate::store::ObjectMeta;
-use crate::write::fill_page;
 
 /// S3 allows this many parts in one multipart upload.
 const MAX_PARTS: u64 = 10_000;
+
+/// Dirty pages written at once: each goes to disk with O_DIRECT, which
+/// waits for the device, so a few in flight keep the body streaming in.
+const STAGING_IN_FLIGHT: usize = 4;
 
 /// Whose write a body is.
 #[derive(Debug, Clone)]
@@ -35,6 +39,8 @@ pub enum WriteRole {
 #[derive(Default)]
 struct Taken {
     pages: Vec<Staged>,
+    /// Pages being written, oldest first (at most [`STAGING_IN_FLIGHT`]).
+    staging: VecDeque<JoinHandle<std::io::Result<Staged>>>,
     reserved: u64,
     size: u64,
     whole_crc: u32,
@@ -103,6 +109,12 @@ impl Cache {
         match result {
             Ok(meta) => Ok(meta),
             Err(e) => {
+                // Pages still being written are removed with the rest.
+                while let Some(task) = taken.staging.pop_front() {
+                    if let Ok(Ok(page)) = task.await {
+                        taken.pages.push(page);
+                    }
+                }
                 let pages = std::mem::take(&mut taken.pages);
                 let wb2 = wb.clone();
                 let _ = tokio::task::spawn_blocking(move || {
@@ -137,7 +149,9 @@ impl Cache {
         let ps = self.config.page_size as usize;
         let part_size = self.config.part_size.max(5 << 20);
         let deadline = Instant::now() + wb.config.stall_timeout;
-        let mut page = BytesMut::with_capacity(ps);
+        // Pages are assembled in aligned buffers: they go to disk with
+        // O_DIRECT straight from there.
+        let mut page = buffer_pool::take(ps);
         let mut closing = self.closing.subscribe();
         loop {
             let chunk = tokio::select! {
@@ -156,13 +170,22 @@ impl Cache {
             }
             let mut rest = &chunk[..];
             while !rest.is_empty() {
-                if let Some(full) = fill_page(&mut page, ps, &mut rest) {
+                let take = (ps - page.len()).min(rest.len());
+                page.extend_from_slice(&rest[..take]);
+                rest = &rest[take..];
+                if page.len() == ps {
+                    let full =
+                        buffer_pool::freeze(std::mem::replace(&mut page, buffer_pool::take(ps)));
                     self.stage_dirty(wb, full, deadline, taken).await?;
                 }
             }
         }
         if !page.is_empty() {
-            self.stage_dirty(wb, page.freeze(), deadline, taken).await?;
+            self.stage_dirty(wb, buffer_pool::freeze(page), deadline, taken)
+                .await?;
+        }
+        while !taken.staging.is_empty() {
+            taken.settle_oldest().await?;
         }
         if let Some(sent) = client_crc.get() {
             if *sent != taken.whole_crc {
@@ -281,19 +304,34 @@ impl Cache {
                 tokio::time::timeout(left.min(std::time::Duration::from_secs(1)), waiting).await;
         }
         taken.reserved += len;
+        if taken.staging.len() >= STAGING_IN_FLIGHT {
+            taken.settle_oldest().await?;
+        }
         let wb2 = wb.clone();
-        let staged = tokio::task::spawn_blocking(move || wb2.pages.stage_for_sync(&data))
-            .await
-            .map_err(join_failed)?
-            .map_err(|e| match e.kind() {
-                // A full disk is back-pressure the client can act on, not
-                // an internal fault.
-                std::io::ErrorKind::StorageFull => CacheError::StagingFull(format!(
-                    "the cache disk is full while staging a write-back page ({e}); nothing of this write was acknowledged"
-                )),
-                _ => CacheError::Local(format!("staging a dirty page: {e}")),
-            })?;
-        taken.pages.push(staged);
+        taken
+            .staging
+            .push_back(tokio::task::spawn_blocking(move || {
+                wb2.pages.stage_for_sync(&data)
+            }));
+        Ok(())
+    }
+}
+
+impl Taken {
+    /// Waits for the oldest page being written.
+    async fn settle_oldest(&mut self) -> Result<(), CacheError> {
+        let Some(task) = self.staging.pop_front() else {
+            return Ok(());
+        };
+        let staged = task.await.map_err(join_failed)?.map_err(|e| match e.kind() {
+            // A full disk is back-pressure the client can act on, not
+            // an internal fault.
+            std::io::ErrorKind::StorageFull => CacheError::StagingFull(format!(
+                "the cache disk is full while staging a write-back page ({e}); nothing of this write was acknowledged"
+            )),
+            _ => CacheError::Local(format!("staging a dirty page: {e}")),
+        })?;
+        self.pages.push(staged);
         Ok(())
     }
 }

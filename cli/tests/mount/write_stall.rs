@@ -252,9 +252,11 @@ fn six_writers_with_one_worker_stopped(mode: &str) {
             p
         })
         .collect();
-    let run = |env: &Env, round: &str, victim: Option<&str>| -> Vec<Duration> {
+    // Returns each writer's time and, when `stop`, the index of the file
+    // whose owner was stopped 1 s in.
+    let run = |env: &Env, round: &str, stop: bool| -> (Vec<Duration>, Option<(usize, String)>) {
         let started = Instant::now();
-        let writers: Vec<_> = sources
+        let mut writers: Vec<_> = sources
             .iter()
             .enumerate()
             .map(|(i, src)| {
@@ -270,16 +272,26 @@ fn six_writers_with_one_worker_stopped(mode: &str) {
                     .unwrap()
             })
             .collect();
-        if let Some(pid) = victim {
+        let mut victim = None;
+        if stop {
             common::wait_until(
                 "1 s into the writes",
                 Duration::from_secs(5),
                 Duration::from_millis(10),
                 || started.elapsed() >= Duration::from_secs(1),
             );
-            Command::new("kill").args(["-STOP", pid]).status().unwrap();
+            // The owner of a file still being written (on a fast disk
+            // some writers are done within the second).
+            let unfinished = writers
+                .iter_mut()
+                .position(|w| matches!(w.try_wait(), Ok(None)))
+                .unwrap_or(0);
+            let owner = env.owner_index(&format!("{round}-{unfinished}.ckpt"), 0);
+            let pid = env.workers[owner].1.id().to_string();
+            Command::new("kill").args(["-STOP", &pid]).status().unwrap();
+            victim = Some((unfinished, pid));
         }
-        writers
+        let times = writers
             .into_iter()
             .enumerate()
             .map(|(i, w)| {
@@ -292,9 +304,10 @@ fn six_writers_with_one_worker_stopped(mode: &str) {
                 );
                 started.elapsed()
             })
-            .collect()
+            .collect();
+        (times, victim)
     };
-    let calm = run(&env, "calm", None);
+    let (calm, _) = run(&env, "calm", false);
     let slowest_calm = calm.iter().max().copied().unwrap();
     // No false alarm: healthy workers, however loaded, are never given up on.
     assert_eq!(
@@ -302,17 +315,17 @@ fn six_writers_with_one_worker_stopped(mode: &str) {
         0.0,
         "{mode}: a healthy worker was taken for hung"
     );
-    // The owner of the first hung-round file.
-    let victim = env.owner_index("hung-0.ckpt", 0);
-    let pid = env.workers[victim].1.id().to_string();
-    let hung = run(&env, "hung", Some(&pid));
+    let (hung, victim) = run(&env, "hung", true);
+    let (victim_file, pid) = victim.unwrap();
+    let victim_name = format!("hung-{victim_file}.ckpt");
+    let victim = env.owner_index(&victim_name, 0);
     let slowest_hung = hung.iter().max().copied().unwrap();
     eprintln!(
-        "{mode}: slowest of {FILES} writers {slowest_calm:?} without a hang, {slowest_hung:?} with worker {victim} stopped 1 s in"
+        "{mode}: slowest of {FILES} writers {slowest_calm:?} without a hang, {slowest_hung:?} with worker {victim} (owner of {victim_name}) stopped 1 s in"
     );
     // A newer version of a file the stopped worker was taking.
     let newer = pattern(4 << 20, 999);
-    fs::write(env.mountpoint().join("hung-0.ckpt"), &newer).unwrap();
+    fs::write(env.mountpoint().join(&victim_name), &newer).unwrap();
     Command::new("kill").args(["-CONT", &pid]).status().unwrap();
     assert!(
         reqwest_like_get(port, "/metrics").contains("lakecache_fuse_write_resends_total"),
@@ -338,7 +351,7 @@ fn six_writers_with_one_worker_stopped(mode: &str) {
         let want = fs::read(src).unwrap();
         for round in ["calm", "hung"] {
             let name = format!("{round}-{i}.ckpt");
-            if name == "hung-0.ckpt" {
+            if name == victim_name {
                 continue;
             }
             let got = fs::read(env.mountpoint().join(&name)).unwrap();
@@ -347,10 +360,10 @@ fn six_writers_with_one_worker_stopped(mode: &str) {
     }
     // The resumed worker never lands its stale copy over the newer one.
     common::wait_until(
-        "the newer hung-0.ckpt in S3",
+        "the newer version in S3",
         common::scaled(Duration::from_secs(60)),
         Duration::from_millis(100),
-        || env.s3_get("hung-0.ckpt").as_deref() == Some(&newer[..]),
+        || env.s3_get(&victim_name).as_deref() == Some(&newer[..]),
     );
     let settle = Instant::now();
     common::wait_until(
@@ -360,9 +373,9 @@ fn six_writers_with_one_worker_stopped(mode: &str) {
         || worker_requests_opt(env.workers[victim].0, "write").is_ok(),
     );
     assert_eq!(
-        env.s3_get("hung-0.ckpt").as_deref(),
+        env.s3_get(&victim_name).as_deref(),
         Some(&newer[..]),
-        "a stale copy replaced the newer hung-0.ckpt {:?} after the worker resumed",
+        "a stale copy replaced the newer {victim_name} {:?} after the worker resumed",
         settle.elapsed()
     );
 }
