@@ -136,7 +136,10 @@ def main() -> None:
             sync_seconds(a.bin, c, "")
         if mode in STALL_MODES and not a.no_trainer:
             ckpt = work / "local-ckpt" if mode == "local" else c.mnt / "checkpoints" / mode
-            t = train(data, ckpt, work / f"{mode}.jsonl", a)
+            # The trainer appends to its metrics file: one per run.
+            metrics = work / f"{mode}.jsonl"
+            metrics.unlink(missing_ok=True)
+            t = train(data, ckpt, metrics, a)
             saves = max(len(t["saves"]), 1)
             per_save = {"stall": t["stall_total"] / saves, "bytes": t["bytes"] / saves}
             result[f"stall-{mode}"] = per_save

@@ -50,6 +50,7 @@ pub async fn start_s3(root: PathBuf, bucket: &str) -> Result<BenchS3> {
 /// 4 MiB pages, read-ahead 4, long metadata TTL.
 pub fn worker_options(cache_dir: PathBuf, capacity: u64) -> Result<WorkerOptions> {
     Ok(WorkerOptions {
+        s3_stall_timeout: std::time::Duration::from_secs(10),
         listen: "127.0.0.1:0".parse()?,
         cache_dir,
         cache: CacheConfig {

@@ -54,6 +54,9 @@ pub struct WorkerOptions {
     /// Unix socket for short-circuit reads by mounts on this host
     /// (`lakecache_protocol::local_read`); `None`: HTTP only.
     pub local_socket: Option<PathBuf>,
+    /// The S3 store's stall timeout (`S3Config::stall_timeout`), shown in
+    /// the health answer beside the other write-path deadlines.
+    pub s3_stall_timeout: std::time::Duration,
 }
 
 #[derive(Debug, thiserror::Error)]
@@ -212,6 +215,7 @@ pub async fn start_worker(
         cache: cache.clone(),
         metrics,
         limits: options.limits,
+        s3_stall_timeout: options.s3_stall_timeout,
         tenants: http::TenantLimiter::new(
             options.limits.max_requests_per_tenant,
             options.limits.tenant_wait,

@@ -269,7 +269,12 @@ fn print_deadlines(rows: &[Row]) {
             println!("\nwrite-path deadlines");
             header = true;
         }
-        let mut line = format!("  {:<24} upload body idle {}", r.id, secs(d.body_idle_ms));
+        let mut line = format!(
+            "  {:<24} upload body idle {}, S3 upload stall {} + 1s/MiB",
+            r.id,
+            secs(d.body_idle_ms),
+            secs(d.s3_stall_ms)
+        );
         match (d.replica_progress_ms, d.staging_stall_ms) {
             (Some(progress), Some(stall)) => line.push_str(&format!(
                 ", replica progress {}, write-back staging stall {}",

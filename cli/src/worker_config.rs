@@ -74,6 +74,11 @@ pub struct WorkerSettings {
     /// next worker on the ring [default: 10s]
     #[arg(long, env = "LAKECACHE_REPLICA_PROGRESS_TIMEOUT")]
     pub replica_progress_timeout: Option<Seconds>,
+    /// An upload to S3 (a part, or a small object) not done within this
+    /// plus a second per MiB is taken for stalled and sent again on a new
+    /// connection, twice at most [default: 10s]
+    #[arg(long, env = "LAKECACHE_S3_STALL_TIMEOUT")]
+    pub s3_stall_timeout: Option<Seconds>,
     /// Workers that hold a write-back object durably before its write is
     /// acknowledged: this one and the next ones on the ring, 1..=8
     /// [default: 2 when the ring has 2 or more workers, else 1]
@@ -343,6 +348,7 @@ impl WorkerSettings {
                 write_staging_limit,
                 write_stall_timeout,
                 replica_progress_timeout,
+                s3_stall_timeout,
                 write_replicas,
                 max_body_size,
                 max_uri_bytes,
@@ -528,6 +534,14 @@ impl WorkerSettings {
                 bail!("--replica-progress-timeout must be 1s to 1h, got {:?}", t.0);
             }
         }
+        let s3_stall_timeout = self
+            .s3_stall_timeout
+            .map_or(S3Config::default().stall_timeout, |t| t.0);
+        if !(std::time::Duration::from_secs(1)..=std::time::Duration::from_secs(3600))
+            .contains(&s3_stall_timeout)
+        {
+            bail!("--s3-stall-timeout must be 1s to 1h, got {s3_stall_timeout:?}");
+        }
         if limits.max_uri_bytes < 256 || limits.max_header_bytes < 8192 {
             bail!("--max-uri-bytes must be >= 256 and --max-header-bytes >= 8192");
         }
@@ -568,6 +582,7 @@ impl WorkerSettings {
         let options = WorkerOptions {
             listen: self.listen.unwrap_or(([127, 0, 0, 1], 9500).into()),
             local_socket,
+            s3_stall_timeout,
             cache_dir,
             cache: CacheConfig {
                 page_size,
@@ -615,6 +630,7 @@ impl WorkerSettings {
             max_attempts,
             max_resumes: self.s3_max_resumes.unwrap_or(3),
             checksums: self.s3_checksums.unwrap_or(true),
+            stall_timeout: s3_stall_timeout,
             ..S3Config::default()
         };
         Ok((options, s3))
@@ -920,5 +936,12 @@ mod tests {
         assert!(bad("no_auth = true\ntls_cert = \"/x\"")
             .unwrap_err()
             .contains("go together"));
+        let open = "no_auth = true\ninsecure_http = true\n";
+        assert!(bad(&format!("{open}s3_stall_timeout = \"0s\""))
+            .unwrap_err()
+            .contains("--s3-stall-timeout must be 1s to 1h"));
+        assert!(bad(&format!("{open}replica_progress_timeout = \"2h\""))
+            .unwrap_err()
+            .contains("--replica-progress-timeout must be 1s to 1h"));
     }
 }

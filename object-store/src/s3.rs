@@ -58,6 +58,10 @@ pub struct S3Config {
     pub max_resumes: u32,
     pub connect_timeout: Duration,
     pub attempt_timeout: Duration,
+    /// An upload (a part, or a whole small object) that has not finished
+    /// within this long plus a second per MiB is taken for stalled: its
+    /// connection is dropped and it is sent again on a new one.
+    pub stall_timeout: Duration,
     pub static_credentials: Option<(String, String)>,
     /// CRC32C on every upload for the store to check (S3 answers
     /// BadDigest when the bytes it got differ from what was sent).
@@ -74,6 +78,7 @@ impl fmt::Debug for S3Config {
             .field("retry_mode", &self.retry_mode)
             .field("max_attempts", &self.max_attempts)
             .field("max_resumes", &self.max_resumes)
+            .field("stall_timeout", &self.stall_timeout)
             .field("checksums", &self.checksums)
             .field(
                 "static_credentials",
@@ -94,6 +99,7 @@ impl Default for S3Config {
             max_resumes: 3,
             connect_timeout: Duration::from_secs(5),
             attempt_timeout: Duration::from_secs(60),
+            stall_timeout: Duration::from_secs(10),
             static_credentials: None,
             checksums: true,
         }
@@ -159,6 +165,7 @@ impl Intercept for RetryCounter {
 pub struct S3Store {
     client: aws_sdk_s3::Client,
     max_resumes: u32,
+    stall_timeout: Duration,
     checksums: bool,
     metrics: Arc<dyn StoreMetrics>,
 }
@@ -201,11 +208,48 @@ impl S3Store {
         Self {
             client: aws_sdk_s3::Client::from_conf(builder.build()),
             max_resumes: config.max_resumes,
+            stall_timeout: config.stall_timeout,
             checksums: config.checksums,
             metrics,
         }
     }
+
+    /// Sends an upload of `len` bytes (`send` builds it anew each time),
+    /// allowing it the stall timeout plus a second per MiB. One that takes
+    /// longer (a store that stopped reading the body, a half-dead
+    /// connection) is dropped with its connection and sent again on a new
+    /// one, at most [`STALL_RETRIES`] more times.
+    async fn unstalled<T, E, F, Fut>(
+        &self,
+        op: &'static str,
+        uri: &ObjectUri,
+        len: usize,
+        send: F,
+    ) -> Result<T, StoreError>
+    where
+        F: Fn() -> Fut,
+        Fut: std::future::Future<Output = Result<T, SdkError<E>>>,
+        E: ProvideErrorMetadata + std::error::Error + Send + Sync + 'static,
+    {
+        let allowed = self.stall_timeout + Duration::from_secs((len as u64).div_ceil(1 << 20));
+        for attempt in 0..=STALL_RETRIES {
+            match tokio::time::timeout(allowed, send()).await {
+                Ok(result) => return result.map_err(map_sdk_error),
+                Err(_) => {
+                    tracing::warn!(%uri, op, len, attempt, ?allowed, "an upload to S3 made no progress in time; sending it again on a new connection");
+                    self.metrics.s3_retry(op);
+                }
+            }
+        }
+        Err(StoreError::Unavailable(format!(
+            "{op} of {len} bytes for {uri} did not finish within {allowed:?}, {} times",
+            STALL_RETRIES + 1
+        )))
+    }
 }
+
+/// Sends of a stalled upload after the first.
+const STALL_RETRIES: u32 = 2;
 
 fn map_sdk_error<E>(err: SdkError<E>) -> StoreError
 where
@@ -322,18 +366,20 @@ impl ObjectStore for S3Store {
         meta: &UserMeta,
     ) -> Result<String, StoreError> {
         let len = data.len() as i64;
+        let crc = self.checksums.then(|| crc32c_header(&data));
         let out = self
-            .client
-            .put_object()
-            .bucket(uri.bucket())
-            .key(uri.key())
-            .set_metadata(sdk_meta(meta))
-            .content_length(len)
-            .set_checksum_crc32_c(self.checksums.then(|| crc32c_header(&data)))
-            .body(ByteStream::from(data))
-            .send()
-            .await
-            .map_err(map_sdk_error)?;
+            .unstalled("PutObject", uri, data.len(), || {
+                self.client
+                    .put_object()
+                    .bucket(uri.bucket())
+                    .key(uri.key())
+                    .set_metadata(sdk_meta(meta))
+                    .content_length(len)
+                    .set_checksum_crc32_c(crc.clone())
+                    .body(ByteStream::from(data.clone()))
+                    .send()
+            })
+            .await?;
         out.e_tag()
             .map(unquote_etag)
             .ok_or_else(|| StoreError::InvalidResponse("PUT without ETag".into()))
@@ -371,18 +417,19 @@ impl ObjectStore for S3Store {
         // fails the part instead of landing in the object.
         let crc = self.checksums.then(|| crc32c_header(&data));
         let out = self
-            .client
-            .upload_part()
-            .bucket(uri.bucket())
-            .key(uri.key())
-            .upload_id(upload_id)
-            .part_number(part_number)
-            .content_length(len)
-            .set_checksum_crc32_c(crc.clone())
-            .body(ByteStream::from(data))
-            .send()
-            .await
-            .map_err(map_sdk_error)?;
+            .unstalled("UploadPart", uri, data.len(), || {
+                self.client
+                    .upload_part()
+                    .bucket(uri.bucket())
+                    .key(uri.key())
+                    .upload_id(upload_id)
+                    .part_number(part_number)
+                    .content_length(len)
+                    .set_checksum_crc32_c(crc.clone())
+                    .body(ByteStream::from(data.clone()))
+                    .send()
+            })
+            .await?;
         let etag = out
             .e_tag()
             .map(str::to_string)

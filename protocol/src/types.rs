@@ -192,6 +192,10 @@ pub struct Health {
 pub struct WorkerDeadlines {
     /// An upload whose client sends nothing for this long is aborted.
     pub body_idle_ms: u64,
+    /// An upload to S3 not done within this plus a second per MiB is sent
+    /// again on a new connection.
+    #[serde(default)]
+    pub s3_stall_ms: u64,
     /// A write-back copy whose replica takes nothing for this long (and
     /// then fails a probe) goes to the next worker; None without write-back.
     pub replica_progress_ms: Option<u64>,

@@ -35,6 +35,7 @@ pub struct AppState {
     pub cache: Arc<Cache>,
     pub metrics: Arc<Metrics>,
     pub limits: HttpLimits,
+    pub s3_stall_timeout: std::time::Duration,
     pub access: AccessPolicy,
     pub tenants: TenantLimiter,
 }
@@ -240,11 +241,13 @@ fn stat_body(uri: &ObjectUri, meta: &ObjectMeta) -> ObjectStat {
 async fn health(state: &AppState) -> Response {
     let cache = state.cache.clone();
     let body_idle = state.limits.body_idle_timeout;
+    let s3_stall = state.s3_stall_timeout;
     let built = tokio::task::spawn_blocking(move || {
         let buckets = cache.traffic();
         let wb = cache.write_back_state().ok().map(|wb| &wb.config);
         let deadlines = lakecache_protocol::WorkerDeadlines {
             body_idle_ms: body_idle.as_millis() as u64,
+            s3_stall_ms: s3_stall.as_millis() as u64,
             replica_progress_ms: wb.map(|c| c.replica_progress.as_millis() as u64),
             staging_stall_ms: wb.map(|c| c.stall_timeout.as_millis() as u64),
         };

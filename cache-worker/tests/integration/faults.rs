@@ -76,3 +76,41 @@ async fn persistent_throttling_maps_to_503_with_retry_after() {
     );
     assert!(text.contains("upstream_throttled"), "{text}");
 }
+
+/// An upload part whose bytes stop moving (the store stops reading them)
+/// is given up on and sent again on a new connection, well before the
+/// attempt timeout; the object lands whole.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_stalled_upload_part_is_sent_again_on_a_new_connection() {
+    let h = Harness::start().await;
+    let body = data((24 * MIB) as usize, 72);
+    h.faults().reset_counts();
+    // The store sits on the first part's request for ten minutes without
+    // reading its body: the sender's socket fills and nothing moves.
+    h.faults()
+        .inject(S3Op::UploadPart, Fault::Delay { ms: 600_000 }, 1);
+    let started = std::time::Instant::now();
+    let stat = h
+        .client
+        .put_bytes(&uri("stalled-part.bin"), bytes::Bytes::from(body.clone()))
+        .await
+        .unwrap();
+    let took = started.elapsed();
+    assert_eq!(stat.size, body.len() as u64);
+    assert!(
+        took < std::time::Duration::from_secs(45),
+        "a stalled part held the upload for {took:?}"
+    );
+    let parts = h.faults().count(S3Op::UploadPart);
+    assert!(
+        parts > 3,
+        "the stalled part was not sent again ({parts} part requests)"
+    );
+    let etag = h.direct.head(&uri("stalled-part.bin")).await.unwrap().etag;
+    let in_s3 = h
+        .direct
+        .get_range(&uri("stalled-part.bin"), 0..body.len() as u64, &etag)
+        .await
+        .unwrap();
+    assert!(in_s3[..] == body[..], "the object in S3 differs");
+}

@@ -29,6 +29,7 @@ pub struct Harness {
 
 pub fn default_options(cache_dir: PathBuf) -> WorkerOptions {
     WorkerOptions {
+        s3_stall_timeout: std::time::Duration::from_secs(10),
         listen: "127.0.0.1:0".parse().unwrap(),
         cache_dir,
         cache: CacheConfig {
