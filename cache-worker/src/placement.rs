@@ -117,6 +117,11 @@ impl Peers {
 }
 
 impl Cache {
+    /// This worker's address in the ring, when it knows its ring.
+    pub(crate) fn ring_address(&self) -> Option<String> {
+        self.peers.placement().and_then(|p| p.me())
+    }
+
     /// Workers require tokens: hand-offs carry peer tokens signed with
     /// `key`. Set once.
     pub fn set_peer_key(&self, key: SigningKey) {

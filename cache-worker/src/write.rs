@@ -268,22 +268,29 @@ impl Cache {
         let key = uri.to_string();
         // HEAD gives S3's own Last-Modified; if it shows another writer's
         // version, our pages must not be committed under it.
+        let written = ObjectMeta {
+            size,
+            etag: etag.clone(),
+            last_modified_ms: std::time::SystemTime::now()
+                .duration_since(std::time::UNIX_EPOCH)
+                .map(|d| d.as_millis() as i64)
+                .unwrap_or(0),
+            user: user.clone(),
+        };
         let meta = match self.store.head(uri).await {
             Ok(meta) => meta,
             Err(e) => {
                 tracing::debug!(%uri, error = %e, "HEAD after write failed; using upload result");
-                ObjectMeta {
-                    size,
-                    etag: etag.clone(),
-                    last_modified_ms: std::time::SystemTime::now()
-                        .duration_since(std::time::UNIX_EPOCH)
-                        .map(|d| d.as_millis() as i64)
-                        .unwrap_or(0),
-                    user: user.clone(),
-                }
+                written.clone()
             }
         };
         let ours = meta.etag == etag && meta.size == size;
+        if !ours {
+            // Another writer's upload of the same object completed after
+            // ours: S3 now holds theirs. Ours still landed, and the answer
+            // describes it, never the other writer's object.
+            tracing::info!(%uri, ours = %etag, now = %meta.etag, "another write of this object completed right after this one; S3 keeps the later one");
+        }
         if let Err(e) = self.replace_meta(&key, Some(&meta)).await {
             tracing::warn!(%uri, error = %e, "recording metadata after write failed");
         }
@@ -322,7 +329,11 @@ impl Cache {
         if let Err(e) = committed {
             tracing::warn!(%uri, error = %e, "committing written pages failed");
         }
-        meta
+        if ours {
+            meta
+        } else {
+            written
+        }
     }
 }
 

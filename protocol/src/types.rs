@@ -27,6 +27,10 @@ pub struct ObjectStat {
     /// The object's user metadata (`x-amz-meta-*`), names lowercase.
     #[serde(default, skip_serializing_if = "std::collections::BTreeMap::is_empty")]
     pub meta: crate::UserMeta,
+    /// On the answer to a write-back copy: the ring address of the worker
+    /// that holds it, which the sender checks against the one it chose.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub held_by: Option<String>,
 }
 
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]

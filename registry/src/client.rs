@@ -340,6 +340,7 @@ impl ClusterClient {
                         last_modified_ms: meta.last_modified_ms,
                         written_as: None,
                         meta: meta.user,
+                        held_by: None,
                     })
                 }
                 None => Err(ClusterError::Unavailable(last)),

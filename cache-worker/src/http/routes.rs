@@ -232,6 +232,7 @@ fn stat_body(uri: &ObjectUri, meta: &ObjectMeta) -> ObjectStat {
         last_modified_ms: meta.last_modified_ms,
         written_as: None,
         meta: meta.user.clone(),
+        held_by: None,
     }
 }
 
@@ -570,6 +571,12 @@ async fn write(
     // drops this handler, but the task sees the body end in an error and
     // aborts the multipart upload and frees its staged pages.
     let (cache, task_uri) = (state.cache.clone(), uri.clone());
+    // A copy's answer names who holds it: the sender checks it is the
+    // worker it chose (a stale ring can route to another).
+    let held_by = match role {
+        WriteRole::Replica { .. } => state.cache.ring_address(),
+        WriteRole::Primary => None,
+    };
     let mut task = if mode == WriteMode::Back {
         crate::tenant::spawn(crate::fence::scope(patience, async move {
             cache
@@ -586,11 +593,14 @@ async fn write(
         // object is stored, so the client can tell work from silence.
         tokio::select! {
             _ = arrived => {}
-            done = &mut task => return write_answer(&uri, done),
+            done = &mut task => return write_answer(&uri, done, held_by),
         }
         let outcome = tokio::spawn(async move {
             match task.await {
-                Ok(Ok(meta)) => WriteOutcome::Stored(stat_body(&uri, &meta)),
+                Ok(Ok(meta)) => WriteOutcome::Stored(ObjectStat {
+                    held_by,
+                    ..stat_body(&uri, &meta)
+                }),
                 Ok(Err(e)) => {
                     WriteOutcome::Failed(ErrorBody::new(cache_error_code(&e), e.to_string()))
                 }
@@ -602,7 +612,7 @@ async fn write(
         });
         return json_when_ready(outcome);
     }
-    write_answer(&uri, task.await)
+    write_answer(&uri, task.await, held_by)
 }
 
 /// A watched write's client: how long it waits, and when it sent.
@@ -622,9 +632,16 @@ fn client_patience(headers: &http::HeaderMap) -> Option<crate::fence::ClientPati
 fn write_answer(
     uri: &ObjectUri,
     done: Result<Result<ObjectMeta, CacheError>, tokio::task::JoinError>,
+    held_by: Option<String>,
 ) -> Response {
     match done {
-        Ok(Ok(meta)) => json(StatusCode::OK, &stat_body(uri, &meta)),
+        Ok(Ok(meta)) => json(
+            StatusCode::OK,
+            &ObjectStat {
+                held_by,
+                ..stat_body(uri, &meta)
+            },
+        ),
         Ok(Err(e)) => cache_error(&e),
         Err(e) => cache_error(&CacheError::Local(format!("write task failed: {e}"))),
     }

@@ -13,7 +13,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use bytes::Bytes;
-use lakecache_protocol::{BoxError, ClientError, ObjectUri, WorkerClient};
+use lakecache_protocol::{BoxError, ClientError, ObjectStat, ObjectUri, WorkerClient};
 use tokio::sync::mpsc;
 use tokio::task::JoinHandle;
 
@@ -27,7 +27,7 @@ const STREAM_DEPTH: usize = 8;
 struct Stream {
     addr: String,
     tx: Option<mpsc::Sender<Result<Bytes, BoxError>>>,
-    task: JoinHandle<Result<(), ClientError>>,
+    task: JoinHandle<Result<ObjectStat, ClientError>>,
     /// For probing the replica's liveness.
     client: WorkerClient,
 }
@@ -159,7 +159,6 @@ impl Cache {
                 client
                     .put_replica(&uri, &version, &replica_of, body, &user, Some(progress))
                     .await
-                    .map(|_| ())
             });
             out.streams.push(Stream {
                 addr,
@@ -191,7 +190,10 @@ impl Cache {
         }
         for stream in copies.streams {
             match stream.task.await {
-                Ok(Ok(())) => held.push(stream.addr),
+                Ok(Ok(stat)) => match copy_answer_checks(&stat, object, &stream.addr) {
+                    Ok(()) => held.push(stream.addr),
+                    Err(e) => failures.push(e.to_string()),
+                },
                 Ok(Err(e)) => failures.push(format!("{}: {e}", stream.addr)),
                 Err(e) => failures.push(format!("{}: {e}", stream.addr)),
             }
@@ -261,8 +263,8 @@ impl Cache {
             )
             .await;
         feed.abort();
-        sent.map(|_| ())
-            .map_err(|e| CacheError::ReplicasUnavailable(e.to_string()))
+        let stat = sent.map_err(|e| CacheError::ReplicasUnavailable(e.to_string()))?;
+        copy_answer_checks(&stat, object, addr)
     }
 
     /// Sends a journaled delete to every worker in `record.replicas`;
@@ -420,5 +422,32 @@ impl Cache {
             return Ok(Some(written));
         }
         Ok(None)
+    }
+}
+
+/// A copy counts only when its answer describes this write, held by the
+/// worker it was sent to: not another version or size, and not another
+/// worker answering at that address (a stale ring, a reused address).
+fn copy_answer_checks(
+    stat: &ObjectStat,
+    object: &PendingObject,
+    addr: &str,
+) -> Result<(), CacheError> {
+    let refused = |why: String| {
+        tracing::warn!(uri = %object.uri, version = %object.version, worker = %addr, "{why}");
+        Err(CacheError::ReplicasUnavailable(format!("{addr}: {why}")))
+    };
+    if stat.etag != object.version || stat.size != object.size {
+        return refused(format!(
+            "the copy's answer describes {} ({} bytes), not version {} ({} bytes)",
+            stat.etag, stat.size, object.version, object.size
+        ));
+    }
+    match stat.held_by.as_deref() {
+        Some(holder) if holder == addr => Ok(()),
+        Some(holder) => refused(format!(
+            "the copy sent to {addr} was answered by the worker at {holder}"
+        )),
+        None => refused("the copy's answer does not say which worker holds it".to_string()),
     }
 }

@@ -362,3 +362,43 @@ async fn a_copy_sent_to_a_worker_without_the_pending_source_finds_it_on_its_prim
     b.shutdown().await;
     c.shutdown().await;
 }
+
+/// A copy answered by a worker other than the one it was sent to (a
+/// stale ring, a copied config: the worker at B's address believes it is
+/// at C) does not count: the copy goes to the next worker, and the write
+/// is acknowledged with the copy that worker holds.
+#[tokio::test]
+async fn a_copy_answered_by_another_workers_identity_does_not_count() {
+    let h = Harness::with(|o| o.cache.writeback.replicas = Some(2)).await;
+    let (b_dir, c_dir) = (tempfile::tempdir().unwrap(), tempfile::tempdir().unwrap());
+    let b = start_at(&h, b_dir.path(), None).await;
+    let c = start_at(&h, c_dir.path(), None).await;
+    let (a_addr, b_addr, c_addr) = (
+        h.addr().to_string(),
+        b.addr().to_string(),
+        c.addr().to_string(),
+    );
+    place(
+        h.worker.as_ref().unwrap(),
+        &[b_addr.clone(), c_addr.clone()],
+    );
+    // B takes itself for C.
+    b.cache().set_placement(Arc::new(FixedRing {
+        me: c_addr.clone(),
+        others: vec![a_addr.clone()],
+    }));
+    place(&c, std::slice::from_ref(&a_addr));
+
+    let body = data(3 * MIB as usize + 17, 9);
+    let stat = put_back(&h.client, "ckpt/id/model.bin", &body)
+        .await
+        .unwrap();
+    assert_eq!(stat.size, body.len() as u64);
+    // C is asked only once B's copy is refused (one copy is wanted
+    // besides the primary's).
+    assert_eq!(
+        status(&client(&c)).await.replica_objects,
+        1,
+        "the copy answered under another identity was counted"
+    );
+}

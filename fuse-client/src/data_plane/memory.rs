@@ -131,6 +131,7 @@ impl MemoryDataPlane {
             last_modified_ms: o.mtime_ms,
             written_as: None,
             meta: o.meta.clone(),
+            held_by: None,
         }
     }
 

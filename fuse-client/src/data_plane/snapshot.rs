@@ -82,6 +82,7 @@ impl DataPlane for SnapshotDataPlane {
             last_modified_ms: e.last_modified_ms,
             written_as: None,
             meta: UserMeta::new(),
+            held_by: None,
         })
     }
 
