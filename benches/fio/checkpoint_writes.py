@@ -113,14 +113,7 @@ def main() -> None:
     c = Cluster(a.bin, work)
 
     def once(mode: str) -> dict:
-        if mode == "local":
-            target = work / "local"
-        elif mode == "back-r2":
-            c.start_ring(3, ("--write-replicas", "2"), ("--write-mode", "back"))
-            target = c.mnt / mode
-        else:
-            c.start_worker(fresh=True, mount_flags=("--write-mode", mode))
-            target = c.mnt / mode
+        target = work / "local" if mode == "local" else c.start_write_mode(mode)
         daemons = c.daemons() if mode != "local" else []
         d = target / "fio"
         d.mkdir(parents=True, exist_ok=True)

@@ -154,6 +154,19 @@ class Cluster:
         self._mount(("--registry", registry, *mount_flags))
         self.registry = registry
 
+    def start_write_mode(self, mode: str) -> Path:
+        """Workers and a mount for one write mode of the write benches
+        (`through`, `back`, or `back-r2`: three workers, every write-back
+        body on two of them); returns the mode's own directory on the
+        mount. The bucket outlives the workers: each mode writes its own
+        directory (an existing object opened without O_TRUNC is read-only
+        on the mount)."""
+        if mode == "back-r2":
+            self.start_ring(3, ("--write-replicas", "2"), ("--write-mode", "back"))
+        else:
+            self.start_worker(fresh=True, mount_flags=("--write-mode", mode))
+        return self.mnt / mode
+
     def daemons(self) -> list[int]:
         """The lakecache processes serving the mount (not the S3 endpoint),
         whose CPU counts toward a measurement's CPU-s/GiB."""

@@ -137,18 +137,7 @@ def main() -> None:
     c = Cluster(a.bin, work)
 
     def mode_once(mode: str) -> dict:
-        if mode == "local":
-            target = work / "local"
-        elif mode == "back-r2":
-            # Three workers, every write-back body on two of them.
-            c.start_ring(3, ("--write-replicas", "2"), ("--write-mode", "back"))
-            target = c.mnt / mode
-        else:
-            c.start_worker(fresh=True, mount_flags=("--write-mode", mode))
-            # The bucket outlives the worker: each mode writes its own
-            # directory (an existing object opened without O_TRUNC is
-            # read-only on the mount).
-            target = c.mnt / mode
+        target = work / "local" if mode == "local" else c.start_write_mode(mode)
         r: dict[str, float] = {}
         daemons = c.daemons() if mode != "local" else []
         for jobs in (1, 4):

@@ -115,12 +115,7 @@ impl Cache {
             total += chunk.len() as u64;
             let mut rest = &chunk[..];
             while staging && !rest.is_empty() {
-                let take = (ps - page.len()).min(rest.len());
-                page.extend_from_slice(&rest[..take]);
-                rest = &rest[take..];
-                if page.len() == ps {
-                    let full =
-                        buffer_pool::freeze(std::mem::replace(&mut page, buffer_pool::take(ps)));
+                if let Some(full) = fill_page(&mut page, ps, &mut rest) {
                     staging = self.stage(&full, pages_seen, staged).await;
                     pages_seen += 1;
                 }
@@ -445,4 +440,17 @@ async fn join_part(
         Ok(r) => r.map_err(CacheError::from),
         Err(e) => Err(CacheError::Local(format!("part upload task failed: {e}"))),
     }
+}
+
+/// Moves bytes from `rest` into `page` (a pooled, aligned buffer of `ps`
+/// bytes); returns the page once it is full, a fresh one in its place.
+pub(crate) fn fill_page(
+    page: &mut buffer_pool::PoolBuf,
+    ps: usize,
+    rest: &mut &[u8],
+) -> Option<Bytes> {
+    let take = (ps - page.len()).min(rest.len());
+    page.extend_from_slice(&rest[..take]);
+    *rest = &rest[take..];
+    (page.len() == ps).then(|| buffer_pool::freeze(std::mem::replace(page, buffer_pool::take(ps))))
 }

@@ -42,6 +42,12 @@ pub struct FuseArgs {
     /// [default: 1/8 of RAM, at most 4GiB]
     #[arg(long, env = "LAKECACHE_MEMORY_LIMIT")]
     pub memory_limit: Option<ByteSize>,
+    /// Where files changed in place are copied until uploaded, and where
+    /// a write beyond --memory-limit is kept until acknowledged (so a
+    /// stalled write of any size can be sent to another worker); anonymous
+    /// files, gone when closed [default: $TMPDIR/lakecache-spool]
+    #[arg(long, env = "LAKECACHE_SPOOL_DIR")]
+    pub spool_dir: Option<std::path::PathBuf>,
     /// A write whose worker takes no byte for this long (while bytes wait
     /// for it), or stays silent this long after the last byte, fails with
     /// EIO instead of hanging the writer as long as the worker hangs
@@ -153,6 +159,15 @@ impl FuseArgs {
                 );
             }
             config.memory_limit = limit.0;
+        }
+        if let Some(dir) = &self.spool_dir {
+            if !dir.is_absolute() {
+                bail!(
+                    "--spool-dir must be an absolute path, got {}",
+                    dir.display()
+                );
+            }
+            config.spool_dir = dir.clone();
         }
         lakecache_protocol::buffer_pool::limit_idle_to_share_of(config.memory_limit);
         if let Some(uid) = self.uid {
@@ -438,6 +453,8 @@ pub struct MountSettings {
     pub write_progress_timeout_ms: u64,
     pub upload_timeout_ms: u64,
     pub memory_limit_bytes: u64,
+    #[serde(default)]
+    pub spool_dir: String,
 }
 
 /// Exports the local tier's metrics and goes on completing what a
@@ -451,6 +468,7 @@ pub fn start_local_tier(fs: &Fs) -> lakecache_telemetry::JsonRoutes {
         write_progress_timeout_ms: config.write_progress_timeout.as_millis() as u64,
         upload_timeout_ms: config.upload_timeout.as_millis() as u64,
         memory_limit_bytes: config.memory_limit,
+        spool_dir: config.spool_dir.display().to_string(),
     })
     .unwrap_or_else(|e| serde_json::json!({ "error": format!("mount settings: {e}") }));
     routes.push((SETTINGS_PATH, Arc::new(move || settings.clone())));

@@ -53,11 +53,12 @@ fn no_tier(addr: SocketAddr) -> anyhow::Error {
 fn print_settings(s: &MountSettings) {
     let secs = |ms: u64| format!("{}s", ms as f64 / 1000.0);
     println!(
-        "writes: {} mode; progress deadline {} (--write-progress-timeout: a worker silent that long, and then to a probe, is given up on and the write goes to the next worker); whole upload at most {}; memory {}",
+        "writes: {} mode; progress deadline {} (--write-progress-timeout: a worker silent that long, and then to a probe, is given up on and the write goes to the next worker); whole upload at most {}; memory {}, beyond it kept for a resend in {}",
         s.write_mode,
         secs(s.write_progress_timeout_ms),
         secs(s.upload_timeout_ms),
-        ByteSize(s.memory_limit_bytes).human()
+        ByteSize(s.memory_limit_bytes).human(),
+        s.spool_dir
     );
 }
 

@@ -960,7 +960,8 @@ impl Fs {
             self.memory.clone(),
             self.config.write_mode_for(&node.key),
             user,
-        );
+        )
+        .with_spool(self.config.spool_dir.join("resend"));
         let mut handles = self.handles.lock().unwrap_or_else(|p| p.into_inner());
         handles.insert(
             fh,

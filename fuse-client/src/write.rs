@@ -49,6 +49,8 @@ pub struct FileWriter {
     held_len: u64,
     /// Metadata was set explicitly while open (see `set_meta_explicitly`).
     meta_set: bool,
+    /// Where an upload beyond the memory budget is kept for a resend.
+    spool_dir: Option<std::path::PathBuf>,
 }
 
 impl FileWriter {
@@ -74,7 +76,15 @@ impl FileWriter {
             fill_to: 0,
             upload: None,
             outcome: None,
+            spool_dir: None,
         }
+    }
+
+    /// Keeps what the upload sent beyond the memory budget in `dir`, so
+    /// a stalled write of any size can be sent again.
+    pub fn with_spool(mut self, dir: std::path::PathBuf) -> Self {
+        self.spool_dir = Some(dir);
+        self
     }
 
     pub fn written(&self) -> u64 {
@@ -172,7 +182,7 @@ impl FileWriter {
 
     fn start(&self) -> Upload {
         let (sender, receiver) = mpsc::channel::<(Bytes, Reservation)>(QUEUED_WRITES);
-        let resend = Resend::new(receiver, self.budget.clone());
+        let resend = Resend::new(receiver, self.budget.clone(), self.spool_dir.clone());
         let (data, uri, limits, mode, meta) = (
             self.data.clone(),
             self.uri.clone(),
@@ -192,7 +202,7 @@ impl FileWriter {
                         tracing::warn!(
                             %uri,
                             %worker,
-                            kept_bytes = Resend::kept_bytes(&resend),
+                            kept = ?Resend::kept_bytes(&resend),
                             "the write's worker stalled; sending the write again to the next worker"
                         );
                         crate::metrics::global().write_resend();

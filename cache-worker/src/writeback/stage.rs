@@ -17,6 +17,7 @@ use crate::cache::{join_failed, Cache, CacheError};
 use crate::journal::{PendingObject, ReplicaOf};
 use crate::pages::Staged;
 use crate::store::ObjectMeta;
+use crate::write::fill_page;
 
 /// S3 allows this many parts in one multipart upload.
 const MAX_PARTS: u64 = 10_000;
@@ -170,12 +171,7 @@ impl Cache {
             }
             let mut rest = &chunk[..];
             while !rest.is_empty() {
-                let take = (ps - page.len()).min(rest.len());
-                page.extend_from_slice(&rest[..take]);
-                rest = &rest[take..];
-                if page.len() == ps {
-                    let full =
-                        buffer_pool::freeze(std::mem::replace(&mut page, buffer_pool::take(ps)));
+                if let Some(full) = fill_page(&mut page, ps, &mut rest) {
                     self.stage_dirty(wb, full, deadline, taken).await?;
                 }
             }

@@ -282,3 +282,28 @@ pub fn assert_api_error(
         "expected the worker's {code:?} error, got {err:?}"
     );
 }
+
+/// `body` put through `client` in `mode`, sent in 256 KiB pieces with its
+/// CRC32C trailer and watched (keepalive answers) with `watch`.
+pub async fn put_watched(
+    client: &WorkerClient,
+    key: &str,
+    body: &[u8],
+    mode: lakecache_protocol::WriteMode,
+    watch: Duration,
+) -> Result<lakecache_protocol::ObjectStat, lakecache_protocol::ClientError> {
+    let pieces: Vec<Result<Bytes, lakecache_protocol::BoxError>> = body
+        .chunks(256 << 10)
+        .map(|c| Ok(Bytes::copy_from_slice(c)))
+        .collect();
+    client
+        .put_checked(
+            &uri(key),
+            futures::stream::iter(pieces),
+            mode,
+            &[],
+            &Default::default(),
+            Some(watch),
+        )
+        .await
+}

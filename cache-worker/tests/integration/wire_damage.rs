@@ -7,7 +7,6 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
 
-use bytes::Bytes;
 use lakecache_protocol::{ClientError, ErrorCode, WorkerClient, WriteMode};
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::{TcpListener, TcpStream};
@@ -161,21 +160,15 @@ async fn a_write_damaged_on_the_wire_is_refused_and_nothing_is_stored() {
     for mode in [WriteMode::Through, WriteMode::Back] {
         to_worker.arm(1);
         let before = to_worker.flipped();
-        let pieces: Vec<Result<Bytes, _>> = new
-            .chunks(256 << 10)
-            .map(|c| Ok(Bytes::copy_from_slice(c)))
-            .collect();
-        let err = client
-            .put_checked(
-                &u,
-                futures::stream::iter(pieces),
-                mode,
-                &[],
-                &Default::default(),
-                Some(Duration::from_secs(10)),
-            )
-            .await
-            .unwrap_err();
+        let err = put_watched(
+            &client,
+            "wire/write.bin",
+            &new,
+            mode,
+            Duration::from_secs(10),
+        )
+        .await
+        .unwrap_err();
         assert_eq!(
             to_worker.flipped(),
             before + 1,

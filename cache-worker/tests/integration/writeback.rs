@@ -491,27 +491,11 @@ async fn two_mounts_writing_one_object_at_once_leave_one_whole_body() {
             data(12 * MIB as usize, 80 + round as u64),
             data(12 * MIB as usize + 3, 90 + round as u64),
         );
-        let send = |client: &WorkerClient, body: &[u8]| {
-            let pieces: Vec<Result<Bytes, lakecache_protocol::BoxError>> = body
-                .chunks(256 << 10)
-                .map(|c| Ok(Bytes::copy_from_slice(c)))
-                .collect();
-            let client = client.clone();
-            let u = uri(&key);
-            async move {
-                client
-                    .put_checked(
-                        &u,
-                        futures::stream::iter(pieces),
-                        mode,
-                        &[],
-                        &Default::default(),
-                        Some(Duration::from_secs(30)),
-                    )
-                    .await
-            }
-        };
-        let (ra, rb) = tokio::join!(send(&h.client, &a), send(&other, &b));
+        let watch = Duration::from_secs(30);
+        let (ra, rb) = tokio::join!(
+            put_watched(&h.client, &key, &a, mode, watch),
+            put_watched(&other, &key, &b, mode, watch)
+        );
         let (sa, sb) = (ra.unwrap(), rb.unwrap());
         assert_eq!((sa.size, sb.size), (a.len() as u64, b.len() as u64));
         if mode == lakecache_protocol::WriteMode::Back {

@@ -254,7 +254,10 @@ fn six_writers_with_one_worker_stopped(mode: &str) {
         .collect();
     // Returns each writer's time and, when `stop`, the index of the file
     // whose owner was stopped 1 s in.
-    let run = |env: &Env, round: &str, stop: bool| -> (Vec<Duration>, Option<(usize, String)>) {
+    let run = |env: &Env,
+               round: &str,
+               stop: Option<Duration>|
+     -> (Vec<Duration>, Option<(usize, String)>) {
         let started = Instant::now();
         let mut writers: Vec<_> = sources
             .iter()
@@ -273,18 +276,23 @@ fn six_writers_with_one_worker_stopped(mode: &str) {
             })
             .collect();
         let mut victim = None;
-        if stop {
+        if let Some(stop_at) = stop {
             common::wait_until(
-                "1 s into the writes",
+                "the stop time into the writes",
                 Duration::from_secs(5),
                 Duration::from_millis(10),
-                || started.elapsed() >= Duration::from_secs(1),
+                || started.elapsed() >= stop_at,
             );
-            // The owner of a file still being written (on a fast disk
-            // some writers are done within the second).
-            let unfinished = writers
-                .iter_mut()
-                .position(|w| matches!(w.try_wait(), Ok(None)))
+            // The owner of the file furthest from done (on a fast disk
+            // some writers are done within the second, and one whose
+            // bytes are all in may be acknowledged before the stop lands).
+            let size = |i: usize| {
+                fs::metadata(env.mountpoint().join(format!("{round}-{i}.ckpt")))
+                    .map_or(0, |m| m.len())
+            };
+            let unfinished = (0..writers.len())
+                .filter(|&i| matches!(writers[i].try_wait(), Ok(None)))
+                .min_by_key(|&i| size(i))
                 .unwrap_or(0);
             let owner = env.owner_index(&format!("{round}-{unfinished}.ckpt"), 0);
             let pid = env.workers[owner].1.id().to_string();
@@ -307,7 +315,7 @@ fn six_writers_with_one_worker_stopped(mode: &str) {
             .collect();
         (times, victim)
     };
-    let (calm, _) = run(&env, "calm", false);
+    let (calm, _) = run(&env, "calm", None);
     let slowest_calm = calm.iter().max().copied().unwrap();
     // No false alarm: healthy workers, however loaded, are never given up on.
     assert_eq!(
@@ -315,13 +323,16 @@ fn six_writers_with_one_worker_stopped(mode: &str) {
         0.0,
         "{mode}: a healthy worker was taken for hung"
     );
-    let (hung, victim) = run(&env, "hung", true);
+    // 1 s in, or halfway through where the calm round took under 2 s
+    // (a fast disk): either way, with writes still in flight.
+    let stop_at = (slowest_calm / 2).min(Duration::from_secs(1));
+    let (hung, victim) = run(&env, "hung", Some(stop_at));
     let (victim_file, pid) = victim.unwrap();
     let victim_name = format!("hung-{victim_file}.ckpt");
     let victim = env.owner_index(&victim_name, 0);
     let slowest_hung = hung.iter().max().copied().unwrap();
     eprintln!(
-        "{mode}: slowest of {FILES} writers {slowest_calm:?} without a hang, {slowest_hung:?} with worker {victim} (owner of {victim_name}) stopped 1 s in"
+        "{mode}: slowest of {FILES} writers {slowest_calm:?} without a hang, {slowest_hung:?} with worker {victim} (owner of {victim_name}) stopped {stop_at:?} in"
     );
     // A newer version of a file the stopped worker was taking.
     let newer = pattern(4 << 20, 999);
@@ -462,4 +473,76 @@ fn a_resumed_worker_never_lands_its_stale_copy(mode: &str) {
         fs::read(env.mountpoint().join("small.ckpt")).unwrap(),
         newer
     );
+}
+
+/// A write far larger than the mount's memory budget, its worker stopped
+/// after 64 MiB: what the budget cannot keep was spooled to the node's
+/// disk, so the write is sent again, whole, to the next worker, and the
+/// file reads back byte-identical.
+#[test]
+fn a_write_larger_than_the_memory_budget_is_resent_from_the_spool() {
+    let mut env = Env::start(3);
+    env.mount_with(&[
+        "--write-progress-timeout",
+        PROGRESS,
+        "--memory-limit",
+        "32MiB",
+        "--metrics-listen",
+        "127.0.0.1:0",
+    ]);
+    let port = metrics_port(&mut env);
+    let name = "spooled.ckpt";
+    let owner = env.owner_index(name, 0);
+    let pid = env.workers[owner].1.id().to_string();
+    let block = |i: usize| pattern(1 << 20, 1000 + i as u64);
+    let mut f = File::create(env.mountpoint().join(name)).unwrap();
+    for i in 0..64 {
+        f.write_all(&block(i)).unwrap();
+    }
+    Command::new("kill").args(["-STOP", &pid]).status().unwrap();
+    let writer = std::thread::spawn(move || -> std::io::Result<()> {
+        for i in 64..128 {
+            f.write_all(&block(i))?;
+        }
+        f.sync_all()?;
+        drop(f);
+        Ok(())
+    });
+    let result = writer.join().unwrap();
+    Command::new("kill").args(["-CONT", &pid]).status().unwrap();
+    result.unwrap_or_else(|e| {
+        panic!(
+            "the write failed: {e}\nmount log:\n{}",
+            common::tail(&env.log(), 30)
+        )
+    });
+    let resends = common::metric(
+        &reqwest_like_get(port, "/metrics"),
+        "lakecache_fuse_write_resends_total",
+        &[],
+    )
+    .unwrap();
+    assert!(resends >= 1.0, "the write was not sent again");
+    // The resend said how much it replayed from the spool.
+    let log = env.log();
+    let spooled = log
+        .lines()
+        .filter_map(|l| l.split("kept=(").nth(1))
+        .filter_map(|rest| rest.split(')').next())
+        .filter_map(|pair| pair.split(", ").nth(1)?.parse::<u64>().ok())
+        .max()
+        .unwrap_or(0);
+    assert!(
+        spooled >= 32 << 20,
+        "expected most of the write replayed from the spool, got {spooled} bytes:\n{}",
+        common::tail(&log, 20)
+    );
+    let got = fs::read(env.mountpoint().join(name)).unwrap();
+    assert_eq!(got.len(), 128 << 20);
+    for i in 0..128 {
+        assert!(
+            got[i << 20..(i + 1) << 20] == block(i)[..],
+            "MiB {i} reads back different bytes"
+        );
+    }
 }

@@ -167,7 +167,17 @@ impl DataPlane for ClusterClient {
         let pump = async move {
             let mut body = body;
             loop {
-                let piece = body.next().await;
+                let piece = match body.next().await {
+                    Some(Ok(piece)) => Some(piece),
+                    None => None,
+                    // Dropping the hand-off without its end fails the
+                    // request body: the worker stores nothing.
+                    Some(Err(e)) => {
+                        tracing::warn!(%uri, error = %e, "the write's body failed; the upload is abandoned");
+                        drop(tx);
+                        return std::future::pending().await;
+                    }
+                };
                 let last = piece.is_none();
                 // A piece waiting its turn: while the worker takes nothing,
                 // ask it (on a connection of its own) whether it is there

@@ -234,7 +234,7 @@ impl<D: DataPlane> DataPlane for FaultyDataPlane<D> {
         let mut body = body;
         let mut seen = 0usize;
         while let Some(chunk) = body.next().await {
-            seen += chunk.len();
+            seen += chunk?.len();
             if seen > keep {
                 break;
             }

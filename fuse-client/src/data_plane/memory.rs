@@ -317,7 +317,7 @@ impl DataPlane for MemoryDataPlane {
         self.delay().await;
         let mut buf = BytesMut::new();
         while let Some(chunk) = body.next().await {
-            buf.extend_from_slice(&chunk);
+            buf.extend_from_slice(&chunk?);
         }
         Ok(self.store(uri, buf.freeze(), meta))
     }

@@ -22,8 +22,10 @@ pub use faulty::{DataFault, DataOp, FaultyDataPlane};
 pub use memory::{MemoryDataPlane, Quirks};
 pub use snapshot::{load_manifest, ManifestError, SnapshotDataPlane};
 
-/// The body of a streaming upload: chunks in file order.
-pub type ByteStream = Pin<Box<dyn Stream<Item = Bytes> + Send + Sync>>;
+/// The body of a streaming upload: chunks in file order. An error item
+/// (the mount could not read back what it spooled) fails the upload: the
+/// body never just ends short.
+pub type ByteStream = Pin<Box<dyn Stream<Item = Result<Bytes, DataError>> + Send + Sync>>;
 
 /// How long an upload may take: in all, and without progress (no byte
 /// taken while bytes wait, or no answer byte once the body is sent).
@@ -74,6 +76,9 @@ pub enum DataError {
     /// An upload whose body the store stopped reading before the end.
     #[error("the upload ended before all its data was sent")]
     UploadCut,
+    /// What the mount spooled to disk for a resend could not be read back.
+    #[error("the write's spool file failed: {0}")]
+    Spool(String),
     /// The worker taking an upload made no progress for the deadline:
     /// hung, or cut off without the connection saying so.
     #[error("worker {worker} made no progress on the write for {after:?} (--write-progress-timeout); the write was given up")]

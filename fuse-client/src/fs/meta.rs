@@ -318,7 +318,9 @@ impl Fs {
                 }
                 Ok::<(), DataError>(())
             });
-            let body: ByteStream = Box::pin(futures::stream::poll_fn(move |cx| rx.poll_recv(cx)));
+            let body: ByteStream = Box::pin(futures::stream::poll_fn(move |cx| {
+                rx.poll_recv(cx).map(|piece| piece.map(Ok))
+            }));
             let mode = self.config.write_mode_for(&node.key);
             let stored = self
                 .data
@@ -448,7 +450,7 @@ impl Fs {
         let uri = self.uri(key)?;
         let stat = match self.config.write_mode_for(key) {
             lakecache_protocol::WriteMode::Back => {
-                let body: ByteStream = Box::pin(futures::stream::iter([data]));
+                let body: ByteStream = Box::pin(futures::stream::iter([Ok(data)]));
                 self.data
                     .upload(
                         &uri,

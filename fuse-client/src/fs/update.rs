@@ -126,7 +126,7 @@ impl Fs {
     /// A temp file holding the object's current bytes.
     async fn fill_spool(&self, node: &crate::inode::Inode) -> Result<std::fs::File, FsError> {
         let dir = self.config.spool_dir.clone();
-        let file = tokio::task::spawn_blocking(move || tempfile_in(&dir))
+        let file = tokio::task::spawn_blocking(move || crate::resend::tempfile_in(&dir))
             .await
             .map_err(FsError::Task)?
             .map_err(io("creating a spool file"))?;
@@ -256,7 +256,9 @@ impl Fs {
             }
             Ok::<(), DataError>(())
         });
-        let body: ByteStream = Box::pin(futures::stream::poll_fn(move |cx| rx.poll_recv(cx)));
+        let body: ByteStream = Box::pin(futures::stream::poll_fn(move |cx| {
+            rx.poll_recv(cx).map(|piece| piece.map(Ok))
+        }));
         let mode = self.config.write_mode_for(&node.key);
         let stored = self
             .data
@@ -302,18 +304,6 @@ impl Fs {
         });
         result
     }
-}
-
-/// An anonymous temp file in `dir` (gone when closed, even after a crash).
-fn tempfile_in(dir: &std::path::Path) -> std::io::Result<std::fs::File> {
-    use std::os::unix::fs::OpenOptionsExt;
-    std::fs::create_dir_all(dir)?;
-    std::fs::OpenOptions::new()
-        .read(true)
-        .write(true)
-        .custom_flags(libc::O_TMPFILE)
-        .mode(0o600)
-        .open(dir)
 }
 
 /// Most objects a directory rename moves; a bigger tree gets EXDEV, and
