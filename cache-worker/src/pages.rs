@@ -208,12 +208,35 @@ pub struct CheckedFile {
     pub skip: u64,
 }
 
+/// CRC32C of a whole run of blocks, from each block's CRC and length
+/// (no pass over the bytes).
+pub fn combine_crcs(blocks: impl IntoIterator<Item = (u32, u64)>) -> u32 {
+    blocks.into_iter().fold(0, |acc, (crc, len)| {
+        crc32c::crc32c_combine(acc, crc, len as usize)
+    })
+}
+
 /// A page's bytes in a temp file, not yet labelled or visible.
 #[derive(Debug)]
 pub struct Staged {
     path: PathBuf,
     crcs: Vec<u32>,
     pub len: u64,
+}
+
+impl Staged {
+    /// CRC32C of the page's bytes, from its block CRCs.
+    pub fn crc(&self) -> u32 {
+        let blocks = self.crcs.len() as u64;
+        combine_crcs(self.crcs.iter().enumerate().map(|(i, crc)| {
+            let len = if i as u64 + 1 == blocks {
+                self.len - CHECK_BLOCK * (blocks - 1)
+            } else {
+                CHECK_BLOCK
+            };
+            (*crc, len)
+        }))
+    }
 }
 
 /// Serialises header updates of partial fills (read-modify-write).
@@ -791,5 +814,34 @@ mod tests {
         assert!(store.fill(&key, &id, 3, &data[3 * b..]).unwrap());
         let all = store.read(&key, &id, 0..data.len() as u64).unwrap();
         assert_eq!(&all[..], &data[..]);
+    }
+
+    #[test]
+    fn a_pages_crc_from_its_block_crcs_is_the_crc_of_its_bytes() {
+        for len in [
+            1usize,
+            4096,
+            CHECK_BLOCK as usize,
+            1 << 20,
+            (1 << 20) - 7,
+            700_001,
+        ] {
+            let data: Vec<u8> = (0..len).map(|i| (i * 31 % 253) as u8).collect();
+            let staged = Staged {
+                path: PathBuf::new(),
+                crcs: block_crcs(&data),
+                len: len as u64,
+            };
+            assert_eq!(staged.crc(), crc32c::crc32c(&data), "{len} bytes");
+        }
+        let (a, b) = (b"checkpoint ".to_vec(), b"bytes".to_vec());
+        let joined = [a.clone(), b.clone()].concat();
+        assert_eq!(
+            combine_crcs([
+                (crc32c::crc32c(&a), a.len() as u64),
+                (crc32c::crc32c(&b), b.len() as u64)
+            ]),
+            crc32c::crc32c(&joined)
+        );
     }
 }
