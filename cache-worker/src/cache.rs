@@ -251,6 +251,7 @@ impl Cache {
         if let Some(meta) = self.pending_meta(uri)? {
             return Ok(meta);
         }
+        let asked_ms = now_ms();
         let (this, key) = (self.clone(), uri.to_string());
         let rec = tokio::task::spawn_blocking(move || this.index.get_object(&key))
             .await
@@ -274,12 +275,24 @@ impl Cache {
                 });
             }
         }
-        self.revalidate(uri).await
+        self.head_once(uri, Some(asked_ms)).await
     }
 
     /// HEADs the object (one HEAD for concurrent callers) and records the
     /// answer; a new ETag makes the old version's pages unreachable.
     pub async fn revalidate(self: &Arc<Self>, uri: &ObjectUri) -> Result<ObjectMeta, CacheError> {
+        self.head_once(uri, None).await
+    }
+
+    /// [`Self::revalidate`]; with `recorded_since`, a record made at or
+    /// after that time answers instead of a HEAD: a stat whose index
+    /// lookup missed just before another caller's HEAD recorded the object
+    /// would otherwise HEAD again once that flight has ended.
+    async fn head_once(
+        self: &Arc<Self>,
+        uri: &ObjectUri,
+        recorded_since: Option<i64>,
+    ) -> Result<ObjectMeta, CacheError> {
         if let Some(meta) = self.pending_meta(uri)? {
             return Ok(meta);
         }
@@ -287,6 +300,11 @@ impl Cache {
         let this = self.clone();
         self.head_flights
             .run(key.clone(), || async move {
+                if let Some(since) = recorded_since {
+                    if let Some(meta) = this.recorded_since(&key, since).await {
+                        return Ok(meta);
+                    }
+                }
                 // In its own task: a client giving up must not cancel the
                 // call whose outcome opens or closes the breaker. A probe
                 // runs on without the caller, who gets the fast answer.
@@ -359,6 +377,23 @@ impl Cache {
     }
 
     /// Metadata recorded for `key`, however old.
+    /// The object's recorded metadata if it was validated at or after
+    /// `since` (ms) and carries its user metadata.
+    async fn recorded_since(self: &Arc<Self>, key: &str, since: i64) -> Option<ObjectMeta> {
+        let (this, key) = (self.clone(), key.to_string());
+        let rec = tokio::task::spawn_blocking(move || this.index.get_object(&key))
+            .await
+            .ok()?
+            .ok()??;
+        let user = rec.user.filter(|_| rec.validated_ms >= since)?;
+        Some(ObjectMeta {
+            size: rec.size,
+            etag: rec.etag,
+            last_modified_ms: rec.last_modified_ms,
+            user,
+        })
+    }
+
     async fn known_meta(self: &Arc<Self>, key: &str) -> Option<ObjectMeta> {
         let (this, key) = (self.clone(), key.to_string());
         let rec = tokio::task::spawn_blocking(move || this.index.get_object(&key))
