@@ -31,7 +31,7 @@ import provenance
 import rounds
 from run import ACCESS, BUCKET, SECRET, Cluster, drop_caches, remove_work
 from trainer_stall import train
-from write_path import fio_write, sync_seconds
+from write_path import end_mode, fio_write, sync_seconds
 
 HERE = Path(__file__).resolve().parent
 WRITE_MODES = ("local", "back", "back-r2", "through")
@@ -137,13 +137,7 @@ def main() -> None:
             per_save = {"stall": t["stall_total"] / saves, "bytes": t["bytes"] / saves}
             result[f"stall-{mode}"] = per_save
             shutil.rmtree(ckpt)
-        shutil.rmtree(d)
-        if mode.startswith("back"):
-            sync_seconds(a.bin, c, "")
-        if mode != "local":
-            c.stop_worker()
-            for cache in work.glob("cache*"):
-                shutil.rmtree(cache)
+        end_mode(a.bin, c, work, mode, d)
         return result
 
     def local_file() -> Path:

@@ -116,6 +116,20 @@ def sync_seconds(binary: str, c: Cluster, prefix: str) -> float:
     return time.monotonic() - start
 
 
+def end_mode(binary: str, c: Cluster, work: Path, mode: str, written: Path) -> None:
+    """Frees the disk for the next mode: its files (through the mount, so
+    S3 drops them too) and its workers' caches. Written-back deletes reach
+    S3 before the caches holding them go, or the next round of this mode
+    would find the old objects."""
+    shutil.rmtree(written)
+    if mode.startswith("back"):
+        sync_seconds(binary, c, "")
+    if mode != "local":
+        c.stop_worker()
+        for cache in work.glob("cache*"):
+            shutil.rmtree(cache)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--bin", required=True)
@@ -160,17 +174,7 @@ def main() -> None:
         else:
             r["ckpt_s3"] = r["ckpt"] + sync_seconds(a.bin, c, f"{mode}/ckpt/")
         r["ckpt_cpu_per_gib"] = meter.per_gib(a.ckpt_writers * ckpt_bytes)
-        # Free the disk for the next mode: its files (through the mount,
-        # so S3 drops them too) and its workers' caches. Written-back
-        # deletes reach S3 before the caches holding them go, or the next
-        # round of this mode would find the old objects.
-        shutil.rmtree(target)
-        if mode.startswith("back"):
-            sync_seconds(a.bin, c, "")
-        if mode != "local":
-            c.stop_worker()
-            for cache in work.glob("cache*"):
-                shutil.rmtree(cache)
+        end_mode(a.bin, c, work, mode, target)
         return {mode: r}
 
     try:

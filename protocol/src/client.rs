@@ -722,13 +722,11 @@ impl WorkerClient {
         let expected = header(http::header::CONTENT_LENGTH.as_str())
             .or_else(|| header(crate::LENGTH_HEADER))
             .and_then(|v| v.parse::<u64>().ok());
-        let crc_declared = resp
-            .headers()
-            .get_all(http::header::TRAILER)
-            .iter()
-            .filter_map(|v| v.to_str().ok())
-            .flat_map(|v| v.split(','))
-            .any(|t| t.trim().eq_ignore_ascii_case(crate::BODY_CRC32C_TRAILER));
+        let crc_declared = crate::header_lists(
+            resp.headers(),
+            http::header::TRAILER,
+            crate::BODY_CRC32C_TRAILER,
+        );
         let progress = self.deadlines.progress;
         let (body, trailers) = self
             .collect_with_trailers(resp.into_body(), progress, expected.unwrap_or(0))

@@ -15,6 +15,21 @@ pub const BODY_CRC32C_TRAILER: &str = "x-lakecache-crc32c";
 /// in Content-Length.
 pub const LENGTH_HEADER: &str = "x-lakecache-length";
 
+/// Whether the comma-separated list in header `name` (as `Trailer` and
+/// `TE` carry) holds `token`, in any case.
+pub fn header_lists(
+    headers: &http::HeaderMap,
+    name: http::header::HeaderName,
+    token: &str,
+) -> bool {
+    headers
+        .get_all(name)
+        .iter()
+        .filter_map(|v| v.to_str().ok())
+        .flat_map(|v| v.split(','))
+        .any(|t| t.trim().eq_ignore_ascii_case(token))
+}
+
 /// On a PUT: the client watches the write's progress. The worker answers
 /// `200` as soon as the body is in, then a space every 500 ms while it
 /// stores the object, then the outcome as JSON ([`crate::WriteOutcome`]):

@@ -13,16 +13,6 @@ use lakecache_protocol::{BODY_CRC32C_TRAILER, LENGTH_HEADER};
 
 use super::response::{BoxError, Response};
 
-/// True when the request takes trailers (`TE: trailers`, RFC 9110 §10.1.4).
-pub(super) fn takes_trailers(headers: &HeaderMap) -> bool {
-    headers
-        .get_all(header::TE)
-        .iter()
-        .filter_map(|v| v.to_str().ok())
-        .flat_map(|v| v.split(','))
-        .any(|t| t.trim().eq_ignore_ascii_case("trailers"))
-}
-
 /// Turns `resp` (a full-length body) into one sent chunked with the CRC32C
 /// trailer declared. Its length moves to [`LENGTH_HEADER`]: HTTP/1.1 sends
 /// trailers only in chunked bodies, which carry no Content-Length.

@@ -9,10 +9,10 @@ use http_body::Frame;
 use http_body_util::{BodyExt, BodyStream, StreamBody};
 use hyper::body::Incoming;
 use lakecache_protocol::{
-    user_meta_from_headers, validate_bucket, ErrorBody, ErrorCode, Health, ListResponse,
-    ObjectStat, ObjectUri, UserMeta, WriteBackStatus, WriteMode, WriteOutcome, BODY_CRC32C_TRAILER,
-    COPY_SOURCE_HEADER, FROM_HEADER, KEEPALIVE_HEADER, MAX_KEY_BYTES, METADATA_DIRECTIVE_HEADER,
-    OFFSET_HEADER, SENT_AT_HEADER, WRITE_MODE_HEADER,
+    header_lists, user_meta_from_headers, validate_bucket, ErrorBody, ErrorCode, Health,
+    ListResponse, ObjectStat, ObjectUri, UserMeta, WriteBackStatus, WriteMode, WriteOutcome,
+    BODY_CRC32C_TRAILER, COPY_SOURCE_HEADER, FROM_HEADER, KEEPALIVE_HEADER, MAX_KEY_BYTES,
+    METADATA_DIRECTIVE_HEADER, OFFSET_HEADER, SENT_AT_HEADER, WRITE_MODE_HEADER,
 };
 
 use super::auth::{Access, AccessPolicy};
@@ -20,7 +20,7 @@ use super::body_check::{body_error, CheckedBody};
 use super::limits::{Admitted, IdleTimeoutBody, TenantLimiter};
 use super::peer_writeback::{drop_replica, pending_entry, replica_delete, replica_role};
 use super::range::{parse_range, resolve};
-use super::read_crc::{takes_trailers, with_crc_trailer};
+use super::read_crc::with_crc_trailer;
 use super::response::{
     cache_error, cache_error_code, error, full, json, json_when_ready, BoxError, Response,
 };
@@ -456,7 +456,8 @@ async fn read(
             header::CONTENT_TYPE,
             HeaderValue::from_static("application/octet-stream"),
         );
-        if with_body && takes_trailers(req.headers()) {
+        // `TE: trailers` (RFC 9110 §10.1.4): the client takes them.
+        if with_body && header_lists(req.headers(), header::TE, "trailers") {
             return with_crc_trailer(resp, range.end - range.start);
         }
         return resp;
@@ -555,13 +556,7 @@ async fn write(
     }
     // A declared checksum trailer is required: its absence fails the
     // write rather than skipping the check.
-    let crc_required = req
-        .headers()
-        .get_all(header::TRAILER)
-        .iter()
-        .filter_map(|v| v.to_str().ok())
-        .flat_map(|v| v.split(','))
-        .any(|name| name.trim().eq_ignore_ascii_case(BODY_CRC32C_TRAILER));
+    let crc_required = header_lists(req.headers(), header::TRAILER, BODY_CRC32C_TRAILER);
     let keepalive = req.headers().contains_key(KEEPALIVE_HEADER);
     let patience = client_patience(req.headers());
     let client_crc = Arc::new(OnceLock::new());

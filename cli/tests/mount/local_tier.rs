@@ -556,16 +556,7 @@ fn a_written_back_file_read_while_pending_stays_in_the_tier_after_its_upload() {
     fs::write(&file, &data).unwrap();
     assert_eq!(sha_file(&file).unwrap().1, want, "read while pending");
     wait_for_tier(&tier);
-    let out = Command::new(BIN)
-        .args(["sync", &format!("s3://{BUCKET}/"), "--timeout", "60"])
-        .args(["--registry", &env.registry()])
-        .output_bounded()
-        .unwrap();
-    assert!(
-        out.status.success(),
-        "{}",
-        String::from_utf8_lossy(&out.stderr)
-    );
+    env.sync_bucket(60);
     assert_eq!(env.s3_get("ckpt.bin").as_deref(), Some(&data[..]));
 
     env.mount.take().unwrap().term();

@@ -16,6 +16,25 @@ fn metrics_port(env: &mut Env) -> u16 {
         .wait_for_port("mount metrics at http://", Duration::from_secs(30))
 }
 
+/// Mounts with the test's progress deadline, a metrics listener and
+/// `flags`; returns the metrics port.
+fn mount_watched(env: &mut Env, flags: &[&str]) -> u16 {
+    let mut args = vec![
+        "--write-progress-timeout",
+        PROGRESS,
+        "--metrics-listen",
+        "127.0.0.1:0",
+    ];
+    args.extend_from_slice(flags);
+    env.mount_with(&args);
+    metrics_port(env)
+}
+
+fn resends(port: u16) -> f64 {
+    let text = reqwest_like_get(port, "/metrics");
+    common::metric(&text, "lakecache_fuse_write_resends_total", &[]).unwrap()
+}
+
 fn stalls(port: u16) -> f64 {
     let text = reqwest_like_get(port, "/metrics");
     common::metric(&text, "lakecache_fuse_write_stalls_total", &[]).unwrap()
@@ -61,15 +80,7 @@ fn write_with_worker_stopped(env: &mut Env, name: &str) -> (Duration, std::io::R
 
 fn a_stopped_worker_fails_the_write_within_the_deadline(mode: &str) {
     let mut env = Env::start(1);
-    env.mount_with(&[
-        "--write-mode",
-        mode,
-        "--write-progress-timeout",
-        PROGRESS,
-        "--metrics-listen",
-        "127.0.0.1:0",
-    ]);
-    let port = metrics_port(&mut env);
+    let port = mount_watched(&mut env, &["--write-mode", mode]);
     assert_eq!(stalls(port), 0.0, "a stall before any write");
     // The deadline, as an operator sees it.
     let out = common::output_within(
@@ -236,15 +247,7 @@ fn six_writers_with_one_worker_stopped(mode: &str) {
     const FILES: usize = 6;
     const MIB: usize = 128;
     let mut env = Env::start(3);
-    env.mount_with(&[
-        "--write-mode",
-        mode,
-        "--write-progress-timeout",
-        PROGRESS,
-        "--metrics-listen",
-        "127.0.0.1:0",
-    ]);
-    let port = metrics_port(&mut env);
+    let port = mount_watched(&mut env, &["--write-mode", mode]);
     let sources: Vec<PathBuf> = (0..FILES)
         .map(|i| {
             let p = env.dir.path().join(format!("src-{i}.bin"));
@@ -342,12 +345,7 @@ fn six_writers_with_one_worker_stopped(mode: &str) {
         reqwest_like_get(port, "/metrics").contains("lakecache_fuse_write_resends_total"),
         "no resend metric"
     );
-    let resends = common::metric(
-        &reqwest_like_get(port, "/metrics"),
-        "lakecache_fuse_write_resends_total",
-        &[],
-    )
-    .unwrap();
+    let resends = resends(port);
     assert!(resends >= 1.0, "no write was sent again");
     // The slowest writer within the deadline and a resend of the calm
     // time (generous: a loaded machine), not as long as the worker hung.
@@ -482,15 +480,7 @@ fn a_resumed_worker_never_lands_its_stale_copy(mode: &str) {
 #[test]
 fn a_write_larger_than_the_memory_budget_is_resent_from_the_spool() {
     let mut env = Env::start(3);
-    env.mount_with(&[
-        "--write-progress-timeout",
-        PROGRESS,
-        "--memory-limit",
-        "32MiB",
-        "--metrics-listen",
-        "127.0.0.1:0",
-    ]);
-    let port = metrics_port(&mut env);
+    let port = mount_watched(&mut env, &["--memory-limit", "32MiB"]);
     let name = "spooled.ckpt";
     let owner = env.owner_index(name, 0);
     let pid = env.workers[owner].1.id().to_string();
@@ -516,12 +506,7 @@ fn a_write_larger_than_the_memory_budget_is_resent_from_the_spool() {
             common::tail(&env.log(), 30)
         )
     });
-    let resends = common::metric(
-        &reqwest_like_get(port, "/metrics"),
-        "lakecache_fuse_write_resends_total",
-        &[],
-    )
-    .unwrap();
+    let resends = resends(port);
     assert!(resends >= 1.0, "the write was not sent again");
     // The resend said how much it replayed from the spool.
     let log = env.log();
