@@ -117,7 +117,10 @@ class Cluster:
             env=self.env, stdout=subprocess.DEVNULL, stderr=self.log("worker"),
         )
         wait_port(self.worker_port)
-        self._mount(("--worker", f"127.0.0.1:{self.worker_port}", *mount_flags))
+        # As `lakecache up` wires them: the mount reaches its co-located
+        # worker through the worker's local socket too.
+        self._mount(("--worker", f"127.0.0.1:{self.worker_port}",
+                     "--local-worker-socket", str(cache / "local.sock"), *mount_flags))
 
     def _mount(self, flags: tuple[str, ...]) -> None:
         self.mount = subprocess.Popen(
@@ -151,7 +154,9 @@ class Cluster:
             ))
             wait_port(port)
         self.worker = self.ring[0]
-        self._mount(("--registry", registry, *mount_flags))
+        # As `lakecache up` wires a ring: the first worker's local socket.
+        self._mount(("--registry", registry, "--local-worker-socket",
+                     str(self.work / "cache-0" / "local.sock"), *mount_flags))
         self.registry = registry
 
     def start_write_mode(self, mode: str) -> Path:

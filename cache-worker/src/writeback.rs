@@ -15,7 +15,7 @@ mod visible;
 
 pub(crate) use lakecache_protocol::is_cache_version;
 pub(crate) use replica::replica_watcher;
-pub use stage::WriteRole;
+pub use stage::{Staging, WriteRole};
 pub(crate) use upload::uploader;
 pub(crate) use visible::split_list_token;
 

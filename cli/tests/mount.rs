@@ -1100,6 +1100,8 @@ fn a_mount_can_do_what_its_token_allows_and_nothing_else() {
 
 #[path = "mount/dir_prefetch.rs"]
 mod dir_prefetch;
+#[path = "mount/local_commit.rs"]
+mod local_commit;
 #[path = "mount/local_socket.rs"]
 mod local_socket;
 #[path = "mount/local_tier.rs"]

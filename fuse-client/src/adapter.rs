@@ -57,11 +57,9 @@ impl KernelAdapter {
     pub fn new(fs: Arc<Fs>, runtime: tokio::runtime::Handle) -> Self {
         runtime.spawn(Fs::housekeeping(Arc::downgrade(&fs)));
         runtime.spawn(store_metadata_changes(Arc::downgrade(&fs)));
-        // Passthrough only has files to hand over with a local tier.
-        let passthrough = Arc::new(Passthrough::new(
-            fs.local_tier().is_some(),
-            Arc::downgrade(&fs),
-        ));
+        // Passthrough hands the kernel the local tier's whole objects,
+        // and staged files for write-back (see `staged.rs`).
+        let passthrough = Arc::new(Passthrough::new(true, Arc::downgrade(&fs)));
         Self {
             fs,
             runtime,
@@ -484,6 +482,8 @@ impl Filesystem for KernelAdapter {
         let passthrough = self.passthrough.clone();
         let read_only = flags.0 & libc::O_ACCMODE == libc::O_RDONLY;
         let wants_file = passthrough.enabled() && read_only;
+        let staging = passthrough.enabled() && !read_only;
+        let fs = self.fs.clone();
         self.spawn(
             "open",
             ino.0,
@@ -494,10 +494,26 @@ impl Filesystem for KernelAdapter {
                 } else {
                     None
                 };
-                Ok((fh, keep_cache, file))
+                let staged = match staging {
+                    true => fs.stage_writes(fh).await,
+                    false => None,
+                };
+                Ok((fh, keep_cache, file, staged))
             },
             move |r| match r {
-                Ok((fh, keep_cache, file)) => {
+                Ok((fh, _, _, Some(staged))) => {
+                    let backing = passthrough.stage(ino.0, fh, &staged, |f| reply.open_backing(f));
+                    match backing {
+                        Some(id) => {
+                            reply.opened_passthrough(FileHandle(fh), FopenFlags::empty(), &id)
+                        }
+                        None => {
+                            fs.unstage(fh);
+                            passthrough.reply_open(reply, ino.0, fh, FopenFlags::empty(), None)
+                        }
+                    }
+                }
+                Ok((fh, keep_cache, file, None)) => {
                     let flags = if keep_cache {
                         FopenFlags::FOPEN_KEEP_CACHE
                     } else {
@@ -845,18 +861,45 @@ impl Filesystem for KernelAdapter {
         let who = creator(req, mode);
         let ttl = self.fs.config().entry_ttl;
         let this = self.clone();
+        let staging = self.passthrough.enabled();
         self.spawn(
             "create",
             parent.0,
-            move |fs| async move { fs.create(parent.0, &name, pid, who, flags).await },
+            move |fs| async move {
+                let (node, fh) = fs.create(parent.0, &name, pid, who, flags).await?;
+                let staged = match staging {
+                    true => fs.stage_writes(fh).await,
+                    false => None,
+                };
+                Ok((node, fh, staged))
+            },
             move |r| match r {
-                Ok((node, fh)) => reply.created(
-                    &ttl,
-                    &this.attr(&node),
-                    Generation(0),
-                    FileHandle(fh),
-                    FopenFlags::empty(),
-                ),
+                Ok((node, fh, staged)) => {
+                    let attr = this.attr(&node);
+                    if let Some(file) = staged {
+                        let backing = this
+                            .passthrough
+                            .stage(node.ino, fh, &file, |f| reply.open_backing(f));
+                        if let Some(id) = backing {
+                            return reply.created_passthrough(
+                                &ttl,
+                                &attr,
+                                Generation(0),
+                                FileHandle(fh),
+                                FopenFlags::empty(),
+                                &id,
+                            );
+                        }
+                        this.fs.unstage(fh);
+                    }
+                    reply.created(
+                        &ttl,
+                        &attr,
+                        Generation(0),
+                        FileHandle(fh),
+                        FopenFlags::empty(),
+                    )
+                }
                 Err(e) => reply.error(errno(&e)),
             },
         );

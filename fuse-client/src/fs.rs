@@ -22,6 +22,7 @@ use crate::write::FileWriter;
 mod meta;
 mod object_locks;
 pub mod prefetch;
+mod staging;
 mod update;
 pub use meta::{Creator, SetAttr, METADATA_DELAY};
 pub use prefetch::{DirPrefetch, Prefetched};
@@ -65,6 +66,7 @@ pub struct Fs {
     /// Pushes whole-fetched objects into the kernel's page cache.
     kernel_cache: Arc<crate::kernel_cache::KernelCache>,
     handles: Mutex<HashMap<u64, Handle>>,
+    staged: staging::StagedInodes,
     next_fh: AtomicU64,
     listings: Arc<ListingCache>,
     /// Directories whose names lookups asked S3 for one by one.
@@ -158,6 +160,7 @@ impl Fs {
             inodes,
             kernel_cache,
             handles: Mutex::new(HashMap::new()),
+            staged: staging::StagedInodes::default(),
             next_fh: AtomicU64::new(1),
             forgets: AtomicU64::new(0),
             memory,
@@ -521,8 +524,12 @@ impl Fs {
 
     /// The kernel's LOOKUP: resolves and counts a reference.
     pub async fn lookup(&self, parent: u64, name: &str) -> Result<Inode, FsError> {
-        let node = self.resolve(parent, name).await?;
+        let mut node = self.resolve(parent, name).await?;
         self.inodes.add_lookup(node.ino);
+        if node.writer.is_some() {
+            self.refresh_staged_size(node.ino);
+            node = self.node(node.ino)?;
+        }
         Ok(node)
     }
 
@@ -576,6 +583,7 @@ impl Fs {
     }
 
     pub async fn getattr(&self, ino: u64) -> Result<Inode, FsError> {
+        self.refresh_staged_size(ino);
         let node = self.node(ino)?;
         if node.meta.user.is_none() && node.kind == Kind::Dir {
             let meta = self
@@ -806,6 +814,8 @@ impl Fs {
     /// Opens a file; returns the handle and whether the kernel may keep
     /// the pages it cached on an earlier open.
     pub async fn open(&self, ino: u64, flags: i32, pid: u32) -> Result<(u64, bool), FsError> {
+        // A staged writer closed just before is released just after.
+        self.await_staged_release(ino).await;
         let node = self.node(ino)?;
         if node.kind == Kind::Dir {
             return Err(FsError::IsDir);
@@ -1004,6 +1014,8 @@ impl Fs {
         let key = self.child_key(&p, name, Kind::File)?;
         self.check_writable(&self.uri(&key)?)?;
         if let Some(existing) = self.inodes.child(parent, name) {
+            self.await_staged_release(existing.ino).await;
+            let existing = self.node(existing.ino)?;
             if existing.writer.is_some() {
                 return Err(FsError::Busy("the file is already open for writing"));
             }
@@ -1142,6 +1154,7 @@ impl Fs {
             _ => Ok(()),
         };
         if let Some(Handle::Write { ino, .. }) = self.take_handle(fh) {
+            self.forget_staged(ino);
             self.writer_released(ino, fh);
         }
         result
@@ -1181,6 +1194,9 @@ impl Fs {
             }
         }
         let explicit = w.meta_set_explicitly();
+        // A staged file keeps its inode claimed until it is closed: the
+        // kernel writes into it without asking, and may go on after this.
+        let staged = w.is_staged();
         let result = w.finish().await;
         if !first {
             return result.map(|_| ());
@@ -1191,7 +1207,9 @@ impl Fs {
                 let parent = self.inodes.update(ino, |n| {
                     n.meta = meta;
                     n.validated = std::time::Instant::now();
-                    n.writer = None;
+                    if !staged {
+                        n.writer = None;
+                    }
                     n.parent
                 });
                 // Set explicitly after the upload had started: stored by

@@ -21,6 +21,7 @@ mod passthrough;
 pub mod posix;
 pub mod read;
 pub mod resend;
+mod staged;
 pub mod unmount_guard;
 pub mod write;
 

@@ -24,6 +24,8 @@ pub struct MountMetrics {
     upload_seconds: Histogram<f64>,
     write_stalls: Counter<u64>,
     write_resends: Counter<u64>,
+    local_commits: Counter<u64>,
+    local_commit_bytes: Counter<u64>,
 }
 
 /// The process's mount metrics.
@@ -112,6 +114,22 @@ impl MountMetrics {
                 resends.add(0, &[]);
                 resends
             },
+            local_commits: {
+                let commits = counter(
+                    &meter,
+                    "lakecache_fuse_local_commits",
+                    "",
+                    "Written-back files committed by the worker on this host from their staged file",
+                );
+                commits.add(0, &[]);
+                commits
+            },
+            local_commit_bytes: counter(
+                &meter,
+                "lakecache_fuse_local_commit",
+                "By",
+                "Bytes of written-back files committed by the worker on this host",
+            ),
             upload_bytes: counter(
                 &meter,
                 "lakecache_fuse_upload",
@@ -268,6 +286,11 @@ impl MountMetrics {
 
     pub fn write_resend(&self) {
         self.write_resends.add(1, &[]);
+    }
+
+    pub fn local_commit(&self, bytes: u64) {
+        self.local_commits.add(1, &[]);
+        self.local_commit_bytes.add(bytes, &[]);
     }
 
     pub fn write_stall(&self) {

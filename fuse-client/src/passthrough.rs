@@ -1,5 +1,6 @@
-//! FUSE passthrough for objects that are whole in the node-local tier:
-//! the kernel reads the tier's file directly and no READ reaches us.
+//! FUSE passthrough for objects that are whole in the node-local tier
+//! (the kernel reads the tier's file directly and no READ reaches us),
+//! and for files written back through a staged file (`staged.rs`).
 //!
 //! The kernel keeps one I/O mode per inode while it is open, so an inode
 //! with a handle served by us gets no passthrough handle beside it, and
@@ -53,7 +54,7 @@ impl Passthrough {
         if self.enabled.swap(false, Ordering::Relaxed) {
             tracing::warn!(
                 why,
-                "FUSE passthrough unavailable; local tier hits are served by the mount"
+                "FUSE passthrough unavailable; local tier hits are served by the mount, and written-back files are written through it"
             );
         }
     }
@@ -104,6 +105,42 @@ impl Passthrough {
                 modes.inodes.insert(ino, Mode::Served { open: 1 });
             }
         }
+    }
+
+    /// Takes a passthrough mode for a file being written into `file`
+    /// (see `staged.rs`), through `open_backing`: the backing id, or
+    /// `None` when the inode already has handles in either mode or the
+    /// kernel refuses (the caller then writes through the mount).
+    pub fn stage(
+        &self,
+        ino: u64,
+        fh: u64,
+        file: &std::fs::File,
+        open_backing: impl FnOnce(&std::fs::File) -> std::io::Result<BackingId>,
+    ) -> Option<Arc<BackingId>> {
+        if !self.enabled() {
+            return None;
+        }
+        let mut modes = self.modes.lock().unwrap_or_else(|e| e.into_inner());
+        if modes.inodes.contains_key(&ino) {
+            return None;
+        }
+        let id = match open_backing(file) {
+            Ok(id) => Arc::new(id),
+            Err(e) => {
+                self.disable(&e.to_string());
+                return None;
+            }
+        };
+        modes.handles.insert(fh, ino);
+        modes.inodes.insert(
+            ino,
+            Mode::Passthrough {
+                id: id.clone(),
+                open: 1,
+            },
+        );
+        Some(id)
     }
 
     /// A handle closed; the inode's mode ends with its last handle.

@@ -1,6 +1,7 @@
 //! One file being written: kernel writes stream, in order, into a single
 //! upload through the owning worker; the upload ends on flush/fsync.
 
+use std::os::unix::fs::FileExt;
 use std::sync::Arc;
 
 use bytes::Bytes;
@@ -12,6 +13,7 @@ use crate::data_plane::{ByteStream, DataError, DataPlane, UploadLimits};
 use crate::error::FsError;
 use crate::memory::{MemoryBudget, Reservation};
 use crate::resend::Resend;
+use crate::staged::StagedFile;
 
 /// Writes buffered towards the worker before `write` waits.
 const QUEUED_WRITES: usize = 16;
@@ -51,6 +53,8 @@ pub struct FileWriter {
     meta_set: bool,
     /// Where an upload beyond the memory budget is kept for a resend.
     spool_dir: Option<std::path::PathBuf>,
+    /// Written into a local file by the kernel (see `staged.rs`).
+    staged: Option<StagedFile>,
 }
 
 impl FileWriter {
@@ -77,7 +81,44 @@ impl FileWriter {
             upload: None,
             outcome: None,
             spool_dir: None,
+            staged: None,
         }
+    }
+
+    /// Has the kernel write this file into a staged file in `dir`
+    /// (returned, for the passthrough open) instead of through the mount:
+    /// only a write-back of a file nothing was written to yet, whose
+    /// worker may take it from a local file.
+    pub fn stage(&mut self, dir: &std::path::Path) -> Option<Arc<std::fs::File>> {
+        if self.mode != WriteMode::Back
+            || self.written > 0
+            || self.upload.is_some()
+            || !self.held.is_empty()
+            || !self.data.commits_locally(&self.uri)
+        {
+            return None;
+        }
+        match StagedFile::create(dir) {
+            Ok(staged) => {
+                let file = staged.file().clone();
+                self.staged = Some(staged);
+                Some(file)
+            }
+            Err(e) => {
+                tracing::warn!(dir = %dir.display(), error = %e, "cannot create a staged file; writing through the mount");
+                None
+            }
+        }
+    }
+
+    /// Back to writing through the mount (the kernel refused the
+    /// passthrough open); nothing was written yet.
+    pub fn unstage(&mut self) {
+        self.staged = None;
+    }
+
+    pub fn is_staged(&self) -> bool {
+        self.staged.is_some()
     }
 
     /// Keeps what the upload sent beyond the memory budget in `dir`, so
@@ -88,17 +129,29 @@ impl FileWriter {
     }
 
     pub fn written(&self) -> u64 {
-        self.written
+        match &self.staged {
+            Some(staged) => staged.len(),
+            None => self.written,
+        }
     }
 
     /// The file's size as `stat` should show it.
     pub fn size(&self) -> u64 {
-        self.written.max(self.fill_to)
+        match &self.staged {
+            Some(staged) => staged.len(),
+            None => self.written.max(self.fill_to),
+        }
     }
 
     /// ftruncate on the open file: growing is allowed (zeros, written at
     /// commit unless overwritten); shrinking below what was sent is not.
     pub fn set_len(&mut self, size: u64) -> Result<(), FsError> {
+        if let Some(staged) = &self.staged {
+            // Committed again at the next flush, if it changed.
+            return staged.set_len(size).map_err(|e| {
+                FsError::DataPlane(DataError::Spool(format!("truncating the staged file: {e}")))
+            });
+        }
         if self.outcome.is_some() {
             return Err(FsError::NotPermitted("the file was already committed"));
         }
@@ -170,6 +223,7 @@ impl FileWriter {
     /// unlinked while open); the worker discards what it received.
     pub fn abandon(&mut self) {
         self.held.clear();
+        self.staged = None;
         if let Some(upload) = self.upload.take() {
             upload.task.abort();
         }
@@ -177,7 +231,10 @@ impl FileWriter {
     }
 
     pub fn is_finished(&self) -> bool {
-        self.outcome.is_some()
+        match &self.staged {
+            Some(staged) => self.outcome.is_some() && !staged.changed(),
+            None => self.outcome.is_some(),
+        }
     }
 
     fn start(&self) -> Upload {
@@ -216,6 +273,17 @@ impl FileWriter {
     }
 
     pub async fn write(&mut self, offset: u64, data: Bytes) -> Result<u32, FsError> {
+        if let Some(staged) = &self.staged {
+            let f = staged.file().clone();
+            let len = data.len();
+            tokio::task::spawn_blocking(move || f.write_all_at(&data, offset))
+                .await
+                .map_err(FsError::Task)?
+                .map_err(|e| {
+                    FsError::DataPlane(DataError::Spool(format!("the staged file: {e}")))
+                })?;
+            return Ok(len as u32);
+        }
         if self.outcome.is_some() {
             return Err(FsError::NotPermitted(
                 "the file was already committed by flush or fsync; reopen it with O_TRUNC",
@@ -238,6 +306,20 @@ impl FileWriter {
 
     /// Ends the upload and waits until the object is in S3.
     pub async fn finish(&mut self) -> Result<ObjectStat, FsError> {
+        if let Some(staged) = &mut self.staged {
+            if let (Some(outcome), false) = (&self.outcome, staged.changed()) {
+                return outcome.clone().map_err(FsError::UploadFailed);
+            }
+            let started = std::time::Instant::now();
+            let result = staged
+                .commit(&self.data, &self.uri, self.limits, &self.meta, MAX_RESENDS)
+                .await;
+            if let Ok(stat) = &result {
+                crate::metrics::global().upload(stat.size, started.elapsed());
+            }
+            self.outcome = Some(result.clone());
+            return result.map_err(FsError::UploadFailed);
+        }
         if let Some(outcome) = &self.outcome {
             return outcome.clone().map_err(FsError::UploadFailed);
         }

@@ -280,6 +280,66 @@ impl WorkerClient {
         }
     }
 
+    /// Whether [`Self::commit_local`] may be worth trying (no I/O: a
+    /// socket whose worker is not yet known counts).
+    pub fn may_commit_locally(&self) -> bool {
+        let member = self
+            .base
+            .split_once("://")
+            .map_or(self.base.as_str(), |(_, rest)| rest);
+        self.local.as_ref().is_some_and(|l| l.worth_asking(member))
+    }
+
+    /// Commits `file` (its first `size` bytes) as the new content of
+    /// `uri`, written back, through this worker's local socket: the
+    /// worker reads the file itself, and the bytes never cross TCP.
+    /// `None`: this worker has no local socket here (write over HTTP).
+    /// A worker silent for `progress` answers [`ClientError::Timeout`].
+    pub async fn commit_local(
+        &self,
+        uri: &ObjectUri,
+        file: Arc<std::fs::File>,
+        size: u64,
+        meta: &crate::UserMeta,
+        progress: Duration,
+    ) -> Option<Result<ObjectStat, ClientError>> {
+        let local = self.local.as_ref()?;
+        let member = self
+            .base
+            .split_once("://")
+            .map_or(self.base.as_str(), |(_, rest)| rest)
+            .to_string();
+        if !local.worth_asking(&member) {
+            return None;
+        }
+        let (local2, uri_c, meta_c) = (local.clone(), uri.clone(), meta.clone());
+        let got = tokio::task::spawn_blocking(move || {
+            local2.commit(&member, &uri_c, &file, size, &meta_c, progress)
+        })
+        .await;
+        match got {
+            Ok(Ok(stat)) => Some(Ok(stat)),
+            Ok(Err(LocalError::Refused { code, message })) => Some(Err(ClientError::Api {
+                status: code.http_status(),
+                code,
+                message,
+            })),
+            Ok(Err(LocalError::Stalled(after))) => Some(Err(self.timed_out(after))),
+            Ok(Err(LocalError::Unavailable(why))) => {
+                tracing::debug!(%uri, %why, "commit over HTTP");
+                None
+            }
+            Ok(Err(e)) => {
+                tracing::warn!(%uri, error = %e, "local commit failed; writing over HTTP");
+                None
+            }
+            Err(e) => {
+                tracing::warn!(%uri, error = %e, "local commit task failed; writing over HTTP");
+                None
+            }
+        }
+    }
+
     /// The same client, sending `token` as `Authorization: Bearer` on
     /// every request.
     pub fn with_token(mut self, token: Option<&str>) -> Result<Self, ClientError> {

@@ -75,6 +75,21 @@ pub enum LocalRequest {
         #[serde(default, skip_serializing_if = "std::ops::Not::not")]
         inline: bool,
     },
+    /// Take the file whose descriptor rides on this request as the new
+    /// content of `uri` (its first `size` bytes), written back: the
+    /// co-located write path (see [`LocalChannel::commit`]).
+    Commit {
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        token: Option<String>,
+        uri: String,
+        size: u64,
+        #[serde(default)]
+        meta: crate::UserMeta,
+        /// The caller's progress deadline and when it sent this (ms since
+        /// the epoch): a worker paused past it must not record the write.
+        deadline_ms: u64,
+        sent_ms: u64,
+    },
 }
 
 /// Inline answers are at most this long; a longer request is answered in
@@ -114,6 +129,13 @@ pub enum LocalAnswer {
     Inline {
         len: u64,
     },
+    /// A commit goes on: `taken` bytes of it are in so far. Sent at least
+    /// once a second, so a silent worker stands out.
+    Progress {
+        taken: u64,
+    },
+    /// A commit is durable as the write-back path acknowledges it.
+    Committed(crate::ObjectStat),
     /// Not served here; read over HTTP.
     Unavailable {
         reason: String,
@@ -136,6 +158,9 @@ pub enum LocalError {
     Unavailable(String),
     #[error("worker answered {code:?}: {message}")]
     Refused { code: ErrorCode, message: String },
+    /// The worker said nothing for this long during a commit.
+    #[error("local worker socket: the worker was silent for {0:?} during a commit")]
+    Stalled(Duration),
     /// The bytes read from the page file fail their block CRC.
     #[error("page file bytes fail their CRC32C (block {block})")]
     Corrupt { block: usize },
@@ -257,7 +282,8 @@ pub fn sendmsg_with_fd(sock: RawFd, data: &[u8], fd: Option<RawFd>) -> io::Resul
     }
 }
 
-fn recvmsg_fd(sock: RawFd, buf: &mut [u8]) -> io::Result<(usize, Option<OwnedFd>)> {
+/// One `recvmsg` into `buf`, with the descriptor that rode on it.
+pub fn recvmsg_fd(sock: RawFd, buf: &mut [u8]) -> io::Result<(usize, Option<OwnedFd>)> {
     let mut iov = libc::iovec {
         iov_base: buf.as_mut_ptr().cast(),
         iov_len: buf.len(),
@@ -434,6 +460,93 @@ impl LocalChannel {
             return Err(LocalError::Unavailable(e.to_string()));
         }
         got
+    }
+
+    /// Hands `file` (its first `size` bytes) to the worker at `member`
+    /// as the new content of `uri`, written back: the worker reads it and
+    /// answers once the write is durable as an HTTP write-back would be.
+    /// `progress`: the longest silence allowed from the worker (it
+    /// reports progress every second), after which the commit is given
+    /// up as [`LocalError::Stalled`].
+    pub fn commit(
+        &self,
+        member: &str,
+        uri: &ObjectUri,
+        file: &std::fs::File,
+        size: u64,
+        meta: &crate::UserMeta,
+        progress: Duration,
+    ) -> Result<crate::ObjectStat, LocalError> {
+        let timed_out = |e: &io::Error| {
+            matches!(
+                e.kind(),
+                io::ErrorKind::WouldBlock | io::ErrorKind::TimedOut
+            )
+        };
+        // A connection of its own, under the caller's deadline from the
+        // first byte (a stopped worker accepts, then says nothing); it is
+        // given up, not reused, if the worker falls silent.
+        let c = UnixStream::connect(&self.path)?;
+        c.set_write_timeout(Some(progress))?;
+        c.set_read_timeout(Some(progress))?;
+        let known = *self.listen.lock().unwrap_or_else(|p| p.into_inner());
+        let listen = match known {
+            Some(listen) => listen,
+            None => match call_on(&c, &LocalRequest::Hello) {
+                Ok((LocalAnswer::Hello { listen, protocol }, _)) if protocol == LOCAL_PROTOCOL => {
+                    let addr: SocketAddr = listen.parse().map_err(|_| {
+                        LocalError::Protocol(format!("bad listen address {listen:?}"))
+                    })?;
+                    *self.listen.lock().unwrap_or_else(|p| p.into_inner()) = Some(addr);
+                    addr
+                }
+                Ok((other, _)) => {
+                    return Err(LocalError::Unavailable(format!("hello answered {other:?}")))
+                }
+                Err(LocalError::Io(e)) if timed_out(&e) => {
+                    return Err(LocalError::Stalled(progress))
+                }
+                Err(e) => return Err(e),
+            },
+        };
+        if !is_member(listen, member) {
+            return Err(LocalError::Unavailable(format!(
+                "{member} is another worker"
+            )));
+        }
+        let request = LocalRequest::Commit {
+            token: self.token.clone(),
+            uri: uri.to_string(),
+            size,
+            meta: meta.clone(),
+            deadline_ms: progress.as_millis() as u64,
+            sent_ms: std::time::SystemTime::now()
+                .duration_since(std::time::UNIX_EPOCH)
+                .map_or(0, |d| d.as_millis() as u64),
+        };
+        let body = serde_json::to_vec(&request).map_err(|e| LocalError::Protocol(e.to_string()))?;
+        match send_message(c.as_raw_fd(), &body, Some(file.as_raw_fd())) {
+            Err(e) if timed_out(&e) => return Err(LocalError::Stalled(progress)),
+            sent => sent?,
+        }
+        loop {
+            let (reply, _) = match recv_message(c.as_raw_fd()) {
+                Ok(r) => r,
+                Err(e) if timed_out(&e) => return Err(LocalError::Stalled(progress)),
+                Err(e) => return Err(e.into()),
+            };
+            let answer: LocalAnswer =
+                serde_json::from_slice(&reply).map_err(|e| LocalError::Protocol(e.to_string()))?;
+            match answer {
+                LocalAnswer::Progress { .. } => continue,
+                LocalAnswer::Committed(stat) => return Ok(stat),
+                LocalAnswer::Unavailable { reason } => return Err(LocalError::Unavailable(reason)),
+                LocalAnswer::Error { code, message } => {
+                    return Err(LocalError::Refused { code, message })
+                }
+                other => return Err(LocalError::Protocol(format!("a commit answered {other:?}"))),
+            }
+        }
     }
 
     fn read_pages(
@@ -639,6 +752,13 @@ mod tests {
                             assert!(inline, "this client takes inline bytes");
                             answer(n, offset, len)
                         }
+                        // A commit's descriptor came along: its size is
+                        // passed to `answer` as the length.
+                        LocalRequest::Commit { size, .. } => {
+                            let progress = serde_json::to_vec(&LocalAnswer::Progress { taken: 0 });
+                            send_message(conn.as_raw_fd(), &progress.unwrap(), None).unwrap();
+                            answer(n, u64::MAX, size)
+                        }
                     };
                     let reply = serde_json::to_vec(&reply).unwrap();
                     send_message(conn.as_raw_fd(), &reply, None).unwrap();
@@ -650,6 +770,85 @@ mod tests {
             }
         });
         path
+    }
+
+    fn stat(size: u64) -> crate::ObjectStat {
+        crate::ObjectStat {
+            uri: "s3://bucket/k".into(),
+            size,
+            etag: "lc-1".into(),
+            last_modified_ms: 0,
+            written_as: None,
+            meta: Default::default(),
+            held_by: None,
+        }
+    }
+
+    #[test]
+    fn a_commit_sends_the_file_and_waits_through_progress_for_the_answer() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = fake_worker(dir.path(), |_, offset, size| {
+            assert_eq!(offset, u64::MAX, "a commit, not a page request");
+            (LocalAnswer::Committed(stat(size)), Vec::new(), false)
+        });
+        let file = tempfile::tempfile().unwrap();
+        let channel = LocalChannel::new(&path, None);
+        let uri: ObjectUri = "s3://bucket/k".parse().unwrap();
+        let got = channel
+            .commit(
+                "127.0.0.1:7000",
+                &uri,
+                &file,
+                12,
+                &Default::default(),
+                Duration::from_secs(5),
+            )
+            .unwrap();
+        assert_eq!(got.size, 12);
+        let other = channel.commit(
+            "127.0.0.1:7001",
+            &uri,
+            &file,
+            12,
+            &Default::default(),
+            Duration::from_secs(5),
+        );
+        assert!(
+            matches!(other, Err(LocalError::Unavailable(_))),
+            "{other:?}"
+        );
+    }
+
+    #[test]
+    fn a_silent_worker_stalls_a_commit_within_the_deadline() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("silent.sock");
+        let listener = std::os::unix::net::UnixListener::bind(&path).unwrap();
+        // Accepts (as a stopped process's socket does, from its backlog)
+        // and never answers.
+        let _held = std::thread::spawn(move || {
+            let conns: Vec<_> = listener.incoming().take(2).collect();
+            std::thread::sleep(Duration::from_secs(5));
+            drop(conns);
+        });
+        let file = tempfile::tempfile().unwrap();
+        let channel = LocalChannel::new(&path, None);
+        let uri: ObjectUri = "s3://bucket/k".parse().unwrap();
+        let started = Instant::now();
+        let got = channel.commit(
+            "127.0.0.1:7000",
+            &uri,
+            &file,
+            0,
+            &Default::default(),
+            Duration::from_millis(200),
+        );
+        assert!(matches!(got, Err(LocalError::Stalled(_))), "{got:?}");
+        assert!(
+            started.elapsed() < Duration::from_secs(3),
+            "took {:?}",
+            started.elapsed()
+        );
     }
 
     #[test]

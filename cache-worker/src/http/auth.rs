@@ -150,8 +150,11 @@ impl Access<'_> {
     }
 
     pub fn write(&self, uri: &ObjectUri) -> Result<(), Denied> {
+        self.may_write(uri).map_err(Into::into)
+    }
+
+    pub fn may_write(&self, uri: &ObjectUri) -> Result<(), Refusal> {
         self.object(uri, "write", Claims::may_write)
-            .map_err(Into::into)
     }
 
     /// The allow-list first, then the token's scope.

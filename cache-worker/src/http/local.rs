@@ -11,14 +11,14 @@ use std::sync::Arc;
 
 use futures::StreamExt as _;
 use lakecache_protocol::local_read::{
-    frame, sendmsg_with_fd, LocalAnswer, LocalRequest, PageGrant, LOCAL_PROTOCOL, MAX_INLINE,
-    MAX_MESSAGE,
+    frame, recvmsg_fd, sendmsg_with_fd, LocalAnswer, LocalRequest, PageGrant, LOCAL_PROTOCOL,
+    MAX_INLINE, MAX_MESSAGE,
 };
 use lakecache_protocol::{ErrorCode, ObjectUri};
 use tokio::io::{AsyncReadExt, AsyncWriteExt, Interest};
 use tokio::net::{UnixListener, UnixStream};
 
-use super::AppState;
+use super::{local_commit, AppState};
 use crate::cache::CacheError;
 
 /// Binds the socket at `path` (a stale one from an earlier run is
@@ -84,8 +84,16 @@ fn same_user(stream: &UnixStream) -> Result<(), String> {
 
 async fn connection(mut stream: UnixStream, state: &AppState, listen: &str) -> io::Result<()> {
     loop {
+        // The length's first byte carries a commit's descriptor.
         let mut len = [0u8; 4];
-        stream.read_exact(&mut len).await?;
+        let raw = stream.as_raw_fd();
+        let (got, fd) = stream
+            .async_io(Interest::READABLE, || recvmsg_fd(raw, &mut len))
+            .await?;
+        if got == 0 {
+            return Err(io::ErrorKind::UnexpectedEof.into());
+        }
+        stream.read_exact(&mut len[got..]).await?;
         let n = u32::from_le_bytes(len) as usize;
         if n > MAX_MESSAGE {
             return Err(io::Error::new(
@@ -120,6 +128,27 @@ async fn connection(mut stream: UnixStream, state: &AppState, listen: &str) -> i
                 };
                 page(state, token.as_deref(), asked).await
             }
+            Ok(LocalRequest::Commit {
+                token,
+                uri,
+                size,
+                meta,
+                deadline_ms,
+                sent_ms,
+            }) => {
+                let commit = local_commit::Commit {
+                    token,
+                    uri,
+                    size,
+                    meta,
+                    deadline_ms,
+                    sent_ms,
+                };
+                (
+                    commit_answer(&mut stream, state, commit, fd).await?,
+                    SentWith::Nothing,
+                )
+            }
             Err(e) => (
                 refusal(
                     ErrorCode::BadRequest,
@@ -141,6 +170,32 @@ async fn connection(mut stream: UnixStream, state: &AppState, listen: &str) -> i
         stream.write_all(&reply[sent..]).await?;
         if let SentWith::Stream(inline) = sent_with {
             send_inline(&mut stream, inline, state).await?;
+        }
+    }
+}
+
+/// Runs a commit, telling the mount every second that it goes on;
+/// returns its final answer.
+async fn commit_answer(
+    stream: &mut UnixStream,
+    state: &AppState,
+    commit: local_commit::Commit,
+    fd: Option<std::os::fd::OwnedFd>,
+) -> io::Result<LocalAnswer> {
+    let (mut task, taken, uri) = match local_commit::start(state, commit, fd).await {
+        Ok(started) => started,
+        Err(answer) => return Ok(answer),
+    };
+    loop {
+        tokio::select! {
+            done = &mut task => return Ok(local_commit::answer(&uri, done)),
+            () = tokio::time::sleep(local_commit::PROGRESS_EVERY) => {
+                let progress = LocalAnswer::Progress { taken: taken.load(std::sync::atomic::Ordering::Relaxed) };
+                let frame = frame(&serde_json::to_vec(&progress).map_err(io::Error::other)?)?;
+                // A mount that gave up ends the connection here; its
+                // deadline fences the write, and the task ends on its own.
+                stream.write_all(&frame).await?;
+            }
         }
     }
 }

@@ -5,6 +5,7 @@ mod body_check;
 mod limits;
 mod load;
 pub mod local;
+mod local_commit;
 mod peer_writeback;
 mod range;
 mod read_crc;

@@ -224,7 +224,7 @@ pub(super) fn parse_uri(rest: &str) -> Result<ObjectUri, Box<Response>> {
         .map_err(|e| Box::new(error(ErrorCode::InvalidPath, e.to_string())))
 }
 
-fn stat_body(uri: &ObjectUri, meta: &ObjectMeta) -> ObjectStat {
+pub(super) fn stat_body(uri: &ObjectUri, meta: &ObjectMeta) -> ObjectStat {
     ObjectStat {
         uri: uri.to_string(),
         size: meta.size,

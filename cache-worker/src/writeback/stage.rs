@@ -36,9 +36,22 @@ pub enum WriteRole {
     Replica { version: String, of: ReplicaOf },
 }
 
+/// How a body's pages reach the disk.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub enum Staging {
+    /// `O_DIRECT` from the buffers the body arrives in: no copy, for
+    /// bodies streamed over HTTP, where the CPU is the limit.
+    #[default]
+    Direct,
+    /// Through the page cache (see `PageStore::stage_buffered_for_sync`),
+    /// for a local file committed by a mount on this host.
+    Buffered,
+}
+
 /// What a body holds while it streams in.
 #[derive(Default)]
 struct Taken {
+    io: Staging,
     pages: Vec<Staged>,
     /// Pages being written, oldest first (at most [`STAGING_IN_FLIGHT`]).
     staging: VecDeque<JoinHandle<std::io::Result<Staged>>>,
@@ -71,8 +84,28 @@ impl Cache {
     where
         S: Stream<Item = Result<Bytes, CacheError>> + Send + Unpin,
     {
+        self.write_back_staged(uri, body, client_crc, role, user, Staging::Direct)
+            .await
+    }
+
+    /// [`Self::write_back`], with the body's pages staged as `io` says.
+    pub async fn write_back_staged<S>(
+        self: &Arc<Self>,
+        uri: &ObjectUri,
+        body: S,
+        client_crc: Arc<OnceLock<u32>>,
+        role: WriteRole,
+        user: UserMeta,
+        io: Staging,
+    ) -> Result<ObjectMeta, CacheError>
+    where
+        S: Stream<Item = Result<Bytes, CacheError>> + Send + Unpin,
+    {
         let wb = self.write_back_state()?.clone();
-        let mut taken = Taken::default();
+        let mut taken = Taken {
+            io,
+            ..Taken::default()
+        };
         let (version, replica_of) = match role {
             WriteRole::Primary => (
                 format!("{VERSION_PREFIX}{}", uuid::Uuid::new_v4().simple()),
@@ -175,6 +208,15 @@ impl Cache {
                     "write-back holds objects up to {} bytes ({MAX_PARTS} parts of {part_size}); write larger ones through",
                     MAX_PARTS * part_size
                 )));
+            }
+            // A whole aligned page (a local commit reads the file so):
+            // to disk as it is, without a copy.
+            if page.is_empty()
+                && chunk.len() == ps
+                && (chunk.as_ptr() as usize).is_multiple_of(buffer_pool::ALIGN)
+            {
+                self.stage_dirty(wb, chunk, deadline, taken).await?;
+                continue;
             }
             let mut rest = &chunk[..];
             while !rest.is_empty() {
@@ -313,11 +355,12 @@ impl Cache {
         if taken.staging.len() >= STAGING_IN_FLIGHT {
             taken.settle_oldest().await?;
         }
-        let wb2 = wb.clone();
+        let (wb2, io) = (wb.clone(), taken.io);
         taken
             .staging
-            .push_back(tokio::task::spawn_blocking(move || {
-                wb2.pages.stage_for_sync(&data)
+            .push_back(tokio::task::spawn_blocking(move || match io {
+                Staging::Direct => wb2.pages.stage_for_sync(&data),
+                Staging::Buffered => wb2.pages.stage_buffered_for_sync(&data),
             }));
         Ok(())
     }

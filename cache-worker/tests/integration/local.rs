@@ -288,3 +288,97 @@ async fn the_socket_checks_tokens_and_scopes_as_http_does() {
         "the socket did not serve the cold read"
     );
 }
+
+/// The co-located write path: a file whose descriptor comes over the
+/// socket is taken as a write-back of its first `size` bytes, with the
+/// token and scope checks of an HTTP write, and a clear refusal for a
+/// file shorter than the commit names.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_file_committed_over_the_socket_is_a_write_back_under_the_write_checks() {
+    use lakecache_protocol::local_read::LocalError;
+    use std::io::Write as _;
+
+    let key = SigningKey::generate("k1");
+    let h = with_socket(|o| {
+        o.access = AccessPolicy {
+            keys: Some(KeyRing::new(key.clone(), None)),
+            allow: Vec::new(),
+            protect_metrics: false,
+        }
+    })
+    .await;
+    let mint = |tenant: &str, scope: &str| {
+        key.mint(&Claims {
+            tenant: tenant.into(),
+            kid: String::new(),
+            exp: 4_000_000_000,
+            read: vec![scope.into()],
+            write: vec![scope.into()],
+            peer: false,
+            operator: false,
+            members_key: None,
+        })
+    };
+    let body = data((3 * MIB + 777) as usize, 75);
+    let mut file = tempfile::tempfile().unwrap();
+    file.write_all(&body).unwrap();
+    // Bytes past the committed size are not part of the object.
+    file.write_all(b"tail not committed").unwrap();
+    let file = Arc::new(file);
+    let member = h.addr().to_string();
+    let commit = |token: Option<String>, key: &'static str, size: u64| {
+        let (socket, file, member) = (socket_of(&h), file.clone(), member.clone());
+        tokio::task::spawn_blocking(move || {
+            LocalChannel::new(&socket, token).commit(
+                &member,
+                &uri(key),
+                &file,
+                size,
+                &Default::default(),
+                std::time::Duration::from_secs(30),
+            )
+        })
+    };
+    let size = body.len() as u64;
+    for (token, want) in [
+        (None, ErrorCode::Unauthenticated),
+        (Some("garbage".to_string()), ErrorCode::Unauthenticated),
+        (
+            Some(mint("team-b", "s3://data/team-b/")),
+            ErrorCode::OutOfScope,
+        ),
+    ] {
+        match commit(token, "team-a/ckpt.bin", size).await.unwrap() {
+            Err(LocalError::Refused { code, .. }) if code == want => {}
+            other => panic!("expected {want:?}, got {other:?}"),
+        }
+    }
+    let team_a = mint("team-a", "s3://data/team-a/");
+    match commit(Some(team_a.clone()), "team-a/ckpt.bin", size + (1 << 20))
+        .await
+        .unwrap()
+    {
+        Err(LocalError::Refused {
+            code: ErrorCode::BadRequest,
+            message,
+        }) => assert!(message.contains("holds"), "{message}"),
+        other => panic!("a commit past the file's end: {other:?}"),
+    }
+    assert_eq!(h.gets(), 0, "nothing refused touched S3");
+
+    let stat = commit(Some(team_a.clone()), "team-a/ckpt.bin", size)
+        .await
+        .unwrap()
+        .unwrap();
+    assert_eq!(stat.size, size);
+    assert!(
+        stat.etag.starts_with("lc-"),
+        "a write-back version: {stat:?}"
+    );
+    let http = h.client.clone().with_token(Some(&team_a)).unwrap();
+    let got = http.read(&uri("team-a/ckpt.bin"), None).await.unwrap();
+    assert!(
+        got[..] == body[..],
+        "the committed object reads back other bytes"
+    );
+}

@@ -254,6 +254,40 @@ impl DataPlane for ClusterClient {
         }
     }
 
+    fn commits_locally(&self, uri: &ObjectUri) -> bool {
+        self.writer_for(uri).is_ok_and(|w| w.may_commit_locally())
+    }
+
+    async fn commit_local(
+        &self,
+        uri: &ObjectUri,
+        file: Arc<std::fs::File>,
+        size: u64,
+        meta: &UserMeta,
+        progress: Duration,
+    ) -> Option<Result<ObjectStat, DataError>> {
+        let worker = self.writer_for(uri).ok()?;
+        let answer = worker.commit_local(uri, file, size, meta, progress).await?;
+        Some(match answer {
+            Ok(stat) => Ok(stat),
+            Err(ClientError::Timeout { .. }) => {
+                crate::metrics::global().write_stall();
+                Err(DataError::Stalled {
+                    worker: worker.base_url().to_string(),
+                    after: progress,
+                })
+            }
+            Err(ClientError::Api {
+                code: ErrorCode::WriteFenced,
+                ..
+            }) => Err(DataError::Stalled {
+                worker: worker.base_url().to_string(),
+                after: progress,
+            }),
+            Err(e) => Err(DataError::from(ClusterError::Worker(e))),
+        })
+    }
+
     async fn delete(&self, uri: &ObjectUri) -> Result<(), DataError> {
         Ok(ClusterClient::delete(self, uri).await?)
     }

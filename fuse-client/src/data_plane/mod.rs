@@ -184,6 +184,29 @@ pub trait DataPlane: Send + Sync + 'static {
         avoid: &[String],
     ) -> Result<ObjectStat, DataError>;
 
+    /// Whether a write of `uri` may be committed from a local file by a
+    /// worker on this host ([`Self::commit_local`]); known without I/O.
+    fn commits_locally(&self, uri: &ObjectUri) -> bool {
+        let _ = uri;
+        false
+    }
+
+    /// Commits the first `size` bytes of `file` as `uri`'s new content,
+    /// written back, through the worker on this host that takes writes
+    /// of `uri`, which reads the file itself. `None`: no such worker (the
+    /// caller streams the file with [`Self::upload`]).
+    async fn commit_local(
+        &self,
+        uri: &ObjectUri,
+        file: Arc<std::fs::File>,
+        size: u64,
+        meta: &UserMeta,
+        progress: Duration,
+    ) -> Option<Result<ObjectStat, DataError>> {
+        let _ = (uri, file, size, meta, progress);
+        None
+    }
+
     async fn delete(&self, uri: &ObjectUri) -> Result<(), DataError>;
 
     /// Server-side copy (of version `etag`, when given); the copy keeps

@@ -1,0 +1,161 @@
+//! The co-located write path through the kernel: a write-back mount
+//! beside the worker that owns a file has the kernel write the file into
+//! a staged file (FUSE passthrough) and the worker commit it from there
+//! through its local socket. The bytes arrive whole in S3; `stat` shows
+//! the size while the file is written; a file changed after an fsync is
+//! committed again; a stopped local worker does not hold the commit up.
+
+use super::*;
+
+const PROGRESS: &str = "2s";
+
+fn metric(port: u16, name: &str) -> f64 {
+    let text = reqwest_like_get(port, "/metrics");
+    common::metric(&text, name, &[]).unwrap_or_else(|e| panic!("mount: {e}"))
+}
+
+/// Mounts in write-back with worker 0's local socket and a metrics
+/// listener; returns the metrics port.
+fn mount_beside_worker_0(env: &mut Env) -> u16 {
+    let socket = env.dir.path().join("cache-0").join("local.sock");
+    assert!(
+        socket.exists(),
+        "no socket at {}\n{}",
+        socket.display(),
+        env.worker_logs()
+    );
+    let socket = socket.to_str().unwrap().to_string();
+    env.mount_with(&[
+        "--write-mode",
+        "back",
+        "--write-progress-timeout",
+        PROGRESS,
+        "--metrics-listen",
+        "127.0.0.1:0",
+        "--local-worker-socket",
+        &socket,
+    ]);
+    env.mount
+        .as_mut()
+        .expect("mounted")
+        .wait_for_port("mount metrics at http://", Duration::from_secs(30))
+}
+
+/// A key under `prefix` whose first segment worker `index` owns.
+fn key_owned_by(env: &Env, prefix: &str, index: usize) -> String {
+    (0..1000)
+        .map(|i| format!("{prefix}/ckpt-{i}.bin"))
+        .find(|k| env.owner_index(k, 0) == index)
+        .expect("some key lands on the worker")
+}
+
+#[test]
+fn a_write_back_beside_its_worker_is_committed_from_a_staged_file() {
+    let mut env = Env::start(1);
+    let port = mount_beside_worker_0(&mut env);
+    let path = env.mountpoint().join("staged/model.bin");
+    fs::create_dir_all(path.parent().unwrap()).unwrap();
+    let first = pattern((24 << 20) + 4321, 61);
+    let more = pattern((3 << 20) + 17, 62);
+
+    let mut f = File::create(&path).unwrap();
+    f.write_all(&first).unwrap();
+    assert_eq!(
+        fs::metadata(&path).unwrap().len(),
+        first.len() as u64,
+        "stat shows the bytes written so far"
+    );
+    f.sync_all().unwrap();
+    assert_eq!(
+        metric(port, "lakecache_fuse_local_commits_total"),
+        1.0,
+        "{}",
+        env.log()
+    );
+    // Written after the fsync, on the same descriptor: committed again
+    // at close, not lost.
+    f.write_all(&more).unwrap();
+    drop(f);
+    assert_eq!(
+        metric(port, "lakecache_fuse_local_commits_total"),
+        2.0,
+        "{}",
+        env.log()
+    );
+    assert_eq!(metric(port, "lakecache_fuse_write_resends_total"), 0.0);
+
+    let mut want = first.clone();
+    want.extend_from_slice(&more);
+    assert!(
+        fs::read(&path).unwrap() == want,
+        "the mount reads back other bytes"
+    );
+    env.sync_bucket(120);
+    assert!(
+        env.s3_get("staged/model.bin").as_deref() == Some(&want[..]),
+        "S3 holds other bytes\n{}",
+        env.worker_logs()
+    );
+
+    // Shrunk on the open file, then closed: the shorter file is stored.
+    let mut f = fs::OpenOptions::new()
+        .write(true)
+        .truncate(true)
+        .open(&path)
+        .unwrap();
+    f.write_all(&first).unwrap();
+    f.set_len(1000).unwrap();
+    drop(f);
+    assert!(
+        fs::read(&path).unwrap() == first[..1000],
+        "the truncated file reads back other bytes"
+    );
+    env.sync_bucket(120);
+    assert!(env.s3_get("staged/model.bin").as_deref() == Some(&first[..1000]));
+}
+
+#[test]
+fn a_stopped_local_worker_does_not_hold_up_a_staged_commit() {
+    let mut env = Env::start(2);
+    let port = mount_beside_worker_0(&mut env);
+    let key = key_owned_by(&env, "hung", 0);
+    let path = env.mountpoint().join(&key);
+    fs::create_dir_all(path.parent().unwrap()).unwrap();
+    let data = pattern((16 << 20) + 99, 63);
+    let mut f = File::create(&path).unwrap();
+    f.write_all(&data).unwrap();
+
+    let pid = env.workers[0].1.id().to_string();
+    Command::new("kill").args(["-STOP", &pid]).status().unwrap();
+    let started = Instant::now();
+    let synced = f.sync_all();
+    let took = started.elapsed();
+    Command::new("kill").args(["-CONT", &pid]).status().unwrap();
+    synced.unwrap_or_else(|e| {
+        panic!(
+            "fsync failed with the local worker stopped: {e}\n{}",
+            env.log()
+        )
+    });
+    drop(f);
+    assert!(
+        took < common::scaled(Duration::from_secs(30)),
+        "the commit waited {took:?} on a stopped worker"
+    );
+    assert_eq!(metric(port, "lakecache_fuse_local_commits_total"), 0.0);
+    assert!(
+        metric(port, "lakecache_fuse_write_resends_total") >= 1.0,
+        "{}",
+        env.log()
+    );
+    assert!(
+        fs::read(&path).unwrap() == data,
+        "the file reads back other bytes"
+    );
+    env.sync_bucket(120);
+    assert!(
+        env.s3_get(&key).as_deref() == Some(&data[..]),
+        "S3 holds other bytes\n{}",
+        env.worker_logs()
+    );
+}

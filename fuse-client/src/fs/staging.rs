@@ -1,0 +1,90 @@
+//! The filesystem's side of staged writes (see `staged.rs`): which
+//! handles have the kernel write into a staged file, and the size `stat`
+//! shows for them (the mount sees none of those writes).
+
+use std::collections::HashMap;
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use super::{Fs, Handle};
+
+/// How long an open for writing waits for a staged writer of the same
+/// file to be released: the kernel sends the release just after `close`
+/// returns, and `close(); open(O_TRUNC)` must not find the file busy.
+const RELEASE_WAIT: Duration = Duration::from_secs(2);
+
+/// Staged files of inodes open for writing, by inode.
+#[derive(Default)]
+pub(super) struct StagedInodes {
+    files: Mutex<HashMap<u64, Arc<std::fs::File>>>,
+    released: tokio::sync::Notify,
+}
+
+impl StagedInodes {
+    fn lock(&self) -> std::sync::MutexGuard<'_, HashMap<u64, Arc<std::fs::File>>> {
+        self.files.lock().unwrap_or_else(|p| p.into_inner())
+    }
+}
+
+impl Fs {
+    /// For a handle just opened for writing: the staged file the kernel
+    /// is to write into, when this write may go that way.
+    pub async fn stage_writes(&self, fh: u64) -> Option<Arc<std::fs::File>> {
+        let Ok(Handle::Write { writer, ino, .. }) = self.handle(fh) else {
+            return None;
+        };
+        let dir = self.config.spool_dir.join("staged");
+        let file = writer.lock().await.stage(&dir)?;
+        self.staged.lock().insert(ino, file.clone());
+        Some(file)
+    }
+
+    /// The kernel refused the passthrough open: the handle writes through
+    /// the mount. Called before the open is answered, so nothing was
+    /// written and nothing else holds the writer.
+    pub fn unstage(&self, fh: u64) {
+        let Ok(Handle::Write { writer, ino, .. }) = self.handle(fh) else {
+            return;
+        };
+        self.staged.lock().remove(&ino);
+        let unstaged = match writer.try_lock() {
+            Ok(mut w) => {
+                w.unstage();
+                true
+            }
+            Err(_) => false,
+        };
+        if !unstaged {
+            tracing::error!(fh, "a staged writer was busy before its open was answered");
+        }
+    }
+
+    /// The inode's size as its staged file has it, brought into the inode.
+    pub(super) fn refresh_staged_size(&self, ino: u64) {
+        let file = self.staged.lock().get(&ino).cloned();
+        if let Some(size) = file.and_then(|f| f.metadata().ok()).map(|m| m.len()) {
+            self.inodes.update(ino, |n| n.meta.size = size);
+        }
+    }
+
+    pub(super) fn forget_staged(&self, ino: u64) {
+        if self.staged.lock().remove(&ino).is_some() {
+            self.staged.released.notify_waiters();
+        }
+    }
+
+    /// Waits, up to [`RELEASE_WAIT`], until `ino` has no staged writer.
+    pub(super) async fn await_staged_release(&self, ino: u64) {
+        let deadline = Instant::now() + RELEASE_WAIT;
+        loop {
+            let released = self.staged.released.notified();
+            if !self.staged.lock().contains_key(&ino) {
+                return;
+            }
+            let left = deadline.saturating_duration_since(Instant::now());
+            if left.is_zero() || tokio::time::timeout(left, released).await.is_err() {
+                return;
+            }
+        }
+    }
+}

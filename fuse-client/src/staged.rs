@@ -1,0 +1,180 @@
+//! Write-back files written into a local file (the staged file) instead
+//! of through the mount: the kernel writes the application's bytes into
+//! it directly (FUSE passthrough), so no byte crosses FUSE, the mount or
+//! a socket while the file is written. At flush, fsync or close the file
+//! is committed:
+//! - by the worker on this host that takes the object's writes, which
+//!   reads the file through a descriptor passed over its local socket
+//!   and answers once the write is durable (pages and journal synced,
+//!   copies made), exactly as for a write sent over HTTP;
+//! - otherwise (no such worker, or it stalled) by streaming the file to
+//!   the owning worker over HTTP, and again to the next one if that one
+//!   stalls: the file is what a resend needs, kept until the answer.
+//!
+//! The mount sees none of the writes, so it tells a changed file by its
+//! size and times: a file changed after a commit is committed again.
+
+use std::fs::File;
+use std::os::unix::fs::{FileExt, MetadataExt};
+use std::sync::Arc;
+
+use bytes::Bytes;
+use lakecache_protocol::{buffer_pool, ObjectStat, ObjectUri, UserMeta, WriteMode};
+
+use crate::data_plane::{ByteStream, DataError, DataPlane, UploadLimits};
+
+/// Piece size when the file is streamed over HTTP.
+const PIECE: u64 = 1 << 20;
+
+/// What a file looked like when it was committed.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+struct Stamp {
+    len: u64,
+    mtime: (i64, i64),
+    ctime: (i64, i64),
+}
+
+pub(crate) struct StagedFile {
+    file: Arc<File>,
+    committed: Option<Stamp>,
+}
+
+impl StagedFile {
+    /// An anonymous file in `dir`, gone once closed.
+    pub fn create(dir: &std::path::Path) -> std::io::Result<Self> {
+        Ok(Self {
+            file: Arc::new(crate::resend::tempfile_in(dir)?),
+            committed: None,
+        })
+    }
+
+    pub fn file(&self) -> &Arc<File> {
+        &self.file
+    }
+
+    fn stamp(&self) -> std::io::Result<Stamp> {
+        let m = self.file.metadata()?;
+        Ok(Stamp {
+            len: m.len(),
+            mtime: (m.mtime(), m.mtime_nsec()),
+            ctime: (m.ctime(), m.ctime_nsec()),
+        })
+    }
+
+    /// The file's length (0 when it cannot be read: commit says why).
+    pub fn len(&self) -> u64 {
+        self.file.metadata().map_or(0, |m| m.len())
+    }
+
+    /// Changed since its last commit (or never committed).
+    pub fn changed(&self) -> bool {
+        match (self.committed, self.stamp()) {
+            (Some(then), Ok(now)) => then != now,
+            _ => true,
+        }
+    }
+
+    pub fn set_len(&self, size: u64) -> std::io::Result<()> {
+        self.file.set_len(size)
+    }
+
+    /// Commits the file as it is now (see the module docs).
+    pub async fn commit(
+        &mut self,
+        data: &Arc<dyn DataPlane>,
+        uri: &ObjectUri,
+        limits: UploadLimits,
+        meta: &UserMeta,
+        resends: usize,
+    ) -> Result<ObjectStat, DataError> {
+        let stamp = self
+            .stamp()
+            .map_err(|e| DataError::Spool(format!("the staged file: {e}")))?;
+        let size = stamp.len;
+        let mut avoid = Vec::new();
+        let local = data
+            .commit_local(uri, self.file.clone(), size, meta, limits.progress)
+            .await;
+        let result = match local {
+            Some(Ok(stat)) => {
+                crate::metrics::global().local_commit(size);
+                Ok(stat)
+            }
+            Some(Err(DataError::Stalled { worker, .. })) => {
+                tracing::warn!(%uri, %worker, "the local worker stalled on the commit; sending the file to the next worker");
+                crate::metrics::global().write_resend();
+                avoid.push(worker);
+                self.stream(data, uri, limits, meta, &mut avoid, resends)
+                    .await
+            }
+            Some(Err(e)) => Err(e),
+            None => {
+                self.stream(data, uri, limits, meta, &mut avoid, resends)
+                    .await
+            }
+        };
+        let result = result.and_then(|stat| {
+            if stat.size == size {
+                Ok(stat)
+            } else {
+                Err(DataError::SizeMismatch {
+                    stored: stat.size,
+                    sent: size,
+                })
+            }
+        });
+        if result.is_ok() {
+            self.committed = Some(stamp);
+        }
+        result
+    }
+
+    /// Streams the file over HTTP, to the next worker after each stall.
+    async fn stream(
+        &self,
+        data: &Arc<dyn DataPlane>,
+        uri: &ObjectUri,
+        limits: UploadLimits,
+        meta: &UserMeta,
+        avoid: &mut Vec<String>,
+        resends: usize,
+    ) -> Result<ObjectStat, DataError> {
+        loop {
+            let body = file_stream(self.file.clone(), self.len());
+            match data
+                .upload(uri, body, limits, WriteMode::Back, meta, avoid)
+                .await
+            {
+                Err(DataError::Stalled { worker, .. }) if avoid.len() < resends => {
+                    tracing::warn!(%uri, %worker, "the write's worker stalled; sending the staged file to the next worker");
+                    crate::metrics::global().write_resend();
+                    avoid.push(worker);
+                }
+                other => return other,
+            }
+        }
+    }
+}
+
+/// The first `size` bytes of `file`, in pooled pieces.
+fn file_stream(file: Arc<File>, size: u64) -> ByteStream {
+    Box::pin(futures::stream::try_unfold(0u64, move |at| {
+        let file = file.clone();
+        async move {
+            if at >= size {
+                return Ok(None);
+            }
+            let n = PIECE.min(size - at) as usize;
+            let piece: Bytes = tokio::task::spawn_blocking(move || {
+                let mut buf = buffer_pool::take(n);
+                buf.set_len(n);
+                file.read_exact_at(&mut buf, at)
+                    .map(|()| buffer_pool::freeze(buf))
+            })
+            .await
+            .map_err(|e| DataError::backend("reading the staged file", e))?
+            .map_err(|e| DataError::Spool(format!("reading the staged file at {at}: {e}")))?;
+            Ok(Some((piece, at + n as u64)))
+        }
+    }))
+}
