@@ -34,8 +34,8 @@ from trainer_stall import train
 from write_path import end_mode, fio_write, sync_seconds
 
 HERE = Path(__file__).resolve().parent
-WRITE_MODES = ("local", "back", "back-r2", "through")
-STALL_MODES = ("local", "back", "through")
+WRITE_MODES = ("local", "back", "back-streamed", "back-r2", "through")
+STALL_MODES = ("local", "back", "back-streamed", "through")
 
 
 def boto3_client(port: int):
@@ -191,7 +191,8 @@ def write(a: argparse.Namespace, rows: dict, started: str) -> None:
     ]
     names = {
         "local": "local disk",
-        "back": "mount, write-back, 1 copy",
+        "back": "mount, write-back, 1 copy (staged file, committed by the local worker)",
+        "back-streamed": "mount, write-back, 1 copy, `--staged-writes=false` (streamed)",
         "back-r2": "mount, write-back, 3 workers x 2 copies",
         "through": "mount, write-through (close = in S3)",
     }

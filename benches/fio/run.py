@@ -161,13 +161,17 @@ class Cluster:
 
     def start_write_mode(self, mode: str) -> Path:
         """Workers and a mount for one write mode of the write benches
-        (`through`, `back`, or `back-r2`: three workers, every write-back
-        body on two of them); returns the mode's own directory on the
+        (`through`, `back`, `back-streamed`: write-back with staged writes
+        off, or `back-r2`: three workers, every write-back body on two of
+        them); returns the mode's own directory on the
         mount. The bucket outlives the workers: each mode writes its own
         directory (an existing object opened without O_TRUNC is read-only
         on the mount)."""
         if mode == "back-r2":
             self.start_ring(3, ("--write-replicas", "2"), ("--write-mode", "back"))
+        elif mode == "back-streamed":
+            self.start_worker(fresh=True, mount_flags=("--write-mode", "back",
+                                                       "--staged-writes=false"))
         else:
             self.start_worker(fresh=True, mount_flags=("--write-mode", mode))
         return self.mnt / mode

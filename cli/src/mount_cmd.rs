@@ -48,6 +48,14 @@ pub struct FuseArgs {
     /// files, gone when closed [default: $TMPDIR/lakecache-spool]
     #[arg(long, env = "LAKECACHE_SPOOL_DIR")]
     pub spool_dir: Option<std::path::PathBuf>,
+    /// Write-back files that the worker on this host (--local-worker-socket)
+    /// owns are written by the kernel into a staged file in --spool-dir
+    /// (FUSE passthrough) and committed by that worker from it at
+    /// flush/fsync/close; false streams every write through the mount
+    #[arg(long, env = "LAKECACHE_STAGED_WRITES",
+          value_parser = clap::builder::BoolishValueParser::new(), num_args = 0..=1,
+          default_missing_value = "true", default_value = "true")]
+    pub staged_writes: bool,
     /// A write whose worker takes no byte for this long (while bytes wait
     /// for it), or stays silent this long after the last byte, fails with
     /// EIO instead of hanging the writer as long as the worker hangs
@@ -169,6 +177,7 @@ impl FuseArgs {
             }
             config.spool_dir = dir.clone();
         }
+        config.staged_writes = self.staged_writes;
         lakecache_protocol::buffer_pool::limit_idle_to_share_of(config.memory_limit);
         if let Some(uid) = self.uid {
             config.uid = uid;
@@ -455,6 +464,8 @@ pub struct MountSettings {
     pub memory_limit_bytes: u64,
     #[serde(default)]
     pub spool_dir: String,
+    #[serde(default)]
+    pub staged_writes: bool,
 }
 
 /// Exports the local tier's metrics and goes on completing what a
@@ -469,6 +480,7 @@ pub fn start_local_tier(fs: &Fs) -> lakecache_telemetry::JsonRoutes {
         upload_timeout_ms: config.upload_timeout.as_millis() as u64,
         memory_limit_bytes: config.memory_limit,
         spool_dir: config.spool_dir.display().to_string(),
+        staged_writes: config.staged_writes,
     })
     .unwrap_or_else(|e| serde_json::json!({ "error": format!("mount settings: {e}") }));
     routes.push((SETTINGS_PATH, Arc::new(move || settings.clone())));

@@ -60,6 +60,11 @@ fn print_settings(s: &MountSettings) {
         ByteSize(s.memory_limit_bytes).human(),
         s.spool_dir
     );
+    println!(
+        "staged writes: {} (write-back files the worker on this host owns are written into {}/staged and committed by that worker; --staged-writes)",
+        if s.staged_writes { "on" } else { "off" },
+        s.spool_dir
+    );
 }
 
 /// The body at `path`, or `None` when the mount answers 404.

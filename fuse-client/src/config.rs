@@ -68,6 +68,9 @@ pub struct FsConfig {
     pub truncate_rewrite_max: u64,
     /// Where files changed in place are spooled until they are uploaded.
     pub spool_dir: std::path::PathBuf,
+    /// Written-back files the worker on this host owns are written into
+    /// a staged file with FUSE passthrough (see `staged.rs`).
+    pub staged_writes: bool,
 }
 
 impl FsConfig {
@@ -111,6 +114,7 @@ impl FsConfig {
             posix_metadata: true,
             truncate_rewrite_max: 1 << 30,
             spool_dir: std::env::temp_dir().join("lakecache-spool"),
+            staged_writes: true,
         }
     }
 

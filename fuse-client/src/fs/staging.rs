@@ -30,6 +30,9 @@ impl Fs {
     /// For a handle just opened for writing: the staged file the kernel
     /// is to write into, when this write may go that way.
     pub async fn stage_writes(&self, fh: u64) -> Option<Arc<std::fs::File>> {
+        if !self.config.staged_writes {
+            return None;
+        }
         let Ok(Handle::Write { writer, ino, .. }) = self.handle(fh) else {
             return None;
         };
