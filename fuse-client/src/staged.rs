@@ -15,7 +15,7 @@
 //! size and times: a file changed after a commit is committed again.
 
 use std::fs::File;
-use std::os::unix::fs::{FileExt, MetadataExt};
+use std::os::unix::fs::MetadataExt;
 use std::sync::Arc;
 
 use bytes::Bytes;
@@ -165,15 +165,13 @@ fn file_stream(file: Arc<File>, size: u64) -> ByteStream {
                 return Ok(None);
             }
             let n = PIECE.min(size - at) as usize;
-            let piece: Bytes = tokio::task::spawn_blocking(move || {
-                let mut buf = buffer_pool::take(n);
-                buf.set_len(n);
-                file.read_exact_at(&mut buf, at)
-                    .map(|()| buffer_pool::freeze(buf))
-            })
-            .await
-            .map_err(|e| DataError::backend("reading the staged file", e))?
-            .map_err(|e| DataError::Spool(format!("reading the staged file at {at}: {e}")))?;
+            let piece: Bytes =
+                tokio::task::spawn_blocking(move || buffer_pool::read_at(&file, at, n))
+                    .await
+                    .map_err(|e| DataError::backend("reading the staged file", e))?
+                    .map_err(|e| {
+                        DataError::Spool(format!("reading the staged file at {at}: {e}"))
+                    })?;
             Ok(Some((piece, at + n as u64)))
         }
     }))

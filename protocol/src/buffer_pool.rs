@@ -266,6 +266,15 @@ pub fn take(capacity: usize) -> PoolBuf {
 
 /// Freezes a filled buffer; a pooled-size one returns to the pool when
 /// its last `Bytes` is dropped.
+/// `n` bytes of `file` from offset `at`, read into a pooled buffer.
+pub fn read_at(file: &std::fs::File, at: u64, n: usize) -> std::io::Result<Bytes> {
+    use std::os::unix::fs::FileExt;
+    let mut buf = take(n);
+    buf.set_len(n);
+    file.read_exact_at(&mut buf, at)?;
+    Ok(freeze(buf))
+}
+
 pub fn freeze(buf: PoolBuf) -> Bytes {
     if buf.capacity() >= MIN_POOLED {
         Bytes::from_owner(Pooled(Some(buf)))

@@ -235,6 +235,48 @@ impl WorkerClient {
         self
     }
 
+    /// This worker's ring address (`host:port`), as the local socket's
+    /// worker is matched against it.
+    fn member(&self) -> &str {
+        self.base
+            .split_once("://")
+            .map_or(self.base.as_str(), |(_, rest)| rest)
+    }
+
+    /// A local-socket call's outcome for a caller that falls back to
+    /// HTTP on `None`: a refusal is the worker's answer, as over HTTP; a
+    /// silent worker is a timeout; any other failure goes over HTTP.
+    fn local_outcome<T>(
+        &self,
+        uri: &ObjectUri,
+        what: &'static str,
+        got: Result<Result<T, LocalError>, tokio::task::JoinError>,
+    ) -> Option<Result<T, ClientError>> {
+        match got {
+            Ok(Ok(value)) => Some(Ok(value)),
+            Ok(Err(LocalError::Refused { code, message })) => Some(Err(ClientError::Api {
+                status: code.http_status(),
+                code,
+                message,
+            })),
+            Ok(Err(LocalError::Stalled(after))) => Some(Err(self.timed_out(after))),
+            Ok(Err(LocalError::Unavailable(why))) => {
+                tracing::trace!(%uri, %why, what, "over HTTP instead");
+                None
+            }
+            Ok(Err(e)) => {
+                // A damaged page file: HTTP reads it too, finds the damage
+                // and fetches the page again.
+                tracing::warn!(%uri, error = %e, what, "local socket failed; over HTTP instead");
+                None
+            }
+            Err(e) => {
+                tracing::warn!(%uri, error = %e, what, "local socket task failed; over HTTP instead");
+                None
+            }
+        }
+    }
+
     /// `range` at `etag` through the local socket. `None`: read over
     /// HTTP (no socket, the worker declined, or the socket failed).
     async fn read_local(
@@ -244,50 +286,23 @@ impl WorkerClient {
         etag: &str,
     ) -> Option<Result<Bytes, ClientError>> {
         let local = self.local.as_ref()?;
-        let member = self
-            .base
-            .split_once("://")
-            .map_or(self.base.as_str(), |(_, rest)| rest);
-        if range.is_empty() || !local.worth_asking(member) {
+        if range.is_empty() || !local.worth_asking(self.member()) {
             return None;
         }
-        let (local, member) = (local.clone(), member.to_string());
+        let (local, member) = (local.clone(), self.member().to_string());
         let (uri_c, range_c, etag_c) = (uri.clone(), range.clone(), etag.to_string());
         let got =
             tokio::task::spawn_blocking(move || local.read(&member, &uri_c, &etag_c, range_c))
                 .await;
-        match got {
-            Ok(Ok(bytes)) => Some(Ok(bytes)),
-            Ok(Err(LocalError::Refused { code, message })) => Some(Err(ClientError::Api {
-                status: code.http_status(),
-                code,
-                message,
-            })),
-            Ok(Err(LocalError::Unavailable(why))) => {
-                tracing::trace!(%uri, %why, "read over HTTP");
-                None
-            }
-            Ok(Err(e)) => {
-                // A damaged page file: HTTP reads it too, finds the damage
-                // and fetches the page again.
-                tracing::warn!(%uri, error = %e, "local read failed; reading over HTTP");
-                None
-            }
-            Err(e) => {
-                tracing::warn!(%uri, error = %e, "local read task failed; reading over HTTP");
-                None
-            }
-        }
+        self.local_outcome(uri, "read", got)
     }
 
     /// Whether [`Self::commit_local`] may be worth trying (no I/O: a
     /// socket whose worker is not yet known counts).
     pub fn may_commit_locally(&self) -> bool {
-        let member = self
-            .base
-            .split_once("://")
-            .map_or(self.base.as_str(), |(_, rest)| rest);
-        self.local.as_ref().is_some_and(|l| l.worth_asking(member))
+        self.local
+            .as_ref()
+            .is_some_and(|l| l.worth_asking(self.member()))
     }
 
     /// Commits `file` (its first `size` bytes) as the new content of
@@ -304,40 +319,16 @@ impl WorkerClient {
         progress: Duration,
     ) -> Option<Result<ObjectStat, ClientError>> {
         let local = self.local.as_ref()?;
-        let member = self
-            .base
-            .split_once("://")
-            .map_or(self.base.as_str(), |(_, rest)| rest)
-            .to_string();
-        if !local.worth_asking(&member) {
+        if !local.worth_asking(self.member()) {
             return None;
         }
-        let (local2, uri_c, meta_c) = (local.clone(), uri.clone(), meta.clone());
+        let (local, member) = (local.clone(), self.member().to_string());
+        let (uri_c, meta_c) = (uri.clone(), meta.clone());
         let got = tokio::task::spawn_blocking(move || {
-            local2.commit(&member, &uri_c, &file, size, &meta_c, progress)
+            local.commit(&member, &uri_c, &file, size, &meta_c, progress)
         })
         .await;
-        match got {
-            Ok(Ok(stat)) => Some(Ok(stat)),
-            Ok(Err(LocalError::Refused { code, message })) => Some(Err(ClientError::Api {
-                status: code.http_status(),
-                code,
-                message,
-            })),
-            Ok(Err(LocalError::Stalled(after))) => Some(Err(self.timed_out(after))),
-            Ok(Err(LocalError::Unavailable(why))) => {
-                tracing::debug!(%uri, %why, "commit over HTTP");
-                None
-            }
-            Ok(Err(e)) => {
-                tracing::warn!(%uri, error = %e, "local commit failed; writing over HTTP");
-                None
-            }
-            Err(e) => {
-                tracing::warn!(%uri, error = %e, "local commit task failed; writing over HTTP");
-                None
-            }
-        }
+        self.local_outcome(uri, "commit", got)
     }
 
     /// The same client, sending `token` as `Authorization: Bearer` on

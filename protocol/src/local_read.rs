@@ -76,20 +76,24 @@ pub enum LocalRequest {
         inline: bool,
     },
     /// Take the file whose descriptor rides on this request as the new
-    /// content of `uri` (its first `size` bytes), written back: the
-    /// co-located write path (see [`LocalChannel::commit`]).
-    Commit {
-        #[serde(default, skip_serializing_if = "Option::is_none")]
-        token: Option<String>,
-        uri: String,
-        size: u64,
-        #[serde(default)]
-        meta: crate::UserMeta,
-        /// The caller's progress deadline and when it sent this (ms since
-        /// the epoch): a worker paused past it must not record the write.
-        deadline_ms: u64,
-        sent_ms: u64,
-    },
+    /// content of a URI, written back: the co-located write path (see
+    /// [`LocalChannel::commit`]).
+    Commit(CommitRequest),
+}
+
+/// A commit: the first `size` bytes of the passed file as `uri`.
+#[derive(Debug, Clone, Serialize, Deserialize, PartialEq, Eq)]
+pub struct CommitRequest {
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub token: Option<String>,
+    pub uri: String,
+    pub size: u64,
+    #[serde(default)]
+    pub meta: crate::UserMeta,
+    /// The caller's progress deadline and when it sent this (ms since
+    /// the epoch): a worker paused past it must not record the write.
+    pub deadline_ms: u64,
+    pub sent_ms: u64,
 }
 
 /// Inline answers are at most this long; a longer request is answered in
@@ -514,7 +518,7 @@ impl LocalChannel {
                 "{member} is another worker"
             )));
         }
-        let request = LocalRequest::Commit {
+        let request = LocalRequest::Commit(CommitRequest {
             token: self.token.clone(),
             uri: uri.to_string(),
             size,
@@ -523,7 +527,7 @@ impl LocalChannel {
             sent_ms: std::time::SystemTime::now()
                 .duration_since(std::time::UNIX_EPOCH)
                 .map_or(0, |d| d.as_millis() as u64),
-        };
+        });
         let body = serde_json::to_vec(&request).map_err(|e| LocalError::Protocol(e.to_string()))?;
         match send_message(c.as_raw_fd(), &body, Some(file.as_raw_fd())) {
             Err(e) if timed_out(&e) => return Err(LocalError::Stalled(progress)),
@@ -754,7 +758,7 @@ mod tests {
                         }
                         // A commit's descriptor came along: its size is
                         // passed to `answer` as the length.
-                        LocalRequest::Commit { size, .. } => {
+                        LocalRequest::Commit(CommitRequest { size, .. }) => {
                             let progress = serde_json::to_vec(&LocalAnswer::Progress { taken: 0 });
                             send_message(conn.as_raw_fd(), &progress.unwrap(), None).unwrap();
                             answer(n, u64::MAX, size)

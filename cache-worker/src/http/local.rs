@@ -128,27 +128,10 @@ async fn connection(mut stream: UnixStream, state: &AppState, listen: &str) -> i
                 };
                 page(state, token.as_deref(), asked).await
             }
-            Ok(LocalRequest::Commit {
-                token,
-                uri,
-                size,
-                meta,
-                deadline_ms,
-                sent_ms,
-            }) => {
-                let commit = local_commit::Commit {
-                    token,
-                    uri,
-                    size,
-                    meta,
-                    deadline_ms,
-                    sent_ms,
-                };
-                (
-                    commit_answer(&mut stream, state, commit, fd).await?,
-                    SentWith::Nothing,
-                )
-            }
+            Ok(LocalRequest::Commit(commit)) => (
+                commit_answer(&mut stream, state, commit, fd).await?,
+                SentWith::Nothing,
+            ),
             Err(e) => (
                 refusal(
                     ErrorCode::BadRequest,
@@ -179,7 +162,7 @@ async fn connection(mut stream: UnixStream, state: &AppState, listen: &str) -> i
 async fn commit_answer(
     stream: &mut UnixStream,
     state: &AppState,
-    commit: local_commit::Commit,
+    commit: lakecache_protocol::local_read::CommitRequest,
     fd: Option<std::os::fd::OwnedFd>,
 ) -> io::Result<LocalAnswer> {
     let (mut task, taken, uri) = match local_commit::start(state, commit, fd).await {

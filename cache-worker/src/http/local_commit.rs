@@ -7,14 +7,13 @@
 //! every second, so the mount can tell a slow commit from a hung worker.
 
 use std::os::fd::OwnedFd;
-use std::os::unix::fs::FileExt;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, OnceLock};
 use std::time::Duration;
 
 use bytes::Bytes;
-use lakecache_protocol::local_read::LocalAnswer;
-use lakecache_protocol::{buffer_pool, ErrorCode, ObjectStat, ObjectUri, UserMeta};
+use lakecache_protocol::local_read::{CommitRequest, LocalAnswer};
+use lakecache_protocol::{buffer_pool, ErrorCode, ObjectStat, ObjectUri};
 
 use super::AppState;
 use crate::cache::CacheError;
@@ -22,16 +21,6 @@ use crate::writeback::{Staging, WriteRole};
 
 /// How often a commit in progress says so.
 pub(super) const PROGRESS_EVERY: Duration = Duration::from_secs(1);
-
-/// A commit request's fields.
-pub(super) struct Commit {
-    pub token: Option<String>,
-    pub uri: String,
-    pub size: u64,
-    pub meta: UserMeta,
-    pub deadline_ms: u64,
-    pub sent_ms: u64,
-}
 
 fn refusal(code: ErrorCode, message: impl Into<String>) -> LocalAnswer {
     LocalAnswer::Error {
@@ -50,7 +39,7 @@ pub(super) type Started = (
 
 pub(super) async fn start(
     state: &AppState,
-    commit: Commit,
+    commit: CommitRequest,
     fd: Option<OwnedFd>,
 ) -> Result<Started, LocalAnswer> {
     let access = state
@@ -141,19 +130,14 @@ fn file_body(
                 return Ok(None);
             }
             let n = page.min(size - at) as usize;
-            let piece = tokio::task::spawn_blocking(move || {
-                let mut buf = buffer_pool::take(n);
-                buf.set_len(n);
-                file.read_exact_at(&mut buf, at)
-                    .map(|()| buffer_pool::freeze(buf))
-            })
-            .await
-            .map_err(crate::cache::join_failed)?
-            .map_err(|e| {
-                CacheError::Invalid(format!(
-                    "reading the committed file at {at}: {e} (changed while committed?)"
-                ))
-            })?;
+            let piece = tokio::task::spawn_blocking(move || buffer_pool::read_at(&file, at, n))
+                .await
+                .map_err(crate::cache::join_failed)?
+                .map_err(|e| {
+                    CacheError::Invalid(format!(
+                        "reading the committed file at {at}: {e} (changed while committed?)"
+                    ))
+                })?;
             taken.fetch_add(n as u64, Ordering::Relaxed);
             Ok(Some((piece, at + n as u64)))
         }

@@ -30,6 +30,33 @@ async fn with_socket(tune: impl FnOnce(&mut lakecache_worker::WorkerOptions)) ->
     .await
 }
 
+/// Tokens signed by `key` required on every request.
+fn tokens_of(key: &SigningKey) -> AccessPolicy {
+    AccessPolicy {
+        keys: Some(KeyRing::new(key.clone(), None)),
+        allow: Vec::new(),
+        protect_metrics: false,
+    }
+}
+
+/// A tenant's token reading `scope`, and writing it when `write`.
+fn token(key: &SigningKey, tenant: &str, scope: &str, write: bool) -> String {
+    key.mint(&Claims {
+        tenant: tenant.into(),
+        kid: String::new(),
+        exp: 4_000_000_000,
+        read: vec![scope.into()],
+        write: if write {
+            vec![scope.into()]
+        } else {
+            Vec::new()
+        },
+        peer: false,
+        operator: false,
+        members_key: None,
+    })
+}
+
 /// HTTP reads the worker answered so far (the series must exist).
 fn http_reads(metrics: &str) -> f64 {
     let lines: Vec<&str> = metrics
@@ -202,28 +229,10 @@ async fn a_damaged_page_file_or_another_version_falls_back_to_http() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn the_socket_checks_tokens_and_scopes_as_http_does() {
     let key = SigningKey::generate("k1");
-    let h = with_socket(|o| {
-        o.access = AccessPolicy {
-            keys: Some(KeyRing::new(key.clone(), None)),
-            allow: Vec::new(),
-            protect_metrics: false,
-        }
-    })
-    .await;
+    let h = with_socket(|o| o.access = tokens_of(&key)).await;
     let body = data(100_000, 73);
     let etag = h.put_direct("team-a/shard.bin", &body).await;
-    let mint = |tenant: &str, read: &str| {
-        key.mint(&Claims {
-            tenant: tenant.into(),
-            kid: String::new(),
-            exp: 4_000_000_000,
-            read: vec![read.into()],
-            write: Vec::new(),
-            peer: false,
-            operator: false,
-            members_key: None,
-        })
-    };
+    let mint = |tenant: &str, read: &str| token(&key, tenant, read, false);
     let read_with = |token: Option<String>| {
         let channel = Arc::new(LocalChannel::new(&socket_of(&h), token));
         // The HTTP client carries no token: only the socket may answer.
@@ -299,26 +308,8 @@ async fn a_file_committed_over_the_socket_is_a_write_back_under_the_write_checks
     use std::io::Write as _;
 
     let key = SigningKey::generate("k1");
-    let h = with_socket(|o| {
-        o.access = AccessPolicy {
-            keys: Some(KeyRing::new(key.clone(), None)),
-            allow: Vec::new(),
-            protect_metrics: false,
-        }
-    })
-    .await;
-    let mint = |tenant: &str, scope: &str| {
-        key.mint(&Claims {
-            tenant: tenant.into(),
-            kid: String::new(),
-            exp: 4_000_000_000,
-            read: vec![scope.into()],
-            write: vec![scope.into()],
-            peer: false,
-            operator: false,
-            members_key: None,
-        })
-    };
+    let h = with_socket(|o| o.access = tokens_of(&key)).await;
+    let mint = |tenant: &str, scope: &str| token(&key, tenant, scope, true);
     let body = data((3 * MIB + 777) as usize, 75);
     let mut file = tempfile::tempfile().unwrap();
     file.write_all(&body).unwrap();

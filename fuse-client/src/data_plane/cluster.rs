@@ -69,6 +69,32 @@ impl From<ClusterError> for DataError {
     }
 }
 
+/// A write's answer from `worker`: a worker silent past `progress`, or
+/// one that paused past it and refused to store the write (fenced), is
+/// as good as stalled, and the write goes elsewhere.
+fn write_answer(
+    answer: Result<ObjectStat, ClientError>,
+    worker: &str,
+    progress: Duration,
+) -> Result<ObjectStat, DataError> {
+    let stalled = || DataError::Stalled {
+        worker: worker.to_string(),
+        after: progress,
+    };
+    match answer {
+        Ok(stat) => Ok(stat),
+        Err(ClientError::Timeout { .. }) => {
+            crate::metrics::global().write_stall();
+            Err(stalled())
+        }
+        Err(ClientError::Api {
+            code: ErrorCode::WriteFenced,
+            ..
+        }) => Err(stalled()),
+        Err(e) => Err(DataError::from(ClusterError::Worker(e))),
+    }
+}
+
 #[async_trait::async_trait]
 impl DataPlane for ClusterClient {
     async fn stat(&self, uri: &ObjectUri) -> Result<ObjectStat, DataError> {
@@ -238,20 +264,7 @@ impl DataPlane for ClusterClient {
                 return Err(stalled());
             }
         };
-        match result {
-            Ok(stat) => Ok(stat),
-            Err(ClientError::Timeout { .. }) => {
-                crate::metrics::global().write_stall();
-                Err(stalled())
-            }
-            // The worker paused past our deadline and refused to store the
-            // write: as good as stalled, and the write goes elsewhere.
-            Err(ClientError::Api {
-                code: ErrorCode::WriteFenced,
-                ..
-            }) => Err(stalled()),
-            Err(e) => Err(DataError::from(ClusterError::Worker(e))),
-        }
+        write_answer(result, worker.base_url(), limits.progress)
     }
 
     fn commits_locally(&self, uri: &ObjectUri) -> bool {
@@ -268,24 +281,7 @@ impl DataPlane for ClusterClient {
     ) -> Option<Result<ObjectStat, DataError>> {
         let worker = self.writer_for(uri).ok()?;
         let answer = worker.commit_local(uri, file, size, meta, progress).await?;
-        Some(match answer {
-            Ok(stat) => Ok(stat),
-            Err(ClientError::Timeout { .. }) => {
-                crate::metrics::global().write_stall();
-                Err(DataError::Stalled {
-                    worker: worker.base_url().to_string(),
-                    after: progress,
-                })
-            }
-            Err(ClientError::Api {
-                code: ErrorCode::WriteFenced,
-                ..
-            }) => Err(DataError::Stalled {
-                worker: worker.base_url().to_string(),
-                after: progress,
-            }),
-            Err(e) => Err(DataError::from(ClusterError::Worker(e))),
-        })
+        Some(write_answer(answer, worker.base_url(), progress))
     }
 
     async fn delete(&self, uri: &ObjectUri) -> Result<(), DataError> {
