@@ -1108,8 +1108,12 @@ impl Fs {
     pub async fn flush(&self, fh: u64, pid: u32) -> Result<(), FsError> {
         match self.handle(fh)? {
             Handle::Write {
-                owner_tgid, writer, ..
+                owner_tgid,
+                writer,
+                ino,
+                ..
             } => {
+                self.staged_flushed(ino);
                 if owner_tgid.is_some() && tgid_of(pid).await != owner_tgid {
                     return Ok(());
                 }
@@ -1264,6 +1268,8 @@ impl Fs {
         if node.kind == Kind::Dir {
             return Err(FsError::IsDir);
         }
+        // Closed just before, its data is stored: a delete, not a discard.
+        self.await_staged_release(node.ino).await;
         let _turn = self.object_locks.lock(node.ino).await;
         // Resolved again under the lock: a rename may have moved it.
         let node = self.resolve(parent, name).await?;
@@ -1341,6 +1347,14 @@ impl Fs {
         // The source's turn (see object_locks); an error resolving it is
         // rename_objects' to report.
         let src_ino = self.resolve(parent, name).await.map(|n| n.ino).ok();
+        // Staged writers closed just before are released first: their
+        // files are stored, not still being written.
+        if let Some(ino) = src_ino {
+            self.await_staged_release(ino).await;
+        }
+        if let Some(dst) = self.inodes.child(new_parent, new_name) {
+            self.await_staged_release(dst.ino).await;
+        }
         let _turn = match src_ino {
             Some(ino) => Some(self.object_locks.lock(ino).await),
             None => None,

@@ -112,6 +112,25 @@ fn a_write_back_beside_its_worker_is_committed_from_a_staged_file() {
     );
     env.sync_bucket(120);
     assert!(env.s3_get("staged/model.bin").as_deref() == Some(&first[..1000]));
+
+    // Closed, then at once renamed into place or unlinked (the kernel
+    // releases the file just after close returns): the rename moves the
+    // stored file, the unlink deletes it.
+    let tmp = env.mountpoint().join("staged/manifest.json.tmp");
+    fs::write(&tmp, &more).unwrap();
+    fs::rename(&tmp, env.mountpoint().join("staged/manifest.json"))
+        .unwrap_or_else(|e| panic!("rename right after close: {e}\n{}", env.log()));
+    let gone = env.mountpoint().join("staged/scratch.bin");
+    fs::write(&gone, &more).unwrap();
+    fs::remove_file(&gone)
+        .unwrap_or_else(|e| panic!("unlink right after close: {e}\n{}", env.log()));
+    env.sync_bucket(120);
+    assert!(env.s3_get("staged/manifest.json").as_deref() == Some(&more[..]));
+    assert!(env.s3_get("staged/manifest.json.tmp").is_none());
+    assert!(
+        env.s3_get("staged/scratch.bin").is_none(),
+        "an unlinked file stayed in S3"
+    );
 }
 
 #[test]

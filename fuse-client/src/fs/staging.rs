@@ -8,20 +8,27 @@ use std::time::{Duration, Instant};
 
 use super::{Fs, Handle};
 
-/// How long an open for writing waits for a staged writer of the same
-/// file to be released: the kernel sends the release just after `close`
-/// returns, and `close(); open(O_TRUNC)` must not find the file busy.
+/// How long an operation on a file whose staged writer was just closed
+/// waits for that writer's release: the kernel sends it just after
+/// `close` returns, and `close(); open()`, `close(); rename()` or
+/// `close(); unlink()` must find the file closed, not still written.
 const RELEASE_WAIT: Duration = Duration::from_secs(2);
+
+struct Staged {
+    file: Arc<std::fs::File>,
+    /// A descriptor of it was closed (flush): its release may follow.
+    flushed: bool,
+}
 
 /// Staged files of inodes open for writing, by inode.
 #[derive(Default)]
 pub(super) struct StagedInodes {
-    files: Mutex<HashMap<u64, Arc<std::fs::File>>>,
+    files: Mutex<HashMap<u64, Staged>>,
     released: tokio::sync::Notify,
 }
 
 impl StagedInodes {
-    fn lock(&self) -> std::sync::MutexGuard<'_, HashMap<u64, Arc<std::fs::File>>> {
+    fn lock(&self) -> std::sync::MutexGuard<'_, HashMap<u64, Staged>> {
         self.files.lock().unwrap_or_else(|p| p.into_inner())
     }
 }
@@ -38,7 +45,13 @@ impl Fs {
         };
         let dir = self.config.spool_dir.join("staged");
         let file = writer.lock().await.stage(&dir)?;
-        self.staged.lock().insert(ino, file.clone());
+        self.staged.lock().insert(
+            ino,
+            Staged {
+                file: file.clone(),
+                flushed: false,
+            },
+        );
         Some(file)
     }
 
@@ -64,9 +77,16 @@ impl Fs {
 
     /// The inode's size as its staged file has it, brought into the inode.
     pub(super) fn refresh_staged_size(&self, ino: u64) {
-        let file = self.staged.lock().get(&ino).cloned();
+        let file = self.staged.lock().get(&ino).map(|s| s.file.clone());
         if let Some(size) = file.and_then(|f| f.metadata().ok()).map(|m| m.len()) {
             self.inodes.update(ino, |n| n.meta.size = size);
+        }
+    }
+
+    /// A descriptor of `ino`'s staged file was closed.
+    pub(super) fn staged_flushed(&self, ino: u64) {
+        if let Some(staged) = self.staged.lock().get_mut(&ino) {
+            staged.flushed = true;
         }
     }
 
@@ -76,12 +96,13 @@ impl Fs {
         }
     }
 
-    /// Waits, up to [`RELEASE_WAIT`], until `ino` has no staged writer.
+    /// Waits, up to [`RELEASE_WAIT`], until a staged writer of `ino`
+    /// that was closed is released (one still open is not waited for).
     pub(super) async fn await_staged_release(&self, ino: u64) {
         let deadline = Instant::now() + RELEASE_WAIT;
         loop {
             let released = self.staged.released.notified();
-            if !self.staged.lock().contains_key(&ino) {
+            if !self.staged.lock().get(&ino).is_some_and(|s| s.flushed) {
                 return;
             }
             let left = deadline.saturating_duration_since(Instant::now());
