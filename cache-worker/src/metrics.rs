@@ -75,7 +75,7 @@ impl Metrics {
         let writeback: Arc<std::sync::OnceLock<std::sync::Weak<crate::writeback::WriteBack>>> =
             Arc::default();
         type Pick = fn(&lakecache_protocol::WriteBackStatus) -> u64;
-        let backlog: [(&'static str, &'static str, &'static str, Pick); 6] = [
+        let backlog: [(&'static str, &'static str, &'static str, Pick); 7] = [
             (
                 "lakecache_writeback_pending_objects",
                 "",
@@ -99,6 +99,12 @@ impl Metrics {
                 "By",
                 "Dirty bytes held before writes wait",
                 |s| s.staging_limit_bytes,
+            ),
+            (
+                "lakecache_writeback_staging_used",
+                "By",
+                "Dirty bytes held now: pending objects and bodies being taken",
+                |s| s.staging_used_bytes,
             ),
             (
                 "lakecache_writeback_replica_objects",

@@ -15,7 +15,7 @@ mod visible;
 
 pub(crate) use lakecache_protocol::is_cache_version;
 pub(crate) use replica::replica_watcher;
-pub use stage::{Staging, WriteRole};
+pub use stage::{BodyMeta, Staging, WriteRole};
 pub(crate) use upload::uploader;
 pub(crate) use visible::split_list_token;
 
@@ -423,6 +423,7 @@ impl WriteBack {
         let now = now_ms();
         let mut status = WriteBackStatus {
             staging_limit_bytes: self.config.staging_limit,
+            staging_used_bytes: self.dirty_bytes(),
             uploaded_objects: self.uploaded.load(Ordering::Relaxed),
             last_error: lock(&self.last_error).clone(),
             ..Default::default()

@@ -26,6 +26,7 @@ pub struct MountMetrics {
     write_resends: Counter<u64>,
     local_commits: Counter<u64>,
     local_commit_bytes: Counter<u64>,
+    followed_commits: Counter<u64>,
 }
 
 /// The process's mount metrics.
@@ -130,6 +131,16 @@ impl MountMetrics {
                 "By",
                 "Bytes of written-back files committed by the worker on this host",
             ),
+            followed_commits: {
+                let followed = counter(
+                    &meter,
+                    "lakecache_fuse_followed_commits",
+                    "",
+                    "Local commits the worker took while the file was written, sealed at close",
+                );
+                followed.add(0, &[]);
+                followed
+            },
             upload_bytes: counter(
                 &meter,
                 "lakecache_fuse_upload",
@@ -291,6 +302,10 @@ impl MountMetrics {
     pub fn local_commit(&self, bytes: u64) {
         self.local_commits.add(1, &[]);
         self.local_commit_bytes.add(bytes, &[]);
+    }
+
+    pub fn followed_commit(&self) {
+        self.followed_commits.add(1, &[]);
     }
 
     pub fn write_stall(&self) {

@@ -21,7 +21,7 @@ use std::sync::Arc;
 use bytes::Bytes;
 use lakecache_protocol::{buffer_pool, ObjectStat, ObjectUri, UserMeta, WriteMode};
 
-use crate::data_plane::{ByteStream, DataError, DataPlane, UploadLimits};
+use crate::data_plane::{ByteStream, DataError, DataPlane, LocalFollow, UploadLimits};
 
 /// Piece size when the file is streamed over HTTP.
 const PIECE: u64 = 1 << 20;
@@ -37,6 +37,9 @@ struct Stamp {
 pub(crate) struct StagedFile {
     file: Arc<File>,
     committed: Option<Stamp>,
+    /// The local worker taking the file while it is written, once the
+    /// handover is made (see [`Self::follow`]).
+    follow: Option<tokio::task::JoinHandle<Option<LocalFollow>>>,
 }
 
 impl StagedFile {
@@ -45,7 +48,29 @@ impl StagedFile {
         Ok(Self {
             file: Arc::new(crate::resend::tempfile_in(dir)?),
             committed: None,
+            follow: None,
         })
+    }
+
+    /// Hands the file to the worker on this host that takes `uri`'s
+    /// writes while the application writes it, so the first commit has
+    /// only the tail left to take (the worker checks at the commit that
+    /// what it took early is unchanged). Done in the background: the
+    /// open is not held up by it.
+    pub fn follow(
+        &mut self,
+        data: &Arc<dyn DataPlane>,
+        uri: &ObjectUri,
+        meta: &UserMeta,
+        progress: std::time::Duration,
+    ) {
+        let Ok(runtime) = tokio::runtime::Handle::try_current() else {
+            return;
+        };
+        let (data, uri, meta, file) = (data.clone(), uri.clone(), meta.clone(), self.file.clone());
+        self.follow = Some(
+            runtime.spawn(async move { data.follow_local(&uri, file, &meta, progress).await }),
+        );
     }
 
     pub fn file(&self) -> &Arc<File> {
@@ -92,9 +117,14 @@ impl StagedFile {
             .map_err(|e| DataError::Spool(format!("the staged file: {e}")))?;
         let size = stamp.len;
         let mut avoid = Vec::new();
-        let local = data
-            .commit_local(uri, self.file.clone(), size, meta, limits.progress)
-            .await;
+        let local = match self.sealed(data, uri, size, meta).await {
+            Some(Ok(stat)) => Some(Ok(stat)),
+            stalled @ Some(Err(DataError::Stalled { .. })) => stalled,
+            _ => {
+                data.commit_local(uri, self.file.clone(), size, meta, limits.progress)
+                    .await
+            }
+        };
         let result = match local {
             Some(Ok(stat)) => {
                 crate::metrics::global().local_commit(size);
@@ -127,6 +157,30 @@ impl StagedFile {
             self.committed = Some(stamp);
         }
         result
+    }
+
+    /// The commit of a followed file, sealed at `size`. `None`: it was
+    /// not followed. An error other than a stall: committed whole instead
+    /// (a file changed after the worker took it, metadata changed under
+    /// copies, a worker that restarted meanwhile).
+    async fn sealed(
+        &mut self,
+        data: &Arc<dyn DataPlane>,
+        uri: &ObjectUri,
+        size: u64,
+        meta: &UserMeta,
+    ) -> Option<Result<ObjectStat, DataError>> {
+        let follow = self.follow.take()?.await.ok().flatten()?;
+        let sealed = data.seal_local(uri, follow, size, meta).await;
+        match &sealed {
+            Some(Ok(_)) => crate::metrics::global().followed_commit(),
+            Some(Err(DataError::Stalled { .. })) => {}
+            Some(Err(e)) => {
+                tracing::info!(%uri, error = %e, "the followed commit failed; committing the file whole")
+            }
+            None => {}
+        }
+        sealed
     }
 
     /// Streams the file over HTTP, to the next worker after each stall.

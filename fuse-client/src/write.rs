@@ -99,7 +99,8 @@ impl FileWriter {
             return None;
         }
         match StagedFile::create(dir) {
-            Ok(staged) => {
+            Ok(mut staged) => {
+                staged.follow(&self.data, &self.uri, &self.meta, self.limits.progress);
                 let file = staged.file().clone();
                 self.staged = Some(staged);
                 Some(file)

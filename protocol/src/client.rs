@@ -331,6 +331,54 @@ impl WorkerClient {
         self.local_outcome(uri, "commit", got)
     }
 
+    /// Starts handing `file` to this worker through its local socket
+    /// while the application writes it (see [`LocalChannel::follow`]).
+    /// `None`: not possible here (no socket, another worker, a socket
+    /// that failed); the file is then committed whole at the end.
+    pub async fn follow_local(
+        &self,
+        uri: &ObjectUri,
+        file: Arc<std::fs::File>,
+        meta: &crate::UserMeta,
+        progress: Duration,
+    ) -> Option<crate::local_read::Following> {
+        let local = self.local.as_ref()?;
+        if !local.worth_asking(self.member()) {
+            return None;
+        }
+        let (local, member) = (local.clone(), self.member().to_string());
+        let (uri_c, meta_c) = (uri.clone(), meta.clone());
+        let got = tokio::task::spawn_blocking(move || {
+            local.follow(&member, &uri_c, &file, &meta_c, progress)
+        })
+        .await;
+        match got {
+            Ok(Ok(following)) => Some(following),
+            Ok(Err(e)) => {
+                tracing::debug!(%uri, error = %e, "not followed; committed whole at the end");
+                None
+            }
+            Err(e) => {
+                tracing::warn!(%uri, error = %e, "the follow task failed; committed whole at the end");
+                None
+            }
+        }
+    }
+
+    /// Seals a followed file at `size` bytes: the commit's answer, as
+    /// [`Self::commit_local`] gives it.
+    pub async fn seal_local(
+        &self,
+        uri: &ObjectUri,
+        following: crate::local_read::Following,
+        size: u64,
+        meta: &crate::UserMeta,
+    ) -> Option<Result<ObjectStat, ClientError>> {
+        let meta_c = meta.clone();
+        let got = tokio::task::spawn_blocking(move || following.seal(size, &meta_c)).await;
+        self.local_outcome(uri, "sealed commit", got)
+    }
+
     /// The same client, sending `token` as `Authorization: Bearer` on
     /// every request.
     pub fn with_token(mut self, token: Option<&str>) -> Result<Self, ClientError> {

@@ -79,6 +79,36 @@ pub enum LocalRequest {
     /// content of a URI, written back: the co-located write path (see
     /// [`LocalChannel::commit`]).
     Commit(CommitRequest),
+    /// Start taking the file whose descriptor rides on this request
+    /// while it is still being written; its size comes with the
+    /// [`LocalRequest::Seal`] that follows on the same connection (see
+    /// [`LocalChannel::follow`]).
+    Follow(FollowRequest),
+    /// The followed file is complete: commit its first `size` bytes.
+    Seal(SealRequest),
+}
+
+/// A followed commit: `uri`'s new content is the passed file, whose
+/// length is not final yet.
+#[derive(Debug, Clone, Serialize, Deserialize, PartialEq, Eq)]
+pub struct FollowRequest {
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub token: Option<String>,
+    pub uri: String,
+    #[serde(default)]
+    pub meta: crate::UserMeta,
+    /// As in [`CommitRequest`]: the fence counts from the follow's start.
+    pub deadline_ms: u64,
+    pub sent_ms: u64,
+}
+
+/// The end of a followed file. `meta` must be the follow's: a file whose
+/// metadata changed meanwhile is committed anew instead.
+#[derive(Debug, Clone, Serialize, Deserialize, PartialEq, Eq)]
+pub struct SealRequest {
+    pub size: u64,
+    #[serde(default)]
+    pub meta: crate::UserMeta,
 }
 
 /// A commit: the first `size` bytes of the passed file as `uri`.
@@ -329,6 +359,83 @@ pub fn recvmsg_fd(sock: RawFd, buf: &mut [u8]) -> io::Result<(usize, Option<Owne
     }
 }
 
+fn wall_ms() -> u64 {
+    std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map_or(0, |d| d.as_millis() as u64)
+}
+
+fn timed_out(e: &io::Error) -> bool {
+    matches!(
+        e.kind(),
+        io::ErrorKind::WouldBlock | io::ErrorKind::TimedOut
+    )
+}
+
+fn send_commit(
+    c: &UnixStream,
+    request: &LocalRequest,
+    fd: Option<RawFd>,
+    progress: Duration,
+) -> Result<(), LocalError> {
+    let body = serde_json::to_vec(request).map_err(|e| LocalError::Protocol(e.to_string()))?;
+    match send_message(c.as_raw_fd(), &body, fd) {
+        Err(e) if timed_out(&e) => Err(LocalError::Stalled(progress)),
+        sent => Ok(sent?),
+    }
+}
+
+/// Reads a commit's answers until the final one, through its progress
+/// reports.
+fn await_commit(c: &UnixStream, progress: Duration) -> Result<crate::ObjectStat, LocalError> {
+    loop {
+        let (reply, _) = match recv_message(c.as_raw_fd()) {
+            Ok(r) => r,
+            Err(e) if timed_out(&e) => return Err(LocalError::Stalled(progress)),
+            Err(e) => return Err(e.into()),
+        };
+        let answer: LocalAnswer =
+            serde_json::from_slice(&reply).map_err(|e| LocalError::Protocol(e.to_string()))?;
+        match answer {
+            LocalAnswer::Progress { .. } => continue,
+            LocalAnswer::Committed(stat) => return Ok(stat),
+            LocalAnswer::Unavailable { reason } => return Err(LocalError::Unavailable(reason)),
+            LocalAnswer::Error { code, message } => {
+                return Err(LocalError::Refused { code, message })
+            }
+            other => return Err(LocalError::Protocol(format!("a commit answered {other:?}"))),
+        }
+    }
+}
+
+/// A file the worker is taking while it is written (see
+/// [`LocalChannel::follow`]). Dropped without a seal, the worker drops
+/// what it took.
+#[derive(Debug)]
+pub struct Following {
+    c: UnixStream,
+    progress: Duration,
+}
+
+impl Following {
+    /// The silence from the worker after which the seal gives up.
+    pub fn progress(&self) -> Duration {
+        self.progress
+    }
+
+    /// The file is complete at `size` bytes, with `meta` (which must be
+    /// the follow's): answers once the write is durable, as
+    /// [`LocalChannel::commit`] does.
+    pub fn seal(self, size: u64, meta: &crate::UserMeta) -> Result<crate::ObjectStat, LocalError> {
+        let request = LocalRequest::Seal(SealRequest {
+            size,
+            meta: meta.clone(),
+        });
+        send_commit(&self.c, &request, None, self.progress)?;
+        await_commit(&self.c, self.progress)
+    }
+}
+
 /// The client side: connections to one worker's socket, used from
 /// blocking threads.
 pub struct LocalChannel {
@@ -481,15 +588,52 @@ impl LocalChannel {
         meta: &crate::UserMeta,
         progress: Duration,
     ) -> Result<crate::ObjectStat, LocalError> {
-        let timed_out = |e: &io::Error| {
-            matches!(
-                e.kind(),
-                io::ErrorKind::WouldBlock | io::ErrorKind::TimedOut
-            )
-        };
-        // A connection of its own, under the caller's deadline from the
-        // first byte (a stopped worker accepts, then says nothing); it is
-        // given up, not reused, if the worker falls silent.
+        let c = self.commit_connection(member, progress)?;
+        let request = LocalRequest::Commit(CommitRequest {
+            token: self.token.clone(),
+            uri: uri.to_string(),
+            size,
+            meta: meta.clone(),
+            deadline_ms: progress.as_millis() as u64,
+            sent_ms: wall_ms(),
+        });
+        send_commit(&c, &request, Some(file.as_raw_fd()), progress)?;
+        await_commit(&c, progress)
+    }
+
+    /// Hands `file` to the worker at `member` while the application is
+    /// still writing it: the worker takes its bytes as they arrive, so
+    /// that [`Following::seal`] at close has little left to do. The
+    /// worker checks at the seal that what it took early is still what
+    /// the file holds.
+    pub fn follow(
+        &self,
+        member: &str,
+        uri: &ObjectUri,
+        file: &std::fs::File,
+        meta: &crate::UserMeta,
+        progress: Duration,
+    ) -> Result<Following, LocalError> {
+        let c = self.commit_connection(member, progress)?;
+        let request = LocalRequest::Follow(FollowRequest {
+            token: self.token.clone(),
+            uri: uri.to_string(),
+            meta: meta.clone(),
+            deadline_ms: progress.as_millis() as u64,
+            sent_ms: wall_ms(),
+        });
+        send_commit(&c, &request, Some(file.as_raw_fd()), progress)?;
+        Ok(Following { c, progress })
+    }
+
+    /// A connection of its own for a commit, under the caller's deadline
+    /// from the first byte (a stopped worker accepts, then says nothing);
+    /// it is given up, not reused, if the worker falls silent.
+    fn commit_connection(
+        &self,
+        member: &str,
+        progress: Duration,
+    ) -> Result<UnixStream, LocalError> {
         let c = UnixStream::connect(&self.path)?;
         c.set_write_timeout(Some(progress))?;
         c.set_read_timeout(Some(progress))?;
@@ -518,39 +662,7 @@ impl LocalChannel {
                 "{member} is another worker"
             )));
         }
-        let request = LocalRequest::Commit(CommitRequest {
-            token: self.token.clone(),
-            uri: uri.to_string(),
-            size,
-            meta: meta.clone(),
-            deadline_ms: progress.as_millis() as u64,
-            sent_ms: std::time::SystemTime::now()
-                .duration_since(std::time::UNIX_EPOCH)
-                .map_or(0, |d| d.as_millis() as u64),
-        });
-        let body = serde_json::to_vec(&request).map_err(|e| LocalError::Protocol(e.to_string()))?;
-        match send_message(c.as_raw_fd(), &body, Some(file.as_raw_fd())) {
-            Err(e) if timed_out(&e) => return Err(LocalError::Stalled(progress)),
-            sent => sent?,
-        }
-        loop {
-            let (reply, _) = match recv_message(c.as_raw_fd()) {
-                Ok(r) => r,
-                Err(e) if timed_out(&e) => return Err(LocalError::Stalled(progress)),
-                Err(e) => return Err(e.into()),
-            };
-            let answer: LocalAnswer =
-                serde_json::from_slice(&reply).map_err(|e| LocalError::Protocol(e.to_string()))?;
-            match answer {
-                LocalAnswer::Progress { .. } => continue,
-                LocalAnswer::Committed(stat) => return Ok(stat),
-                LocalAnswer::Unavailable { reason } => return Err(LocalError::Unavailable(reason)),
-                LocalAnswer::Error { code, message } => {
-                    return Err(LocalError::Refused { code, message })
-                }
-                other => return Err(LocalError::Protocol(format!("a commit answered {other:?}"))),
-            }
-        }
+        Ok(c)
     }
 
     fn read_pages(
@@ -763,6 +875,13 @@ mod tests {
                             send_message(conn.as_raw_fd(), &progress.unwrap(), None).unwrap();
                             answer(n, u64::MAX, size)
                         }
+                        // A follow is answered once its seal comes.
+                        LocalRequest::Follow(_) => continue,
+                        LocalRequest::Seal(SealRequest { size, .. }) => {
+                            let progress = serde_json::to_vec(&LocalAnswer::Progress { taken: 0 });
+                            send_message(conn.as_raw_fd(), &progress.unwrap(), None).unwrap();
+                            answer(n, u64::MAX - 1, size)
+                        }
                     };
                     let reply = serde_json::to_vec(&reply).unwrap();
                     send_message(conn.as_raw_fd(), &reply, None).unwrap();
@@ -817,6 +936,30 @@ mod tests {
             &Default::default(),
             Duration::from_secs(5),
         );
+        assert!(
+            matches!(other, Err(LocalError::Unavailable(_))),
+            "{other:?}"
+        );
+    }
+
+    #[test]
+    fn a_follow_sends_the_file_first_and_its_size_at_the_seal() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = fake_worker(dir.path(), |_, offset, size| {
+            assert_eq!(offset, u64::MAX - 1, "a seal, not a commit or a page");
+            (LocalAnswer::Committed(stat(size)), Vec::new(), false)
+        });
+        let file = tempfile::tempfile().unwrap();
+        let channel = LocalChannel::new(&path, None);
+        let uri: ObjectUri = "s3://bucket/k".parse().unwrap();
+        let meta = crate::UserMeta::default();
+        let following = channel
+            .follow("127.0.0.1:7000", &uri, &file, &meta, Duration::from_secs(5))
+            .unwrap();
+        let got = following.seal(4321, &meta).unwrap();
+        assert_eq!(got.size, 4321);
+        // Another worker's write is not followed here.
+        let other = channel.follow("10.0.0.9:7000", &uri, &file, &meta, Duration::from_secs(5));
         assert!(
             matches!(other, Err(LocalError::Unavailable(_))),
             "{other:?}"

@@ -108,6 +108,9 @@ pub struct WriteBackStatus {
     pub oldest_pending_ms: u64,
     /// Bytes of dirty pages this worker may hold before writes wait.
     pub staging_limit_bytes: u64,
+    /// Bytes of that held now: pending objects and bodies being taken.
+    #[serde(default)]
+    pub staging_used_bytes: u64,
     /// Objects uploaded since the worker started.
     pub uploaded_objects: u64,
     /// The last upload failure, while uploads keep failing.

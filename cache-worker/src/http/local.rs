@@ -4,7 +4,7 @@
 //! gets their descriptors. The token and scope checks are the HTTP ones.
 
 use std::io;
-use std::os::fd::AsRawFd;
+use std::os::fd::{AsRawFd, OwnedFd};
 use std::os::unix::fs::PermissionsExt;
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
@@ -82,27 +82,32 @@ fn same_user(stream: &UnixStream) -> Result<(), String> {
     }
 }
 
+/// Reads one request, with the descriptor that rode on its first byte.
+async fn read_request(stream: &mut UnixStream) -> io::Result<(Vec<u8>, Option<OwnedFd>)> {
+    let mut len = [0u8; 4];
+    let raw = stream.as_raw_fd();
+    let (got, fd) = stream
+        .async_io(Interest::READABLE, || recvmsg_fd(raw, &mut len))
+        .await?;
+    if got == 0 {
+        return Err(io::ErrorKind::UnexpectedEof.into());
+    }
+    stream.read_exact(&mut len[got..]).await?;
+    let n = u32::from_le_bytes(len) as usize;
+    if n > MAX_MESSAGE {
+        return Err(io::Error::new(
+            io::ErrorKind::InvalidData,
+            "request too long",
+        ));
+    }
+    let mut body = vec![0u8; n];
+    stream.read_exact(&mut body).await?;
+    Ok((body, fd))
+}
+
 async fn connection(mut stream: UnixStream, state: &AppState, listen: &str) -> io::Result<()> {
     loop {
-        // The length's first byte carries a commit's descriptor.
-        let mut len = [0u8; 4];
-        let raw = stream.as_raw_fd();
-        let (got, fd) = stream
-            .async_io(Interest::READABLE, || recvmsg_fd(raw, &mut len))
-            .await?;
-        if got == 0 {
-            return Err(io::ErrorKind::UnexpectedEof.into());
-        }
-        stream.read_exact(&mut len[got..]).await?;
-        let n = u32::from_le_bytes(len) as usize;
-        if n > MAX_MESSAGE {
-            return Err(io::Error::new(
-                io::ErrorKind::InvalidData,
-                "request too long",
-            ));
-        }
-        let mut body = vec![0u8; n];
-        stream.read_exact(&mut body).await?;
+        let (body, fd) = read_request(&mut stream).await?;
         let (answer, sent_with) = match serde_json::from_slice::<LocalRequest>(&body) {
             Ok(LocalRequest::Hello) => (
                 LocalAnswer::Hello {
@@ -128,8 +133,22 @@ async fn connection(mut stream: UnixStream, state: &AppState, listen: &str) -> i
                 };
                 page(state, token.as_deref(), asked).await
             }
-            Ok(LocalRequest::Commit(commit)) => (
-                commit_answer(&mut stream, state, commit, fd).await?,
+            Ok(LocalRequest::Commit(commit)) => {
+                let started = local_commit::start(state, commit, fd).await;
+                (
+                    commit_answer(&mut stream, started).await?,
+                    SentWith::Nothing,
+                )
+            }
+            Ok(LocalRequest::Follow(follow)) => (
+                follow_answer(&mut stream, state, follow, fd).await?,
+                SentWith::Nothing,
+            ),
+            Ok(LocalRequest::Seal(_)) => (
+                refusal(
+                    ErrorCode::BadRequest,
+                    "a seal must come on the connection of its follow request".into(),
+                ),
                 SentWith::Nothing,
             ),
             Err(e) => (
@@ -161,11 +180,9 @@ async fn connection(mut stream: UnixStream, state: &AppState, listen: &str) -> i
 /// returns its final answer.
 async fn commit_answer(
     stream: &mut UnixStream,
-    state: &AppState,
-    commit: lakecache_protocol::local_read::CommitRequest,
-    fd: Option<std::os::fd::OwnedFd>,
+    started: Result<local_commit::Started, LocalAnswer>,
 ) -> io::Result<LocalAnswer> {
-    let (mut task, taken, uri) = match local_commit::start(state, commit, fd).await {
+    let (mut task, taken, uri) = match started {
         Ok(started) => started,
         Err(answer) => return Ok(answer),
     };
@@ -181,6 +198,52 @@ async fn commit_answer(
             }
         }
     }
+}
+
+/// Takes a file as the mount writes it, until its seal on this
+/// connection; then answers as a commit does. A connection that ends
+/// before the seal, or brings anything else, ends the write unrecorded.
+async fn follow_answer(
+    stream: &mut UnixStream,
+    state: &AppState,
+    follow: lakecache_protocol::local_read::FollowRequest,
+    fd: Option<OwnedFd>,
+) -> io::Result<LocalAnswer> {
+    let (sealed, seal_rx) = tokio::sync::watch::channel(local_commit::Seal::Open);
+    let late_meta = Arc::new(std::sync::OnceLock::new());
+    let started = local_commit::start_follow(state, follow, fd, seal_rx, late_meta.clone()).await;
+    let (mut task, taken, uri) = match started {
+        Ok(started) => started,
+        Err(answer) => return Ok(answer),
+    };
+    let request = tokio::select! {
+        request = read_request(stream) => request,
+        // Failed before the seal (too large, the file unreadable): the
+        // mount reads this answer after sending its seal.
+        done = &mut task => return Ok(local_commit::answer(&uri, done)),
+    };
+    let (body, _) = request?;
+    match serde_json::from_slice::<LocalRequest>(&body) {
+        Ok(LocalRequest::Seal(seal)) => {
+            let _ = late_meta.set(seal.meta);
+            let _ = sealed.send(local_commit::Seal::At(seal.size));
+        }
+        // Dropping `sealed` ends the body with an error: nothing is
+        // recorded.
+        Ok(_) => {
+            return Ok(refusal(
+                ErrorCode::BadRequest,
+                "a follow request must be followed by its seal".into(),
+            ))
+        }
+        Err(e) => {
+            return Ok(refusal(
+                ErrorCode::BadRequest,
+                format!("not a local-socket request: {e}"),
+            ))
+        }
+    }
+    commit_answer(stream, Ok((task, taken, uri))).await
 }
 
 /// Writes the bytes an inline answer promised, as the cache produces

@@ -12,12 +12,13 @@ use std::sync::{Arc, OnceLock};
 use std::time::Duration;
 
 use bytes::Bytes;
-use lakecache_protocol::local_read::{CommitRequest, LocalAnswer};
+use lakecache_protocol::local_read::{CommitRequest, FollowRequest, LocalAnswer};
 use lakecache_protocol::{buffer_pool, ErrorCode, ObjectStat, ObjectUri};
+use tokio::sync::watch;
 
 use super::AppState;
 use crate::cache::CacheError;
-use crate::writeback::{Staging, WriteRole};
+use crate::writeback::{BodyMeta, Staging, WriteRole};
 
 /// How often a commit in progress says so.
 pub(super) const PROGRESS_EVERY: Duration = Duration::from_secs(1);
@@ -37,28 +38,65 @@ pub(super) type Started = (
     ObjectUri,
 );
 
+/// What the connection tells a followed body (see [`start_follow`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(super) enum Seal {
+    /// The mount is still writing the file.
+    Open,
+    /// The file is complete at this many bytes.
+    At(u64),
+}
+
+/// The checks a commit and a follow share: who asks, for which object,
+/// and the file they pass.
+struct Admitted<'a> {
+    access: crate::http::auth::Access<'a>,
+    uri: ObjectUri,
+    file: std::fs::File,
+}
+
+fn admit<'a>(
+    state: &'a AppState,
+    token: Option<&str>,
+    uri: &str,
+    fd: Option<OwnedFd>,
+) -> Result<Admitted<'a>, Box<LocalAnswer>> {
+    let access = state
+        .access
+        .authenticate_token(token)
+        .map_err(|r| Box::new(refusal(r.code, r.message)))?;
+    let uri = uri
+        .parse::<ObjectUri>()
+        .map_err(|e| Box::new(refusal(ErrorCode::InvalidPath, e.to_string())))?;
+    access
+        .may_write(&uri)
+        .map_err(|r| Box::new(refusal(r.code, r.message)))?;
+    let Some(fd) = fd else {
+        return Err(Box::new(refusal(
+            ErrorCode::BadRequest,
+            "a commit must carry the file's descriptor",
+        )));
+    };
+    let file = std::fs::File::from(fd);
+    match file.metadata() {
+        Ok(m) if m.is_file() => Ok(Admitted { access, uri, file }),
+        Ok(_) => Err(Box::new(refusal(
+            ErrorCode::BadRequest,
+            "the passed descriptor is not a regular file",
+        ))),
+        Err(e) => Err(Box::new(refusal(
+            ErrorCode::BadRequest,
+            format!("the passed file: {e}"),
+        ))),
+    }
+}
+
 pub(super) async fn start(
     state: &AppState,
     commit: CommitRequest,
     fd: Option<OwnedFd>,
 ) -> Result<Started, LocalAnswer> {
-    let access = state
-        .access
-        .authenticate_token(commit.token.as_deref())
-        .map_err(|r| refusal(r.code, r.message))?;
-    let uri = commit
-        .uri
-        .parse::<ObjectUri>()
-        .map_err(|e| refusal(ErrorCode::InvalidPath, e.to_string()))?;
-    access
-        .may_write(&uri)
-        .map_err(|r| refusal(r.code, r.message))?;
-    let Some(fd) = fd else {
-        return Err(refusal(
-            ErrorCode::BadRequest,
-            "a commit must carry the file's descriptor",
-        ));
-    };
+    let admitted = admit(state, commit.token.as_deref(), &commit.uri, fd).map_err(|e| *e)?;
     let limit = state.limits.max_body_bytes;
     if commit.size > limit {
         return Err(refusal(
@@ -66,62 +104,111 @@ pub(super) async fn start(
             format!("body of {} bytes exceeds the limit of {limit}", commit.size),
         ));
     }
-    let file = std::fs::File::from(fd);
-    let held = file
-        .metadata()
-        .map_err(|e| refusal(ErrorCode::BadRequest, format!("the passed file: {e}")))?;
-    if !held.is_file() || held.len() < commit.size {
+    let held = admitted.file.metadata().map_or(0, |m| m.len());
+    if held < commit.size {
         return Err(refusal(
             ErrorCode::BadRequest,
             format!(
-                "the passed file holds {} bytes; the commit names {}",
-                held.len(),
+                "the passed file holds {held} bytes; the commit names {}",
                 commit.size
             ),
         ));
     }
     let taken = Arc::new(AtomicU64::new(0));
     let body = file_body(
-        Arc::new(file),
+        Arc::new(admitted.file),
         commit.size,
         state.cache.config.page_size as usize,
         taken.clone(),
     );
-    let patience = (commit.deadline_ms > 0).then_some(crate::fence::ClientPatience {
-        deadline: Duration::from_millis(commit.deadline_ms),
-        sent_ms: commit.sent_ms,
-    });
+    let patience = patience(commit.deadline_ms, commit.sent_ms);
+    let task = spawn(
+        state,
+        &admitted.access,
+        &admitted.uri,
+        body,
+        patience,
+        (commit.meta.into(), Staging::Buffered),
+    );
+    Ok((task, taken, admitted.uri))
+}
+
+/// Starts taking a file the mount is still writing: its bytes are taken
+/// a page at a time as the file grows, until `sealed` gives its final
+/// size; then the rest is taken, and the pages taken early are checked
+/// against what the file holds now. The write is recorded with the
+/// seal's metadata (`late_meta`, set before the seal is sent).
+pub(super) async fn start_follow(
+    state: &AppState,
+    follow: FollowRequest,
+    fd: Option<OwnedFd>,
+    sealed: watch::Receiver<Seal>,
+    late_meta: Arc<OnceLock<lakecache_protocol::UserMeta>>,
+) -> Result<Started, LocalAnswer> {
+    let admitted = admit(state, follow.token.as_deref(), &follow.uri, fd).map_err(|e| *e)?;
+    let taken = Arc::new(AtomicU64::new(0));
+    let body = super::local_follow::followed_body(
+        Arc::new(admitted.file),
+        state.cache.config.page_size as usize,
+        state.limits.max_body_bytes,
+        taken.clone(),
+        sealed,
+    );
+    let patience = patience(follow.deadline_ms, follow.sent_ms);
+    // Taken while the application writes, the pages go to disk with
+    // O_DIRECT: no second page-cache copy of the file, whose fresh pages
+    // cost the writer as much as the copy itself.
+    let meta = BodyMeta {
+        user: follow.meta,
+        late: Some(late_meta),
+    };
+    let task = spawn(
+        state,
+        &admitted.access,
+        &admitted.uri,
+        body,
+        patience,
+        (meta, Staging::Direct),
+    );
+    Ok((task, taken, admitted.uri))
+}
+
+fn patience(deadline_ms: u64, sent_ms: u64) -> Option<crate::fence::ClientPatience> {
+    (deadline_ms > 0).then_some(crate::fence::ClientPatience {
+        deadline: Duration::from_millis(deadline_ms),
+        sent_ms,
+    })
+}
+
+pub(super) type Body =
+    std::pin::Pin<Box<dyn futures::Stream<Item = Result<Bytes, CacheError>> + Send>>;
+
+fn spawn(
+    state: &AppState,
+    access: &crate::http::auth::Access<'_>,
+    uri: &ObjectUri,
+    body: Body,
+    patience: Option<crate::fence::ClientPatience>,
+    (meta, io): (BodyMeta, Staging),
+) -> tokio::task::JoinHandle<Result<crate::store::ObjectMeta, CacheError>> {
     let tenant = access.tenant().map(Arc::<str>::from);
-    let (cache, task_uri, user) = (state.cache.clone(), uri.clone(), commit.meta);
+    let (cache, task_uri) = (state.cache.clone(), uri.clone());
     // Nothing travelled between the mount and here to be checked: the
     // pages, the upload and later reads carry CRCs taken from the file.
     let no_trailer = Arc::new(OnceLock::new());
-    let task = tokio::spawn(crate::tenant::scope(
+    tokio::spawn(crate::tenant::scope(
         tenant,
         crate::fence::scope(patience, async move {
             cache
-                .write_back_staged(
-                    &task_uri,
-                    body,
-                    no_trailer,
-                    WriteRole::Primary,
-                    user,
-                    Staging::Buffered,
-                )
+                .write_back_staged(&task_uri, body, no_trailer, WriteRole::Primary, meta, io)
                 .await
         }),
-    ));
-    Ok((task, taken, uri))
+    ))
 }
 
 /// The first `size` bytes of `file`, a page at a time, each read into a
 /// pooled aligned buffer that goes to disk as it is (`O_DIRECT`).
-fn file_body(
-    file: Arc<std::fs::File>,
-    size: u64,
-    page: usize,
-    taken: Arc<AtomicU64>,
-) -> std::pin::Pin<Box<dyn futures::Stream<Item = Result<Bytes, CacheError>> + Send>> {
+fn file_body(file: Arc<std::fs::File>, size: u64, page: usize, taken: Arc<AtomicU64>) -> Body {
     let page = page.max(4096) as u64;
     Box::pin(futures::stream::try_unfold(0u64, move |at| {
         let (file, taken) = (file.clone(), taken.clone());

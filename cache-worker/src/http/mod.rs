@@ -6,6 +6,7 @@ mod limits;
 mod load;
 pub mod local;
 mod local_commit;
+mod local_follow;
 mod peer_writeback;
 mod range;
 mod read_crc;

@@ -54,6 +54,12 @@ impl Copies {
         }
     }
 
+    /// Whether copies were wanted (their streams took the body's
+    /// metadata at the start).
+    pub(super) fn any(&self) -> bool {
+        self.wanted > 0
+    }
+
     /// Forwards a chunk of the body to every live stream. A stream whose
     /// replica failed is left behind; it is replaced at [`Cache::finish_copies`].
     /// So is one whose replica takes nothing for `progress` and then does

@@ -48,6 +48,23 @@ pub enum Staging {
     Buffered,
 }
 
+/// The user metadata a body is recorded with.
+#[derive(Debug, Clone, Default)]
+pub struct BodyMeta {
+    /// Known when the body starts: sent with its copies.
+    pub user: UserMeta,
+    /// Set by the time the body ends, for a body that started before
+    /// its metadata was final (a followed local commit): recorded
+    /// instead of `user`, unless copies already took `user`.
+    pub late: Option<Arc<OnceLock<UserMeta>>>,
+}
+
+impl From<UserMeta> for BodyMeta {
+    fn from(user: UserMeta) -> Self {
+        Self { user, late: None }
+    }
+}
+
 /// What a body holds while it streams in.
 #[derive(Default)]
 struct Taken {
@@ -84,7 +101,7 @@ impl Cache {
     where
         S: Stream<Item = Result<Bytes, CacheError>> + Send + Unpin,
     {
-        self.write_back_staged(uri, body, client_crc, role, user, Staging::Direct)
+        self.write_back_staged(uri, body, client_crc, role, user.into(), Staging::Direct)
             .await
     }
 
@@ -95,7 +112,7 @@ impl Cache {
         body: S,
         client_crc: Arc<OnceLock<u32>>,
         role: WriteRole,
-        user: UserMeta,
+        meta: BodyMeta,
         io: Staging,
     ) -> Result<ObjectMeta, CacheError>
     where
@@ -115,7 +132,7 @@ impl Cache {
         };
         let _taking = wb.taking(&uri.to_string(), &version);
         let mut copies = match replica_of {
-            None => self.start_copies(&wb, uri, &version, &user)?,
+            None => self.start_copies(&wb, uri, &version, &meta.user)?,
             Some(_) => Copies::none(),
         };
         let mut result = self
@@ -129,12 +146,22 @@ impl Cache {
                 &mut copies,
             )
             .await;
-        if result.is_err() {
-            copies.abort().await;
-        }
         if let Ok(object) = &mut result {
             object.replica_of = replica_of;
-            object.meta = user;
+            object.meta = meta.user;
+            let late = meta.late.as_ref().and_then(|m| m.get());
+            if let Some(late) = late.filter(|late| **late != object.meta) {
+                if copies.any() {
+                    result = Err(CacheError::Invalid(
+                        "the file's metadata changed after its copies started; nothing was recorded".into(),
+                    ));
+                } else {
+                    object.meta = late.clone();
+                }
+            }
+        }
+        if result.is_err() {
+            copies.abort().await;
         }
         let result = match result {
             Ok(object) => self.make_durable(&wb, object, &mut taken, copies).await,

@@ -7,6 +7,7 @@
 
 use std::path::PathBuf;
 use std::sync::Arc;
+use std::time::Duration;
 
 use lakecache_protocol::local_read::LocalChannel;
 use lakecache_protocol::token::{Claims, KeyRing, SigningKey};
@@ -371,5 +372,146 @@ async fn a_file_committed_over_the_socket_is_a_write_back_under_the_write_checks
     assert!(
         got[..] == body[..],
         "the committed object reads back other bytes"
+    );
+}
+
+/// Bytes of write-back staging in use (pending objects and bodies being
+/// taken), from the worker's metrics.
+async fn staging_used(h: &Harness) -> f64 {
+    let metrics = h.client.metrics().await.unwrap();
+    metric_value(&metrics, "lakecache_writeback_staging_used")
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_followed_file_is_taken_as_it_grows_and_checked_at_the_seal() {
+    use lakecache_protocol::local_read::{Following, LocalError};
+    use std::os::unix::fs::FileExt as _;
+
+    let h = with_socket(|_| {}).await;
+    let member = h.addr().to_string();
+    let follow =
+        |key: &'static str, file: Arc<std::fs::File>, meta: lakecache_protocol::UserMeta| {
+            let (socket, member) = (socket_of(&h), member.clone());
+            async move {
+                tokio::task::spawn_blocking(move || {
+                    LocalChannel::new(&socket, None).follow(
+                        &member,
+                        &uri(key),
+                        &file,
+                        &meta,
+                        std::time::Duration::from_secs(30),
+                    )
+                })
+                .await
+                .unwrap()
+                .unwrap()
+            }
+        };
+    let seal = |f: Following, size: u64, meta: lakecache_protocol::UserMeta| async move {
+        tokio::task::spawn_blocking(move || f.seal(size, &meta))
+            .await
+            .unwrap()
+    };
+    let body = data((5 * MIB + 333) as usize, 76);
+    let mut meta = lakecache_protocol::UserMeta::new();
+    meta.insert("mode".into(), "100600".into());
+
+    // Two pages written before the follow, the rest after the worker has
+    // taken them (the staging in use shows it), then the seal.
+    let file = Arc::new(tempfile::tempfile().unwrap());
+    file.write_all_at(&body[..2 * MIB as usize], 0).unwrap();
+    let following = follow("grown.bin", file.clone(), meta.clone()).await;
+    eventually(
+        Duration::from_secs(20),
+        "the first pages taken before the seal",
+        || async { staging_used(&h).await >= MIB as f64 },
+    )
+    .await;
+    file.write_all_at(&body[2 * MIB as usize..], 2 * MIB)
+        .unwrap();
+    let mut sealed_meta = meta.clone();
+    sealed_meta.insert("mtime".into(), "1700000000".into());
+    let stat = seal(following, body.len() as u64, sealed_meta.clone())
+        .await
+        .unwrap();
+    assert_eq!(stat.size, body.len() as u64);
+    assert_eq!(stat.meta, sealed_meta, "recorded with the seal's metadata");
+    let got = h.client.read(&uri("grown.bin"), None).await.unwrap();
+    assert!(
+        got[..] == body[..],
+        "the followed object reads back other bytes"
+    );
+    // Once uploaded, the object holds no staging: from here on, what is
+    // in use is the follows' own.
+    eventually(
+        Duration::from_secs(60),
+        "the followed object uploaded",
+        || async { staging_used(&h).await == 0.0 },
+    )
+    .await;
+    let recorded = 0.0;
+
+    // A page rewritten after the worker took it: the seal is refused,
+    // nothing is recorded, and the staging taken is given back.
+    let file = Arc::new(tempfile::tempfile().unwrap());
+    file.write_all_at(&body[..3 * MIB as usize], 0).unwrap();
+    let following = follow("patched.bin", file.clone(), meta.clone()).await;
+    eventually(
+        Duration::from_secs(20),
+        "pages taken before the patch",
+        || async { staging_used(&h).await >= recorded + 2.0 * MIB as f64 },
+    )
+    .await;
+    file.write_all_at(b"patched header", 10).unwrap();
+    match seal(following, 3 * MIB, meta.clone()).await {
+        Err(LocalError::Refused { code, message }) => {
+            assert_eq!(code, ErrorCode::BadRequest, "{message}");
+            assert!(message.contains("changed"), "{message}");
+        }
+        other => panic!("a file changed after it was taken: {other:?}"),
+    }
+    assert_api_error(
+        &h.client.read(&uri("patched.bin"), None).await.unwrap_err(),
+        ErrorCode::NotFound,
+    );
+
+    // A seal below what was taken is refused too.
+    let following = follow("shrunk.bin", file.clone(), meta.clone()).await;
+    eventually(
+        Duration::from_secs(20),
+        "pages taken before the shrink",
+        || async { staging_used(&h).await >= recorded + 2.0 * MIB as f64 },
+    )
+    .await;
+    match seal(following, MIB / 2, meta.clone()).await {
+        Err(LocalError::Refused { message, .. }) => {
+            assert!(message.contains("sealed at"), "{message}")
+        }
+        other => panic!("a seal below the bytes taken: {other:?}"),
+    }
+
+    // A follow dropped without a seal (the application went away): the
+    // worker drops what it took.
+    let following = follow("dropped.bin", file.clone(), meta.clone()).await;
+    eventually(
+        Duration::from_secs(20),
+        "pages taken before the drop",
+        || async { staging_used(&h).await >= recorded + 2.0 * MIB as f64 },
+    )
+    .await;
+    drop(following);
+    eventually(
+        Duration::from_secs(20),
+        "the dropped follow's staging given back",
+        || async { staging_used(&h).await == recorded },
+    )
+    .await;
+    assert_api_error(
+        &h.client.read(&uri("dropped.bin"), None).await.unwrap_err(),
+        ErrorCode::NotFound,
+    );
+    assert_api_error(
+        &h.client.read(&uri("shrunk.bin"), None).await.unwrap_err(),
+        ErrorCode::NotFound,
     );
 }

@@ -72,6 +72,12 @@ fn a_write_back_beside_its_worker_is_committed_from_a_staged_file() {
         "{}",
         env.log()
     );
+    assert_eq!(
+        metric(port, "lakecache_fuse_followed_commits_total"),
+        1.0,
+        "the worker took the file as it was written\n{}",
+        env.log()
+    );
     // Written after the fsync, on the same descriptor: committed again
     // at close, not lost.
     f.write_all(&more).unwrap();
@@ -112,6 +118,27 @@ fn a_write_back_beside_its_worker_is_committed_from_a_staged_file() {
     );
     env.sync_bucket(120);
     assert!(env.s3_get("staged/model.bin").as_deref() == Some(&first[..1000]));
+
+    // A header patched at the start once the rest is written (as some
+    // checkpoint formats do), possibly after the worker took that page:
+    // the stored file holds the patch.
+    let patched = env.mountpoint().join("staged/patched.bin");
+    let mut want = pattern(20 << 20, 63);
+    let mut f = File::create(&patched).unwrap();
+    f.write_all(&want).unwrap();
+    std::os::unix::fs::FileExt::write_all_at(&f, b"PATCHED HEADER", 0).unwrap();
+    drop(f);
+    want[..14].copy_from_slice(b"PATCHED HEADER");
+    assert!(
+        fs::read(&patched).unwrap() == want,
+        "the patched file reads back other bytes"
+    );
+    env.sync_bucket(120);
+    assert!(
+        env.s3_get("staged/patched.bin").as_deref() == Some(&want[..]),
+        "S3 holds the file without its patch\n{}",
+        env.log()
+    );
 
     // Closed, then at once renamed into place or unlinked (the kernel
     // releases the file just after close returns): the rename moves the

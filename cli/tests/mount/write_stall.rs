@@ -320,11 +320,21 @@ fn six_writers_with_one_worker_stopped(mode: &str) {
     };
     let (calm, _) = run(&env, "calm", None);
     let slowest_calm = calm.iter().max().copied().unwrap();
-    // No false alarm: healthy workers, however loaded, are never given up on.
+    // No false alarm: healthy workers, however loaded, are never given
+    // up on; the same writes again beside a CPU and disk hog.
+    let loaded = {
+        let _hog = Hog::start(env.dir.path());
+        run(&env, "loaded", None).0
+    };
+    eprintln!(
+        "{mode}: slowest of {FILES} writers {slowest_calm:?}, {:?} beside the hog",
+        loaded.iter().max().copied().unwrap()
+    );
     assert_eq!(
-        stalls(port),
-        0.0,
-        "{mode}: a healthy worker was taken for hung"
+        (stalls(port), resends(port)),
+        (0.0, 0.0),
+        "{mode}: a healthy worker was taken for hung (stalls, resends)\n{}",
+        common::tail(&env.log(), 30)
     );
     // 1 s in, or halfway through where the calm round took under 2 s
     // (a fast disk): either way, with writes still in flight.
@@ -358,7 +368,7 @@ fn six_writers_with_one_worker_stopped(mode: &str) {
     }
     for (i, src) in sources.iter().enumerate() {
         let want = fs::read(src).unwrap();
-        for round in ["calm", "hung"] {
+        for round in ["calm", "loaded", "hung"] {
             let name = format!("{round}-{i}.ckpt");
             if name == victim_name {
                 continue;
@@ -387,6 +397,62 @@ fn six_writers_with_one_worker_stopped(mode: &str) {
         "a stale copy replaced the newer {victim_name} {:?} after the worker resumed",
         settle.elapsed()
     );
+}
+
+/// Load for the no-false-failover round: two threads spinning and one
+/// writing and syncing 8 MiB at a time (the 2-core CI machine's cores
+/// and disk both busy), until dropped.
+struct Hog {
+    stop: std::sync::Arc<std::sync::atomic::AtomicBool>,
+    threads: Vec<std::thread::JoinHandle<()>>,
+}
+
+impl Hog {
+    fn start(dir: &std::path::Path) -> Self {
+        use std::sync::atomic::Ordering;
+        let stop = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
+        let mut threads = Vec::new();
+        for _ in 0..2 {
+            let stop = stop.clone();
+            threads.push(std::thread::spawn(move || {
+                let mut x = 1u64;
+                while !stop.load(Ordering::Relaxed) {
+                    for _ in 0..100_000 {
+                        x = std::hint::black_box(
+                            x.wrapping_mul(6_364_136_223_846_793_005).wrapping_add(1),
+                        );
+                    }
+                }
+            }));
+        }
+        let (stop_disk, path) = (stop.clone(), dir.join("hog.bin"));
+        threads.push(std::thread::spawn(move || {
+            let chunk = vec![7u8; 8 << 20];
+            let mut f = File::create(&path).unwrap();
+            let mut written = 0u64;
+            while !stop_disk.load(Ordering::Relaxed) {
+                if written >= 256 << 20 {
+                    f = File::create(&path).unwrap();
+                    written = 0;
+                }
+                f.write_all(&chunk).unwrap();
+                f.sync_data().unwrap();
+                written += chunk.len() as u64;
+            }
+            drop(f);
+            let _ = fs::remove_file(&path);
+        }));
+        Self { stop, threads }
+    }
+}
+
+impl Drop for Hog {
+    fn drop(&mut self) {
+        self.stop.store(true, std::sync::atomic::Ordering::Relaxed);
+        for t in self.threads.drain(..) {
+            let _ = t.join();
+        }
+    }
 }
 
 #[test]

@@ -284,6 +284,40 @@ impl DataPlane for ClusterClient {
         Some(write_answer(answer, worker.base_url(), progress))
     }
 
+    async fn follow_local(
+        &self,
+        uri: &ObjectUri,
+        file: Arc<std::fs::File>,
+        meta: &UserMeta,
+        progress: Duration,
+    ) -> Option<super::LocalFollow> {
+        let worker = self.writer_for(uri).ok()?;
+        let following = worker.follow_local(uri, file, meta, progress).await?;
+        Some(super::LocalFollow {
+            following,
+            worker: worker.base_url().to_string(),
+        })
+    }
+
+    async fn seal_local(
+        &self,
+        uri: &ObjectUri,
+        follow: super::LocalFollow,
+        size: u64,
+        meta: &UserMeta,
+    ) -> Option<Result<ObjectStat, DataError>> {
+        let super::LocalFollow { following, worker } = follow;
+        // The ring changed meanwhile: the new owner takes the write
+        // (dropping the follow ends it unrecorded).
+        let client = self
+            .writer_for(uri)
+            .ok()
+            .filter(|c| c.base_url() == worker)?;
+        let progress = following.progress();
+        let answer = client.seal_local(uri, following, size, meta).await?;
+        Some(write_answer(answer, &worker, progress))
+    }
+
     async fn delete(&self, uri: &ObjectUri) -> Result<(), DataError> {
         Ok(ClusterClient::delete(self, uri).await?)
     }

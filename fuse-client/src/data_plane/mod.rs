@@ -25,6 +25,14 @@ pub use snapshot::{load_manifest, ManifestError, SnapshotDataPlane};
 /// The body of a streaming upload: chunks in file order. An error item
 /// (the mount could not read back what it spooled) fails the upload: the
 /// body never just ends short.
+/// A file the worker on this host is taking as it is written (see
+/// [`DataPlane::follow_local`]), and which worker that is.
+#[derive(Debug)]
+pub struct LocalFollow {
+    pub following: lakecache_protocol::local_read::Following,
+    pub worker: String,
+}
+
 pub type ByteStream = Pin<Box<dyn Stream<Item = Result<Bytes, DataError>> + Send + Sync>>;
 
 /// How long an upload may take: in all, and without progress (no byte
@@ -204,6 +212,34 @@ pub trait DataPlane: Send + Sync + 'static {
         progress: Duration,
     ) -> Option<Result<ObjectStat, DataError>> {
         let _ = (uri, file, size, meta, progress);
+        None
+    }
+
+    /// Starts [`Self::commit_local`] of `file` while it is still being
+    /// written: the worker takes the bytes as they come, and
+    /// [`Self::seal_local`] commits them. `None`: not possible (the
+    /// caller commits the file whole at the end).
+    async fn follow_local(
+        &self,
+        uri: &ObjectUri,
+        file: Arc<std::fs::File>,
+        meta: &UserMeta,
+        progress: Duration,
+    ) -> Option<LocalFollow> {
+        let _ = (uri, file, meta, progress);
+        None
+    }
+
+    /// Commits a followed file at `size` bytes. `None`: the worker is
+    /// gone from the local socket (the caller commits another way).
+    async fn seal_local(
+        &self,
+        uri: &ObjectUri,
+        follow: LocalFollow,
+        size: u64,
+        meta: &UserMeta,
+    ) -> Option<Result<ObjectStat, DataError>> {
+        let _ = (uri, follow, size, meta);
         None
     }
 
