@@ -205,3 +205,47 @@ fn a_stopped_local_worker_does_not_hold_up_a_staged_commit() {
         env.worker_logs()
     );
 }
+
+#[test]
+fn a_killed_local_worker_does_not_lose_a_staged_commit() {
+    let mut env = Env::start(2);
+    let port = mount_beside_worker_0(&mut env);
+    let key = key_owned_by(&env, "killed", 0);
+    let path = env.mountpoint().join(&key);
+    fs::create_dir_all(path.parent().unwrap()).unwrap();
+    let data = pattern((16 << 20) + 77, 64);
+    let mut f = File::create(&path).unwrap();
+    f.write_all(&data).unwrap();
+
+    // kill -9 of the owner while the file is written (followed): the
+    // commit goes to the next worker, and the fsync succeeds.
+    let worker_port = env.workers[0].0;
+    env.workers[0].1.kill9();
+    f.sync_all().unwrap_or_else(|e| {
+        panic!(
+            "fsync failed with the local worker killed: {e}\n{}",
+            env.log()
+        )
+    });
+    drop(f);
+    assert!(
+        metric(port, "lakecache_fuse_write_resends_total") >= 1.0,
+        "{}",
+        env.log()
+    );
+    // The owner back (same port, same cache): the write, taken by the
+    // other worker, reads back and reaches S3.
+    let restarted = env.spawn_worker(0, worker_port, &[]);
+    env.workers[0].1 = restarted;
+    assert!(
+        fs::read(&path).unwrap() == data,
+        "the file reads back other bytes\n{}",
+        env.log()
+    );
+    env.sync_bucket(120);
+    assert!(
+        env.s3_get(&key).as_deref() == Some(&data[..]),
+        "S3 holds other bytes\n{}",
+        env.worker_logs()
+    );
+}

@@ -69,9 +69,10 @@ impl From<ClusterError> for DataError {
     }
 }
 
-/// A write's answer from `worker`: a worker silent past `progress`, or
-/// one that paused past it and refused to store the write (fenced), is
-/// as good as stalled, and the write goes elsewhere.
+/// A write's answer from `worker`: a worker silent past `progress`, one
+/// that paused past it and refused to store the write (fenced), or one
+/// that cannot be reached, is as good as stalled, and the write goes
+/// elsewhere.
 fn write_answer(
     answer: Result<ObjectStat, ClientError>,
     worker: &str,
@@ -91,6 +92,10 @@ fn write_answer(
             code: ErrorCode::WriteFenced,
             ..
         }) => Err(stalled()),
+        // A worker that cannot be reached (killed, its host gone)
+        // acknowledged nothing: the write goes to the next one, as after
+        // a stall (not counted as one: nothing was waited for).
+        Err(ClientError::Transport { .. }) => Err(stalled()),
         Err(e) => Err(DataError::from(ClusterError::Worker(e))),
     }
 }
