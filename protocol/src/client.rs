@@ -305,6 +305,16 @@ impl WorkerClient {
             .is_some_and(|l| l.worth_asking(self.member()))
     }
 
+    /// This worker's local socket and member name, for a commit or a
+    /// follow through it; `None` when there is none worth asking.
+    fn local_for_writes(&self) -> Option<(Arc<LocalChannel>, String)> {
+        let local = self.local.as_ref()?;
+        if !local.worth_asking(self.member()) {
+            return None;
+        }
+        Some((local.clone(), self.member().to_string()))
+    }
+
     /// Commits `file` (its first `size` bytes) as the new content of
     /// `uri`, written back, through this worker's local socket: the
     /// worker reads the file itself, and the bytes never cross TCP.
@@ -318,11 +328,7 @@ impl WorkerClient {
         meta: &crate::UserMeta,
         progress: Duration,
     ) -> Option<Result<ObjectStat, ClientError>> {
-        let local = self.local.as_ref()?;
-        if !local.worth_asking(self.member()) {
-            return None;
-        }
-        let (local, member) = (local.clone(), self.member().to_string());
+        let (local, member) = self.local_for_writes()?;
         let (uri_c, meta_c) = (uri.clone(), meta.clone());
         let got = tokio::task::spawn_blocking(move || {
             local.commit(&member, &uri_c, &file, size, &meta_c, progress)
@@ -342,11 +348,7 @@ impl WorkerClient {
         meta: &crate::UserMeta,
         progress: Duration,
     ) -> Option<crate::local_read::Following> {
-        let local = self.local.as_ref()?;
-        if !local.worth_asking(self.member()) {
-            return None;
-        }
-        let (local, member) = (local.clone(), self.member().to_string());
+        let (local, member) = self.local_for_writes()?;
         let (uri_c, meta_c) = (uri.clone(), meta.clone());
         let got = tokio::task::spawn_blocking(move || {
             local.follow(&member, &uri_c, &file, &meta_c, progress)
