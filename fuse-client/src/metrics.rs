@@ -24,6 +24,7 @@ pub struct MountMetrics {
     upload_seconds: Histogram<f64>,
     write_stalls: Counter<u64>,
     write_resends: Counter<u64>,
+    write_respooled: Counter<u64>,
     local_commits: Counter<u64>,
     local_commit_bytes: Counter<u64>,
     followed_commits: Counter<u64>,
@@ -114,6 +115,16 @@ impl MountMetrics {
                 );
                 resends.add(0, &[]);
                 resends
+            },
+            write_respooled: {
+                let respooled = counter(
+                    &meter,
+                    "lakecache_fuse_write_respooled",
+                    "",
+                    "Files written out of order (zip headers patched, HDF5), moved off their streamed upload to a spool file",
+                );
+                respooled.add(0, &[]);
+                respooled
             },
             local_commits: {
                 let commits = counter(
@@ -293,6 +304,10 @@ impl MountMetrics {
 
     pub fn worker_whole_fetch(&self) {
         self.worker_whole_fetches.add(1, &[]);
+    }
+
+    pub fn write_respooled(&self) {
+        self.write_respooled.add(1, &[]);
     }
 
     pub fn write_resend(&self) {

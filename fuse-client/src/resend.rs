@@ -129,6 +129,36 @@ impl Resend {
         })
     }
 
+    /// Writes everything the writer sent, in order, at the start of
+    /// `file`: what was kept, then what is still queued. Only once the
+    /// upload is over and its sender dropped. `Ok(None)`: not everything
+    /// was kept. Blocking.
+    pub fn copy_into(this: &Mutex<Self>, file: &File) -> std::io::Result<Option<u64>> {
+        let mut me = Self::lock(this);
+        if !me.whole {
+            return Ok(None);
+        }
+        let mut at = 0u64;
+        for kept in &me.kept {
+            let piece = match kept {
+                Kept::Memory { bytes, .. } => bytes.clone(),
+                Kept::Spooled { at, len } => match &me.spool {
+                    Some(spool) => spool.read(*at, *len)?,
+                    None => return Ok(None),
+                },
+            };
+            file.write_all_at(&piece, at)?;
+            at += piece.len() as u64;
+        }
+        while let Ok((piece, _reservation)) = me.rx.try_recv() {
+            file.write_all_at(&piece, at)?;
+            at += piece.len() as u64;
+        }
+        me.kept.clear();
+        me.spool = None;
+        Ok(Some(at))
+    }
+
     fn poll_piece(&mut self, cx: &mut Context<'_>) -> Poll<Option<Result<Bytes, DataError>>> {
         if let Some(kept) = self.kept.get(self.replayed) {
             self.replayed += 1;

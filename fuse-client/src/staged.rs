@@ -36,6 +36,12 @@ struct Stamp {
 
 pub(crate) struct StagedFile {
     file: Arc<File>,
+    /// Write-back, or write-through for a file moved here by the mount
+    /// (see [`Self::spooled`]): only write-back may be committed by the
+    /// local worker.
+    mode: WriteMode,
+    /// The kernel writes it (passthrough), not the mount.
+    kernel_writes: bool,
     committed: Option<Stamp>,
     /// The local worker taking the file while it is written, once the
     /// handover is made (see [`Self::follow`]).
@@ -46,7 +52,19 @@ impl StagedFile {
     /// An anonymous file in `dir`, gone once closed.
     pub fn create(dir: &std::path::Path) -> std::io::Result<Self> {
         Ok(Self {
+            kernel_writes: true,
+            ..Self::spooled(dir, WriteMode::Back)?
+        })
+    }
+
+    /// An anonymous file in `dir` the mount itself writes (a file
+    /// written out of order, moved off its streamed upload), committed
+    /// in `mode`.
+    pub fn spooled(dir: &std::path::Path, mode: WriteMode) -> std::io::Result<Self> {
+        Ok(Self {
             file: Arc::new(crate::resend::tempfile_in(dir)?),
+            mode,
+            kernel_writes: false,
             committed: None,
             follow: None,
         })
@@ -71,6 +89,11 @@ impl StagedFile {
         self.follow = Some(
             runtime.spawn(async move { data.follow_local(&uri, file, &meta, progress).await }),
         );
+    }
+
+    /// Written by the kernel through passthrough (see [`Self::create`]).
+    pub fn kernel_writes(&self) -> bool {
+        self.kernel_writes
     }
 
     pub fn file(&self) -> &Arc<File> {
@@ -120,6 +143,8 @@ impl StagedFile {
         let local = match self.sealed(data, uri, size, meta).await {
             Some(Ok(stat)) => Some(Ok(stat)),
             stalled @ Some(Err(DataError::Stalled { .. })) => stalled,
+            // A local commit is a write-back.
+            _ if self.mode != WriteMode::Back => None,
             _ => {
                 data.commit_local(uri, self.file.clone(), size, meta, limits.progress)
                     .await
@@ -195,10 +220,7 @@ impl StagedFile {
     ) -> Result<ObjectStat, DataError> {
         loop {
             let body = file_stream(self.file.clone(), self.len());
-            match data
-                .upload(uri, body, limits, WriteMode::Back, meta, avoid)
-                .await
-            {
+            match data.upload(uri, body, limits, self.mode, meta, avoid).await {
                 Err(DataError::Stalled { worker, .. }) if avoid.len() < resends => {
                     tracing::warn!(%uri, %worker, "the write's worker stalled; sending the staged file to the next worker");
                     crate::metrics::global().write_resend();

@@ -29,6 +29,9 @@ struct Upload {
     /// released once the upload stream has handed it on.
     sender: mpsc::Sender<(Bytes, Reservation)>,
     task: JoinHandle<Result<ObjectStat, DataError>>,
+    /// What the upload sent, kept for a resend; also what a file moved
+    /// to a spool file is rebuilt from (see [`FileWriter::respool`]).
+    resend: Arc<std::sync::Mutex<Resend>>,
 }
 
 pub struct FileWriter {
@@ -118,8 +121,10 @@ impl FileWriter {
         self.staged = None;
     }
 
+    /// The kernel writes this file into a staged file (passthrough); a
+    /// file the mount moved to its spool is not (see [`Self::respool`]).
     pub fn is_staged(&self) -> bool {
-        self.staged.is_some()
+        self.staged.as_ref().is_some_and(StagedFile::kernel_writes)
     }
 
     /// Keeps what the upload sent beyond the memory budget in `dir`, so
@@ -241,6 +246,7 @@ impl FileWriter {
     fn start(&self) -> Upload {
         let (sender, receiver) = mpsc::channel::<(Bytes, Reservation)>(QUEUED_WRITES);
         let resend = Resend::new(receiver, self.budget.clone(), self.spool_dir.clone());
+        let kept = resend.clone();
         let (data, uri, limits, mode, meta) = (
             self.data.clone(),
             self.uri.clone(),
@@ -270,10 +276,95 @@ impl FileWriter {
                 }
             }
         });
-        Upload { sender, task }
+        Upload {
+            sender,
+            task,
+            resend: kept,
+        }
+    }
+
+    /// A write out of order (np.savez and zipfile seek back to patch
+    /// headers, HDF5 writes where it likes): the file moves off its
+    /// streamed upload into a spool file holding what was written so
+    /// far, which takes writes anywhere and is uploaded whole at flush.
+    /// `Ok(false)`: it cannot (no spool directory, or what was sent is no
+    /// longer all kept), and the write is refused as before.
+    async fn respool(&mut self) -> Result<bool, FsError> {
+        let Some(dir) = self.spool_dir.clone() else {
+            return Ok(false);
+        };
+        if self
+            .upload
+            .as_ref()
+            .is_some_and(|u| !Resend::whole(&u.resend))
+        {
+            return Ok(false);
+        }
+        let spool_err = |e: std::io::Error| {
+            FsError::DataPlane(DataError::Spool(format!(
+                "moving a file written out of order to the spool: {e}"
+            )))
+        };
+        let staged = StagedFile::spooled(&dir, self.mode).map_err(spool_err)?;
+        let file = staged.file().clone();
+        let resend = match self.upload.take() {
+            Some(Upload {
+                sender,
+                task,
+                resend,
+            }) => {
+                // Ended unfinished before its sender closes the body: a
+                // body that never ends is stored nowhere.
+                task.abort();
+                let _ = task.await;
+                drop(sender);
+                Some(resend)
+            }
+            None => None,
+        };
+        let held: Vec<Bytes> = self.held.drain(..).map(|(b, _)| b).collect();
+        self.held_len = 0;
+        let (written, fill_to) = (self.written, self.fill_to);
+        let copied = tokio::task::spawn_blocking(move || -> std::io::Result<Option<u64>> {
+            let mut at = match &resend {
+                Some(r) => match Resend::copy_into(r, &file)? {
+                    Some(n) => n,
+                    None => return Ok(None),
+                },
+                None => 0,
+            };
+            for piece in held {
+                file.write_all_at(&piece, at)?;
+                at += piece.len() as u64;
+            }
+            file.set_len(at.max(fill_to))?;
+            Ok(Some(at))
+        })
+        .await
+        .map_err(FsError::Task)?
+        .map_err(spool_err)?;
+        match copied {
+            Some(n) if n == written => {}
+            other => {
+                // The upload is gone and the file cannot be rebuilt.
+                let err = DataError::Spool(format!(
+                    "a file written out of order could not be rebuilt ({other:?} of {written} bytes kept)"
+                ));
+                self.outcome = Some(Err(err.clone()));
+                return Err(FsError::UploadFailed(err));
+            }
+        }
+        tracing::debug!(uri = %self.uri, written, "written out of order; the file moved to the spool");
+        crate::metrics::global().write_respooled();
+        self.staged = Some(staged);
+        Ok(true)
     }
 
     pub async fn write(&mut self, offset: u64, data: Bytes) -> Result<u32, FsError> {
+        if self.staged.is_none() && self.outcome.is_none() && offset != self.written {
+            // Unless it cannot move, the staged branch below takes it.
+            self.respool().await?;
+        }
         if let Some(staged) = &self.staged {
             let f = staged.file().clone();
             let len = data.len();
@@ -342,7 +433,7 @@ impl FileWriter {
             self.written += n as u64;
         }
         let result = match self.upload.take() {
-            Some(Upload { sender, task }) => {
+            Some(Upload { sender, task, .. }) => {
                 drop(sender);
                 match task.await {
                     Ok(r) => r,

@@ -442,3 +442,78 @@ async fn revalidating_a_pinned_old_version_leaves_the_names_new_inode_alone() {
     let again = fs.lookup(ROOT_INO, "model.bin").await.unwrap();
     assert_eq!(again.ino, new.ino, "the name keeps its new inode");
 }
+
+/// A zip writer (np.savez, zipfile, torch.save's older format) writes
+/// its entries, then seeks back to patch the header; HDF5 writes where
+/// it likes. Both write modes, a file past the held-back size (its
+/// upload already streaming) and a small one: the object is exactly the
+/// bytes the application left, and nothing half-written reaches the
+/// store before the close.
+#[tokio::test]
+async fn a_file_patched_behind_its_end_is_stored_as_written_in_both_modes() {
+    let spool = tempfile::tempdir().unwrap();
+    for mode in [
+        lakecache_protocol::WriteMode::Through,
+        lakecache_protocol::WriteMode::Back,
+    ] {
+        for len in [3 << 20, 5000usize] {
+            let (fs, plane) = fs_with(|c| {
+                c.write_mode = mode;
+                c.spool_dir = spool.path().to_path_buf();
+            });
+            let name = format!("archive-{len}.npz");
+            let (_, fh) = fs
+                .create(ROOT_INO, &name, pid(), WHO, libc::O_WRONLY)
+                .await
+                .unwrap();
+            let mut want = body(len, 7);
+            let mut at = 0;
+            for piece in want.chunks(128 << 10) {
+                fs.write(fh, at, Bytes::copy_from_slice(piece))
+                    .await
+                    .unwrap();
+                at += piece.len() as u64;
+            }
+            // The header patched, then a trailer appended at the end.
+            let header = vec![0xAB; 30];
+            fs.write(fh, 0, Bytes::from(header.clone())).await.unwrap();
+            want[..30].copy_from_slice(&header);
+            let trailer = vec![0xCD; 100];
+            fs.write(fh, len as u64, Bytes::from(trailer.clone()))
+                .await
+                .unwrap();
+            want.extend_from_slice(&trailer);
+            // A write further back again, after the move.
+            fs.write(fh, 1000, Bytes::from_static(b"patched"))
+                .await
+                .unwrap();
+            want[1000..1007].copy_from_slice(b"patched");
+            assert!(
+                plane.inner().get(BUCKET, &name).is_none(),
+                "{mode:?} {len}: stored before the close"
+            );
+            fs.flush(fh, pid()).await.unwrap();
+            fs.release(fh).await.unwrap();
+            let got = plane.inner().get(BUCKET, &name).expect("stored");
+            assert_eq!(got.len(), want.len(), "{mode:?} {len}");
+            assert!(got == want[..], "{mode:?} {len}: different bytes");
+            let node = fs.lookup(ROOT_INO, &name).await.unwrap();
+            assert_eq!(node.meta.size, want.len() as u64);
+        }
+    }
+    // The spool files are anonymous: nothing is left behind.
+    let left: Vec<_> = walk(spool.path());
+    assert!(left.is_empty(), "left in the spool: {left:?}");
+}
+
+fn walk(dir: &std::path::Path) -> Vec<std::path::PathBuf> {
+    let mut out = Vec::new();
+    for e in std::fs::read_dir(dir).into_iter().flatten().flatten() {
+        if e.path().is_dir() {
+            out.extend(walk(&e.path()));
+        } else {
+            out.push(e.path());
+        }
+    }
+    out
+}

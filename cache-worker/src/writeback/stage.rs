@@ -337,11 +337,15 @@ impl Cache {
             .await
             .map_err(join_failed)?
             .map_err(|e| CacheError::Local(e.to_string()));
-        if let Err(e) = recorded {
-            let _ = unrecorded(wb, &object).await;
-            self.forget_copies(&object, &object.replicas);
-            return Err(e);
-        }
+        let seq = match recorded {
+            Ok(seq) => seq,
+            Err(e) => {
+                let _ = unrecorded(wb, &object).await;
+                self.forget_copies(&object, &object.replicas);
+                return Err(e);
+            }
+        };
+        tracing::debug!(uri = %object.uri, seq, size = object.size, "write-back recorded");
         // The reservation now belongs to the pending object.
         taken.reserved = 0;
         Ok(ObjectMeta {

@@ -378,12 +378,39 @@ fn six_writers_with_one_worker_stopped(mode: &str) {
         }
     }
     // The resumed worker never lands its stale copy over the newer one.
-    common::wait_until(
-        "the newer version in S3",
-        common::scaled(Duration::from_secs(60)),
-        Duration::from_millis(100),
-        || env.s3_get(&victim_name).as_deref() == Some(&newer[..]),
-    );
+    let deadline = Instant::now() + common::scaled(Duration::from_secs(60));
+    loop {
+        let got = env.s3_get(&victim_name);
+        if got.as_deref() == Some(&newer[..]) {
+            break;
+        }
+        if Instant::now() >= deadline {
+            let old = fs::read(&sources[victim_file]).unwrap();
+            let what = match &got {
+                None => "nothing".to_string(),
+                Some(b) if *b == old => {
+                    format!("the version the hung writer wrote ({} bytes)", b.len())
+                }
+                Some(b) => format!("{} bytes matching neither version", b.len()),
+            };
+            let mut logs = String::new();
+            for (i, path) in env.worker_log_paths.iter().enumerate() {
+                let text = fs::read_to_string(path).unwrap_or_default();
+                logs += &format!("--- worker {i}, lines naming {victim_name} or warning\n");
+                for line in text.lines() {
+                    if line.contains(&victim_name) || line.contains(" WARN ") {
+                        logs += line;
+                        logs.push('\n');
+                    }
+                }
+            }
+            panic!(
+                "{mode}: S3 holds {what} as {victim_name}, not the newer version\n--- mount\n{}\n{logs}",
+                common::tail(&env.log(), 60),
+            );
+        }
+        std::thread::sleep(Duration::from_millis(100));
+    }
     let settle = Instant::now();
     common::wait_until(
         "the resumed worker answering",

@@ -1,0 +1,186 @@
+"""The DLIO bench's tables (markdown, printed and written) and its plot of
+AU against emulated accelerators."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE.parent / "fio"))
+
+import provenance  # noqa: E402
+
+
+def _f(v, fmt: str = ".1f") -> str:
+    return "-" if v is None else format(v, fmt)
+
+
+def _pct(v) -> str:
+    return "-" if v is None else f"{v:.1f}%"
+
+
+def best_count(rows: list[dict]) -> int | None:
+    """The largest accelerator count whose warm AU (cold with one epoch)
+    is 90% or more, among counts run in order from 1."""
+    best = None
+    for r in sorted(rows, key=lambda r: r["np"]):
+        au = r["warm_au"] if r["warm_au"] is not None else r["cold_au"]
+        if au < 90:
+            break
+        best = r["np"]
+    return best
+
+
+def write(
+    a: argparse.Namespace, rows: list[dict], scale: dict, s3fs: str | None, ckpt: list[dict]
+) -> None:
+    lines = [
+        "# DLIO (MLPerf Storage) through lakecache, local disk and s3fs",
+        "",
+        *provenance.header(),
+        "",
+        "Scaled runs on this machine, **not MLPerf Storage submissions**: the datasets are "
+        "far smaller than MLPerf's rules ask (several times host memory), and the emulated "
+        "compute time is scaled as below. The readers run in a memory cgroup whose limit "
+        f"leaves them {a.page_cache} of page cache beyond their own memory, the lakecache "
+        "daemons or s3fs in another with the same allowance, so warm epochs are served by "
+        "the storage, not by RAM. Every run starts cold: "
+        "caches emptied and the page cache dropped; epoch 1 is **cold**, the mean of the "
+        f"later epochs (of {a.epochs}) is **warm**.",
+        "",
+        "- AU: DLIO's accelerator utilisation (compute / (compute + data wait)).",
+        "- read MiB/s: bytes the DLIO processes read (rchar of every process in their "
+        "cgroup) over the training time; DLIO's own MB/s is samples x nominal size.",
+        "- wait/step: the data wait per step that AU implies at the scaled compute time.",
+        "- CPU-s/GiB: user + system CPU of the serving daemons (lakecache's worker and "
+        "mount, or s3fs) per GiB the readers read; the S3 endpoint and the delay proxy "
+        "stand for the data lake and are left out.",
+        f"- s3fs: {s3fs or 'not run'}, with its local cache (`use_cache`).",
+        "",
+    ]
+    for name, (compute, factor, batch, dlio_batch) in scale.items():
+        lines.append(
+            f"- {name}: steps of {batch} samples (DLIO's config: {dlio_batch}), emulated "
+            f"compute {compute} s per step, **{factor:.2f}x** DLIO's H100 figure per sample, "
+            "chosen so local disk reaches about 90% AU with one accelerator here (searched "
+            "from 0.9 of a cold step's length with no compute, at most five local runs)."
+        )
+    lines.append("")
+    workloads = sorted({r["workload"] for r in rows})
+    for wl in workloads:
+        lines += [
+            f"## {wl}",
+            "",
+            "| reader | RTT | accel. | AU cold | AU warm | samples/s cold | "
+            "samples/s warm | read MiB/s | wait/step cold | wait/step warm | "
+            "CPU-s/GiB |",
+            "|---|---|---|---|---|---|---|---|---|---|---|",
+        ]
+        for r in rows:
+            if r["workload"] != wl:
+                continue
+            if "skipped" in r:
+                lines.append(
+                    f"| {r['reader']} | {r['rtt']} ms | - | skipped: {r['skipped']} | | | | | | | |"
+                )
+                continue
+            lines.append(
+                f"| {r['reader']} | {r['rtt']} ms | {r['np']} | {_pct(r['cold_au'])} | "
+                f"{_pct(r['warm_au'])} | {r['cold_samples_s']:.2f} | "
+                f"{_f(r['warm_samples_s'], '.2f')} | {r['mib_s']:.0f} | "
+                f"{r['cold_wait_s']:.3f} s | {_f(r['warm_wait_s'], '.3f')} s | "
+                f"{_f(r['cpu_per_gib'], '.2f')} |"
+            )
+        lines += [
+            "",
+            "Largest accelerator count with AU >= 90% (warm), within the sweep "
+            f"(1 to {a.max_accelerators}, stopping at the first count below 90%):",
+            "",
+        ]
+        groups: dict[tuple, list[dict]] = {}
+        for r in rows:
+            if r["workload"] == wl and "skipped" not in r:
+                groups.setdefault((r["reader"], r["rtt"]), []).append(r)
+        for (reader, rtt), rs in groups.items():
+            lines.append(f"- {reader} at {rtt} ms: {best_count(rs) or 'none'}")
+        lines.append("")
+    lines += checkpoint_lines(ckpt)
+    png = plot(a, rows)
+    if png:
+        lines.append(f"Plot: `{png.name}` (warm AU against emulated accelerators).")
+    provenance.write(a.out, lines)
+
+
+def plot(a: argparse.Namespace, rows: list[dict]) -> Path | None:
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print("matplotlib missing: no plot", flush=True)
+        return None
+    workloads = sorted({r["workload"] for r in rows if "skipped" not in r})
+    if not workloads:
+        return None
+    fig, axes = plt.subplots(1, len(workloads), figsize=(6 * len(workloads), 4), squeeze=False)
+    for ax, wl in zip(axes[0], workloads, strict=True):
+        series: dict[str, list[tuple[int, float]]] = {}
+        for r in rows:
+            if r["workload"] != wl or "skipped" in r:
+                continue
+            au = r["warm_au"] if r["warm_au"] is not None else r["cold_au"]
+            series.setdefault(f"{r['reader']} {r['rtt']} ms", []).append((r["np"], au))
+        for label, pts in sorted(series.items()):
+            pts.sort()
+            ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", label=label)
+        ax.axhline(90, color="grey", linestyle=":", linewidth=1)
+        ax.set_title(f"{wl}: warm AU")
+        ax.set_xlabel("emulated accelerators")
+        ax.set_ylabel("AU %")
+        ax.set_ylim(0, 102)
+        ax.legend(fontsize=7)
+    png = Path(a.out).with_name(Path(a.out).stem + "-au.png")
+    fig.tight_layout()
+    fig.savefig(png, dpi=110)
+    return png
+
+
+def checkpoint_lines(ckpt: list[dict]) -> list[str]:
+    """Per target: the median over rounds of the total checkpoint time per
+    run, and its ratio to local disk in the same round."""
+    if not ckpt:
+        return []
+    import statistics
+
+    by_round: dict[int, dict[str, float]] = {}
+    for r in ckpt:
+        by_round.setdefault(r["round"], {})[r["target"]] = sum(r["ckpt_s"])
+    size = next((r["bytes"] for r in ckpt if r.get("bytes")), None)
+    out = [
+        "## megatron_deepspeed checkpoints (scaled model)",
+        "",
+        f"{len(by_round)} round(s), each target once per round; a run writes "
+        f"{len(ckpt[0]['ckpt_s'])} checkpoints"
+        + (f" of {size / len(ckpt[0]['ckpt_s']) / 2**20:.0f} MiB each" if size else "")
+        + ". Time is DLIO's own per-checkpoint duration (its `ckptN` in "
+        "per_epoch_stats.json), summed per run; the ratio is against local disk in "
+        "the same round, median over rounds.",
+        "",
+        "| target | checkpoint time per run (median, range) | vs local disk |",
+        "|---|---|---|",
+    ]
+    targets = sorted({t for rnd in by_round.values() for t in rnd}, key=lambda t: (t != "local", t))
+    for t in targets:
+        times = [rnd[t] for rnd in by_round.values() if t in rnd]
+        ratios = [
+            rnd[t] / rnd["local"] for rnd in by_round.values() if t in rnd and rnd.get("local")
+        ]
+        ratio = f"{statistics.median(ratios):.2f}x" if ratios else "-"
+        out.append(
+            f"| {t} | {statistics.median(times):.2f} s ({min(times):.2f}-"
+            f"{max(times):.2f}) | {ratio} |"
+        )
+    return [*out, ""]

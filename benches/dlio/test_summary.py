@@ -1,0 +1,101 @@
+"""The DLIO bench's summary parsing, on a summary a real DLIO 2.0.0 run
+wrote (UNet3D, one accelerator, two epochs, local disk), and the opt-in
+smoke run (LAKECACHE_DLIO=1: DLIO's venv is several GB)."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE))
+
+import summary  # noqa: E402
+
+STORED = HERE / "testdata" / "summary-unet3d-local.json"
+
+
+def test_a_stored_summary_gives_cold_and_warm_epochs() -> None:
+    run = summary.load(STORED)
+    assert run.accelerators == 1
+    assert len(run.au) == 2
+    assert run.cold_au == pytest.approx(98.1797, abs=1e-3)
+    assert run.warm_au == pytest.approx(98.2889, abs=1e-3)
+    assert run.cold_samples_s == pytest.approx(3.5363, abs=1e-3)
+    assert run.warm_samples_s == pytest.approx(7.9471, abs=1e-3)
+
+
+def test_one_epoch_has_no_warm_figure() -> None:
+    doc = json.loads(STORED.read_text())
+    doc["metric"]["train_au_percentage"] = [50.0]
+    doc["metric"]["train_throughput_samples_per_second"] = [2.0]
+    run = summary.parse(json.dumps(doc))
+    assert run.warm_au is None and run.warm_samples_s is None
+
+
+@pytest.mark.parametrize(
+    ("change", "message"),
+    [
+        (lambda d: d.pop("metric"), "train_au_percentage"),
+        (lambda d: d["metric"].pop("train_au_percentage"), "train_au_percentage"),
+        (
+            lambda d: d["metric"].update(train_throughput_samples_per_second=[1.0]),
+            "2 AU values but 1 throughput",
+        ),
+        (lambda d: d["metric"].update(train_au_percentage=[120.0, 5.0]), "outside 0-100"),
+        (lambda d: d["metric"].update(train_au_percentage=["x", 5.0]), "holds 'x'"),
+        (lambda d: d.update(num_accelerators=0), "num_accelerators"),
+    ],
+)
+def test_a_broken_summary_is_an_error_naming_the_field(change, message) -> None:
+    doc = json.loads(STORED.read_text())
+    change(doc)
+    with pytest.raises(summary.SummaryError, match=message):
+        summary.parse(json.dumps(doc), "s.json")
+
+
+def test_text_that_is_not_json_is_an_error() -> None:
+    with pytest.raises(summary.SummaryError, match="not JSON"):
+        summary.parse("[METRIC] AU 98%", "s.json")
+
+
+def test_data_wait_follows_from_au_and_compute_time() -> None:
+    assert summary.data_wait_s(100.0, 0.5) == 0.0
+    assert summary.data_wait_s(50.0, 0.5) == pytest.approx(0.5)
+    assert summary.data_wait_s(0.0, 0.5) == float("inf")
+
+
+@pytest.mark.skipif(
+    os.environ.get("LAKECACHE_DLIO") != "1",
+    reason="opt-in: LAKECACHE_DLIO=1 installs DLIO (several GB) and runs it through a mount",
+)
+def test_smoke_dlio_through_a_real_mount(tmp_path: Path) -> None:
+    """DLIO's smallest configuration through a real mount: a handful of
+    files, one epoch, one process; its summary parsed."""
+    binary = os.environ.get("LAKECACHE_BIN", "")
+    assert binary, "LAKECACHE_BIN names the lakecache binary"
+    out = subprocess.run(
+        [
+            sys.executable,
+            str(HERE / "dlio_bench.py"),
+            "--smoke",
+            "--bin",
+            binary,
+            "--work",
+            str(tmp_path / "work"),
+            "--out",
+            str(tmp_path / "smoke.md"),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=900,
+        check=False,
+    )
+    assert out.returncode == 0, out.stdout + out.stderr
+    text = (tmp_path / "smoke.md").read_text()
+    assert "| mount-workers |" in text, text
