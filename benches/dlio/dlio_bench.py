@@ -43,9 +43,15 @@ from local_tier import install_s3fs  # noqa: E402
 from run import ACCESS, BUCKET, SECRET, drop_caches, free_port, mounted, wait_port  # noqa: E402
 
 GIB = 1 << 30
-# What one DLIO UNet3D process and its loader workers hold themselves
-# (measured peak 1.53 GiB of anonymous memory with 4 read threads).
+# The readers' cgroup limit while their own memory is measured (the
+# first calibration run): enough for a DLIO UNet3D process with DLIO's
+# batch of 7 (a 1.53 GiB peak of anonymous memory was seen).
 PROCESS_MEMORY = int(1.75 * GIB)
+# The mount's memory budget in the bench (`--memory-limit`), and what the
+# daemons' cgroup allows beside it: the worker's and the mount's own
+# memory, and a little page cache.
+MOUNT_BUDGET = GIB // 2
+DAEMONS_MEMORY = MOUNT_BUDGET + GIB
 
 
 @dataclass(frozen=True)
@@ -69,9 +75,9 @@ class Workload:
 # UNet3D's real files and samples (about 146 MB each), in steps of 2
 # samples instead of 7: the few files this disk holds still make several
 # steps per accelerator (DLIO leaves the first step out of AU).
-UNET3D = Workload("unet3d", "unet3d_h100", 28, 14, 2, 7, 0.323, 1, 147 * 10**6)
+UNET3D = Workload("unet3d", "unet3d_h100", 24, 14, 2, 7, 0.323, 1, 147 * 10**6)
 # DLIO's ResNet-50 reads TFRecords with TensorFlow's loader.
-RESNET50 = Workload("resnet50", "resnet50_h100", 16, 6, 400, 400, 0.224, 1251, 144 * 10**6)
+RESNET50 = Workload("resnet50", "resnet50_h100", 8, 4, 400, 400, 0.224, 1251, 144 * 10**6)
 WORKLOADS = {w.name: w for w in (UNET3D, RESNET50)}
 # megatron_deepspeed's checkpoints, model scaled down about 10x (one
 # checkpoint of the real config writes about 18 GB): per checkpoint one
@@ -302,6 +308,8 @@ class Lake:
                 str(cache / "local.sock"),
                 "--write-mode",
                 write_mode,
+                "--memory-limit",
+                str(MOUNT_BUDGET),
                 *flags,
             ],
             "mount",
@@ -386,6 +394,25 @@ class ReadCounter:
         return sum(self.seen.values())
 
 
+class AnonPeak:
+    """The most anonymous memory the cgroup's processes held, polled."""
+
+    def __init__(self, cg: Cgroup) -> None:
+        self.cg, self.peak = cg, 0
+
+    def poll(self) -> None:
+        self.peak = max(self.peak, anon_bytes(self.cg))
+
+
+def anon_bytes(cg: Cgroup) -> int:
+    """Anonymous memory charged to the cgroup now (v1 `total_rss`, v2 `anon`)."""
+    for line in _read(cg.path / "memory.stat").splitlines():
+        key, _, value = line.partition(" ")
+        if key in ("total_rss", "anon"):
+            return int(value)
+    return 0
+
+
 def dlio(
     a: argparse.Namespace,
     w: Workload,
@@ -395,7 +422,7 @@ def dlio(
     reader_cg: Cgroup,
     extra: list[str],
     env: dict[str, str] | None = None,
-    counter: ReadCounter | None = None,
+    counter: ReadCounter | AnonPeak | None = None,
 ) -> None:
     """One DLIO run; a failure names its log."""
     if out.exists():
@@ -449,10 +476,15 @@ def generate(a, w: Workload, data: Path, reader_cg: Cgroup) -> None:
     )
 
 
+def batch_of(a, w: Workload) -> int:
+    """Samples per step (the smoke run's handful of files make no batch
+    of the workload's size)."""
+    return 1 if a.smoke else w.batch
+
+
 def train_flags(a, w: Workload, compute_s: float, epochs: int) -> list[str]:
-    # The smoke run's handful of files makes no batch of DLIO's size.
     return [
-        f"++workload.reader.batch_size={1 if a.smoke else w.batch}",
+        f"++workload.reader.batch_size={batch_of(a, w)}",
         "++workload.workflow.generate_data=False",
         "++workload.workflow.train=True",
         "++workload.workflow.checkpoint=False",
@@ -487,7 +519,7 @@ def main() -> None:
     ap.add_argument("--checkpoint-rounds", type=int, default=3)
     ap.add_argument(
         "--page-cache",
-        default="1GiB",
+        default="512MiB",
         help="page cache the readers (and, apart, the serving daemons) may fill: their "
         "cgroup's memory limit is this plus their own memory "
         f"({PROCESS_MEMORY / GIB:.2f} GiB per DLIO process)",
@@ -523,7 +555,7 @@ class Bench:
         if a.quick and a.workloads == "unet3d,resnet50":
             a.workloads = "unet3d"
             a.checkpoint_rounds = 1
-            a.max_accelerators = min(a.max_accelerators, 2)
+            a.max_accelerators = 1
         self.workloads = [WORKLOADS[n] for n in a.workloads.split(",")]
         self.readers = a.readers.split(",")
         unknown = set(self.readers) - set(READERS)
@@ -535,7 +567,7 @@ class Bench:
         if "s3fs" in self.readers:
             self.s3fs_version = install_s3fs()
         a.files = {
-            w.name: (3 if a.smoke else w.files_quick if a.quick else w.files)
+            w.name: (4 if a.smoke else w.files_quick if a.quick else w.files)
             for w in self.workloads
         }
         self.check_space()
@@ -543,14 +575,21 @@ class Bench:
     def check_space(self) -> None:
         a = self.a
         a.work.mkdir(parents=True, exist_ok=True)
-        data = sum(a.files[w.name] * w.mean_file_bytes for w in self.workloads)
-        # Local copy, the bucket, the worker's cache and the tier at once.
-        need = int(data * 4.5)
-        free = shutil.disk_usage(a.work).free
+        sizes = [a.files[w.name] * w.mean_file_bytes for w in self.workloads]
+        # Every dataset on local disk and in the bucket; one at a time in
+        # the worker's cache and the tier (or s3fs's cache); 10% spare.
+        need = int((2 * sum(sizes) + 2 * max(sizes)) * 1.1)
+        have = sum(
+            p.stat().st_size
+            for d in ("local", "s3")
+            for p in (a.work / d).rglob("*")
+            if p.is_file()
+        )
+        free = shutil.disk_usage(a.work).free + have
         if need > free:
             raise BenchError(
-                f"the datasets need about {need / GIB:.1f} GiB under {a.work} (local copy, "
-                f"bucket, worker cache, tier); {free / GIB:.1f} GiB is free"
+                f"the datasets need about {need / GIB:.1f} GiB under {a.work} (local copies, "
+                f"the bucket, the worker's cache and the tier); {free / GIB:.1f} GiB is free"
             )
 
     def run(self) -> None:
@@ -561,7 +600,8 @@ class Bench:
         cache = parse_size(a.page_cache)
         self.reader_cg = Cgroup.create("lakecache-dlio-readers", cache + PROCESS_MEMORY)
         # The mount's memory budget and the worker, beside their page cache.
-        self.daemons_cg = Cgroup.create("lakecache-dlio-daemons", cache + 2 * GIB)
+        self.daemons_cg = Cgroup.create("lakecache-dlio-daemons", DAEMONS_MEMORY)
+        self.process_memory = PROCESS_MEMORY
         lake = Lake(a, a.work, self.daemons_cg)
         rows: list[dict] = []
         try:
@@ -618,8 +658,15 @@ class Bench:
         for attempt in range(2):
             drop_caches()
             out = a.work / "out" / f"calibrate-{w.name}-{attempt}"
-            dlio(a, w, local, out, 1, self.reader_cg, train_flags(a, w, 0.0, 1))
+            peak = AnonPeak(self.reader_cg)
+            self.reader_cg.set_limit(PROCESS_MEMORY + parse_size(a.page_cache))
+            dlio(a, w, local, out, 1, self.reader_cg, train_flags(a, w, 0.0, 1), counter=peak)
             fastest = max(fastest, summary.load(out / "summary.json").cold_samples_s)
+        # The readers' own memory, with a margin: their cgroup's limit is
+        # this per process plus the page cache allowed.
+        self.process_memory = max(int(peak.peak * 1.5), 512 << 20)
+        self.reader_cg.set_limit(self.process_memory + parse_size(a.page_cache))
+        print(f"{w.name}: a DLIO process holds up to {peak.peak / GIB:.2f} GiB itself", flush=True)
         step_io_s = w.batch / fastest
         lo, hi, compute = 0.0, None, 0.9 * step_io_s
         tried: list[tuple[float, float]] = []
@@ -627,7 +674,7 @@ class Bench:
             compute = round(compute, 3)
             drop_caches()
             out = a.work / "out" / f"calibrate-{w.name}-au-{attempt}"
-            dlio(a, w, local, out, 1, self.reader_cg, train_flags(a, w, compute, 2))
+            dlio(a, w, local, out, 1, self.reader_cg, train_flags(a, w, compute, 3))
             run = summary.load(out / "summary.json")
             au = run.warm_au if run.warm_au is not None else run.cold_au
             tried.append((compute, au))
@@ -667,7 +714,7 @@ class Bench:
         rows = []
         samples = self.a.files[w.name] * w.samples_per_file
         for np_ in range(1, self.a.max_accelerators + 1):
-            if samples // (w.batch * np_) < 3:
+            if samples // (batch_of(self.a, w) * np_) < 3:
                 print(
                     f"{w.name} {reader}: {np_} accelerators would get under 3 steps each of "
                     f"{samples} samples; the sweep stops at {np_ - 1}",
@@ -726,7 +773,7 @@ class Bench:
         before = {p: cpu.process_seconds(p) for p in daemons}
         counter = ReadCounter(self.reader_cg)
         out = a.work / "out" / f"{w.name}-{reader}-{rtt}ms-{np_}"
-        self.reader_cg.set_limit(parse_size(a.page_cache) + np_ * PROCESS_MEMORY)
+        self.reader_cg.set_limit(parse_size(a.page_cache) + np_ * self.process_memory)
         started = time.monotonic()
         try:
             dlio(a, w, data, out, np_, self.reader_cg, extra, env, counter)
@@ -770,10 +817,85 @@ class Bench:
         print(f"{w.name} {reader}: skipped ({why})", flush=True)
         return {"workload": w.name, "reader": reader, "rtt": rtt, "np": np_, "skipped": why}
 
+    def checkpoints(self, lake: Lake) -> list[dict]:
+        """megatron_deepspeed (scaled) writing its checkpoints to local disk
+        and through the mount in write-back and write-through mode: the
+        time DLIO spends in each checkpoint (its per-epoch `ckptN`), in
+        interleaved rounds."""
+        a, w = self.a, MEGATRON
+        data = a.work / "local" / "megatron"
+        if not (data / "train").is_dir():
+            dlio(
+                a,
+                w,
+                data,
+                a.work / "out" / "gen-megatron",
+                1,
+                self.reader_cg,
+                [
+                    "++workload.workflow.generate_data=True",
+                    "++workload.workflow.train=False",
+                    "++workload.workflow.checkpoint=False",
+                ],
+            )
+        lake.set_rtt(0)
+        rows = []
+        for rnd in range(a.checkpoint_rounds):
+            targets = CHECKPOINT_TARGETS if rnd % 2 == 0 else CHECKPOINT_TARGETS[::-1]
+            for target in targets:
+                ckpt = a.work / "ckpt-local"
+                shutil.rmtree(ckpt, ignore_errors=True)
+                if target != "local":
+                    lake.start_lakecache(tier=False, write_mode=target.split("-")[1])
+                    ckpt = lake.mnt / "ckpt" / f"{target}-{rnd}"
+                ckpt.mkdir(parents=True, exist_ok=True)
+                drop_caches()
+                out = a.work / "out" / f"ckpt-{target}-{rnd}"
+                try:
+                    dlio(
+                        a,
+                        w,
+                        data,
+                        out,
+                        1,
+                        self.reader_cg,
+                        [
+                            "++workload.workflow.generate_data=False",
+                            "++workload.workflow.train=True",
+                            "++workload.workflow.checkpoint=True",
+                            f"++workload.checkpoint.checkpoint_folder={ckpt}",
+                        ],
+                    )
+                    written = sum(f.stat().st_size for f in ckpt.rglob("*") if f.is_file())
+                finally:
+                    lake.stop_daemons()
+                stats = json.loads((out / "per_epoch_stats.json").read_text())
+                times = [
+                    float(v["duration"])
+                    for e in stats.values()
+                    for k, v in e.items()
+                    if k.startswith("ckpt")
+                ]
+                if not times:
+                    raise BenchError(f"DLIO wrote no checkpoint; see {out / 'run.log'}")
+                rows.append({"target": target, "round": rnd, "ckpt_s": times, "bytes": written})
+                print(
+                    f"checkpoint {target} round {rnd}: "
+                    f"{', '.join(f'{t:.2f}' for t in times)} s, {written / 2**20:.0f} MiB",
+                    flush=True,
+                )
+        return rows
+
     def report(self, rows: list[dict]) -> None:
         import report
 
-        report.write(self.a, rows, getattr(self, "scale", {}), getattr(self, "s3fs_version", None))
+        report.write(
+            self.a,
+            rows,
+            getattr(self, "scale", {}),
+            getattr(self, "s3fs_version", None),
+            getattr(self, "ckpt_rows", []),
+        )
 
 
 def _f(v: float | None, fmt: str = ".1f") -> str:

@@ -43,9 +43,11 @@ def write(
         "",
         "Scaled runs on this machine, **not MLPerf Storage submissions**: the datasets are "
         "far smaller than MLPerf's rules ask (several times host memory), and the emulated "
-        "compute time is scaled as below. The readers run in a memory cgroup whose limit "
-        f"leaves them {a.page_cache} of page cache beyond their own memory, the lakecache "
-        "daemons or s3fs in another with the same allowance, so warm epochs are served by "
+        "compute time is scaled as below. The DLIO processes run in a memory cgroup whose "
+        "limit is 1.5 times the memory a DLIO process was seen to hold itself (measured in "
+        f"the first calibration run), per process, plus {a.page_cache} of page cache; the "
+        "lakecache worker and mount (with a 512 MiB `--memory-limit`), or s3fs, in another "
+        "of 1.5 GiB in all, so warm epochs are served by "
         "the storage, not by RAM. Every run starts cold: "
         "caches emptied and the page cache dropped; epoch 1 is **cold**, the mean of the "
         f"later epochs (of {a.epochs}) is **warm**.",

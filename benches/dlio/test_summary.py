@@ -79,9 +79,13 @@ def test_smoke_dlio_through_a_real_mount(tmp_path: Path) -> None:
     files, one epoch, one process; its summary parsed."""
     binary = os.environ.get("LAKECACHE_BIN", "")
     assert binary, "LAKECACHE_BIN names the lakecache binary"
+    # DLIO's own venv (installed on first use, several GB).
+    venv = subprocess.run(
+        [str(HERE / "install.sh")], capture_output=True, text=True, timeout=3600, check=True
+    ).stdout.splitlines()[-1]
     out = subprocess.run(
         [
-            sys.executable,
+            f"{venv}/bin/python",
             str(HERE / "dlio_bench.py"),
             "--smoke",
             "--bin",
