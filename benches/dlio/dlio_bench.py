@@ -444,7 +444,16 @@ def dlio(
     log = out / "run.log"
     with open(log, "w") as f:
         p = subprocess.Popen(
-            args, stdout=f, stderr=subprocess.STDOUT, env={**os.environ, **(env or {})}, cwd=out
+            args,
+            stdout=f,
+            stderr=subprocess.STDOUT,
+            # DLIO runs tools from its venv (tfrecord2idx).
+            env={
+                **os.environ,
+                "PATH": f"{Path(sys.executable).parent}:{os.environ.get('PATH', '')}",
+                **(env or {}),
+            },
+            cwd=out,
         )
         while p.poll() is None:
             if counter:
@@ -512,7 +521,7 @@ def main() -> None:
     ap.add_argument("--readers", default=",".join(READERS))
     ap.add_argument("--rtt-ms", default="0,10")
     ap.add_argument("--max-accelerators", type=int, default=4)
-    ap.add_argument("--epochs", type=int, default=3)
+    ap.add_argument("--epochs", type=int, default=4)
     ap.add_argument(
         "--no-checkpoints", action="store_true", help="skip the megatron_deepspeed checkpoints"
     )
@@ -795,6 +804,7 @@ class Bench:
             "rtt": rtt,
             "np": np_,
             "cold_au": run.cold_au,
+            "last_au": run.last_au,
             "warm_au": run.warm_au,
             "cold_samples_s": run.cold_samples_s,
             "warm_samples_s": run.warm_samples_s,

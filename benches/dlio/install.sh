@@ -25,12 +25,33 @@ export DLIO_VENV
 install_pyclient() {
   (cd pyclient && VIRTUAL_ENV="$DLIO_VENV" "$LAKECACHE_VENV/bin/maturin" develop -q --release --strip >&2)
 }
+# DLIO's TFRecord generator (ResNet-50) runs DALI's `tfrecord2idx` to
+# index each file; DALI is CUDA-only. The index is one "offset length"
+# line per record, which this writes.
+install_tfrecord2idx() {
+  cat > "$DLIO_VENV/bin/tfrecord2idx" <<'PY'
+#!/usr/bin/env python3
+"""tfrecord2idx SRC DST: one "offset length" line per TFRecord record."""
+import struct
+import sys
+
+src, dst = sys.argv[1], sys.argv[2]
+with open(src, "rb") as f, open(dst, "w") as out:
+    while head := f.read(8):
+        start = f.tell() - 8
+        (length,) = struct.unpack("<Q", head)
+        f.seek(4 + length + 4, 1)  # length CRC, data, data CRC
+        out.write(f"{start} {f.tell() - start}\n")
+PY
+  chmod +x "$DLIO_VENV/bin/tfrecord2idx"
+}
 pyclient_here() {
   "$DLIO_VENV/bin/python" -c 'import lakecache, sys; sys.exit(not lakecache.__file__.startswith(sys.prefix))' 2>/dev/null
 }
 
 if [ -x "$DLIO_VENV/bin/python" ] && "$DLIO_VENV/bin/python" -c 'import dlio_benchmark, mpi4py.MPI, tensorflow, torch, matplotlib' 2>/dev/null; then
   pyclient_here || install_pyclient
+  [ -x "$DLIO_VENV/bin/tfrecord2idx" ] || install_tfrecord2idx
   echo "$DLIO_VENV"
   exit 0
 fi
@@ -54,5 +75,6 @@ pip=("$DLIO_VENV/bin/pip" install -q --disable-pip-version-check)
   "hydra-core>=1.3.2" "tensorflow-cpu>=2.16" matplotlib >&2
 MPICC=mpicc "${pip[@]}" --no-binary mpi4py --no-cache-dir "mpi4py>=3.1.4" >&2
 install_pyclient
+install_tfrecord2idx
 "$DLIO_VENV/bin/python" -c 'import dlio_benchmark, mpi4py.MPI, tensorflow, torch, matplotlib' >&2
 echo "$DLIO_VENV"

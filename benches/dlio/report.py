@@ -50,7 +50,8 @@ def write(
         "of 1.5 GiB in all, so warm epochs are served by "
         "the storage, not by RAM. Every run starts cold: "
         "caches emptied and the page cache dropped; epoch 1 is **cold**, the mean of the "
-        f"later epochs (of {a.epochs}) is **warm**.",
+        f"later epochs (of {a.epochs}) is **warm**, and the last epoch's AU is shown too "
+        "(the steady state of a longer run).",
         "",
         "- AU: DLIO's accelerator utilisation (compute / (compute + data wait)).",
         "- read MiB/s: bytes the DLIO processes read (rchar of every process in their "
@@ -75,22 +76,22 @@ def write(
         lines += [
             f"## {wl}",
             "",
-            "| reader | RTT | accel. | AU cold | AU warm | samples/s cold | "
+            "| reader | RTT | accel. | AU cold | AU warm | AU last | samples/s cold | "
             "samples/s warm | read MiB/s | wait/step cold | wait/step warm | "
             "CPU-s/GiB |",
-            "|---|---|---|---|---|---|---|---|---|---|---|",
+            "|---|---|---|---|---|---|---|---|---|---|---|---|",
         ]
         for r in rows:
             if r["workload"] != wl:
                 continue
             if "skipped" in r:
                 lines.append(
-                    f"| {r['reader']} | {r['rtt']} ms | - | skipped: {r['skipped']} | | | | | | | |"
+                    f"| {r['reader']} | {r['rtt']} ms | - | skipped: {r['skipped']} | | | | | | | | |"
                 )
                 continue
             lines.append(
                 f"| {r['reader']} | {r['rtt']} ms | {r['np']} | {_pct(r['cold_au'])} | "
-                f"{_pct(r['warm_au'])} | {r['cold_samples_s']:.2f} | "
+                f"{_pct(r['warm_au'])} | {_pct(r.get('last_au'))} | {r['cold_samples_s']:.2f} | "
                 f"{_f(r['warm_samples_s'], '.2f')} | {r['mib_s']:.0f} | "
                 f"{r['cold_wait_s']:.3f} s | {_f(r['warm_wait_s'], '.3f')} s | "
                 f"{_f(r['cpu_per_gib'], '.2f')} |"

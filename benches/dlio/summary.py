@@ -37,6 +37,11 @@ class Epochs:
         return statistics.fmean(self.au[1:]) if len(self.au) > 1 else None
 
     @property
+    def last_au(self) -> float:
+        """The last epoch's AU: the steady state a long run settles in."""
+        return self.au[-1]
+
+    @property
     def cold_samples_s(self) -> float:
         return self.samples_s[0]
 

@@ -26,6 +26,7 @@ def test_a_stored_summary_gives_cold_and_warm_epochs() -> None:
     assert len(run.au) == 2
     assert run.cold_au == pytest.approx(98.1797, abs=1e-3)
     assert run.warm_au == pytest.approx(98.2889, abs=1e-3)
+    assert run.last_au == run.warm_au
     assert run.cold_samples_s == pytest.approx(3.5363, abs=1e-3)
     assert run.warm_samples_s == pytest.approx(7.9471, abs=1e-3)
 
