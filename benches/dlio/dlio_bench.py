@@ -468,6 +468,17 @@ def pyclient_bytes(counts: Path) -> int:
     return sum(int(p.read_text() or 0) for p in counts.iterdir()) if counts.is_dir() else 0
 
 
+def generated(data: Path, files: int) -> bool:
+    """The dataset is all there (a generation that failed midway is
+    started over: DLIO refuses to train on fewer files)."""
+    train = data / "train"
+    if train.is_dir() and len(list(train.iterdir())) >= files:
+        return True
+    if data.exists():
+        shutil.rmtree(data)
+    return False
+
+
 def generate(a, w: Workload, data: Path, reader_cg: Cgroup) -> None:
     dlio(
         a,
@@ -630,14 +641,14 @@ class Bench:
         a = self.a
         sized = f"{w.name}-{a.files[w.name]}"
         local = a.work / "local" / sized
-        if not (local / "train").is_dir():
+        if not generated(local, a.files[w.name]):
             generate(a, w, local, self.reader_cg)
         lake.set_rtt(0)
         # Write-back with staged writes: np.savez seeks back to patch its
         # zip headers, which a streamed (write-through) upload refuses.
         lake.start_lakecache(tier=False, write_mode="back")
         bucket_data = lake.mnt / "dlio" / sized
-        if not (bucket_data / "train").is_dir():
+        if not generated(bucket_data, a.files[w.name]):
             generate(a, w, bucket_data, self.reader_cg)
         # In S3 before the worker's cache is emptied for the cold runs.
         subprocess.run(
@@ -834,7 +845,7 @@ class Bench:
         interleaved rounds."""
         a, w = self.a, MEGATRON
         data = a.work / "local" / "megatron"
-        if not (data / "train").is_dir():
+        if not generated(data, 1):
             dlio(
                 a,
                 w,
