@@ -104,6 +104,7 @@ MEGATRON = Workload(
     17 * 10**6,
     MEGATRON_SCALED,
 )
+CHECKPOINT_MEMORY = 4 * GIB
 CHECKPOINT_TARGETS = ("local", "mount-back", "mount-through")
 READERS = ("local", "mount-workers", "mount-tier", "pyclient", "s3fs")
 
@@ -860,6 +861,9 @@ class Bench:
                 ],
             )
         lake.set_rtt(0)
+        # The checkpoint's tensors and torch.save's buffers (about 1 GiB
+        # here), and room for the page cache the local writes fill.
+        self.reader_cg.set_limit(CHECKPOINT_MEMORY)
         rows = []
         for rnd in range(a.checkpoint_rounds):
             targets = CHECKPOINT_TARGETS if rnd % 2 == 0 else CHECKPOINT_TARGETS[::-1]

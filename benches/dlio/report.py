@@ -86,7 +86,8 @@ def write(
                 continue
             if "skipped" in r:
                 lines.append(
-                    f"| {r['reader']} | {r['rtt']} ms | - | skipped: {r['skipped']} | | | | | | | | |"
+                    f"| {r['reader']} | {r['rtt']} ms | - | skipped: {r['skipped']} "
+                    "| | | | | | | | |"
                 )
                 continue
             lines.append(
