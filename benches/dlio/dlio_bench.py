@@ -268,9 +268,13 @@ class Lake:
         self.procs.append(p)
         return p
 
-    def start_lakecache(self, tier: bool, write_mode: str = "through") -> None:
+    def start_lakecache(
+        self, tier: bool, write_mode: str = "through", tier_whole: bool = False
+    ) -> None:
         """A fresh worker (empty cache) and a mount wired as `lakecache up`
-        wires them (the worker's local socket)."""
+        wires them (the worker's local socket). `tier_whole`: the dataset
+        directory is fetched whole into the tier on open
+        (`--local-cache-whole dlio/`)."""
         cache, tier_dir = self.work / "cache", self.work / "tier"
         for d in (cache, tier_dir):
             if d.exists():
@@ -296,6 +300,8 @@ class Lake:
         )
         wait_port(self.worker_port)
         flags = ["--local-cache", str(tier_dir), "--local-cache-size", "16GiB"] if tier else []
+        if tier and tier_whole:
+            flags += ["--local-cache-whole", "dlio/"]
         self.spawn(
             [
                 self.a.bin,

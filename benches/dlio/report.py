@@ -141,6 +141,7 @@ def plot(a: argparse.Namespace, rows: list[dict]) -> Path | None:
             pts.sort()
             ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", label=label)
         ax.axhline(90, color="grey", linestyle=":", linewidth=1)
+        ax.set_xticks(range(1, a.max_accelerators + 1))
         ax.set_title(f"{wl}: warm AU")
         ax.set_xlabel("emulated accelerators")
         ax.set_ylabel("AU %")
