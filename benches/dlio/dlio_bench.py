@@ -40,7 +40,16 @@ sys.path.insert(0, str(HERE.parent / "fio"))
 import cpu  # noqa: E402
 import summary  # noqa: E402
 from local_tier import install_s3fs  # noqa: E402
-from run import ACCESS, BUCKET, SECRET, drop_caches, free_port, mounted, wait_port  # noqa: E402
+from run import (  # noqa: E402
+    ACCESS,
+    BUCKET,
+    SECRET,
+    drop_caches,
+    free_port,
+    mounted,
+    remove_work,
+    wait_port,
+)
 
 GIB = 1 << 30
 # The readers' cgroup limit while their own memory is measured (the
@@ -545,6 +554,11 @@ def main() -> None:
     )
     ap.add_argument("--checkpoint-rounds", type=int, default=3)
     ap.add_argument(
+        "--keep-work",
+        action="store_true",
+        help="keep --work (datasets, bucket, caches) after a good run; a rerun reuses them",
+    )
+    ap.add_argument(
         "--page-cache",
         default="512MiB",
         help="page cache the readers (and, apart, the serving daemons) may fill: their "
@@ -643,6 +657,10 @@ class Bench:
             self.reader_cg.remove()
             self.daemons_cg.remove()
         self.report(rows)
+        # Tens of GB (datasets on disk and in the bucket, caches, tier);
+        # a failed run keeps them for the logs it names.
+        if not a.keep_work:
+            remove_work(a.work)
 
     def workload(self, lake: Lake, w: Workload) -> list[dict]:
         a = self.a

@@ -129,6 +129,12 @@ impl Resend {
         })
     }
 
+    /// No more pieces are taken: the writer's next send fails (those
+    /// already queued can still be drained by [`Self::copy_into`]).
+    pub fn close(this: &Mutex<Self>) {
+        Self::lock(this).rx.close();
+    }
+
     /// Writes everything the writer sent, in order, at the start of
     /// `file`: what was kept, then what is still queued. Only once the
     /// upload is over and its sender dropped. `Ok(None)`: not everything

@@ -272,7 +272,13 @@ impl FileWriter {
                         crate::metrics::global().write_resend();
                         avoid.push(worker);
                     }
-                    other => return other,
+                    other => {
+                        // The writer's queue closes with the upload (the
+                        // kept bytes outlive it: see `respool`), so a
+                        // write after the end fails instead of waiting.
+                        Resend::close(&resend);
+                        return other;
+                    }
                 }
             }
         });
