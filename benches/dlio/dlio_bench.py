@@ -115,7 +115,9 @@ MEGATRON = Workload(
 )
 CHECKPOINT_MEMORY = 4 * GIB
 CHECKPOINT_TARGETS = ("local", "mount-back", "mount-through")
-READERS = ("local", "mount-workers", "mount-tier", "pyclient", "s3fs")
+# mount-tier-whole: the tier with the dataset directory fetched whole on
+# open (`--local-cache-whole dlio/`), as a training mount would set it.
+READERS = ("local", "mount-workers", "mount-tier", "mount-tier-whole", "pyclient", "s3fs")
 
 
 class BenchError(SystemExit):
@@ -791,8 +793,10 @@ class Bench:
         env: dict[str, str] = {}
         extra = train_flags(a, w, compute_s, a.epochs)
         data = local
-        if reader in ("mount-workers", "mount-tier", "pyclient"):
-            lake.start_lakecache(tier=reader == "mount-tier")
+        if reader in ("mount-workers", "mount-tier", "mount-tier-whole", "pyclient"):
+            lake.start_lakecache(
+                tier=reader.startswith("mount-tier"), tier_whole=reader == "mount-tier-whole"
+            )
             data = lake.mnt / "dlio" / sized
             if reader == "pyclient":
                 if w.name != "unet3d":
