@@ -240,6 +240,7 @@ class Lake:
         self.mnt = self.work / "mnt"
         self.mnt.mkdir(exist_ok=True)
         self.worker_port = 0
+        self.mount_metrics: str | None = None
 
     def log(self, role: str):
         return open(self.work / f"{role}.log", "a")
@@ -311,6 +312,11 @@ class Lake:
         )
         wait_port(self.worker_port)
         flags = ["--local-cache", str(tier_dir), "--local-cache-size", "16GiB"] if tier else []
+        self.mount_metrics = None
+        if tier:
+            # Its listener serves the tier's report (tier_state, after a run).
+            self.mount_metrics = f"127.0.0.1:{free_port()}"
+            flags += ["--metrics-listen", self.mount_metrics]
         if tier and tier_whole:
             flags += ["--local-cache-whole", "dlio/"]
         self.spawn(
@@ -355,6 +361,32 @@ class Lake:
             "s3fs",
         )
         self._wait_mounted("s3fs")
+
+    def tier_state(self) -> dict | None:
+        """What the mount's node-local tier holds now (whole and partial
+        objects, bytes missing, fills dropped, completion's fetches), from
+        `lakecache status --mount ADDR --json`; None without a tier."""
+        if not self.mount_metrics:
+            return None
+        out = subprocess.run(
+            [self.a.bin, "status", "--mount", self.mount_metrics, "--json"],
+            capture_output=True,
+            text=True,
+            env=self.env,
+            timeout=60,
+        )
+        if out.returncode != 0:
+            print(f"the mount's tier report failed: {out.stderr.strip()}", flush=True)
+            return None
+        r = json.loads(out.stdout)
+        return {
+            "whole": r["whole"],
+            "partial": r["partial"],
+            "missing_bytes": r["missing_bytes"],
+            "fill_dropped_bytes": r["fill_dropped_bytes"],
+            "fill_waited_bytes": r.get("fill_waited_bytes", 0),
+            "completion_fetched_bytes": r["completion"]["fetched_bytes"],
+        }
 
     def _wait_mounted(self, role: str) -> None:
         deadline = time.time() + 60
@@ -550,11 +582,23 @@ def main() -> None:
     ap.add_argument("--readers", default=",".join(READERS))
     ap.add_argument("--rtt-ms", default="0,10")
     ap.add_argument("--max-accelerators", type=int, default=4)
-    ap.add_argument("--epochs", type=int, default=4)
+    ap.add_argument(
+        "--epochs",
+        type=int,
+        default=8,
+        help="epochs per run: the first is cold, the mean of the rest warm (an epoch here is "
+        "a few seconds, and one 0.2 s stall in it moves its AU by 30 points)",
+    )
     ap.add_argument(
         "--no-checkpoints", action="store_true", help="skip the megatron_deepspeed checkpoints"
     )
     ap.add_argument("--checkpoint-rounds", type=int, default=3)
+    ap.add_argument(
+        "--compute",
+        default="",
+        help="emulated compute per step, e.g. unet3d=0.08,resnet50=0.026: skips the search "
+        "for local disk's 90%% AU (one run still measures a DLIO process's memory)",
+    )
     ap.add_argument(
         "--keep-work",
         action="store_true",
@@ -613,6 +657,18 @@ class Bench:
             w.name: (4 if a.smoke else w.files_quick if a.quick else w.files)
             for w in self.workloads
         }
+        self.fixed_compute: dict[str, float] = {}
+        for item in filter(None, a.compute.split(",")):
+            name, _, value = item.partition("=")
+            try:
+                self.fixed_compute[name] = float(value)
+            except ValueError:
+                raise BenchError(f"--compute {item!r}: want WORKLOAD=SECONDS") from None
+            if name not in WORKLOADS or self.fixed_compute[name] < 0:
+                raise BenchError(
+                    f"--compute {item!r}: want WORKLOAD=SECONDS with a workload of "
+                    f"{', '.join(WORKLOADS)} and seconds of 0 or more"
+                )
         self.check_space()
 
     def check_space(self) -> None:
@@ -701,8 +757,9 @@ class Bench:
         a = self.a
         if a.smoke:
             return w.compute_s
+        fixed = self.fixed_compute.get(w.name)
         fastest = 0.0
-        for attempt in range(2):
+        for attempt in range(1 if fixed is not None else 2):
             drop_caches()
             out = a.work / "out" / f"calibrate-{w.name}-{attempt}"
             peak = AnonPeak(self.reader_cg)
@@ -717,7 +774,9 @@ class Bench:
         step_io_s = w.batch / fastest
         lo, hi, compute = 0.0, None, 0.9 * step_io_s
         tried: list[tuple[float, float]] = []
-        for attempt in range(5):
+        if fixed is not None:
+            tried.append((fixed, float("nan")))
+        for attempt in range(0 if fixed is not None else 5):
             compute = round(compute, 3)
             drop_caches()
             out = a.work / "out" / f"calibrate-{w.name}-au-{attempt}"
@@ -824,8 +883,10 @@ class Bench:
         out = a.work / "out" / f"{w.name}-{reader}-{rtt}ms-{np_}"
         self.reader_cg.set_limit(parse_size(a.page_cache) + np_ * self.process_memory)
         started = time.monotonic()
+        tier = None
         try:
             dlio(a, w, data, out, np_, self.reader_cg, extra, env, counter)
+            tier = lake.tier_state()
         finally:
             daemon_cpu = sum(
                 cpu.process_seconds(p) - before[p] for p in daemons if Path(f"/proc/{p}").exists()
@@ -856,9 +917,20 @@ class Bench:
             "cpu_per_gib": daemon_cpu / (read / GIB) if read and daemons else None,
             "wall_s": wall,
         }
+        if tier:
+            row["tier"] = tier
         print(
             f"{w.name} {reader} {rtt} ms x{np_}: AU cold {row['cold_au']:.1f}% warm "
-            f"{_f(row['warm_au'])}%, {row['mib_s']:.0f} MiB/s read",
+            f"{_f(row['warm_au'])}% last {row['last_au']:.1f}%, {row['mib_s']:.0f} MiB/s read"
+            + (
+                f"; tier after the run: {tier['whole']} whole, {tier['partial']} partial "
+                f"({tier['missing_bytes'] / 2**20:.0f} MiB missing), fills dropped "
+                f"{tier['fill_dropped_bytes'] / 2**20:.0f} MiB (waited for "
+                f"{tier['fill_waited_bytes'] / 2**20:.0f} MiB), completion fetched "
+                f"{tier['completion_fetched_bytes'] / 2**20:.0f} MiB"
+                if tier
+                else ""
+            ),
             flush=True,
         )
         return row

@@ -116,14 +116,15 @@ fn print_report(r: &TierReport) {
     );
     println!(
         "completion: {} pending, {} asked, {} completed, {} fetched, {} failures, {} abandoned; \
-         fills dropped (left as holes): {}",
+         fills dropped (left as holes): {}, fills its readers waited for: {}",
         c.pending,
         c.asked,
         c.completed,
         ByteSize(c.fetched_bytes).human(),
         c.failures,
         c.abandoned,
-        ByteSize(r.fill_dropped_bytes).human()
+        ByteSize(r.fill_dropped_bytes).human(),
+        ByteSize(r.fill_waited_bytes).human()
     );
     if r.objects.is_empty() {
         return;

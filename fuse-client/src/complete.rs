@@ -16,6 +16,7 @@ use lakecache_protocol::ObjectUri;
 
 use crate::data_plane::{read_exact, DataError, DataPlane};
 use crate::kernel_cache::KernelCache;
+use crate::local_tier::filler::KEPT_WAIT;
 use crate::local_tier::{LocalTier, TierObject};
 use crate::memory::MemoryBudget;
 
@@ -301,6 +302,11 @@ impl Completer {
             while DEMAND.load(Ordering::Relaxed) > 0 && waited.elapsed() < DEMAND_YIELD {
                 tokio::time::sleep(Duration::from_millis(5)).await;
             }
+        }
+        // Nor what a reader's kept fills are writing now.
+        let waited = Instant::now();
+        while job.object.kept_fills_pending() && waited.elapsed() < KEPT_WAIT {
+            tokio::time::sleep(Duration::from_millis(5)).await;
         }
         // What readers filled meanwhile is not fetched again.
         let Some(range) = job.object.missing_within(range) else {

@@ -26,7 +26,7 @@ use serde::{Deserialize, Serialize};
 use sha2::{Digest, Sha256};
 
 pub mod damage;
-mod filler;
+pub(crate) mod filler;
 mod guard;
 pub mod report;
 pub use damage::Damage;
@@ -178,6 +178,10 @@ pub struct TierObject {
     /// A random reader wants it whole: completion does not wait for the
     /// object to go unread (not persisted: a remount resumes it as usual).
     wanted_now: std::sync::atomic::AtomicBool,
+    /// A reader asked for the object whole: fills are not dropped.
+    fills_kept: std::sync::atomic::AtomicBool,
+    /// Bytes of kept fills queued or being written.
+    kept_pending: std::sync::atomic::AtomicI64,
 }
 
 /// Milliseconds on a monotonic clock that starts with the process.
@@ -437,21 +441,53 @@ impl TierObject {
         Ok(Some(out.freeze()))
     }
 
-    /// Queues `data` for [`Self::fill`] on the tier's fill thread; dropped
-    /// (and fetched again by a later read) when the filler is behind.
-    /// `memory` is the data's share of the mount's budget, held until
-    /// written.
-    pub fn fill_later(
+    /// Queues `data` for [`Self::fill`] on a fill thread, holding its
+    /// share of `budget` until written. For an object whose fills are
+    /// kept ([`Self::keep_fills`]) this waits while the filler is behind;
+    /// otherwise the fill is dropped then (and fetched again by a later
+    /// read), as it is when no memory is free.
+    pub async fn fill_soon(
         self: &Arc<Self>,
         offset: u64,
         data: Bytes,
-        memory: crate::memory::Reservation,
+        budget: &crate::memory::MemoryBudget,
     ) {
         // Nothing to queue for bytes already there (prefetches of a file
         // read before, concurrent readers of one object).
-        if !data.is_empty() && !self.covers(offset, data.len() as u64) {
+        let len = data.len() as u64;
+        if data.is_empty() || self.covers(offset, len) {
+            return;
+        }
+        if self.fills_kept() {
+            self.fills
+                .submit_kept(self.clone(), offset, data, budget)
+                .await;
+        } else if let Some(memory) = budget.try_reserve(len) {
             self.fills.submit(self.clone(), offset, data, memory);
         }
+    }
+
+    /// A reader wants this object whole: its fills wait for the filler
+    /// instead of being dropped (see the `filler` module).
+    pub fn keep_fills(&self) {
+        self.fills_kept
+            .store(true, std::sync::atomic::Ordering::Relaxed);
+    }
+
+    pub fn fills_kept(&self) -> bool {
+        self.fills_kept.load(std::sync::atomic::Ordering::Relaxed)
+    }
+
+    /// Counts bytes of kept fills queued (positive) or written (negative).
+    pub(crate) fn kept_in_flight(&self, delta: i64) {
+        self.kept_pending
+            .fetch_add(delta, std::sync::atomic::Ordering::AcqRel);
+    }
+
+    /// Whether kept fills of this object are queued or being written:
+    /// completion waits for them instead of fetching their bytes again.
+    pub fn kept_fills_pending(&self) -> bool {
+        self.kept_pending.load(std::sync::atomic::Ordering::Acquire) > 0
     }
 
     /// Stores `data` at `offset` (any range inside the object). A block
@@ -873,6 +909,8 @@ impl LocalTier {
             persisting: Mutex::default(),
             last_read_ms: Default::default(),
             wanted_now: Default::default(),
+            fills_kept: Default::default(),
+            kept_pending: Default::default(),
         }))
     }
 
@@ -969,6 +1007,8 @@ impl LocalTier {
             persisting: Mutex::default(),
             last_read_ms: Default::default(),
             wanted_now: Default::default(),
+            fills_kept: Default::default(),
+            kept_pending: Default::default(),
         });
         if size == 0 {
             object.persist()?;
@@ -1028,6 +1068,8 @@ impl LocalTier {
             persisting: Mutex::default(),
             last_read_ms: Default::default(),
             wanted_now: Default::default(),
+            fills_kept: Default::default(),
+            kept_pending: Default::default(),
         });
         object.persist()?;
         let _ = std::fs::remove_file(&old.meta_path);

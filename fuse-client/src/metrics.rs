@@ -194,13 +194,23 @@ impl MountMetrics {
             .with_description("Bytes the node-local tier's partial objects still miss")
             .with_callback(move |o| o.observe(t.summary().missing_bytes, &[]))
             .build();
-        let t = tier;
+        let t = tier.clone();
         meter
             .u64_observable_counter("lakecache_fuse_local_tier_fill_dropped_bytes")
             .with_description(
                 "Bytes not written to the tier because its fill thread was behind (left as holes)",
             )
             .with_callback(move |o| o.observe(t.fill_stats().dropped_bytes.load(Relaxed), &[]))
+            .build();
+        let t = tier;
+        meter
+            .u64_observable_counter("lakecache_fuse_local_tier_fill_waited_bytes")
+            .with_description(
+                "Bytes of fills for objects wanted whole that waited for the fill thread (their readers held back) instead of being dropped",
+            )
+            .with_callback(move |o| {
+                o.observe(t.fill_stats().kept_waited_bytes.load(Relaxed), &[])
+            })
             .build();
         meter
             .u64_observable_counter("lakecache_fuse_local_tier_damage")

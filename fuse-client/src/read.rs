@@ -231,7 +231,7 @@ impl FileReader {
                     .map_err(FsError::from)?,
             };
             if let Some(object) = tier {
-                fill_tier(&object, &budget, 0, &bytes);
+                fill_tier(&object, &budget, 0, &bytes).await;
             }
             Ok(bytes)
         };
@@ -283,6 +283,7 @@ impl FileReader {
         }
         if let (Some(object), Some(completer)) = (&self.tier, &self.completer) {
             self.asked_whole = true;
+            object.keep_fills();
             completer.want_whole(object.clone(), self.uri.clone(), self.etag.clone());
         }
     }
@@ -601,7 +602,7 @@ impl FileReader {
                     .await
                     .map_err(FsError::from)?;
                 if let Some(object) = tier {
-                    fill_tier(&object, &budget, r.start, &bytes);
+                    fill_tier(&object, &budget, r.start, &bytes).await;
                 }
                 Ok(bytes)
             };
@@ -633,7 +634,7 @@ impl FileReader {
         // Out-of-order and random reads fill too, or a file read by
         // several jobs at once would keep holes.
         if let Some(object) = &self.tier {
-            fill_tier(object, &self.budget, start, &bytes);
+            fill_tier(object, &self.budget, start, &bytes).await;
         }
         Ok(bytes)
     }
@@ -645,11 +646,10 @@ fn object_id(tier: &Option<Arc<TierObject>>) -> &str {
 
 /// Hands what a worker returned to the local tier's fill thread (the
 /// reader already has its bytes). The copy counts against the mount's
-/// memory while queued; with none to spare the fill is skipped.
-fn fill_tier(object: &Arc<TierObject>, budget: &MemoryBudget, start: u64, bytes: &Bytes) {
-    if let Some(memory) = budget.try_reserve(bytes.len() as u64) {
-        object.fill_later(start, bytes.clone(), memory);
-    }
+/// memory while queued (see [`TierObject::fill_soon`] for when it waits
+/// and when it is skipped).
+async fn fill_tier(object: &Arc<TierObject>, budget: &MemoryBudget, start: u64, bytes: &Bytes) {
+    object.fill_soon(start, bytes.clone(), budget).await;
 }
 
 #[cfg(test)]

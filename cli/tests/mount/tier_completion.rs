@@ -86,6 +86,46 @@ fn a_half_read_object_becomes_whole_without_more_reads_and_is_then_read_by_passt
     read_by_passthrough(&env, &file, &want, "read after completion");
 }
 
+/// Under a training loader, the fill thread falls behind the reads; an
+/// object wanted whole (`--local-cache-whole`) must still end whole from
+/// its reader's own bytes, not from a second fetch epochs later (DLIO's
+/// UNet3D: objects were not whole before its third epoch).
+#[test]
+fn an_object_wanted_whole_is_filled_by_its_reader_with_no_fill_dropped() {
+    let mut env = Env::start(1);
+    let data = pattern((40 << 20) + 7, 83);
+    let want = Sha256::digest(&data).to_vec();
+    env.put("shards/kept.bin", Bytes::from(data));
+    let (tier, port) = mount_with_tier_and_metrics(
+        &mut env,
+        &[
+            ("LAKECACHE_TIER_FILL_QUEUE_BYTES", "1"),
+            ("LAKECACHE_LOCAL_CACHE_WHOLE", "shards/"),
+            // read_by_passthrough follows the FUSE ops in the log.
+            ("LAKECACHE_LOG", "lakecache_fuse=trace,info"),
+        ],
+    );
+    let file = env.mountpoint().join("shards/kept.bin");
+    assert_eq!(sha_file(&file).unwrap().1, want);
+    wait_until("the object whole in the tier", 60, || {
+        tier_has_whole_object(&tier)
+    });
+    let m = |name: &str| mount_metric(port, name, &[]);
+    assert_eq!(
+        m("lakecache_fuse_local_tier_fill_dropped_bytes_total"),
+        0.0,
+        "a fill of an object wanted whole was dropped"
+    );
+    assert_eq!(
+        m("lakecache_fuse_local_tier_completion_fetched_bytes_total"),
+        0.0,
+        "completion fetched bytes its reader had already fetched"
+    );
+    let copy = tier_files(&tier, "data").remove(0);
+    assert_eq!(Sha256::digest(fs::read(&copy).unwrap()).to_vec(), want);
+    read_by_passthrough(&env, &file, &want, "read after its first read");
+}
+
 #[test]
 fn with_fills_dropped_by_a_tiny_queue_a_read_object_still_ends_whole() {
     let mut env = Env::start(1);

@@ -1,24 +1,38 @@
-//! Fills of the local tier run on one low-priority thread, apart from
-//! the reads that produced their bytes: on a node whose CPUs are busy
-//! serving a cold read, writing the copy must not slow that read down.
-//! A fill that finds the queue full, or the mount's memory spent, is
-//! dropped: its blocks stay missing and are fetched (and filled) by a
-//! later read.
+//! Fills of the local tier run on threads of their own, apart from the
+//! reads that produced their bytes, in two lanes:
+//! - **background**: one low-priority thread, so that on a node whose
+//!   CPUs are busy serving a cold read, writing the copy does not slow
+//!   that read down. A fill that finds this lane full, or the mount's
+//!   memory spent, is dropped: its blocks stay missing and are fetched
+//!   (and filled) by a later read or by completion.
+//! - **kept**: for objects a reader wants whole. Dropping their fills cost
+//!   a second fetch of the same bytes, and under a training loader's
+//!   load it left half of each object missing until epochs later (DLIO's
+//!   UNet3D: the objects were not whole before the third epoch). A fill
+//!   here waits for room instead (back-pressure on the reader, bounded
+//!   by [`KEPT_WAIT`]), and the thread runs at normal priority, since
+//!   readers may be waiting on it.
 
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::mpsc::{sync_channel, Receiver, SyncSender, TrySendError};
 use std::sync::{Arc, Condvar, Mutex};
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use bytes::Bytes;
 
 use super::TierObject;
-use crate::memory::Reservation;
+use crate::memory::{MemoryBudget, Reservation};
 
-/// Fills waiting at most, and their bytes at most (each also holds its
-/// bytes' share of the mount's memory budget).
+/// Fills waiting at most per lane (more on the kept lane, whose fills are
+/// never dropped for their count alone), and their bytes at most (each
+/// also holds its bytes' share of the mount's memory budget).
 const QUEUE_DEPTH: usize = 256;
+const KEPT_QUEUE_DEPTH: usize = 4096;
 const QUEUE_BYTES: u64 = 64 << 20;
+/// The longest a kept fill waits for room or memory before it is
+/// dropped after all (the object is then completed later): a bound on
+/// what a stalled disk costs a reader.
+pub const KEPT_WAIT: Duration = Duration::from_secs(5);
 
 /// [`QUEUE_BYTES`], or `LAKECACHE_TIER_FILL_QUEUE_BYTES` (tests force a
 /// tiny queue to show that dropped fills are completed later).
@@ -37,74 +51,51 @@ struct Job {
     offset: u64,
     bytes: Bytes,
     _memory: Reservation,
+    /// Counted in the object's kept bytes in flight until written.
+    kept: bool,
 }
 
 #[derive(Default)]
 pub struct FillStats {
     pub filled_bytes: AtomicU64,
     pub dropped_bytes: AtomicU64,
-    /// Bytes of fills queued or being written (fills are never empty).
-    pending: Mutex<u64>,
+    /// Bytes of kept fills that waited for room or memory.
+    pub kept_waited_bytes: AtomicU64,
+}
+
+/// Bytes queued or being written on one lane (fills are never empty).
+#[derive(Default)]
+struct Pending {
+    bytes: Mutex<u64>,
     idle: Condvar,
+    room: tokio::sync::Notify,
 }
 
-#[derive(Clone)]
-pub(crate) struct FillQueue {
-    tx: SyncSender<Job>,
-    stats: Arc<FillStats>,
-}
-
-impl FillQueue {
-    /// Starts the fill thread; it ends once every queue handle is gone.
-    pub fn start() -> Self {
-        let (tx, rx) = sync_channel(QUEUE_DEPTH);
-        let stats = Arc::new(FillStats::default());
-        let worker_stats = stats.clone();
-        let spawned = std::thread::Builder::new()
-            .name("lakecache-tier-fill".into())
-            .spawn(move || run(rx, worker_stats));
-        if let Err(e) = spawned {
-            // Without the thread every fill is dropped; reads still work.
-            tracing::warn!(error = %e, "starting the local tier fill thread failed");
+impl Pending {
+    /// Counts `len` in, when the lane is empty or it fits.
+    fn try_add(&self, len: u64) -> bool {
+        let mut pending = lock(&self.bytes);
+        if *pending > 0 && *pending + len > queue_bytes() {
+            return false;
         }
-        Self { tx, stats }
+        *pending += len;
+        true
     }
 
-    pub fn stats(&self) -> &FillStats {
-        &self.stats
+    fn finish(&self, len: u64) {
+        let mut pending = lock(&self.bytes);
+        *pending = pending.saturating_sub(len);
+        if *pending == 0 {
+            self.idle.notify_all();
+        }
+        drop(pending);
+        self.room.notify_waiters();
     }
 
-    /// Queues a fill, or drops it when the filler is behind.
-    pub fn submit(&self, object: Arc<TierObject>, offset: u64, bytes: Bytes, memory: Reservation) {
-        let len = bytes.len() as u64;
-        {
-            let mut pending = lock(&self.stats.pending);
-            if *pending > 0 && *pending + len > queue_bytes() {
-                self.stats.dropped_bytes.fetch_add(len, Ordering::Relaxed);
-                return;
-            }
-            *pending += len;
-        }
-        let job = Job {
-            object,
-            offset,
-            bytes,
-            _memory: memory,
-        };
-        match self.tx.try_send(job) {
-            Ok(()) => {}
-            Err(TrySendError::Full(_) | TrySendError::Disconnected(_)) => {
-                self.stats.dropped_bytes.fetch_add(len, Ordering::Relaxed);
-                self.stats.finish_one(len);
-            }
-        }
-    }
-
-    /// Waits until queued fills are written (at most `limit`).
-    pub fn drain(&self, limit: Duration) -> bool {
-        let pending = lock(&self.stats.pending);
+    fn wait_idle(&self, deadline: Instant) -> bool {
+        let pending = lock(&self.bytes);
+        let limit = deadline.saturating_duration_since(Instant::now());
         let (pending, timeout) = self
-            .stats
             .idle
             .wait_timeout_while(pending, limit, |n| *n > 0)
             .unwrap_or_else(|e| e.into_inner());
@@ -113,13 +104,153 @@ impl FillQueue {
     }
 }
 
-impl FillStats {
-    fn finish_one(&self, len: u64) {
-        let mut pending = lock(&self.pending);
-        *pending = pending.saturating_sub(len);
-        if *pending == 0 {
-            self.idle.notify_all();
+#[derive(Clone)]
+struct Lane {
+    tx: SyncSender<Job>,
+    pending: Arc<Pending>,
+}
+
+impl Lane {
+    fn start(name: &str, low_priority: bool, stats: Arc<FillStats>) -> Self {
+        let (tx, rx) = sync_channel(if low_priority {
+            QUEUE_DEPTH
+        } else {
+            KEPT_QUEUE_DEPTH
+        });
+        let pending = Arc::new(Pending::default());
+        let thread_pending = pending.clone();
+        let spawned = std::thread::Builder::new()
+            .name(name.into())
+            .spawn(move || run(rx, stats, thread_pending, low_priority));
+        if let Err(e) = spawned {
+            // Without the thread every fill is dropped; reads still work.
+            tracing::warn!(error = %e, lane = name, "starting a local tier fill thread failed");
         }
+        Self { tx, pending }
+    }
+
+    /// Sends a job whose bytes `try_add` counted in; false if dropped.
+    fn send(&self, job: Job) -> bool {
+        let len = job.bytes.len() as u64;
+        match self.tx.try_send(job) {
+            Ok(()) => true,
+            Err(TrySendError::Full(_) | TrySendError::Disconnected(_)) => {
+                self.pending.finish(len);
+                false
+            }
+        }
+    }
+}
+
+#[derive(Clone)]
+pub(crate) struct FillQueue {
+    background: Lane,
+    kept: Lane,
+    stats: Arc<FillStats>,
+}
+
+impl FillQueue {
+    /// Starts the fill threads; they end once every queue handle is gone.
+    pub fn start() -> Self {
+        let stats = Arc::new(FillStats::default());
+        Self {
+            background: Lane::start("lakecache-tier-fill", true, stats.clone()),
+            kept: Lane::start("lakecache-tier-keep", false, stats.clone()),
+            stats,
+        }
+    }
+
+    pub fn stats(&self) -> &FillStats {
+        &self.stats
+    }
+
+    fn dropped(&self, len: u64) {
+        self.stats.dropped_bytes.fetch_add(len, Ordering::Relaxed);
+    }
+
+    /// Queues a background fill, or drops it when the filler is behind.
+    pub fn submit(&self, object: Arc<TierObject>, offset: u64, bytes: Bytes, memory: Reservation) {
+        let len = bytes.len() as u64;
+        if !self.background.pending.try_add(len) {
+            return self.dropped(len);
+        }
+        let job = Job {
+            object,
+            offset,
+            bytes,
+            _memory: memory,
+            kept: false,
+        };
+        if !self.background.send(job) {
+            self.dropped(len);
+        }
+    }
+
+    /// Queues a kept fill, waiting (at most [`KEPT_WAIT`]) for room in the
+    /// lane and for its share of `budget`; dropped only past that.
+    pub async fn submit_kept(
+        &self,
+        object: Arc<TierObject>,
+        offset: u64,
+        bytes: Bytes,
+        budget: &MemoryBudget,
+    ) {
+        let len = bytes.len() as u64;
+        let deadline = tokio::time::Instant::now() + KEPT_WAIT;
+        let mut waited = false;
+        let pending = &self.kept.pending;
+        loop {
+            let room = pending.room.notified();
+            tokio::pin!(room);
+            // Registered before the check, so a finish between the check
+            // and the wait still wakes it.
+            room.as_mut().enable();
+            if pending.try_add(len) {
+                break;
+            }
+            waited = true;
+            if tokio::time::timeout_at(deadline, room).await.is_err() {
+                return self.dropped(len);
+            }
+        }
+        // Not `reserve().await` alone: the memory may all be held by read
+        // buffers whose readers wait on this very fill.
+        let memory = match budget.try_reserve(len) {
+            Some(m) => m,
+            None => {
+                waited = true;
+                match tokio::time::timeout_at(deadline, budget.reserve(len)).await {
+                    Ok(m) => m,
+                    Err(_) => {
+                        pending.finish(len);
+                        return self.dropped(len);
+                    }
+                }
+            }
+        };
+        if waited {
+            self.stats
+                .kept_waited_bytes
+                .fetch_add(len, Ordering::Relaxed);
+        }
+        object.kept_in_flight(len as i64);
+        let job = Job {
+            object: object.clone(),
+            offset,
+            bytes,
+            _memory: memory,
+            kept: true,
+        };
+        if !self.kept.send(job) {
+            object.kept_in_flight(-(len as i64));
+            self.dropped(len);
+        }
+    }
+
+    /// Waits until queued fills are written (at most `limit`).
+    pub fn drain(&self, limit: Duration) -> bool {
+        let deadline = Instant::now() + limit;
+        self.kept.pending.wait_idle(deadline) && self.background.pending.wait_idle(deadline)
     }
 }
 
@@ -127,8 +258,10 @@ fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
     m.lock().unwrap_or_else(|e| e.into_inner())
 }
 
-fn run(rx: Receiver<Job>, stats: Arc<FillStats>) {
-    lower_priority();
+fn run(rx: Receiver<Job>, stats: Arc<FillStats>, pending: Arc<Pending>, low_priority: bool) {
+    if low_priority {
+        lower_priority();
+    }
     while let Ok(job) = rx.recv() {
         match job.object.fill(job.offset, &job.bytes) {
             Ok(_) => {
@@ -143,11 +276,13 @@ fn run(rx: Receiver<Job>, stats: Arc<FillStats>) {
             ),
         }
         let len = job.bytes.len() as u64;
+        if job.kept {
+            job.object.kept_in_flight(-(len as i64));
+        }
         drop(job);
-        stats.finish_one(len);
+        pending.finish(len);
     }
 }
-
 /// Runs this thread behind the read path: `LAKECACHE_FILL_NICE` (default
 /// 10), or `idle` for CPU time nothing else wants.
 fn lower_priority() {

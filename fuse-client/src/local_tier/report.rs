@@ -25,6 +25,10 @@ pub struct TierReport {
     /// Bytes not written because the fill thread was behind (left as
     /// holes, for completion or later reads).
     pub fill_dropped_bytes: u64,
+    /// Bytes of fills for objects wanted whole that waited for the fill
+    /// thread (back-pressure on their readers) instead of being dropped.
+    #[serde(default)]
+    pub fill_waited_bytes: u64,
     pub completion: CompletionReport,
     /// Partial objects first (most missing first), then whole ones.
     pub objects: Vec<ObjectReport>,
@@ -110,6 +114,7 @@ impl LocalTier {
             partial,
             missing_bytes,
             fill_dropped_bytes: self.fill_stats().dropped_bytes.load(Relaxed),
+            fill_waited_bytes: self.fill_stats().kept_waited_bytes.load(Relaxed),
             completion,
             objects,
             objects_not_listed,

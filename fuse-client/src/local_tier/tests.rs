@@ -433,3 +433,37 @@ fn the_cache_version_held_for_a_uri_follows_creation_rekey_remount_and_removal()
     tier.forget_version("s3://b/ckpt2", "lc-2");
     assert_eq!(tier.cache_version_of("s3://b/ckpt2"), None);
 }
+
+/// A reader that wants the object whole outruns the fill thread many
+/// times over: its fills wait for room instead of being dropped, so the
+/// object is whole once they are written. The same flood without
+/// `keep_fills` may drop (not asserted: it depends on the disk's speed).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn kept_fills_wait_for_the_filler_and_are_never_dropped() {
+    use std::sync::atomic::Ordering;
+    let dir = tempfile::tempdir().unwrap();
+    let tier = LocalTier::open(dir.path(), 1 << 30).unwrap();
+    // Over three times the lane's bytes, in read-ahead-sized pieces.
+    let body = Bytes::from(data(200 * MIB + 123, 5));
+    let o = tier
+        .get_or_create("s3://b/big", "e1", body.len() as u64)
+        .unwrap();
+    o.keep_fills();
+    let budget = crate::memory::MemoryBudget::new(96 << 20);
+    let fills = (0..body.len()).step_by(4 * MIB).map(|start| {
+        let (o, budget) = (o.clone(), budget.clone());
+        let piece = body.slice(start..(start + 4 * MIB).min(body.len()));
+        async move { o.fill_soon(start as u64, piece, &budget).await }
+    });
+    futures::future::join_all(fills).await;
+    assert!(tier.drain_fills(std::time::Duration::from_secs(60)));
+    let stats = tier.fill_stats();
+    assert_eq!(stats.dropped_bytes.load(Ordering::Relaxed), 0);
+    assert!(
+        stats.kept_waited_bytes.load(Ordering::Relaxed) > 0,
+        "50 fills of 4 MiB at once fit neither the lane nor the budget: some waited"
+    );
+    assert!(o.is_complete(), "every kept fill was written");
+    assert!(o.verify().unwrap());
+    assert_eq!(budget.available(), 96 << 20, "the fills' memory came back");
+}
