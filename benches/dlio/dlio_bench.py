@@ -906,6 +906,7 @@ class Bench:
             "np": np_,
             "cold_au": run.cold_au,
             "last_au": run.last_au,
+            "epoch_au": run.au,
             "warm_au": run.warm_au,
             "cold_samples_s": run.cold_samples_s,
             "warm_samples_s": run.warm_samples_s,

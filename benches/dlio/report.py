@@ -110,11 +110,35 @@ def write(
         for (reader, rtt), rs in groups.items():
             lines.append(f"- {reader} at {rtt} ms: {best_count(rs) or 'none'}")
         lines.append("")
+        lines += epoch_lines([r for r in rows if r["workload"] == wl and "epoch_au" in r])
     lines += checkpoint_lines(ckpt)
     png = plot(a, rows)
     if png:
         lines.append(f"Plot: `{png.name}` (warm AU against emulated accelerators).")
     provenance.write(a.out, lines)
+
+
+def epoch_lines(rows: list[dict]) -> list[str]:
+    """AU epoch by epoch (one short stall moves an epoch's AU a lot here),
+    and what the mount's tier held after the run."""
+    if not rows:
+        return []
+    lines = ["AU by epoch (the first is cold), and the node-local tier after the run:", ""]
+    for r in rows:
+        au = ", ".join(f"{x:.1f}" for x in r["epoch_au"])
+        line = f"- {r['reader']} {r['rtt']} ms x{r['np']}: {au}"
+        t = r.get("tier")
+        if t:
+            mib = 1 << 20
+            line += (
+                f"; tier: {t['whole']} whole, {t['partial']} partial, fills dropped "
+                f"{t['fill_dropped_bytes'] / mib:.0f} MiB, fills its readers waited for "
+                f"{t.get('fill_waited_bytes', 0) / mib:.0f} MiB, fetched by completion "
+                f"{t['completion_fetched_bytes'] / mib:.0f} MiB"
+            )
+        lines.append(line)
+    lines.append("")
+    return lines
 
 
 def plot(a: argparse.Namespace, rows: list[dict]) -> Path | None:

@@ -71,6 +71,29 @@ def test_data_wait_follows_from_au_and_compute_time() -> None:
     assert summary.data_wait_s(0.0, 0.5) == float("inf")
 
 
+def test_the_report_lists_au_by_epoch_and_the_tier_after_the_run() -> None:
+    import report
+
+    tier = {
+        "whole": 14,
+        "partial": 0,
+        "fill_dropped_bytes": 0,
+        "fill_waited_bytes": 1110 << 20,
+        "completion_fetched_bytes": 3 << 20,
+    }
+    rows = [
+        {"reader": "local", "rtt": 0, "np": 1, "epoch_au": [96.8, 71.9]},
+        {"reader": "mount-tier-whole", "rtt": 10, "np": 2, "epoch_au": [14.5, 97.4], "tier": tier},
+    ]
+    lines = report.epoch_lines(rows)
+    assert "- local 0 ms x1: 96.8, 71.9" in lines
+    assert (
+        "- mount-tier-whole 10 ms x2: 14.5, 97.4; tier: 14 whole, 0 partial, fills dropped "
+        "0 MiB, fills its readers waited for 1110 MiB, fetched by completion 3 MiB"
+    ) in lines
+    assert report.epoch_lines([]) == []
+
+
 @pytest.mark.skipif(
     os.environ.get("LAKECACHE_DLIO") != "1",
     reason="opt-in: LAKECACHE_DLIO=1 installs DLIO (several GB) and runs it through a mount",
