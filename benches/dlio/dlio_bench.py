@@ -27,11 +27,10 @@ import argparse
 import json
 import os
 import shutil
-import signal
 import subprocess
 import sys
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
@@ -39,16 +38,14 @@ sys.path.insert(0, str(HERE.parent / "fio"))
 
 import cpu  # noqa: E402
 import summary  # noqa: E402
+from cgroup import AnonPeak, BenchError, Cgroup, ReadCounter  # noqa: E402
+from lake import DAEMONS_MEMORY, Lake  # noqa: E402
 from local_tier import install_s3fs  # noqa: E402
 from run import (  # noqa: E402
-    ACCESS,
     BUCKET,
-    SECRET,
     drop_caches,
-    free_port,
     mounted,
     remove_work,
-    wait_port,
 )
 
 GIB = 1 << 30
@@ -56,11 +53,6 @@ GIB = 1 << 30
 # first calibration run): enough for a DLIO UNet3D process with DLIO's
 # batch of 7 (a 1.53 GiB peak of anonymous memory was seen).
 PROCESS_MEMORY = int(1.75 * GIB)
-# The mount's memory budget in the bench (`--memory-limit`), and what the
-# daemons' cgroup allows beside it: the worker's and the mount's own
-# memory, and a little page cache.
-MOUNT_BUDGET = GIB // 2
-DAEMONS_MEMORY = MOUNT_BUDGET + GIB
 
 
 @dataclass(frozen=True)
@@ -118,349 +110,6 @@ CHECKPOINT_TARGETS = ("local", "mount-back", "mount-through")
 # mount-tier-whole: the tier with the dataset directory fetched whole on
 # open (`--local-cache-whole dlio/`), as a training mount would set it.
 READERS = ("local", "mount-workers", "mount-tier", "mount-tier-whole", "pyclient", "s3fs")
-
-
-class BenchError(SystemExit):
-    pass
-
-
-@dataclass
-class Cgroup:
-    """A memory cgroup (v2 `memory.max`, or v1 `memory.limit_in_bytes`)
-    whose limit covers the page cache its processes fill."""
-
-    path: Path
-    limit_file: str
-
-    def set_limit(self, limit: int) -> None:
-        (self.path / self.limit_file).write_text(str(limit))
-
-    @staticmethod
-    def create(name: str, limit: int) -> Cgroup:
-        v2 = Path("/sys/fs/cgroup")
-        if "memory" in _read(v2 / "cgroup.controllers").split():
-            base = v2 / _own_cgroup("0", "").lstrip("/")
-            path, limit_file = base / name, "memory.max"
-            _write(base / "cgroup.subtree_control", "+memory", ok_fail=True)
-        else:
-            v1 = Path("/sys/fs/cgroup/memory")
-            if not v1.is_dir():
-                raise BenchError("no memory cgroup (v2 memory.max or v1 memory controller)")
-            path = v1 / _own_cgroup("", "memory").lstrip("/") / name
-            limit_file = "memory.limit_in_bytes"
-        try:
-            path.mkdir(exist_ok=True)
-            (path / limit_file).write_text(str(limit))
-        except OSError as e:
-            raise BenchError(f"cannot create the memory cgroup {path}: {e} (run as root)") from e
-        return Cgroup(path, limit_file)
-
-    def procs(self) -> list[int]:
-        return [int(p) for p in _read(self.path / "cgroup.procs").split()]
-
-    def remove(self) -> None:
-        for _ in range(50):
-            if not self.procs():
-                break
-            time.sleep(0.1)
-        try:
-            self.path.rmdir()
-        except OSError:
-            pass
-
-    def prefix(self) -> list[str]:
-        """A command prefix that runs the command inside this cgroup."""
-        return ["sh", "-c", f'echo $$ > {self.path}/cgroup.procs && exec "$@"', "sh"]
-
-
-def _own_cgroup(hierarchy: str, controller: str) -> str:
-    for line in _read(Path("/proc/self/cgroup")).splitlines():
-        num, ctrls, path = line.split(":", 2)
-        if (hierarchy and num == hierarchy) or (controller and controller in ctrls.split(",")):
-            return path
-    return "/"
-
-
-def _read(p: Path) -> str:
-    try:
-        return p.read_text()
-    except OSError:
-        return ""
-
-
-def _write(p: Path, text: str, ok_fail: bool = False) -> None:
-    try:
-        p.write_text(text)
-    except OSError:
-        if not ok_fail:
-            raise
-
-
-@dataclass
-class Lake:
-    """The S3 endpoint (for the whole run), the delay proxy in front of it
-    at the current RTT, and whichever reader's daemons run."""
-
-    a: argparse.Namespace
-    work: Path
-    daemons_cg: Cgroup
-    procs: list[subprocess.Popen] = field(default_factory=list)
-    proxy: subprocess.Popen | None = None
-    rtt_ms: int = 0
-
-    def __post_init__(self) -> None:
-        self.env = {
-            **os.environ,
-            "AWS_ACCESS_KEY_ID": ACCESS,
-            "AWS_SECRET_ACCESS_KEY": SECRET,
-            "AWS_REGION": "us-east-1",
-        }
-        self.s3_port = free_port()
-        self.s3 = subprocess.Popen(
-            [
-                self.a.bin,
-                "s3-server",
-                "--root",
-                str(self.work / "s3"),
-                "--listen",
-                f"127.0.0.1:{self.s3_port}",
-                "--access-key",
-                ACCESS,
-                "--secret-key",
-                SECRET,
-                "--bucket",
-                BUCKET,
-            ],
-            env=self.env,
-            stdout=subprocess.DEVNULL,
-            stderr=self.log("s3-server"),
-        )
-        wait_port(self.s3_port)
-        self.url = f"http://127.0.0.1:{self.s3_port}"
-        self.mnt = self.work / "mnt"
-        self.mnt.mkdir(exist_ok=True)
-        self.worker_port = 0
-        self.mount_metrics: str | None = None
-
-    def log(self, role: str):
-        return open(self.work / f"{role}.log", "a")
-
-    def set_rtt(self, rtt_ms: int) -> None:
-        if self.proxy:
-            self.proxy.send_signal(signal.SIGTERM)
-            self.proxy.wait(timeout=30)
-            self.proxy = None
-        self.rtt_ms = rtt_ms
-        self.url = f"http://127.0.0.1:{self.s3_port}"
-        if rtt_ms:
-            port = free_port()
-            self.proxy = subprocess.Popen(
-                [
-                    self.a.proxy,
-                    "--listen",
-                    f"127.0.0.1:{port}",
-                    "--upstream",
-                    f"127.0.0.1:{self.s3_port}",
-                    "--rtt-ms",
-                    str(rtt_ms),
-                ],
-                stdout=subprocess.DEVNULL,
-                stderr=self.log("proxy"),
-            )
-            wait_port(port)
-            self.url = f"http://127.0.0.1:{port}"
-
-    def spawn(self, args: list[str], role: str) -> subprocess.Popen:
-        p = subprocess.Popen(
-            self.daemons_cg.prefix() + args,
-            env=self.env,
-            stdout=subprocess.DEVNULL,
-            stderr=self.log(role),
-        )
-        self.procs.append(p)
-        return p
-
-    def start_lakecache(
-        self, tier: bool, write_mode: str = "through", tier_whole: bool = False
-    ) -> None:
-        """A fresh worker (empty cache) and a mount wired as `lakecache up`
-        wires them (the worker's local socket). `tier_whole`: the dataset
-        directory is fetched whole into the tier on open
-        (`--local-cache-whole dlio/`)."""
-        cache, tier_dir = self.work / "cache", self.work / "tier"
-        for d in (cache, tier_dir):
-            if d.exists():
-                shutil.rmtree(d)
-        self.worker_port = free_port()
-        self.spawn(
-            [
-                self.a.bin,
-                "worker",
-                "--insecure-http",
-                "--no-auth",
-                "--listen",
-                f"127.0.0.1:{self.worker_port}",
-                "--cache-dir",
-                str(cache),
-                "--cache-size",
-                "16GiB",
-                "--s3-endpoint",
-                self.url,
-                "--s3-path-style",
-            ],
-            "worker",
-        )
-        wait_port(self.worker_port)
-        flags = ["--local-cache", str(tier_dir), "--local-cache-size", "16GiB"] if tier else []
-        self.mount_metrics = None
-        if tier:
-            # Its listener serves the tier's report (tier_state, after a run).
-            self.mount_metrics = f"127.0.0.1:{free_port()}"
-            flags += ["--metrics-listen", self.mount_metrics]
-        if tier and tier_whole:
-            flags += ["--local-cache-whole", "dlio/"]
-        self.spawn(
-            [
-                self.a.bin,
-                "mount",
-                f"s3://{BUCKET}",
-                str(self.mnt),
-                "--worker",
-                f"127.0.0.1:{self.worker_port}",
-                "--no-s3-fallback",
-                "--local-worker-socket",
-                str(cache / "local.sock"),
-                "--write-mode",
-                write_mode,
-                "--memory-limit",
-                str(MOUNT_BUDGET),
-                *flags,
-            ],
-            "mount",
-        )
-        self._wait_mounted("mount")
-
-    def start_s3fs(self) -> None:
-        cache = self.work / "s3fs-cache"
-        if cache.exists():
-            shutil.rmtree(cache)
-        cache.mkdir()
-        passwd = self.work / "s3fs-passwd"
-        passwd.write_text(f"{ACCESS}:{SECRET}\n")
-        passwd.chmod(0o600)
-        self.spawn(
-            [
-                "s3fs",
-                BUCKET,
-                str(self.mnt),
-                "-f",
-                "-o",
-                f"url={self.url},use_path_request_style,passwd_file={passwd},"
-                f"endpoint=us-east-1,listobjectsv2,ro,use_cache={cache}",
-            ],
-            "s3fs",
-        )
-        self._wait_mounted("s3fs")
-
-    def tier_state(self) -> dict | None:
-        """What the mount's node-local tier holds now (whole and partial
-        objects, bytes missing, fills dropped, completion's fetches), from
-        `lakecache status --mount ADDR --json`; None without a tier."""
-        if not self.mount_metrics:
-            return None
-        out = subprocess.run(
-            [self.a.bin, "status", "--mount", self.mount_metrics, "--json"],
-            capture_output=True,
-            text=True,
-            env=self.env,
-            timeout=60,
-        )
-        if out.returncode != 0:
-            print(f"the mount's tier report failed: {out.stderr.strip()}", flush=True)
-            return None
-        r = json.loads(out.stdout)
-        return {
-            "whole": r["whole"],
-            "partial": r["partial"],
-            "missing_bytes": r["missing_bytes"],
-            "fill_dropped_bytes": r["fill_dropped_bytes"],
-            "fill_waited_bytes": r.get("fill_waited_bytes", 0),
-            "completion_fetched_bytes": r["completion"]["fetched_bytes"],
-        }
-
-    def _wait_mounted(self, role: str) -> None:
-        deadline = time.time() + 60
-        while not mounted(self.mnt):
-            dead = [p for p in self.procs if p.poll() is not None]
-            if dead or time.time() > deadline:
-                raise BenchError(f"{role} did not mount {self.mnt}; see {self.work / role}.log")
-            time.sleep(0.05)
-
-    def daemon_pids(self) -> list[int]:
-        """The serving processes (the sh prefix execs them: same pids)."""
-        return [p.pid for p in self.procs if p.poll() is None]
-
-    def stop_daemons(self) -> None:
-        if mounted(self.mnt):
-            subprocess.run(
-                ["fusermount3", "-u", str(self.mnt)], check=False, stderr=subprocess.DEVNULL
-            )
-        for p in reversed(self.procs):
-            if p.poll() is None:
-                p.send_signal(signal.SIGTERM)
-                try:
-                    p.wait(timeout=120)
-                except subprocess.TimeoutExpired:
-                    p.kill()
-                    p.wait()
-        self.procs = []
-        if mounted(self.mnt):
-            subprocess.run(["umount", "-l", str(self.mnt)], check=False)
-
-    def close(self) -> None:
-        self.stop_daemons()
-        self.set_rtt(0)
-        self.s3.send_signal(signal.SIGTERM)
-        self.s3.wait(timeout=60)
-
-
-class ReadCounter:
-    """Bytes the reader processes read (rchar of every process in their
-    cgroup, DataLoader workers included), polled while they run."""
-
-    def __init__(self, cg: Cgroup) -> None:
-        self.cg, self.seen, self.stop = cg, {}, False
-
-    def poll(self) -> None:
-        for pid in self.cg.procs():
-            try:
-                for line in Path(f"/proc/{pid}/io").read_text().splitlines():
-                    if line.startswith("rchar:"):
-                        self.seen[pid] = max(self.seen.get(pid, 0), int(line.split()[1]))
-            except OSError:
-                pass
-
-    def total(self) -> int:
-        return sum(self.seen.values())
-
-
-class AnonPeak:
-    """The most anonymous memory the cgroup's processes held, polled."""
-
-    def __init__(self, cg: Cgroup) -> None:
-        self.cg, self.peak = cg, 0
-
-    def poll(self) -> None:
-        self.peak = max(self.peak, anon_bytes(self.cg))
-
-
-def anon_bytes(cg: Cgroup) -> int:
-    """Anonymous memory charged to the cgroup now (v1 `total_rss`, v2 `anon`)."""
-    for line in _read(cg.path / "memory.stat").splitlines():
-        key, _, value = line.partition(" ")
-        if key in ("total_rss", "anon"):
-            return int(value)
-    return 0
 
 
 def dlio(
