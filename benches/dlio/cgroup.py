@@ -44,6 +44,16 @@ class Cgroup:
             raise BenchError(f"cannot create the memory cgroup {path}: {e} (run as root)") from e
         return Cgroup(path, limit_file)
 
+    def oom_kills(self) -> int:
+        """Processes killed at this cgroup's limit so far (v2 `memory.events`,
+        v1 `memory.oom_control`, each with an `oom_kill` line)."""
+        for name in ("memory.events", "memory.oom_control"):
+            for line in _read(self.path / name).splitlines():
+                key, _, value = line.partition(" ")
+                if key == "oom_kill":
+                    return int(value)
+        return 0
+
     def procs(self) -> list[int]:
         return [int(p) for p in _read(self.path / "cgroup.procs").split()]
 

@@ -352,6 +352,7 @@ class Bench:
         self.process_memory = PROCESS_MEMORY
         lake = Lake(a, a.work, self.daemons_cg)
         rows: list[dict] = []
+        self.failures: list[str] = []
         try:
             for w in self.workloads:
                 rows += self.workload(lake, w)
@@ -364,6 +365,11 @@ class Bench:
             self.reader_cg.remove()
             self.daemons_cg.remove()
         self.report(rows)
+        if self.failures:
+            raise BenchError(
+                f"{len(self.failures)} DLIO run(s) failed (the report shows the rest):\n"
+                + "\n".join(self.failures)
+            )
         # Tens of GB (datasets on disk and in the bucket, caches, tier);
         # a failed run keeps them for the logs it names.
         if not a.keep_work:
@@ -533,9 +539,19 @@ class Bench:
         self.reader_cg.set_limit(parse_size(a.page_cache) + np_ * self.process_memory)
         started = time.monotonic()
         tier = None
+        oom_before = self.reader_cg.oom_kills()
         try:
             dlio(a, w, data, out, np_, self.reader_cg, extra, env, counter)
             tier = lake.tier_state()
+        except BenchError as e:
+            # One reader failing leaves the rest of the matrix to run; the
+            # report shows the failure, and the bench exits non-zero.
+            oom = self.reader_cg.oom_kills() - oom_before
+            why = f"{e}" + (
+                f" ({oom} of its processes killed at the readers' memory limit)" if oom else ""
+            )
+            self.failures.append(f"{w.name} {reader} {rtt} ms x{np_}: {why}")
+            return self.skipped(w, reader, rtt, np_, f"failed: {why}")
         finally:
             daemon_cpu = sum(
                 cpu.process_seconds(p) - before[p] for p in daemons if Path(f"/proc/{p}").exists()
