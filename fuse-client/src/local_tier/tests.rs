@@ -461,7 +461,7 @@ async fn kept_fills_wait_for_the_filler_and_are_never_dropped() {
     assert_eq!(stats.dropped_bytes.load(Ordering::Relaxed), 0);
     assert!(
         stats.kept_waited_bytes.load(Ordering::Relaxed) > 0,
-        "50 fills of 4 MiB at once fit neither the lane nor the budget: some waited"
+        "50 fills of 4 MiB at once do not fit the lane: some waited"
     );
     assert!(o.is_complete(), "every kept fill was written");
     assert!(o.verify().unwrap());
