@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import shutil
 import signal
 import subprocess
@@ -15,7 +14,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from cgroup import BenchError, Cgroup
-from run import ACCESS, BUCKET, SECRET, free_port, mounted, wait_port
+from run import ACCESS, BUCKET, SECRET, free_port, mounted, s3_env, start_s3_server, wait_port
 
 GIB = 1 << 30
 # The mount's memory budget in the bench (`--memory-limit`), and what the
@@ -38,33 +37,10 @@ class Lake:
     rtt_ms: int = 0
 
     def __post_init__(self) -> None:
-        self.env = {
-            **os.environ,
-            "AWS_ACCESS_KEY_ID": ACCESS,
-            "AWS_SECRET_ACCESS_KEY": SECRET,
-            "AWS_REGION": "us-east-1",
-        }
-        self.s3_port = free_port()
-        self.s3 = subprocess.Popen(
-            [
-                self.a.bin,
-                "s3-server",
-                "--root",
-                str(self.work / "s3"),
-                "--listen",
-                f"127.0.0.1:{self.s3_port}",
-                "--access-key",
-                ACCESS,
-                "--secret-key",
-                SECRET,
-                "--bucket",
-                BUCKET,
-            ],
-            env=self.env,
-            stdout=subprocess.DEVNULL,
-            stderr=self.log("s3-server"),
+        self.env = s3_env()
+        self.s3, self.s3_port = start_s3_server(
+            self.a.bin, self.work / "s3", self.log("s3-server"), self.env
         )
-        wait_port(self.s3_port)
         self.url = f"http://127.0.0.1:{self.s3_port}"
         self.mnt = self.work / "mnt"
         self.mnt.mkdir(exist_ok=True)

@@ -71,25 +71,36 @@ def drop_caches() -> None:
     Path("/proc/sys/vm/drop_caches").write_text("3\n")
 
 
+def s3_env() -> dict[str, str]:
+    """This environment with the bench endpoint's credentials and region."""
+    return {
+        **os.environ,
+        "AWS_ACCESS_KEY_ID": ACCESS,
+        "AWS_SECRET_ACCESS_KEY": SECRET,
+        "AWS_REGION": "us-east-1",
+    }
+
+
+def start_s3_server(binary: str, root: Path, stderr, env: dict[str, str] | None = None):
+    """`lakecache s3-server` over `root` with the bench bucket, on a port
+    from the OS; returns the process and its port once it answers."""
+    port = free_port()
+    proc = subprocess.Popen(
+        [binary, "s3-server", "--root", str(root), "--listen", f"127.0.0.1:{port}",
+         "--access-key", ACCESS, "--secret-key", SECRET, "--bucket", BUCKET],
+        env=env, stdout=subprocess.DEVNULL, stderr=stderr,
+    )
+    wait_port(port)
+    return proc, port
+
+
 class Cluster:
     """s3-server, one worker and a mount, as processes."""
 
     def __init__(self, binary: str, work: Path) -> None:
         self.bin, self.work = binary, work
-        self.env = {
-            **os.environ,
-            "AWS_ACCESS_KEY_ID": ACCESS,
-            "AWS_SECRET_ACCESS_KEY": SECRET,
-            "AWS_REGION": "us-east-1",
-        }
-        self.s3_port = free_port()
-        self.s3 = subprocess.Popen(
-            [binary, "s3-server", "--root", str(work / "s3"), "--listen",
-             f"127.0.0.1:{self.s3_port}", "--access-key", ACCESS, "--secret-key", SECRET,
-             "--bucket", BUCKET],
-            stdout=subprocess.DEVNULL, stderr=self.log("s3-server"),
-        )
-        wait_port(self.s3_port)
+        self.env = s3_env()
+        self.s3, self.s3_port = start_s3_server(binary, work / "s3", self.log("s3-server"))
         self.worker = self.mount = None
         self.mnt = work / "mnt"
         self.worker_port = free_port()
