@@ -536,7 +536,11 @@ class Bench:
         before = {p: cpu.process_seconds(p) for p in daemons}
         counter = ReadCounter(self.reader_cg)
         out = a.work / "out" / f"{w.name}-{reader}-{rtt}ms-{np_}"
-        self.reader_cg.set_limit(parse_size(a.page_cache) + np_ * self.process_memory)
+        # The Python client's processes hold each sample twice while
+        # copying it out of the client's buffers, and read no page cache:
+        # twice the allowance (at 1x, DataLoader workers were OOM-killed).
+        own = self.process_memory * (2 if reader == "pyclient" else 1)
+        self.reader_cg.set_limit(parse_size(a.page_cache) + np_ * own)
         started = time.monotonic()
         tier = None
         oom_before = self.reader_cg.oom_kills()
