@@ -231,7 +231,7 @@ impl FileReader {
                     .map_err(FsError::from)?,
             };
             if let Some(object) = tier {
-                fill_tier(&object, &budget, 0, &bytes).await;
+                object.fill_soon(0, bytes.clone(), &budget).await;
             }
             Ok(bytes)
         };
@@ -602,7 +602,7 @@ impl FileReader {
                     .await
                     .map_err(FsError::from)?;
                 if let Some(object) = tier {
-                    fill_tier(&object, &budget, r.start, &bytes).await;
+                    object.fill_soon(r.start, bytes.clone(), &budget).await;
                 }
                 Ok(bytes)
             };
@@ -634,7 +634,7 @@ impl FileReader {
         // Out-of-order and random reads fill too, or a file read by
         // several jobs at once would keep holes.
         if let Some(object) = &self.tier {
-            fill_tier(object, &self.budget, start, &bytes).await;
+            object.fill_soon(start, bytes.clone(), &self.budget).await;
         }
         Ok(bytes)
     }
@@ -642,14 +642,6 @@ impl FileReader {
 
 fn object_id(tier: &Option<Arc<TierObject>>) -> &str {
     tier.as_deref().map_or("", TierObject::id)
-}
-
-/// Hands what a worker returned to the local tier's fill thread (the
-/// reader already has its bytes). The copy counts against the mount's
-/// memory while queued (see [`TierObject::fill_soon`] for when it waits
-/// and when it is skipped).
-async fn fill_tier(object: &Arc<TierObject>, budget: &MemoryBudget, start: u64, bytes: &Bytes) {
-    object.fill_soon(start, bytes.clone(), budget).await;
 }
 
 #[cfg(test)]
