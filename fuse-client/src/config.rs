@@ -71,6 +71,13 @@ pub struct FsConfig {
     /// Written-back files the worker on this host owns are written into
     /// a staged file with FUSE passthrough (see `staged.rs`).
     pub staged_writes: bool,
+    /// How long an operation on a file whose writer was just closed but
+    /// still claims the inode (a staged file, or an empty file stored
+    /// only on release) waits for that writer's release: the kernel sends
+    /// it just after `close` returns, and `close(); open()`,
+    /// `close(); rename()` or `close(); unlink()` must find the file
+    /// closed, not still written.
+    pub release_wait: Duration,
 }
 
 impl FsConfig {
@@ -115,6 +122,7 @@ impl FsConfig {
             truncate_rewrite_max: 1 << 30,
             spool_dir: std::env::temp_dir().join("lakecache-spool"),
             staged_writes: true,
+            release_wait: Duration::from_secs(2),
         }
     }
 

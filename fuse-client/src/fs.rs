@@ -1091,6 +1091,9 @@ impl Fs {
             Handle::Dir(_) => return Err(FsError::BadHandle),
         };
         let mut w = writer.lock().await;
+        if w.written() == 0 {
+            self.writer_wrote(ino);
+        }
         // Used if this write starts the upload.
         if let Some(user) = self.touch_written(ino) {
             w.set_meta(user);
@@ -1121,6 +1124,7 @@ impl Fs {
                 // writing (`echo x > f`): a flush before any data is not the
                 // end of the file. Release uploads an empty file.
                 if writer.lock().await.written() == 0 {
+                    self.empty_writer_closed(ino);
                     return Ok(());
                 }
                 self.commit(fh).await
@@ -1419,7 +1423,12 @@ impl Fs {
                                 ));
                             }
                         }
-                        self.commit_any(fh).await?;
+                        match self.commit_any(fh).await {
+                            // Released since it was resolved: release
+                            // stored it.
+                            Err(FsError::BadHandle) => {}
+                            other => other?,
+                        }
                         self.node(src.ino)?
                     }
                     None => src,

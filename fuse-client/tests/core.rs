@@ -517,3 +517,47 @@ fn walk(dir: &std::path::Path) -> Vec<std::path::PathBuf> {
     }
     out
 }
+
+/// rsync closes an empty temporary file, then opens it to set its mode
+/// and renames it, while the kernel's release of the writer comes on its
+/// own. Before the release came, the open failed EBUSY ("the file is
+/// being written") and the rename EBADF (the handle it committed was
+/// released under it); both must wait for the release instead.
+#[tokio::test]
+async fn an_empty_file_closed_but_not_yet_released_can_be_opened_and_renamed() {
+    let s = Setup::new(Quirks::default());
+    let (node, fh) =
+        s.fs.create(ROOT_INO, ".empty.tmp", pid(), WHO, libc::O_WRONLY)
+            .await
+            .unwrap();
+    s.fs.flush(fh, pid()).await.unwrap();
+    let late_release = async {
+        tokio::time::sleep(Duration::from_millis(200)).await;
+        s.fs.release(fh).await
+    };
+    let open_then_rename = async {
+        let (read_fh, _) = s.fs.open(node.ino, libc::O_RDONLY, pid()).await?;
+        s.fs.release(read_fh).await?;
+        s.fs.rename(ROOT_INO, ".empty.tmp", ROOT_INO, "empty", false, pid())
+            .await
+    };
+    let (released, renamed) = tokio::join!(late_release, open_then_rename);
+    released.unwrap();
+    renamed.unwrap();
+    assert_eq!(s.store().get(BUCKET, "empty").unwrap().len(), 0);
+    assert!(s.store().get(BUCKET, ".empty.tmp").is_none());
+
+    // A rename racing the release itself (the rename resolved the writer
+    // before the release took it) still finds the file stored.
+    let (_, fh) =
+        s.fs.create(ROOT_INO, "b.tmp", pid(), WHO, libc::O_WRONLY)
+            .await
+            .unwrap();
+    let (released, renamed) = tokio::join!(
+        s.fs.release(fh),
+        s.fs.rename(ROOT_INO, "b.tmp", ROOT_INO, "b", false, pid())
+    );
+    released.unwrap();
+    renamed.unwrap();
+    assert!(s.store().get(BUCKET, "b").is_some());
+}

@@ -1,35 +1,30 @@
 //! The filesystem's side of staged writes (see `staged.rs`): which
 //! handles have the kernel write into a staged file, and the size `stat`
-//! shows for them (the mount sees none of those writes).
+//! shows for them (the mount sees none of those writes). Also which
+//! writers were closed but keep their inode until their release comes.
 
-use std::collections::HashMap;
+use std::collections::{HashMap, HashSet};
 use std::sync::{Arc, Mutex};
-use std::time::{Duration, Instant};
+use std::time::Instant;
 
 use super::{Fs, Handle};
 
-/// How long an operation on a file whose staged writer was just closed
-/// waits for that writer's release: the kernel sends it just after
-/// `close` returns, and `close(); open()`, `close(); rename()` or
-/// `close(); unlink()` must find the file closed, not still written.
-const RELEASE_WAIT: Duration = Duration::from_secs(2);
-
-struct Staged {
-    file: Arc<std::fs::File>,
-    /// A descriptor of it was closed (flush): its release may follow.
-    flushed: bool,
-}
-
-/// Staged files of inodes open for writing, by inode.
+/// Staged files of inodes open for writing, by inode, and the inodes
+/// whose writer was closed (flush) but not released yet.
 #[derive(Default)]
 pub(super) struct StagedInodes {
-    files: Mutex<HashMap<u64, Staged>>,
+    files: Mutex<HashMap<u64, Arc<std::fs::File>>>,
+    closed: Mutex<HashSet<u64>>,
     released: tokio::sync::Notify,
 }
 
 impl StagedInodes {
-    fn lock(&self) -> std::sync::MutexGuard<'_, HashMap<u64, Staged>> {
+    fn lock(&self) -> std::sync::MutexGuard<'_, HashMap<u64, Arc<std::fs::File>>> {
         self.files.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    fn closed(&self) -> std::sync::MutexGuard<'_, HashSet<u64>> {
+        self.closed.lock().unwrap_or_else(|p| p.into_inner())
     }
 }
 
@@ -45,13 +40,7 @@ impl Fs {
         };
         let dir = self.config.spool_dir.join("staged");
         let file = writer.lock().await.stage(&dir)?;
-        self.staged.lock().insert(
-            ino,
-            Staged {
-                file: file.clone(),
-                flushed: false,
-            },
-        );
+        self.staged.lock().insert(ino, file.clone());
         Some(file)
     }
 
@@ -77,7 +66,7 @@ impl Fs {
 
     /// The inode's size as its staged file has it, brought into the inode.
     pub(super) fn refresh_staged_size(&self, ino: u64) {
-        let file = self.staged.lock().get(&ino).map(|s| s.file.clone());
+        let file = self.staged.lock().get(&ino).cloned();
         if let Some(size) = file.and_then(|f| f.metadata().ok()).map(|m| m.len()) {
             self.inodes.update(ino, |n| n.meta.size = size);
         }
@@ -85,24 +74,38 @@ impl Fs {
 
     /// A descriptor of `ino`'s staged file was closed.
     pub(super) fn staged_flushed(&self, ino: u64) {
-        if let Some(staged) = self.staged.lock().get_mut(&ino) {
-            staged.flushed = true;
+        if self.staged.lock().contains_key(&ino) {
+            self.staged.closed().insert(ino);
         }
     }
 
+    /// `ino`'s writer was closed before anything was written: the empty
+    /// file is stored when the release comes (see `flush`).
+    pub(super) fn empty_writer_closed(&self, ino: u64) {
+        self.staged.closed().insert(ino);
+    }
+
+    /// `ino`'s writer wrote after a close (through a duplicated
+    /// descriptor, as `echo x > f` does): it is not about to be released.
+    pub(super) fn writer_wrote(&self, ino: u64) {
+        self.staged.closed().remove(&ino);
+    }
+
+    /// `ino`'s writer was released.
     pub(super) fn forget_staged(&self, ino: u64) {
-        if self.staged.lock().remove(&ino).is_some() {
+        let was_staged = self.staged.lock().remove(&ino).is_some();
+        if self.staged.closed().remove(&ino) || was_staged {
             self.staged.released.notify_waiters();
         }
     }
 
-    /// Waits, up to [`RELEASE_WAIT`], until a staged writer of `ino`
-    /// that was closed is released (one still open is not waited for).
+    /// Waits, up to `release_wait` (see the config), until a writer of `ino` that was
+    /// closed is released (one still open is not waited for).
     pub(super) async fn await_staged_release(&self, ino: u64) {
-        let deadline = Instant::now() + RELEASE_WAIT;
+        let deadline = Instant::now() + self.config.release_wait;
         loop {
             let released = self.staged.released.notified();
-            if !self.staged.lock().get(&ino).is_some_and(|s| s.flushed) {
+            if !self.staged.closed().contains(&ino) {
                 return;
             }
             let left = deadline.saturating_duration_since(Instant::now());
