@@ -536,9 +536,10 @@ class Bench:
         before = {p: cpu.process_seconds(p) for p in daemons}
         counter = ReadCounter(self.reader_cg)
         out = a.work / "out" / f"{w.name}-{reader}-{rtt}ms-{np_}"
-        # The Python client's processes hold each sample twice while
-        # copying it out of the client's buffers, and read no page cache:
-        # twice the allowance (at 1x, DataLoader workers were OOM-killed).
+        # The Python client's processes get twice the allowance: at 1x
+        # their warm AU fell from 38-39% to 34-35% (reclaim inside the
+        # cgroup), and before its reads made a single copy they were
+        # OOM-killed at 1x. They fill no page cache with it.
         own = self.process_memory * (2 if reader == "pyclient" else 1)
         self.reader_cg.set_limit(parse_size(a.page_cache) + np_ * own)
         started = time.monotonic()

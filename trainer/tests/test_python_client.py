@@ -48,6 +48,10 @@ def test_fsspec_lists_reads_and_refuses_clearly(mount):
         f.seek(3_000_001)
         assert f.read(1000) == payload[3_000_001:3_001_001]
     assert fs.cat_file("lakecache/pyclient/fs/sub/small.txt") == b"hello"
+    # One read spanning several concurrently fetched pieces, at odd ends.
+    size, etag, _ = fs.client.stat("s3://lakecache/pyclient/fs/big.bin")
+    got = fs.client.read("s3://lakecache/pyclient/fs/big.bin", 1000, size - 7, etag)
+    assert len(got) == size - 1007 and got == payload[1000:-7]
 
     with pytest.raises(FileNotFoundError):
         fs.info("lakecache/pyclient/fs/missing.bin")
