@@ -815,7 +815,7 @@ impl Fs {
     /// the pages it cached on an earlier open.
     pub async fn open(&self, ino: u64, flags: i32, pid: u32) -> Result<(u64, bool), FsError> {
         // A staged writer closed just before is released just after.
-        self.await_staged_release(ino).await;
+        self.await_closed_writer_release(ino).await;
         let node = self.node(ino)?;
         if node.kind == Kind::Dir {
             return Err(FsError::IsDir);
@@ -1014,7 +1014,7 @@ impl Fs {
         let key = self.child_key(&p, name, Kind::File)?;
         self.check_writable(&self.uri(&key)?)?;
         if let Some(existing) = self.inodes.child(parent, name) {
-            self.await_staged_release(existing.ino).await;
+            self.await_closed_writer_release(existing.ino).await;
             let existing = self.node(existing.ino)?;
             if existing.writer.is_some() {
                 return Err(FsError::Busy("the file is already open for writing"));
@@ -1273,7 +1273,7 @@ impl Fs {
             return Err(FsError::IsDir);
         }
         // Closed just before, its data is stored: a delete, not a discard.
-        self.await_staged_release(node.ino).await;
+        self.await_closed_writer_release(node.ino).await;
         let _turn = self.object_locks.lock(node.ino).await;
         // Resolved again under the lock: a rename may have moved it.
         let node = self.resolve(parent, name).await?;
@@ -1354,10 +1354,10 @@ impl Fs {
         // Staged writers closed just before are released first: their
         // files are stored, not still being written.
         if let Some(ino) = src_ino {
-            self.await_staged_release(ino).await;
+            self.await_closed_writer_release(ino).await;
         }
         if let Some(dst) = self.inodes.child(new_parent, new_name) {
-            self.await_staged_release(dst.ino).await;
+            self.await_closed_writer_release(dst.ino).await;
         }
         let _turn = match src_ino {
             Some(ino) => Some(self.object_locks.lock(ino).await),

@@ -235,26 +235,17 @@ impl Client {
             let fetched = py.detach(|| {
                 self.rt.block_on(async {
                     let (data, parsed) = (self.data.as_ref(), &parsed);
+                    // read_exact answers each piece whole or fails.
                     let mut stream = futures::stream::iter(pieces)
-                        .map(|r| async move {
-                            let want = r.end - r.start;
-                            let bytes = read_exact(data, parsed, r, etag).await?;
-                            Ok::<_, DataError>((want, bytes))
-                        })
+                        .map(|r| read_exact(data, parsed, r, etag))
                         .buffered(PIECES_IN_FLIGHT);
                     let mut at = 0usize;
-                    while let Some(piece) = stream.next().await {
-                        let (want, bytes) = piece?;
-                        if bytes.len() as u64 != want {
-                            return Err(DataError::ShortBody {
-                                expected: want,
-                                got: bytes.len() as u64,
-                            });
-                        }
+                    while let Some(bytes) = stream.next().await {
+                        let bytes = bytes?;
                         out[at..at + bytes.len()].copy_from_slice(&bytes);
                         at += bytes.len();
                     }
-                    Ok(())
+                    Ok::<_, DataError>(())
                 })
             });
             fetched.map_err(|e| to_py(uri, e))

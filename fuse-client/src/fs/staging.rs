@@ -99,9 +99,10 @@ impl Fs {
         }
     }
 
-    /// Waits, up to `release_wait` (see the config), until a writer of `ino` that was
-    /// closed is released (one still open is not waited for).
-    pub(super) async fn await_staged_release(&self, ino: u64) {
+    /// Waits, up to `release_wait` (see the config), until a writer of
+    /// `ino` that was closed is released (one still open is not waited
+    /// for).
+    pub(super) async fn await_closed_writer_release(&self, ino: u64) {
         let deadline = Instant::now() + self.config.release_wait;
         loop {
             let released = self.staged.released.notified();

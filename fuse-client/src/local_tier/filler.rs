@@ -29,8 +29,9 @@ use crate::memory::{MemoryBudget, Reservation};
 const QUEUE_DEPTH: usize = 256;
 const KEPT_QUEUE_DEPTH: usize = 4096;
 const QUEUE_BYTES: u64 = 64 << 20;
-/// The longest a kept fill waits for room before it is dropped after all (the object is then completed later): a bound on
-/// what a stalled disk costs a reader.
+/// The longest a kept fill waits for room before it is dropped after all
+/// (the object is then completed later): a bound on what a stalled disk
+/// costs a reader.
 pub const KEPT_WAIT: Duration = Duration::from_secs(5);
 
 /// [`QUEUE_BYTES`], or `LAKECACHE_TIER_FILL_QUEUE_BYTES` (tests force a
