@@ -107,6 +107,10 @@ MEGATRON = Workload(
 )
 CHECKPOINT_MEMORY = 4 * GIB
 CHECKPOINT_TARGETS = ("local", "mount-back", "mount-through")
+# What one checkpoint run writes (4 checkpoints of the scaled model, about
+# 2.3 GiB), with room: it is held on local disk, or in the bucket, the
+# worker's cache and its write-back staging at once, and removed after.
+CHECKPOINT_RUN_BYTES = int(2.5 * GIB)
 # mount-tier-whole: the tier with the dataset directory fetched whole on
 # open (`--local-cache-whole dlio/`), as a training mount would set it.
 READERS = ("local", "mount-workers", "mount-tier", "mount-tier-whole", "pyclient", "s3fs")
@@ -132,7 +136,7 @@ def dlio(
         a.mpirun,
         "-np",
         str(np_),
-        str(Path(sys.executable).parent / "dlio_benchmark"),
+        str(dlio_entry()),
         f"workload={w.config}",
         f"++workload.dataset.data_folder={data}",
         f"++workload.output.folder={out}",
@@ -267,6 +271,11 @@ def main() -> None:
         raise BenchError(f"error: {e}") from e
 
 
+def dlio_entry() -> Path:
+    """DLIO's launcher script in the venv of the python running this."""
+    return Path(sys.executable).parent / "dlio_benchmark"
+
+
 def parse_size(text: str) -> int:
     units = {"GiB": GIB, "MiB": 1 << 20}
     for u, m in units.items():
@@ -282,6 +291,14 @@ class Bench:
             raise BenchError("run as root: FUSE mounts, cgroups and drop_caches need it")
         if not Path(a.bin).is_file():
             raise BenchError(f"{a.bin}: no lakecache binary there (cargo build --release)")
+        # Run with another python, MPI reports only an execvp error in a
+        # DLIO log after the bench has started its daemons.
+        if not dlio_entry().is_file():
+            raise BenchError(
+                f"{dlio_entry()}: DLIO is not installed beside this python ({sys.executable}); "
+                "run benches/dlio/run.sh, or this script with the python of the venv "
+                "that benches/dlio/install.sh prints"
+            )
         a.mpirun = shutil.which("mpirun")
         if not a.mpirun:
             raise BenchError("mpirun not found: install MPICH (benches/dlio/install.sh does)")
@@ -327,6 +344,10 @@ class Bench:
         # Every dataset on local disk and in the bucket; one at a time in
         # the worker's cache and the tier (or s3fs's cache); 10% spare.
         need = int((2 * sum(sizes) + 2 * max(sizes)) * 1.1)
+        if not (a.smoke or a.no_checkpoints):
+            # One run's checkpoints in the bucket, the worker's cache and
+            # its write-back staging (each run's are removed after it).
+            need += 3 * CHECKPOINT_RUN_BYTES
         have = sum(
             p.stat().st_size
             for d in ("local", "s3")
@@ -337,7 +358,8 @@ class Bench:
         if need > free:
             raise BenchError(
                 f"the datasets need about {need / GIB:.1f} GiB under {a.work} (local copies, "
-                f"the bucket, the worker's cache and the tier); {free / GIB:.1f} GiB is free"
+                "the bucket, the worker's cache and the tier, and one checkpoint run); "
+                f"{free / GIB:.1f} GiB is free"
             )
 
     def run(self) -> None:
@@ -648,23 +670,14 @@ class Bench:
                 drop_caches()
                 out = a.work / "out" / f"ckpt-{target}-{rnd}"
                 try:
-                    dlio(
-                        a,
-                        w,
-                        data,
-                        out,
-                        1,
-                        self.reader_cg,
-                        [
-                            "++workload.workflow.generate_data=False",
-                            "++workload.workflow.train=True",
-                            "++workload.workflow.checkpoint=True",
-                            f"++workload.checkpoint.checkpoint_folder={ckpt}",
-                        ],
-                    )
-                    written = sum(f.stat().st_size for f in ckpt.rglob("*") if f.is_file())
-                finally:
-                    lake.stop_daemons()
+                    written = self.checkpoint_run(lake, target, data, ckpt, out)
+                except BenchError as e:
+                    # Recorded, and the other runs go on: a failed round
+                    # must not lose the whole matrix's report.
+                    self.failures.append(f"checkpoint {target} round {rnd}: {e}")
+                    print(f"checkpoint {target} round {rnd}: failed ({e})", flush=True)
+                    rows.append({"target": target, "round": rnd, "failed": str(e)})
+                    continue
                 stats = json.loads((out / "per_epoch_stats.json").read_text())
                 times = [
                     float(v["duration"])
@@ -673,7 +686,10 @@ class Bench:
                     if k.startswith("ckpt")
                 ]
                 if not times:
-                    raise BenchError(f"DLIO wrote no checkpoint; see {out / 'run.log'}")
+                    why = f"DLIO wrote no checkpoint; see {out / 'run.log'}"
+                    self.failures.append(f"checkpoint {target} round {rnd}: {why}")
+                    rows.append({"target": target, "round": rnd, "failed": why})
+                    continue
                 rows.append({"target": target, "round": rnd, "ckpt_s": times, "bytes": written})
                 print(
                     f"checkpoint {target} round {rnd}: "
@@ -681,6 +697,30 @@ class Bench:
                     flush=True,
                 )
         return rows
+
+    def checkpoint_run(self, lake: Lake, target: str, data: Path, ckpt: Path, out: Path) -> int:
+        """One DLIO checkpoint run; its checkpoints are removed after it
+        (through the mount for a mount target), so rounds do not fill the
+        disk. Returns the bytes it wrote."""
+        try:
+            dlio(
+                self.a,
+                MEGATRON,
+                data,
+                out,
+                1,
+                self.reader_cg,
+                [
+                    "++workload.workflow.generate_data=False",
+                    "++workload.workflow.train=True",
+                    "++workload.workflow.checkpoint=True",
+                    f"++workload.checkpoint.checkpoint_folder={ckpt}",
+                ],
+            )
+            return sum(f.stat().st_size for f in ckpt.rglob("*") if f.is_file())
+        finally:
+            shutil.rmtree(ckpt, ignore_errors=True)
+            lake.stop_daemons()
 
     def report(self, rows: list[dict]) -> None:
         import report

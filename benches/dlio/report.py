@@ -186,6 +186,11 @@ def checkpoint_lines(ckpt: list[dict]) -> list[str]:
         return []
     import statistics
 
+    failed = [r for r in ckpt if "failed" in r]
+    ckpt = [r for r in ckpt if "failed" not in r]
+    failed_lines = [f"- failed: {r['target']} round {r['round']}: {r['failed']}" for r in failed]
+    if not ckpt:
+        return ["## megatron_deepspeed checkpoints (scaled model)", "", *failed_lines, ""]
     by_round: dict[int, dict[str, float]] = {}
     for r in ckpt:
         by_round.setdefault(r["round"], {})[r["target"]] = sum(r["ckpt_s"])
@@ -214,4 +219,6 @@ def checkpoint_lines(ckpt: list[dict]) -> list[str]:
             f"| {t} | {statistics.median(times):.2f} s ({min(times):.2f}-"
             f"{max(times):.2f}) | {ratio} |"
         )
+    if failed_lines:
+        out += ["", *failed_lines]
     return [*out, ""]

@@ -94,6 +94,24 @@ def test_the_report_lists_au_by_epoch_and_the_tier_after_the_run() -> None:
     assert report.epoch_lines([]) == []
 
 
+@pytest.mark.skipif(os.geteuid() != 0, reason="the bench's first check asks for root")
+def test_a_python_without_dlio_is_refused_before_anything_starts(tmp_path: Path) -> None:
+    """Run with a python that has no DLIO beside it (the test venv's), the
+    bench says so and how to run it, and starts nothing."""
+    work = tmp_path / "work"
+    out = subprocess.run(
+        [sys.executable, str(HERE / "dlio_bench.py"), "--bin", sys.executable, "--work", str(work)],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+    )
+    assert out.returncode != 0, out.stdout + out.stderr
+    assert "DLIO is not installed beside this python" in out.stderr, out.stderr
+    assert "benches/dlio/run.sh" in out.stderr, out.stderr
+    assert not work.exists(), "the bench created its work directory before refusing"
+
+
 @pytest.mark.skipif(
     os.environ.get("LAKECACHE_DLIO") != "1",
     reason="opt-in: LAKECACHE_DLIO=1 installs DLIO (several GB) and runs it through a mount",
@@ -127,3 +145,18 @@ def test_smoke_dlio_through_a_real_mount(tmp_path: Path) -> None:
     assert out.returncode == 0, out.stdout + out.stderr
     text = (tmp_path / "smoke.md").read_text()
     assert "| mount-workers |" in text, text
+
+
+def test_a_failed_checkpoint_run_is_listed_and_the_rest_reported() -> None:
+    import report
+
+    rows = [
+        {"target": "local", "round": 0, "ckpt_s": [1.0, 1.0], "bytes": 2 << 20},
+        {"target": "mount-back", "round": 0, "ckpt_s": [1.1, 1.1], "bytes": 2 << 20},
+        {"target": "local", "round": 1, "failed": "DLIO failed (exit 1); its log: /x/run.log"},
+    ]
+    text = "\n".join(report.checkpoint_lines(rows))
+    assert "| mount-back | 2.20 s (2.20-2.20) | 1.10x |" in text, text
+    assert "- failed: local round 1: DLIO failed (exit 1); its log: /x/run.log" in text, text
+    only_failed = "\n".join(report.checkpoint_lines(rows[2:]))
+    assert "- failed: local round 1" in only_failed, only_failed
