@@ -21,6 +21,9 @@ use crate::pages::{CheckedFile, PageId, PageKey, PageReadError, PageStore, CHECK
 use crate::store::{ObjectMeta, ObjectStore, StoreError};
 use lakecache_protocol::memory::MemoryBudget;
 
+mod plan;
+pub use plan::{PlanEntry, PlanReport};
+
 #[derive(Debug, Clone)]
 pub struct CacheConfig {
     pub page_size: u64,
@@ -550,6 +553,7 @@ impl Cache {
         // interleaving must not make it fetch the page again in blocks.
         let page_end = (page_start + ps).min(meta.size);
         let whole_page = pos == page_start && end >= page_end;
+        self.note_planned_read(&uri.to_string(), &meta.etag, idx);
         self.page_range(uri, meta, idx, sub, sequential || whole_page)
             .await
     }
@@ -1294,6 +1298,13 @@ async fn evictor(cache: Weak<Cache>, wake: Arc<Notify>) {
     loop {
         let notified = wake.notified();
         let Some(this) = cache.upgrade() else { return };
+        let expired = this.lru.expire_plans(std::time::Instant::now());
+        if expired > 0 {
+            tracing::info!(
+                plans = expired,
+                "plans not renewed expired; their pages fall back to recency"
+            );
+        }
         let mut victims = this.lru.take_expired(now_ms());
         victims.extend(this.lru.take_victims());
         if !victims.is_empty() {

@@ -3,10 +3,11 @@
 //! reads of other pages.
 
 use std::collections::{BTreeMap, HashMap, HashSet};
-use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 
 use crate::pages::PageKey;
+use crate::plan_order::{PlanError, PlanOrder};
 
 #[derive(Default)]
 struct Inner {
@@ -24,6 +25,9 @@ struct Inner {
     /// Pages fetched for a tenant, and each tenant's share.
     tenant_of: HashMap<PageKey, Arc<str>>,
     tenants: HashMap<Arc<str>, TenantPages>,
+    /// Read orders published by jobs: the eviction order of the pages
+    /// they read again (see `plan_order`).
+    plans: PlanOrder,
 }
 
 /// One tenant's pages: bytes, and the evictable ones in access order.
@@ -85,6 +89,31 @@ impl Inner {
         Some(len)
     }
 
+    /// Evictable pages to free `need` bytes, in eviction order: the least
+    /// recently used of those no plan reads again, then the ones read
+    /// again furthest in the future.
+    fn pick_victims(&self, need: u64) -> Vec<PageKey> {
+        let mut picked = Vec::new();
+        let mut freed = 0;
+        let unplanned = self
+            .by_seq
+            .values()
+            .filter(|k| self.plans.is_empty() || self.plans.distance(k).is_none())
+            .copied();
+        let planned = self
+            .plans
+            .furthest_first()
+            .filter(|k| self.by_key.contains_key(k) && !self.pinned.contains(k));
+        for key in unplanned.chain(planned) {
+            if freed >= need {
+                break;
+            }
+            freed += self.by_key.get(&key).map_or(0, |(_, len)| *len);
+            picked.push(key);
+        }
+        picked
+    }
+
     fn add(
         &mut self,
         key: PageKey,
@@ -118,6 +147,9 @@ pub struct Lru {
     high: u64,
     low: u64,
     used_gauge: Arc<AtomicU64>,
+    /// Whether any plan is installed, read without the lock on every
+    /// client read.
+    planned: AtomicBool,
 }
 
 impl Lru {
@@ -128,6 +160,7 @@ impl Lru {
             high: (capacity as f64 * high) as u64,
             low: (capacity as f64 * low) as u64,
             used_gauge,
+            planned: AtomicBool::new(false),
         }
     }
 
@@ -202,9 +235,43 @@ impl Lru {
         victims
     }
 
-    /// Marks a page as just used; `None` if it is not tracked.
+    /// Installs or renews a job's plan (see `plan_order`), live for `ttl`.
+    pub fn install_plan(
+        &self,
+        name: &str,
+        pages: &[PageKey],
+        ttl: std::time::Duration,
+    ) -> Result<(), PlanError> {
+        let expires = std::time::Instant::now() + ttl;
+        let mut inner = self.lock();
+        inner.plans.install(name, pages, expires)?;
+        self.planned.store(true, Ordering::Relaxed);
+        Ok(())
+    }
+
+    pub fn has_plans(&self) -> bool {
+        self.planned.load(Ordering::Relaxed)
+    }
+
+    /// A client read `key` (a hit or a miss): the plans move on.
+    pub fn planned_read(&self, key: &PageKey) {
+        self.lock().plans.read(key);
+    }
+
+    /// Drops plans their jobs stopped renewing; returns how many.
+    pub fn expire_plans(&self, now: std::time::Instant) -> usize {
+        let mut inner = self.lock();
+        let expired = inner.plans.expire(now);
+        self.planned
+            .store(!inner.plans.is_empty(), Ordering::Relaxed);
+        expired
+    }
+
+    /// Marks a page as just used (and read, for the plans); `None` if it
+    /// is not tracked.
     pub fn touch(&self, key: &PageKey) -> Option<u64> {
         let mut inner = self.lock();
+        inner.plans.read(key);
         let seq = inner.next_seq;
         let (old_seq, len) = *inner.by_key.get(key)?;
         if inner.pinned.contains(key) {
@@ -300,10 +367,8 @@ impl Lru {
         if inner.used + inner.staged <= self.high {
             return victims;
         }
-        while inner.used + inner.staged > self.low {
-            let Some((_, key)) = inner.by_seq.pop_first() else {
-                break;
-            };
+        let need = (inner.used + inner.staged).saturating_sub(self.low);
+        for key in inner.pick_victims(need) {
             if let Some(len) = inner.forget(&key) {
                 victims.push((key, len));
             }

@@ -12,6 +12,7 @@ mod load;
 pub mod local_read;
 pub mod member_sig;
 pub mod memory;
+mod plan;
 #[doc(hidden)]
 pub mod snapshot;
 pub mod testing;
@@ -31,6 +32,10 @@ pub use client::{
 pub use load::{
     validate_load_id, FreeResult, FreeSpec, LoadFailure, LoadProgress, LoadSpec, LoadState,
     MAX_LOAD_FAILURES_KEPT, MAX_LOAD_REPLICAS,
+};
+pub use plan::{
+    validate_plan_name, PlanResult, PlanSpec, PlanSpecEntry, MAX_PLAN_BYTES, MAX_PLAN_ENTRIES,
+    MAX_PLAN_TTL_SECONDS, PLAN_FORMAT, PLAN_VERSION,
 };
 pub use types::{
     BucketTraffic, ErrorBody, ErrorCode, ErrorDetail, Health, ListEntry, ListResponse, ObjectStat,

@@ -8,6 +8,7 @@ pub mod local;
 mod local_commit;
 mod local_follow;
 mod peer_writeback;
+mod plans;
 mod range;
 mod read_crc;
 mod response;

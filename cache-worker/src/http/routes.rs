@@ -167,6 +167,10 @@ async fn object_route(
             super::load::route(state, access, rest, method, req).await
         }
         Handler::Free => super::load::free(state, access, rest, method, req).await,
+        Handler::Plan => (
+            "plan",
+            super::plans::publish(state, access, rest, req).await,
+        ),
         Handler::AcceptPages => ("accept_pages", accept_pages(state, access, rest, req).await),
         Handler::PendingEntry => (
             "pending_entry",

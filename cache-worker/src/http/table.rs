@@ -56,6 +56,8 @@ pub enum Handler {
     PendingEntry,
     DropReplica,
     ReplicaDelete,
+    /// A job's read order for one rank (`plans::publish`).
+    Plan,
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -100,6 +102,7 @@ pub static ROUTES: &[RouteSpec] = &[
     route("GET", Under("/v1/load/"), OwnJobs, Handler::LoadJob),
     route("DELETE", Under("/v1/load/"), OwnJobs, Handler::LoadJob),
     route("POST", Under("/v1/free/"), Scoped, Handler::Free),
+    route("PUT", Under("/v1/plans/"), Scoped, Handler::Plan),
     route("PUT", Under("/v1/pages/"), Peer, Handler::AcceptPages),
     route("GET", Under("/v1/pending/"), Peer, Handler::PendingEntry),
     route("DELETE", Under("/v1/replica/"), Peer, Handler::DropReplica),

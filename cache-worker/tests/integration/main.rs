@@ -11,6 +11,7 @@ mod harness;
 mod http_fuzz;
 mod limits;
 mod local;
+mod plans;
 mod policies;
 mod power_loss;
 mod reads;

@@ -155,6 +155,11 @@ fn sample(route: &RouteSpec, who: Who) -> Sample {
             vec![],
             br#"{"prefix":"team-a/"}"#.to_vec(),
         ),
+        Handler::Plan => (
+            format!("{base}matrix-job/0"),
+            vec![],
+            br#"{"format":"lakecache-plan","version":1,"ttl_seconds":60,"entries":[{"bucket":"data","key":"team-a/matrix.bin","start":0,"end":3}]}"#.to_vec(),
+        ),
         Handler::AcceptPages => (
             object,
             vec![

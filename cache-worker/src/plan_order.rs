@@ -1,0 +1,237 @@
+//! Eviction by plan (issue #35). A training job knows its read order for
+//! the coming epoch before it starts; with that order published as a plan,
+//! the page that some plan reads again furthest in the future goes first
+//! (Belady's rule: the fewest misses possible for a known sequence, where
+//! recency is the worst rule for an epoch-by-epoch scan). Pages that no
+//! plan reads again go before all of these, least recently used first
+//! ([`crate::lru`] keeps that order).
+//!
+//! Distances are counted in plan entries from each plan's cursor (the
+//! entry after the last one read): plans of one job's ranks read at about
+//! one pace, so their distances compare directly.
+
+use std::collections::{BTreeMap, BinaryHeap, HashMap, HashSet, VecDeque};
+use std::time::Instant;
+
+use crate::pages::PageKey;
+
+/// Pages a plan may list at most, and all plans together: the index costs
+/// about 100 bytes per entry.
+pub const MAX_PLAN_PAGES: usize = 1 << 20;
+pub const MAX_TOTAL_PAGES: usize = 4 << 20;
+/// How far ahead of its cursor (in entries) a read still counts as a
+/// plan's own reader's.
+pub const DEFAULT_WINDOW: u64 = 4096;
+
+#[derive(Debug, thiserror::Error, PartialEq, Eq)]
+pub enum PlanError {
+    #[error("a plan lists at most {limit} pages; this one lists {pages}")]
+    TooLong { pages: usize, limit: usize },
+    #[error("plans hold at most {limit} pages in all; {held} are held and this one adds {pages}")]
+    Full {
+        pages: usize,
+        held: usize,
+        limit: usize,
+    },
+}
+
+/// One plan: the pages it reads, in order, from its cursor on.
+struct Plan {
+    cursor: u64,
+    /// Each page's positions at or after the cursor, ascending.
+    ahead: HashMap<PageKey, VecDeque<u64>>,
+    /// Each page's next position, keyed by that position (unique).
+    next: BTreeMap<u64, PageKey>,
+    len: usize,
+    /// The page at the cursor's last entry: a reader reads a page in
+    /// several pieces, and only the first moves the cursor.
+    last: Option<PageKey>,
+    expires: Instant,
+}
+
+impl Plan {
+    /// A plan of `pages`, a page listed again right after itself kept
+    /// once (two samples in one page are one read of it).
+    fn new(pages: &[PageKey], expires: Instant) -> Self {
+        let mut ahead: HashMap<PageKey, VecDeque<u64>> = HashMap::new();
+        let mut at = 0;
+        for (i, key) in pages.iter().enumerate() {
+            if i > 0 && pages[i - 1] == *key {
+                continue;
+            }
+            ahead.entry(*key).or_default().push_back(at);
+            at += 1;
+        }
+        let next = ahead
+            .iter()
+            .filter_map(|(key, at)| at.front().map(|a| (*a, *key)))
+            .collect();
+        Self {
+            cursor: 0,
+            ahead,
+            next,
+            len: pages.len(),
+            last: None,
+            expires,
+        }
+    }
+
+    fn distance(&self, key: &PageKey) -> Option<u64> {
+        let at = self.ahead.get(key)?.front()?;
+        Some(at - self.cursor)
+    }
+
+    /// `key` was read: if its next position is within `window` of the
+    /// cursor, the cursor moves past it, and entries skipped on the way
+    /// are dropped. A read further ahead is not this plan's reader (another
+    /// job reading the same data) and moves nothing.
+    fn read(&mut self, key: &PageKey, window: u64) {
+        let Some(at) = self.distance(key) else { return };
+        if at > window || self.last == Some(*key) {
+            return;
+        }
+        self.cursor += at + 1;
+        self.last = Some(*key);
+        while let Some((&pos, &page)) = self.next.first_key_value() {
+            if pos >= self.cursor {
+                break;
+            }
+            self.next.pop_first();
+            let Some(positions) = self.ahead.get_mut(&page) else {
+                continue;
+            };
+            while positions.front().is_some_and(|p| *p < self.cursor) {
+                positions.pop_front();
+            }
+            match positions.front() {
+                Some(p) => {
+                    self.next.insert(*p, page);
+                }
+                None => {
+                    self.ahead.remove(&page);
+                }
+            }
+        }
+    }
+}
+
+/// Every live plan, by the name its job gave it (`job/rank`).
+pub struct PlanOrder {
+    plans: HashMap<String, Plan>,
+    /// How far ahead of a plan's cursor a read may land and still count
+    /// as that plan's reader (loader workers read a little out of order).
+    window: u64,
+}
+
+impl Default for PlanOrder {
+    fn default() -> Self {
+        Self::new(DEFAULT_WINDOW)
+    }
+}
+
+impl PlanOrder {
+    pub fn new(window: u64) -> Self {
+        Self {
+            plans: HashMap::new(),
+            window,
+        }
+    }
+
+    /// Installs (or renews, from its start) plan `name`, live until
+    /// `expires`.
+    pub fn install(
+        &mut self,
+        name: &str,
+        pages: &[PageKey],
+        expires: Instant,
+    ) -> Result<(), PlanError> {
+        if pages.len() > MAX_PLAN_PAGES {
+            return Err(PlanError::TooLong {
+                pages: pages.len(),
+                limit: MAX_PLAN_PAGES,
+            });
+        }
+        let held: usize = self
+            .plans
+            .iter()
+            .filter(|(n, _)| n.as_str() != name)
+            .map(|(_, p)| p.len)
+            .sum();
+        if held + pages.len() > MAX_TOTAL_PAGES {
+            return Err(PlanError::Full {
+                pages: pages.len(),
+                held,
+                limit: MAX_TOTAL_PAGES,
+            });
+        }
+        self.plans
+            .insert(name.to_string(), Plan::new(pages, expires));
+        Ok(())
+    }
+
+    /// Drops plans not renewed by `now`; returns how many.
+    pub fn expire(&mut self, now: Instant) -> usize {
+        let before = self.plans.len();
+        self.plans.retain(|_, p| p.expires > now);
+        before - self.plans.len()
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.plans.is_empty()
+    }
+
+    /// How many entries from now some plan reads `key` again (the
+    /// nearest over all plans); `None` if none does.
+    pub fn distance(&self, key: &PageKey) -> Option<u64> {
+        self.plans.values().filter_map(|p| p.distance(key)).min()
+    }
+
+    /// A reader read `key`: the plan (or plans) it was nearest for moves
+    /// on, the read being that plan's reader's; the others stay.
+    pub fn read(&mut self, key: &PageKey) {
+        let nearest = self
+            .plans
+            .values()
+            .filter(|p| p.last != Some(*key))
+            .filter_map(|p| p.distance(key))
+            .min();
+        let Some(nearest) = nearest else {
+            return;
+        };
+        let window = self.window.min(nearest);
+        for plan in self.plans.values_mut() {
+            plan.read(key, window);
+        }
+    }
+
+    /// Pages some plan reads again, the furthest next use first, each once
+    /// at its nearest distance over all plans. One pass costs at most the
+    /// plans' entries.
+    pub fn furthest_first(&self) -> impl Iterator<Item = PageKey> + '_ {
+        let plans: Vec<&Plan> = self.plans.values().collect();
+        let mut cursors: Vec<_> = plans.iter().map(|p| p.next.iter().rev()).collect();
+        let mut heap = BinaryHeap::new();
+        for (i, it) in cursors.iter_mut().enumerate() {
+            if let Some((pos, key)) = it.next() {
+                heap.push((pos - plans[i].cursor, i, *key));
+            }
+        }
+        let mut seen = HashSet::new();
+        std::iter::from_fn(move || {
+            while let Some((distance, i, key)) = heap.pop() {
+                if let Some((pos, next)) = cursors[i].next() {
+                    heap.push((pos - plans[i].cursor, i, *next));
+                }
+                // Met first at its furthest distance in some plan; it is
+                // ranked by its nearest, where it is met again.
+                if self.distance(&key) == Some(distance) && seen.insert(key) {
+                    return Some(key);
+                }
+            }
+            None
+        })
+    }
+}
+
+#[cfg(test)]
+mod tests;

@@ -1,0 +1,249 @@
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use proptest::prelude::*;
+
+use super::*;
+use crate::lru::{Lru, Retention};
+
+const PAGE: u64 = 10;
+
+fn key(i: u8) -> PageKey {
+    PageKey([i; 32])
+}
+
+/// A cache of `pages` pages that evicts one page per page over.
+fn cache(pages: u64) -> Lru {
+    Lru::new(pages * PAGE, 1.0, 1.0, Arc::default())
+}
+
+/// Reads `page` through `lru` as the worker does: a hit touches it, a
+/// miss stores it (then the read touches it) and evicts. Returns whether
+/// it hit, and the page evicted.
+fn read(lru: &Lru, page: u8) -> (bool, Option<u8>) {
+    let hit = lru.contains(&key(page));
+    if !hit {
+        lru.insert(key(page), PAGE);
+    }
+    lru.touch(&key(page));
+    let victims = lru.take_victims();
+    assert!(
+        victims.len() <= 1,
+        "one page over, {} evicted",
+        victims.len()
+    );
+    (hit, victims.first().map(|(k, _)| k.0[0]))
+}
+
+/// Belady's rule, written plainly: on a miss past capacity, evict the
+/// cached page (the new one included) read again furthest in the future;
+/// among pages never read again, the least recently used.
+fn belady(seq: &[u8], capacity: usize) -> Vec<(bool, Option<u8>)> {
+    let mut last_used: Vec<(u8, usize)> = Vec::new();
+    let mut out = Vec::new();
+    for (i, page) in seq.iter().enumerate() {
+        let hit = last_used.iter().any(|(p, _)| p == page);
+        last_used.retain(|(p, _)| p != page);
+        last_used.push((*page, i));
+        let mut victim = None;
+        if last_used.len() > capacity {
+            let next_use = |p: u8| seq[i + 1..].iter().position(|q| *q == p);
+            let (at, _) = last_used
+                .iter()
+                .enumerate()
+                .max_by_key(|(_, (p, used))| match next_use(*p) {
+                    // Never again: before any page read again, the least
+                    // recent first.
+                    None => (1, 0, usize::MAX - used),
+                    Some(n) => (0, n, 0),
+                })
+                .expect("the cache is not empty");
+            victim = Some(last_used.remove(at).0);
+        }
+        out.push((hit, victim));
+    }
+    out
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig::with_cases(300))]
+
+    /// The property: with the read order published as a plan, the
+    /// cache evicts exactly the pages Belady's rule picks.
+    #[test]
+    fn a_planned_sequence_evicts_what_beladys_rule_picks(
+        mut seq in proptest::collection::vec(0u8..12, 1..120),
+        capacity in 1usize..8,
+    ) {
+        // A page listed twice in a row is one read of it, in pieces
+        // (`a_page_read_in_pieces_moves_the_plan_once`).
+        seq.dedup();
+        let lru = cache(capacity as u64);
+        let pages: Vec<PageKey> = seq.iter().map(|p| key(*p)).collect();
+        lru.install_plan("job/0", &pages, Duration::from_secs(600)).unwrap();
+        let got: Vec<_> = seq.iter().map(|p| read(&lru, *p)).collect();
+        prop_assert_eq!(got, belady(&seq, capacity));
+    }
+}
+
+/// The headline case in small: a shuffled scan of twice the
+/// cache's pages, epoch after epoch. Recency keeps nothing; the plan keeps
+/// about half.
+#[test]
+fn a_scan_of_twice_the_cache_hits_half_with_a_plan_and_nothing_without() {
+    let epoch2: Vec<u8> = (0..40u16).map(|i| ((i * 7) % 40) as u8).collect();
+    let run = |planned: bool| {
+        let lru = cache(20);
+        for p in 0..40 {
+            read(&lru, p);
+        }
+        if planned {
+            let pages: Vec<PageKey> = epoch2.iter().map(|p| key(*p)).collect();
+            lru.install_plan("job/0", &pages, Duration::from_secs(600))
+                .unwrap();
+        }
+        epoch2.iter().filter(|p| read(&lru, **p).0).count()
+    };
+    let with_plan = run(true);
+    let without = run(false);
+    assert!(with_plan >= 18, "hits with the plan: {with_plan} of 40");
+    assert!(without <= 5, "hits by recency alone: {without} of 40");
+}
+
+#[test]
+fn pages_no_plan_reads_again_go_first_and_pinned_pages_never() {
+    let lru = cache(3);
+    lru.insert_kept(key(9), PAGE, Retention::Pinned, None);
+    lru.insert(key(1), PAGE);
+    lru.insert(key(2), PAGE);
+    let far = Duration::from_secs(600);
+    lru.install_plan("job/0", &[key(1), key(2), key(9)], far)
+        .unwrap();
+    lru.insert(key(3), PAGE);
+    let victims: Vec<u8> = lru.take_victims().iter().map(|(k, _)| k.0[0]).collect();
+    assert_eq!(victims, vec![3], "the only page no plan reads again");
+    // Now every page is planned; the pinned one is read again last, but
+    // the furthest page that may go is 4.
+    lru.install_plan("job/0", &[key(1), key(2), key(4), key(9)], far)
+        .unwrap();
+    lru.insert(key(4), PAGE);
+    let victims: Vec<u8> = lru.take_victims().iter().map(|(k, _)| k.0[0]).collect();
+    assert_eq!(victims, vec![4]);
+    assert!(lru.contains(&key(9)) && lru.contains(&key(1)) && lru.contains(&key(2)));
+}
+
+#[test]
+fn the_furthest_planned_page_goes_when_all_are_planned() {
+    let lru = cache(3);
+    for p in [1, 2, 3] {
+        lru.insert(key(p), PAGE);
+    }
+    let plan = [key(4), key(2), key(1), key(4), key(3)];
+    lru.install_plan("job/0", &plan, Duration::from_secs(600))
+        .unwrap();
+    let (hit, victim) = read(&lru, 4);
+    assert!(!hit);
+    assert_eq!(victim, Some(3), "3 is read again last");
+}
+
+#[test]
+fn two_ranks_plans_rank_a_page_by_its_nearest_use() {
+    let mut order = PlanOrder::default();
+    let far = Instant::now() + Duration::from_secs(600);
+    // Rank 0 reads 1 soon and 2 late; rank 1 reads 2 first.
+    order
+        .install("job/0", &[key(1), key(5), key(6), key(2)], far)
+        .unwrap();
+    order
+        .install("job/1", &[key(2), key(7), key(1)], far)
+        .unwrap();
+    assert_eq!(order.distance(&key(2)), Some(0));
+    assert_eq!(order.distance(&key(1)), Some(0));
+    let ranked: Vec<u8> = order.furthest_first().map(|k| k.0[0]).collect();
+    assert_eq!(ranked.len(), 5, "each page once: {ranked:?}");
+    // 6 is 2 ahead; 5 and 7 are 1 ahead; 1 and 2 are next for some rank.
+    assert_eq!(ranked[0], 6, "{ranked:?}");
+    let mut middle = ranked[1..3].to_vec();
+    middle.sort();
+    assert_eq!(middle, vec![5, 7], "{ranked:?}");
+    let mut nearest = ranked[3..].to_vec();
+    nearest.sort();
+    assert_eq!(nearest, vec![1, 2], "{ranked:?}");
+    // The read was rank 1's (2 was next for it): rank 0 stays where it was.
+    order.read(&key(2));
+    assert_eq!(
+        order.distance(&key(2)),
+        Some(3),
+        "rank 1 moved on; rank 0 reads 2 at 3"
+    );
+    assert_eq!(order.distance(&key(1)), Some(0));
+}
+
+#[test]
+fn a_plan_not_renewed_expires_and_recency_resumes() {
+    let lru = cache(2);
+    lru.insert(key(1), PAGE);
+    lru.insert(key(2), PAGE);
+    lru.install_plan("job/0", &[key(1)], Duration::from_millis(1))
+        .unwrap();
+    assert_eq!(lru.expire_plans(Instant::now() + Duration::from_secs(1)), 1);
+    let (_, victim) = read(&lru, 3);
+    assert_eq!(victim, Some(1), "least recent, the plan gone");
+}
+
+#[test]
+fn a_read_far_ahead_of_the_cursor_is_not_the_plans_reader() {
+    let mut order = PlanOrder::new(2);
+    let far = Instant::now() + Duration::from_secs(600);
+    let plan: Vec<PageKey> = (0..10).map(key).collect();
+    order.install("job/0", &plan, far).unwrap();
+    order.read(&key(8));
+    assert_eq!(order.distance(&key(0)), Some(0), "another job read 8");
+    order.read(&key(1));
+    assert_eq!(order.distance(&key(0)), None, "skipped within the window");
+    assert_eq!(order.distance(&key(2)), Some(0));
+}
+
+#[test]
+fn a_page_read_in_pieces_moves_the_plan_once() {
+    let mut order = PlanOrder::default();
+    let far = Instant::now() + Duration::from_secs(600);
+    // Two samples in page 1, then 2, then 1 again.
+    let plan = [key(1), key(1), key(2), key(1), key(3)];
+    order.install("job/0", &plan, far).unwrap();
+    for _ in 0..4 {
+        order.read(&key(1));
+    }
+    assert_eq!(
+        order.distance(&key(2)),
+        Some(0),
+        "page 1's pieces moved it once"
+    );
+    assert_eq!(order.distance(&key(1)), Some(1));
+    order.read(&key(2));
+    order.read(&key(1));
+    assert_eq!(order.distance(&key(1)), None);
+    assert_eq!(order.distance(&key(3)), Some(0));
+}
+
+#[test]
+fn plans_are_bounded() {
+    let mut order = PlanOrder::default();
+    let far = Instant::now() + Duration::from_secs(600);
+    let long = vec![key(1); MAX_PLAN_PAGES + 1];
+    assert_eq!(
+        order.install("job/0", &long, far),
+        Err(PlanError::TooLong {
+            pages: MAX_PLAN_PAGES + 1,
+            limit: MAX_PLAN_PAGES
+        })
+    );
+    let full = vec![key(1); MAX_PLAN_PAGES];
+    for rank in 0..4 {
+        order.install(&format!("job/{rank}"), &full, far).unwrap();
+    }
+    let err = order.install("job/4", &[key(2)], far).unwrap_err();
+    assert!(err.to_string().contains("at most"), "{err}");
+    // Renewing a plan replaces it, within the bound.
+    order.install("job/3", &full, far).unwrap();
+}
