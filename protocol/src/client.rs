@@ -13,6 +13,7 @@ use hyper_util::client::legacy::{connect::HttpConnector, Client};
 use hyper_util::rt::TokioExecutor;
 
 mod load;
+mod plan;
 
 use crate::buffered::BufferedConnector;
 use crate::local_read::{LocalChannel, LocalError};

@@ -63,6 +63,9 @@ fn parse_uri(uri: &str) -> PyResult<ObjectUri> {
 struct Client {
     rt: tokio::runtime::Runtime,
     data: Arc<dyn DataPlane>,
+    /// The ring-aware client under `data`, for calls outside the data
+    /// plane (publishing plans).
+    cluster: Arc<ClusterClient>,
     snapshot_checksum: Option<String>,
 }
 
@@ -140,7 +143,7 @@ impl Client {
             tls,
             ..ClusterOptions::default()
         };
-        let (data, checksum) = py.detach(|| {
+        let (data, cluster, checksum) = py.detach(|| {
             rt.block_on(async {
                 let membership = registry
                     .open(Duration::from_secs(5))
@@ -167,15 +170,16 @@ impl Client {
                 if client.members().is_empty() {
                     return Err(PyOSError::new_err("no workers registered in the registry"));
                 }
+                let cluster = client.clone();
                 let plane: Arc<dyn DataPlane> = client;
                 match snapshot {
-                    None => Ok((plane, None)),
+                    None => Ok((plane, cluster, None)),
                     Some(manifest) => {
                         let snap = load_snapshot(plane.as_ref(), &manifest).await?;
                         let sum = snap.checksum.clone();
                         let pinned: Arc<dyn DataPlane> =
                             Arc::new(SnapshotDataPlane::new(plane, snap));
-                        Ok((pinned, Some(sum)))
+                        Ok((pinned, cluster, Some(sum)))
                     }
                 }
             })
@@ -183,6 +187,7 @@ impl Client {
         Ok(Self {
             rt,
             data,
+            cluster,
             snapshot_checksum: checksum,
         })
     }
@@ -250,6 +255,70 @@ impl Client {
             });
             fetched.map_err(|e| to_py(uri, e))
         })
+    }
+
+    /// Publishes plan `name` (`job/rank`): this rank's reads for the coming
+    /// epoch, in order, as `(uri, start, end)` byte ranges. Each worker gets
+    /// the part it serves and evicts by it; the plan lives `ttl_s` seconds
+    /// unless published again. Returns `{"workers", "pages",
+    /// "skipped_entries", "skipped"}`; a malformed plan raises ValueError.
+    #[pyo3(signature = (name, entries, ttl_s=900))]
+    fn publish_plan(
+        &self,
+        py: Python<'_>,
+        name: &str,
+        entries: Vec<(String, u64, u64)>,
+        ttl_s: u64,
+    ) -> PyResult<std::collections::HashMap<String, Py<PyAny>>> {
+        lakecache_protocol::validate_plan_name(name).map_err(PyValueError::new_err)?;
+        if ttl_s == 0 || ttl_s > lakecache_protocol::MAX_PLAN_TTL_SECONDS {
+            return Err(PyValueError::new_err(format!(
+                "ttl_s is {ttl_s}; it must be 1 to {}",
+                lakecache_protocol::MAX_PLAN_TTL_SECONDS
+            )));
+        }
+        let mut ranges = Vec::with_capacity(entries.len());
+        for (i, (uri, start, end)) in entries.into_iter().enumerate() {
+            let parsed = parse_uri(&uri)
+                .map_err(|e| PyValueError::new_err(format!("plan entry {i}: {e}")))?;
+            ranges.push((parsed, start..end));
+        }
+        let published = py
+            .detach(|| {
+                self.rt
+                    .block_on(self.cluster.publish_plan(name, &ranges, ttl_s))
+            })
+            .map_err(|e| match &e {
+                lakecache_registry::ClusterError::Worker(
+                    lakecache_protocol::ClientError::Api {
+                        code: lakecache_protocol::ErrorCode::BadRequest,
+                        ..
+                    },
+                ) => PyValueError::new_err(format!("plan {name}: {e}")),
+                _ => PyOSError::new_err(format!("publishing plan {name}: {e}")),
+            })?;
+        let mut out = std::collections::HashMap::new();
+        out.insert(
+            "workers".into(),
+            published.workers.into_pyobject(py)?.into_any().unbind(),
+        );
+        out.insert(
+            "pages".into(),
+            published.pages.into_pyobject(py)?.into_any().unbind(),
+        );
+        out.insert(
+            "skipped_entries".into(),
+            published
+                .skipped_entries
+                .into_pyobject(py)?
+                .into_any()
+                .unbind(),
+        );
+        out.insert(
+            "skipped".into(),
+            published.skipped.into_pyobject(py)?.into_any().unbind(),
+        );
+        Ok(out)
     }
 
     /// Every object and common prefix under `uri` (a bucket and key

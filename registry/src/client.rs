@@ -101,9 +101,9 @@ pub enum ClusterError {
     Changed { expected: String, got: String },
 }
 
-struct State {
-    ring: Ring,
-    clients: HashMap<String, WorkerClient>,
+pub(crate) struct State {
+    pub(crate) ring: Ring,
+    pub(crate) clients: HashMap<String, WorkerClient>,
 }
 
 pub struct ClusterClient {
@@ -197,7 +197,11 @@ impl ClusterClient {
         client
     }
 
-    fn current(&self) -> Arc<State> {
+    pub(crate) fn describe_membership(&self) -> String {
+        self.membership.describe()
+    }
+
+    pub(crate) fn current(&self) -> Arc<State> {
         self.state.read().unwrap_or_else(|p| p.into_inner()).clone()
     }
 

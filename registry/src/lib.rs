@@ -11,6 +11,7 @@
 pub mod client;
 pub mod etcd_access;
 pub mod membership;
+mod plan;
 pub mod registry_url;
 pub mod ring;
 pub mod ring_settings;
@@ -19,6 +20,7 @@ pub mod stable_hash;
 pub use client::{ClusterClient, ClusterError, ClusterOptions};
 pub use etcd_access::EtcdAccess;
 pub use membership::{EtcdMembership, EtcdRegistration, Member, Membership, StaticMembership};
+pub use plan::PlanPublished;
 pub use registry_url::RegistryUrl;
 pub use ring::{Ring, RingOptions, DEFAULT_SEGMENT_SIZE, DEFAULT_VNODES};
 pub use ring_settings::{advertised_ring_settings, claim_ring_settings, RingSettings};

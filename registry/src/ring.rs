@@ -165,7 +165,7 @@ impl Ring {
 }
 
 #[cfg(test)]
-mod tests {
+pub(crate) mod tests {
     use super::*;
 
     pub fn members(n: usize) -> Vec<Member> {

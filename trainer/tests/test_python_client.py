@@ -74,6 +74,35 @@ def test_fsspec_lists_reads_and_refuses_clearly(mount):
     assert fs.cat_file("lakecache/pyclient/fs/sub/small.txt") == b"HELLO, changed"
 
 
+def test_a_published_plan_reaches_the_workers_and_a_malformed_one_is_refused(mount):
+    """Issue #35's first part: a rank's read order goes to the workers,
+    which evict by it; missing objects are skipped, bad plans refused."""
+    mnt, worker, token_file = mount
+    d = mnt / "pyclient" / "plan"
+    d.mkdir(parents=True)
+    for i in range(3):
+        (d / f"{i}.bin").write_bytes(bytes([i]) * (3 << 20))
+    client = lakecache.Client(worker=worker, token_file=token_file)
+    base = "s3://lakecache/pyclient/plan"
+    order = [(f"{base}/{i}.bin", 0, 3 << 20) for i in (2, 0, 1)]
+    got = client.publish_plan("train/0", [*order, (f"{base}/gone.bin", 0, 10)], ttl_s=60)
+    assert got["workers"] == 1 and got["pages"] >= 3, got
+    assert got["skipped_entries"] == 1 and "gone.bin" in got["skipped"][0], got
+    with pytest.raises(ValueError, match="overlap"):
+        client.publish_plan("train/0", [(f"{base}/0.bin", 0, 10), (f"{base}/0.bin", 5, 20)])
+    with pytest.raises(ValueError, match="empty or reversed"):
+        client.publish_plan("train/0", [(f"{base}/0.bin", 7, 7)])
+    with pytest.raises(ValueError, match="JOB/RANK"):
+        client.publish_plan("train", order)
+    with pytest.raises(ValueError, match="ttl_s"):
+        client.publish_plan("train/0", order, ttl_s=0)
+    with pytest.raises(ValueError, match="plan entry 0"):
+        client.publish_plan("train/0", [("not-a-uri", 0, 1)])
+    # The cache serves on.
+    size, etag, _ = client.stat(f"{base}/1.bin")
+    assert client.read(f"{base}/1.bin", 0, size, etag) == bytes([1]) * (3 << 20)
+
+
 def test_with_no_worker_answering_reads_go_to_s3_only_when_allowed(mount):
     mnt, _, token_file = mount
     d = mnt / "pyclient" / "fallback"
