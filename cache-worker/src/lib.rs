@@ -17,7 +17,7 @@ pub mod metrics;
 mod outage;
 pub mod pages;
 mod placement;
-mod plan_order;
+pub mod plan_order;
 pub mod policy;
 pub mod preload;
 pub mod tenant;

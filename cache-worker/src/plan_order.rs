@@ -16,7 +16,7 @@ use std::time::Instant;
 use crate::pages::PageKey;
 
 /// Pages a plan may list at most, and all plans together: the index costs
-/// about 100 bytes per entry.
+/// about 220 bytes per entry (benches/results/plan-cost.md).
 pub const MAX_PLAN_PAGES: usize = 1 << 20;
 pub const MAX_TOTAL_PAGES: usize = 4 << 20;
 /// How far ahead of its cursor (in entries) a read still counts as a

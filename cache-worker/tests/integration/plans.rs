@@ -41,6 +41,18 @@ async fn read(h: &Harness, i: u64) {
     .await;
 }
 
+/// Installs plan `job/0` on the worker directly (the HTTP route is tested
+/// below).
+async fn install(h: &Harness, entries: &[PlanEntry]) -> lakecache_worker::cache::PlanReport {
+    h.worker
+        .as_ref()
+        .unwrap()
+        .cache()
+        .install_plan("job/0", entries, Duration::from_secs(600))
+        .await
+        .unwrap()
+}
+
 /// Epoch 1 in order, then epoch 2 shuffled; hits in epoch 2 (reads that
 /// made no S3 GET).
 async fn second_epoch_hits(planned: bool) -> u64 {
@@ -58,14 +70,7 @@ async fn second_epoch_hits(planned: bool) -> u64 {
                 range: 0..MIB,
             })
             .collect();
-        let report = h
-            .worker
-            .as_ref()
-            .unwrap()
-            .cache()
-            .install_plan("job/0", &entries, Duration::from_secs(600))
-            .await
-            .unwrap();
+        let report = install(&h, &entries).await;
         assert_eq!(report.pages, OBJECTS as usize);
         assert_eq!(report.skipped_entries, 0);
     }
@@ -114,14 +119,7 @@ async fn a_plan_naming_missing_objects_skips_them_and_installs_the_rest() {
             range: MIB / 2..4 * MIB,
         },
     ];
-    let report = h
-        .worker
-        .as_ref()
-        .unwrap()
-        .cache()
-        .install_plan("job/0", &entries, Duration::from_secs(600))
-        .await
-        .unwrap();
+    let report = install(&h, &entries).await;
     assert_eq!(report.pages, 2, "{report:?}");
     assert_eq!(report.skipped_entries, 1, "{report:?}");
     assert!(report.skipped[0].contains("plan/gone.bin"), "{report:?}");

@@ -8,12 +8,7 @@ use crate::{FreeResult, FreeSpec, LoadProgress, LoadSpec};
 impl WorkerClient {
     /// Starts job `id` on this worker (or finds it running with `spec`).
     pub async fn load_start(&self, id: &str, spec: &LoadSpec) -> Result<LoadProgress, ClientError> {
-        let body = serde_json::to_vec(spec).map_err(|e| ClientError::Decode(e.to_string()))?;
-        let req = self
-            .request(http::Method::POST, &format!("/v1/load/{id}"))
-            .header(http::header::CONTENT_TYPE, "application/json")
-            .body(Full::new(body.into()).map_err(|e| match e {}).boxed())
-            .map_err(|e| ClientError::Decode(e.to_string()))?;
+        let req = self.json_request(http::Method::POST, &format!("/v1/load/{id}"), spec)?;
         self.load_call(req).await
     }
 
@@ -40,16 +35,25 @@ impl WorkerClient {
         let spec = FreeSpec {
             prefix: prefix.to_string(),
         };
-        let body = serde_json::to_vec(&spec).map_err(|e| ClientError::Decode(e.to_string()))?;
-        let req = self
-            .request(http::Method::POST, &format!("/v1/free/{bucket}"))
-            .header(http::header::CONTENT_TYPE, "application/json")
-            .body(Full::new(body.into()).map_err(|e| match e {}).boxed())
-            .map_err(|e| ClientError::Decode(e.to_string()))?;
+        let req = self.json_request(http::Method::POST, &format!("/v1/free/{bucket}"), &spec)?;
         self.load_call(req).await
     }
 
-    async fn load_call<T: serde::de::DeserializeOwned>(
+    /// A request carrying `body` as JSON.
+    pub(super) fn json_request(
+        &self,
+        method: http::Method,
+        path: &str,
+        body: &impl serde::Serialize,
+    ) -> Result<http::Request<super::RequestBody>, ClientError> {
+        let body = serde_json::to_vec(body).map_err(|e| ClientError::Decode(e.to_string()))?;
+        self.request(method, path)
+            .header(http::header::CONTENT_TYPE, "application/json")
+            .body(Full::new(body.into()).map_err(|e| match e {}).boxed())
+            .map_err(|e| ClientError::Decode(e.to_string()))
+    }
+
+    pub(super) async fn load_call<T: serde::de::DeserializeOwned>(
         &self,
         req: http::Request<super::RequestBody>,
     ) -> Result<T, ClientError> {
