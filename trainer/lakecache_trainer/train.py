@@ -17,6 +17,7 @@ from pathlib import Path
 import numpy as np
 import torch
 import torch.nn.functional as F
+from lakecache import plans
 
 from . import checkpoints, manifest, runinfo
 from .loader import TokenLoader, reshard
@@ -285,7 +286,12 @@ def run(cfg: RunConfig) -> dict:
     pinned = getattr(getattr(fs, "client", None), "snapshot_checksum", None)
     if snapshot and pinned and pinned != snapshot["checksum"]:
         raise SystemExit(f"the data client is pinned to snapshot {pinned}, not {cfg.snapshot}")
-    loader = TokenLoader(shards, rank, world, cfg.seq_len, cfg.micro_batch, seed=cfg.seed, fs=fs)
+    # Through the cluster, each epoch's read order goes to the workers.
+    publish = plans.publisher(fs, f"{plans.job_name()}/{rank}")
+    loader = TokenLoader(
+        shards, rank, world, cfg.seq_len, cfg.micro_batch, seed=cfg.seed, fs=fs,
+        publish_plan=publish,
+    )  # fmt: skip
     dataset = runinfo.dataset_identity(loader.infos, snapshot)
     record = runinfo.run_record(cfg, dataset, world)
     watchdog.progress("building the model and DeepSpeed engine", timeout_s=cfg.build_timeout)

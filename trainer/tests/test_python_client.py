@@ -17,6 +17,7 @@ import pytest
 import testproc
 import torch
 from lakecache.dataset import TokenShardDataset
+from lakecache.fsspec_fs import LakecacheFileSystem
 from lakecache.loader import TokenLoader
 from lakecache.shards import write_shard
 from trainenv import BIN, ENV
@@ -167,6 +168,19 @@ def test_a_snapshot_client_serves_recorded_versions_and_names_a_changed_one(moun
     assert f"pins ETag {etag}" in str(err.value)
 
 
+class _RefusesPlans:
+    """A client whose plan publishing fails, as with no worker answering."""
+
+    def __init__(self, inner) -> None:
+        self.inner = inner
+
+    def __getattr__(self, name: str):
+        return getattr(self.inner, name)
+
+    def publish_plan(self, *args, **kwargs):
+        raise OSError("worker gone")
+
+
 def _batches(source, n: int) -> list[torch.Tensor]:
     return [next(source)[0].clone() for _ in range(n)]
 
@@ -194,6 +208,18 @@ def test_dataset_matches_the_trainers_loader_and_the_trainer_reads_lakecache_uri
     ds2 = TokenShardDataset(uri, seq_len=32, micro_batch=4, seed=7, rank=1, world_size=2, **client)
     ds2.load_state_dict(state)
     assert torch.equal(next(iter(ds2))[0], following)
+    # Through the cluster, the epoch's read order went to the worker as
+    # a plan: the rest of this rank's two shards, header left out.
+    assert ds.plan_result is not None and ds.plan_result["pages"] >= 1, ds.plan_result
+    assert ds.plan_result["skipped_entries"] == 0, ds.plan_result
+    # A plan the workers cannot take is a warning; training reads on.
+    fs = LakecacheFileSystem(skip_instance_cache=True, **client)
+    fs.client = _RefusesPlans(fs.client)
+    ds3 = TokenShardDataset(
+        "lakecache/pyclient/tokens", seq_len=32, micro_batch=4, seed=7, rank=1, world_size=2, fs=fs
+    )
+    with pytest.warns(UserWarning, match="publishing read plan dataset/1 failed: worker gone"):
+        assert torch.equal(next(iter(ds3))[0], want[0])
     # Rank 0 reads other shards.
     ds0 = TokenShardDataset(uri, seq_len=32, micro_batch=4, seed=7, rank=0, world_size=2, **client)
     assert not torch.equal(next(iter(ds0))[0], want[0])

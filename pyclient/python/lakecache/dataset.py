@@ -14,6 +14,7 @@ from typing import Any
 import torch
 from torch.utils.data import IterableDataset
 
+from . import plans
 from .loader import TokenLoader
 from .shards import list_shards
 
@@ -54,6 +55,8 @@ class TokenShardDataset(IterableDataset):
         snapshot: str | None = None,
         read_bytes: int = 16 << 20,
         fs: Any = None,
+        plan_job: str | None = None,
+        plan_ttl_s: int = 900,
         **client: Any,
     ) -> None:
         super().__init__()
@@ -68,6 +71,11 @@ class TokenShardDataset(IterableDataset):
         self.shards = list_shards(path, fs)
         self.seq_len, self.micro_batch, self.seed = seq_len, micro_batch, seed
         self.read_bytes = read_bytes
+        # Reading through the cluster, each epoch's read order goes to the
+        # workers as plan `{job}/{rank}` (README, "Eviction by plan").
+        self.plan_job = plans.job_name(plan_job)
+        self.plan_ttl_s = plan_ttl_s
+        self.plan_result: dict | None = None  # the workers' last answer
         self._state: dict | None = None
         self._loader: TokenLoader | None = None
 
@@ -84,6 +92,8 @@ class TokenShardDataset(IterableDataset):
             seed=self.seed,
             read_bytes=self.read_bytes,
             fs=self.fs,
+            publish_plan=self._plan_publisher(),
+            plan_renew_s=self.plan_ttl_s / 3,
         )
         if self._state is not None:
             loader.load_state_dict(self._state)
@@ -93,6 +103,13 @@ class TokenShardDataset(IterableDataset):
         finally:
             self._state = loader.state_dict()
             loader.close()
+
+    def _plan_publisher(self):
+        def keep(result: dict) -> None:
+            self.plan_result = result
+
+        name = f"{self.plan_job}/{self.rank}"
+        return plans.publisher(self.fs, name, self.plan_ttl_s, on_result=keep)
 
     def state_dict(self) -> dict:
         """The position after the last batch handed out."""

@@ -11,6 +11,7 @@ from __future__ import annotations
 import queue
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from typing import Any
 
@@ -74,6 +75,8 @@ class TokenLoader:
         read_bytes: int = 16 << 20,
         prefetch: int = 8,
         fs: Any = None,
+        publish_plan: Callable[[list[tuple[ShardInfo, int]]], None] | None = None,
+        plan_renew_s: float = 300.0,
     ) -> None:
         if len(shards) < world_size:
             raise ShardError(
@@ -91,6 +94,11 @@ class TokenLoader:
         self.state = LoaderState()
         self.wait_seconds = 0.0  # data wait of the last next()
         self.bytes_read = 0
+        # Called with this rank's remaining reads (shard, first token) at
+        # each epoch's start and every `plan_renew_s` within it (issue
+        # #35: the cache evicts and prefetches by them).
+        self.publish_plan = publish_plan
+        self.plan_renew_s = plan_renew_s
         self._queue: queue.Queue = queue.Queue()
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
@@ -150,6 +158,7 @@ class TokenLoader:
 
     def _produce(self, pos: LoaderState, out: queue.Queue, stop: threading.Event) -> None:
         batch_tokens = self.seq_len * self.micro_batch
+        published: tuple[int, float] | None = None  # (epoch, when)
         try:
             while not stop.is_set():
                 shards = self.work(pos)
@@ -158,6 +167,13 @@ class TokenLoader:
                     continue
                 info, first = shards[pos.shard]
                 start = pos.token or first
+                if self.publish_plan is not None and (
+                    published is None
+                    or published[0] != pos.epoch
+                    or time.monotonic() - published[1] >= self.plan_renew_s
+                ):
+                    self.publish_plan([(info, start), *shards[pos.shard + 1 :]])
+                    published = (pos.epoch, time.monotonic())
                 for x, y, token in self._batches(info, start, batch_tokens, stop):
                     state = LoaderState(pos.epoch, pos.shard, token, pos.plan)
                     while not stop.is_set():
