@@ -53,12 +53,12 @@ fn main() {
 
     let (rss0, cpu0, t0) = (rss_bytes(), cpu(), Instant::now());
     order
-        .install("job/0", &pages, far)
+        .install("job/0", None, &pages, far)
         .expect("within the limits");
     let install = (t0.elapsed(), cpu() - cpu0, rss_bytes().saturating_sub(rss0));
 
     let (cpu0, t0) = (cpu(), Instant::now());
-    let ranked = order.furthest_first().take(pages.len()).count();
+    let ranked = order.furthest_first(None).take(pages.len()).count();
     let pass = (t0.elapsed(), cpu() - cpu0);
 
     let (cpu0, t0) = (cpu(), Instant::now());

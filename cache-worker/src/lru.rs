@@ -89,29 +89,57 @@ impl Inner {
         Some(len)
     }
 
-    /// Evictable pages to free `need` bytes, in eviction order: the least
-    /// recently used of those no plan reads again, then the ones read
-    /// again furthest in the future.
+    /// Evictable pages to free `need` bytes. Recency decides whose page
+    /// goes: each least-recently-used page is taken, unless its own
+    /// tenant's plans read it again; then that tenant gives up another of
+    /// its pages instead (see [`Self::tenant_order`]). So a plan reorders
+    /// its tenant's evictions and never shifts them onto another tenant.
     fn pick_victims(&self, need: u64) -> Vec<PageKey> {
         let mut picked = Vec::new();
+        let mut taken = HashSet::new();
+        let mut orders: HashMap<Option<Arc<str>>, std::vec::IntoIter<PageKey>> = HashMap::new();
         let mut freed = 0;
-        let unplanned = self
-            .by_seq
-            .values()
-            .filter(|k| self.plans.is_empty() || self.plans.distance(k).is_none())
-            .copied();
-        let planned = self
-            .plans
-            .furthest_first()
-            .filter(|k| self.by_key.contains_key(k) && !self.pinned.contains(k));
-        for key in unplanned.chain(planned) {
+        for key in self.by_seq.values() {
             if freed >= need {
                 break;
             }
-            freed += self.by_key.get(&key).map_or(0, |(_, len)| *len);
-            picked.push(key);
+            if taken.contains(key) {
+                continue;
+            }
+            let tenant = self.tenant_of.get(key).cloned();
+            let victim = if self.plans.is_empty()
+                || self.plans.distance_for(key, tenant.as_deref()).is_none()
+            {
+                Some(*key)
+            } else {
+                let order = orders
+                    .entry(tenant.clone())
+                    .or_insert_with(|| self.tenant_order(tenant.as_deref()).into_iter());
+                order.find(|k| !taken.contains(k))
+            };
+            let Some(victim) = victim else { continue };
+            taken.insert(victim);
+            freed += self.by_key.get(&victim).map_or(0, |(_, len)| *len);
+            picked.push(victim);
         }
         picked
+    }
+
+    /// `tenant`'s evictable pages (`None`: pages of no tenant), in the
+    /// order its plans give: the least recently used of those its plans do
+    /// not read again, then those read again furthest in the future.
+    fn tenant_order(&self, tenant: Option<&str>) -> Vec<PageKey> {
+        let mine = |k: &PageKey| self.tenant_of.get(k).map(|t| &**t) == tenant;
+        let unplanned = self
+            .by_seq
+            .values()
+            .filter(|k| mine(k) && self.plans.distance_for(k, tenant).is_none())
+            .copied();
+        let planned = self
+            .plans
+            .furthest_first(tenant)
+            .filter(|k| self.by_key.contains_key(k) && !self.pinned.contains(k) && mine(k));
+        unplanned.chain(planned).collect()
     }
 
     fn add(
@@ -216,17 +244,19 @@ impl Lru {
         self.lock().tenants.get(tenant).map_or(0, |t| t.used)
     }
 
-    /// Takes `tenant`'s least-recently-used pages out of the accounting
-    /// until its bytes are at most `down_to`; the caller deletes them.
+    /// Takes `tenant`'s pages out of the accounting until its bytes are
+    /// at most `down_to`, least recently used first, or in its plans'
+    /// order when it has plans; the caller deletes them.
     pub fn take_tenant_victims(&self, tenant: &str, down_to: u64) -> Vec<(PageKey, u64)> {
         let mut inner = self.lock();
         let mut victims = Vec::new();
-        loop {
-            let next = match inner.tenants.get(tenant) {
-                Some(t) if t.used > down_to => t.by_seq.first_key_value().map(|(_, k)| *k),
-                _ => None,
-            };
-            let Some(key) = next else { break };
+        if inner.tenants.get(tenant).is_none_or(|t| t.used <= down_to) {
+            return victims;
+        }
+        for key in inner.tenant_order(Some(tenant)) {
+            if inner.tenants.get(tenant).is_none_or(|t| t.used <= down_to) {
+                break;
+            }
             if let Some(len) = inner.forget(&key) {
                 victims.push((key, len));
             }
@@ -239,12 +269,13 @@ impl Lru {
     pub fn install_plan(
         &self,
         name: &str,
+        tenant: Option<Arc<str>>,
         pages: &[PageKey],
         ttl: std::time::Duration,
     ) -> Result<(), PlanError> {
         let expires = std::time::Instant::now() + ttl;
         let mut inner = self.lock();
-        inner.plans.install(name, pages, expires)?;
+        inner.plans.install(name, tenant, pages, expires)?;
         self.planned.store(true, Ordering::Relaxed);
         Ok(())
     }

@@ -11,6 +11,7 @@
 //! one pace, so their distances compare directly.
 
 use std::collections::{BTreeMap, BinaryHeap, HashMap, HashSet, VecDeque};
+use std::sync::Arc;
 use std::time::Instant;
 
 use crate::pages::PageKey;
@@ -47,12 +48,14 @@ struct Plan {
     /// several pieces, and only the first moves the cursor.
     last: Option<PageKey>,
     expires: Instant,
+    /// The tenant that published it: it ranks that tenant's pages only.
+    tenant: Option<Arc<str>>,
 }
 
 impl Plan {
     /// A plan of `pages`, a page listed again right after itself kept
     /// once (two samples in one page are one read of it).
-    fn new(pages: &[PageKey], expires: Instant) -> Self {
+    fn new(pages: &[PageKey], expires: Instant, tenant: Option<Arc<str>>) -> Self {
         let mut ahead: HashMap<PageKey, VecDeque<u64>> = HashMap::new();
         let mut at = 0;
         for (i, key) in pages.iter().enumerate() {
@@ -73,6 +76,7 @@ impl Plan {
             len: pages.len(),
             last: None,
             expires,
+            tenant,
         }
     }
 
@@ -142,6 +146,7 @@ impl PlanOrder {
     pub fn install(
         &mut self,
         name: &str,
+        tenant: Option<Arc<str>>,
         pages: &[PageKey],
         expires: Instant,
     ) -> Result<(), PlanError> {
@@ -165,7 +170,7 @@ impl PlanOrder {
             });
         }
         self.plans
-            .insert(name.to_string(), Plan::new(pages, expires));
+            .insert(name.to_string(), Plan::new(pages, expires, tenant));
         Ok(())
     }
 
@@ -186,6 +191,16 @@ impl PlanOrder {
         self.plans.values().filter_map(|p| p.distance(key)).min()
     }
 
+    /// As [`Self::distance`], over the plans `tenant` published: a plan
+    /// ranks its own tenant's pages only.
+    pub fn distance_for(&self, key: &PageKey, tenant: Option<&str>) -> Option<u64> {
+        self.plans
+            .values()
+            .filter(|p| p.tenant.as_deref() == tenant)
+            .filter_map(|p| p.distance(key))
+            .min()
+    }
+
     /// A reader read `key`: the plan (or plans) it was nearest for moves
     /// on, the read being that plan's reader's; the others stay.
     pub fn read(&mut self, key: &PageKey) {
@@ -204,11 +219,16 @@ impl PlanOrder {
         }
     }
 
-    /// Pages some plan reads again, the furthest next use first, each once
-    /// at its nearest distance over all plans. One pass costs at most the
-    /// plans' entries.
-    pub fn furthest_first(&self) -> impl Iterator<Item = PageKey> + '_ {
-        let plans: Vec<&Plan> = self.plans.values().collect();
+    /// Pages `tenant`'s plans read again, the furthest next use first,
+    /// each once at its nearest distance over those plans. One pass costs
+    /// at most the plans' entries.
+    pub fn furthest_first(&self, tenant: Option<&str>) -> impl Iterator<Item = PageKey> + '_ {
+        let plans: Vec<&Plan> = self
+            .plans
+            .values()
+            .filter(|p| p.tenant.as_deref() == tenant)
+            .collect();
+        let tenant: Option<Arc<str>> = tenant.map(Arc::from);
         let mut cursors: Vec<_> = plans.iter().map(|p| p.next.iter().rev()).collect();
         let mut heap = BinaryHeap::new();
         for (i, it) in cursors.iter_mut().enumerate() {
@@ -224,7 +244,8 @@ impl PlanOrder {
                 }
                 // Met first at its furthest distance in some plan; it is
                 // ranked by its nearest, where it is met again.
-                if self.distance(&key) == Some(distance) && seen.insert(key) {
+                if self.distance_for(&key, tenant.as_deref()) == Some(distance) && seen.insert(key)
+                {
                     return Some(key);
                 }
             }

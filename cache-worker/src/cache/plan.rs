@@ -85,8 +85,9 @@ impl Cache {
         if report.skipped_entries > 0 {
             tracing::warn!(plan = name, skipped = report.skipped_entries, first = ?report.skipped.first(), "plan entries skipped");
         }
+        // A plan ranks the pages of the tenant that published it.
         self.lru
-            .install_plan(name, &pages, ttl)
+            .install_plan(name, crate::tenant::current(), &pages, ttl)
             .map_err(|e| CacheError::Invalid(format!("{e}; nothing was installed")))?;
         report.pages = pages.len();
         Ok(report)

@@ -80,7 +80,7 @@ proptest! {
         seq.dedup();
         let lru = cache(capacity as u64);
         let pages: Vec<PageKey> = seq.iter().map(|p| key(*p)).collect();
-        lru.install_plan("job/0", &pages, Duration::from_secs(600)).unwrap();
+        lru.install_plan("job/0", None, &pages, Duration::from_secs(600)).unwrap();
         let got: Vec<_> = seq.iter().map(|p| read(&lru, *p)).collect();
         prop_assert_eq!(got, belady(&seq, capacity));
     }
@@ -99,7 +99,7 @@ fn a_scan_of_twice_the_cache_hits_half_with_a_plan_and_nothing_without() {
         }
         if planned {
             let pages: Vec<PageKey> = epoch2.iter().map(|p| key(*p)).collect();
-            lru.install_plan("job/0", &pages, Duration::from_secs(600))
+            lru.install_plan("job/0", None, &pages, Duration::from_secs(600))
                 .unwrap();
         }
         epoch2.iter().filter(|p| read(&lru, **p).0).count()
@@ -117,14 +117,14 @@ fn pages_no_plan_reads_again_go_first_and_pinned_pages_never() {
     lru.insert(key(1), PAGE);
     lru.insert(key(2), PAGE);
     let far = Duration::from_secs(600);
-    lru.install_plan("job/0", &[key(1), key(2), key(9)], far)
+    lru.install_plan("job/0", None, &[key(1), key(2), key(9)], far)
         .unwrap();
     lru.insert(key(3), PAGE);
     let victims: Vec<u8> = lru.take_victims().iter().map(|(k, _)| k.0[0]).collect();
     assert_eq!(victims, vec![3], "the only page no plan reads again");
     // Now every page is planned; the pinned one is read again last, but
     // the furthest page that may go is 4.
-    lru.install_plan("job/0", &[key(1), key(2), key(4), key(9)], far)
+    lru.install_plan("job/0", None, &[key(1), key(2), key(4), key(9)], far)
         .unwrap();
     lru.insert(key(4), PAGE);
     let victims: Vec<u8> = lru.take_victims().iter().map(|(k, _)| k.0[0]).collect();
@@ -139,7 +139,7 @@ fn the_furthest_planned_page_goes_when_all_are_planned() {
         lru.insert(key(p), PAGE);
     }
     let plan = [key(4), key(2), key(1), key(4), key(3)];
-    lru.install_plan("job/0", &plan, Duration::from_secs(600))
+    lru.install_plan("job/0", None, &plan, Duration::from_secs(600))
         .unwrap();
     let (hit, victim) = read(&lru, 4);
     assert!(!hit);
@@ -152,14 +152,14 @@ fn two_ranks_plans_rank_a_page_by_its_nearest_use() {
     let far = Instant::now() + Duration::from_secs(600);
     // Rank 0 reads 1 soon and 2 late; rank 1 reads 2 first.
     order
-        .install("job/0", &[key(1), key(5), key(6), key(2)], far)
+        .install("job/0", None, &[key(1), key(5), key(6), key(2)], far)
         .unwrap();
     order
-        .install("job/1", &[key(2), key(7), key(1)], far)
+        .install("job/1", None, &[key(2), key(7), key(1)], far)
         .unwrap();
     assert_eq!(order.distance(&key(2)), Some(0));
     assert_eq!(order.distance(&key(1)), Some(0));
-    let ranked: Vec<u8> = order.furthest_first().map(|k| k.0[0]).collect();
+    let ranked: Vec<u8> = order.furthest_first(None).map(|k| k.0[0]).collect();
     assert_eq!(ranked.len(), 5, "each page once: {ranked:?}");
     // 6 is 2 ahead; 5 and 7 are 1 ahead; 1 and 2 are next for some rank.
     assert_eq!(ranked[0], 6, "{ranked:?}");
@@ -184,7 +184,7 @@ fn a_plan_not_renewed_expires_and_recency_resumes() {
     let lru = cache(2);
     lru.insert(key(1), PAGE);
     lru.insert(key(2), PAGE);
-    lru.install_plan("job/0", &[key(1)], Duration::from_millis(1))
+    lru.install_plan("job/0", None, &[key(1)], Duration::from_millis(1))
         .unwrap();
     assert_eq!(lru.expire_plans(Instant::now() + Duration::from_secs(1)), 1);
     let (_, victim) = read(&lru, 3);
@@ -196,7 +196,7 @@ fn a_read_far_ahead_of_the_cursor_is_not_the_plans_reader() {
     let mut order = PlanOrder::new(2);
     let far = Instant::now() + Duration::from_secs(600);
     let plan: Vec<PageKey> = (0..10).map(key).collect();
-    order.install("job/0", &plan, far).unwrap();
+    order.install("job/0", None, &plan, far).unwrap();
     order.read(&key(8));
     assert_eq!(order.distance(&key(0)), Some(0), "another job read 8");
     order.read(&key(1));
@@ -210,7 +210,7 @@ fn a_page_read_in_pieces_moves_the_plan_once() {
     let far = Instant::now() + Duration::from_secs(600);
     // Two samples in page 1, then 2, then 1 again.
     let plan = [key(1), key(1), key(2), key(1), key(3)];
-    order.install("job/0", &plan, far).unwrap();
+    order.install("job/0", None, &plan, far).unwrap();
     for _ in 0..4 {
         order.read(&key(1));
     }
@@ -232,7 +232,7 @@ fn plans_are_bounded() {
     let far = Instant::now() + Duration::from_secs(600);
     let long = vec![key(1); MAX_PLAN_PAGES + 1];
     assert_eq!(
-        order.install("job/0", &long, far),
+        order.install("job/0", None, &long, far),
         Err(PlanError::TooLong {
             pages: MAX_PLAN_PAGES + 1,
             limit: MAX_PLAN_PAGES
@@ -240,10 +240,76 @@ fn plans_are_bounded() {
     );
     let full = vec![key(1); MAX_PLAN_PAGES];
     for rank in 0..4 {
-        order.install(&format!("job/{rank}"), &full, far).unwrap();
+        order
+            .install(&format!("job/{rank}"), None, &full, far)
+            .unwrap();
     }
-    let err = order.install("job/4", &[key(2)], far).unwrap_err();
+    let err = order.install("job/4", None, &[key(2)], far).unwrap_err();
     assert!(err.to_string().contains("at most"), "{err}");
     // Renewing a plan replaces it, within the bound.
-    order.install("job/3", &full, far).unwrap();
+    order.install("job/3", None, &full, far).unwrap();
+}
+
+/// The tenant rule: a plan reorders its own tenant's evictions and
+/// never shifts them onto another tenant.
+#[test]
+fn a_plan_never_makes_another_tenant_give_up_pages() {
+    let (a, b): (Arc<str>, Arc<str>) = (Arc::from("team-a"), Arc::from("team-b"));
+    let lru = cache(4);
+    // Oldest first: a1, a2, then b's two.
+    lru.insert_kept(key(1), PAGE, Retention::Lru, Some(a.clone()));
+    lru.insert_kept(key(2), PAGE, Retention::Lru, Some(a.clone()));
+    lru.insert_kept(key(11), PAGE, Retention::Lru, Some(b.clone()));
+    lru.insert_kept(key(12), PAGE, Retention::Lru, Some(b.clone()));
+    // Team a plans to read 1 soon and 2 later; b's pages are in no plan.
+    let far = Duration::from_secs(600);
+    lru.install_plan("team-a:job/0", Some(a.clone()), &[key(1), key(2)], far)
+        .unwrap();
+    lru.insert_kept(key(3), PAGE, Retention::Lru, Some(a.clone()));
+    let victims: Vec<u8> = lru.take_victims().iter().map(|(k, _)| k.0[0]).collect();
+    // Recency would take a1; a gives up its own page instead: 3, which its
+    // plan does not read, not one of b's.
+    assert_eq!(victims, vec![3]);
+    assert!(lru.contains(&key(11)) && lru.contains(&key(12)));
+    lru.insert_kept(key(4), PAGE, Retention::Lru, Some(a.clone()));
+    lru.install_plan(
+        "team-a:job/0",
+        Some(a.clone()),
+        &[key(1), key(2), key(4)],
+        far,
+    )
+    .unwrap();
+    lru.insert_kept(key(13), PAGE, Retention::Lru, Some(b.clone()));
+    let victims: Vec<u8> = lru.take_victims().iter().map(|(k, _)| k.0[0]).collect();
+    // Two pages over, and recency's two oldest are a's (1, 2): every page
+    // of a is planned now, so a pays with the two its plan reads last.
+    assert_eq!(victims, vec![4, 2]);
+    assert_eq!(lru.tenant_used("team-b"), 3 * PAGE, "b keeps 11, 12, 13");
+    // A plan of b's naming a's pages does not protect them.
+    lru.install_plan("team-b:job/0", Some(b.clone()), &[key(1)], far)
+        .unwrap();
+    lru.insert_kept(key(14), PAGE, Retention::Lru, Some(b.clone()));
+    let victims: Vec<u8> = lru.take_victims().iter().map(|(k, _)| k.0[0]).collect();
+    assert_eq!(
+        victims,
+        vec![1],
+        "the oldest page is a's, and a has no other: b's plan naming it keeps nothing of b's from going later"
+    );
+    // Over its quota, a gives up pages in its plan's order too.
+    lru.insert_kept(key(5), PAGE, Retention::Lru, Some(a.clone()));
+    lru.insert_kept(key(6), PAGE, Retention::Lru, Some(a.clone()));
+    lru.insert_kept(key(7), PAGE, Retention::Lru, Some(a.clone()));
+    lru.install_plan(
+        "team-a:job/0",
+        Some(a.clone()),
+        &[key(7), key(6), key(5)],
+        far,
+    )
+    .unwrap();
+    let victims: Vec<u8> = lru
+        .take_tenant_victims("team-a", PAGE)
+        .iter()
+        .map(|(k, _)| k.0[0])
+        .collect();
+    assert_eq!(victims, vec![5, 6], "a's plan reads 7 first, 5 last");
 }
