@@ -553,7 +553,7 @@ impl Cache {
         // interleaving must not make it fetch the page again in blocks.
         let page_end = (page_start + ps).min(meta.size);
         let whole_page = pos == page_start && end >= page_end;
-        self.note_planned_read(&uri.to_string(), &meta.etag, idx);
+        self.note_planned_read(uri, &meta.etag, idx);
         self.page_range(uri, meta, idx, sub, sequential || whole_page)
             .await
     }

@@ -130,9 +130,15 @@ impl Inner {
     /// not read again, then those read again furthest in the future.
     fn tenant_order(&self, tenant: Option<&str>) -> Vec<PageKey> {
         let mine = |k: &PageKey| self.tenant_of.get(k).map(|t| &**t) == tenant;
-        let unplanned = self
-            .by_seq
-            .values()
+        // A tenant's own access order where it has one; pages of no
+        // tenant are picked out of the whole cache's.
+        let by_seq = match tenant {
+            Some(t) => self.tenants.get(t).map(|p| &p.by_seq),
+            None => Some(&self.by_seq),
+        };
+        let unplanned = by_seq
+            .into_iter()
+            .flat_map(|s| s.values())
             .filter(|k| mine(k) && self.plans.distance_for(k, tenant).is_none())
             .copied();
         let planned = self
@@ -253,7 +259,26 @@ impl Lru {
         if inner.tenants.get(tenant).is_none_or(|t| t.used <= down_to) {
             return victims;
         }
-        for key in inner.tenant_order(Some(tenant)) {
+        // Without plans, its oldest pages one by one (this runs at each
+        // insert past the quota: no pass over the tenant's pages).
+        let order = if inner.plans.has_tenant(Some(tenant)) {
+            inner.tenant_order(Some(tenant))
+        } else {
+            inner.tenants.get(tenant).map_or_else(Vec::new, |t| {
+                let over = t.used - down_to;
+                let mut freed = 0;
+                t.by_seq
+                    .values()
+                    .take_while(|k| {
+                        let more = freed < over;
+                        freed += inner.by_key.get(*k).map_or(0, |(_, len)| *len);
+                        more
+                    })
+                    .copied()
+                    .collect()
+            })
+        };
+        for key in order {
             if inner.tenants.get(tenant).is_none_or(|t| t.used <= down_to) {
                 break;
             }

@@ -185,6 +185,11 @@ impl PlanOrder {
         self.plans.is_empty()
     }
 
+    /// Whether `tenant` has published any plan.
+    pub fn has_tenant(&self, tenant: Option<&str>) -> bool {
+        self.plans.values().any(|p| p.tenant.as_deref() == tenant)
+    }
+
     /// How many entries from now some plan reads `key` again (the
     /// nearest over all plans); `None` if none does.
     pub fn distance(&self, key: &PageKey) -> Option<u64> {

@@ -17,6 +17,11 @@ fn cache(pages: u64) -> Lru {
     Lru::new(pages * PAGE, 1.0, 1.0, Arc::default())
 }
 
+/// The pages an eviction pass takes, by number.
+fn evicted(lru: &Lru) -> Vec<u8> {
+    lru.take_victims().iter().map(|(k, _)| k.0[0]).collect()
+}
+
 /// Reads `page` through `lru` as the worker does: a hit touches it, a
 /// miss stores it (then the read touches it) and evicts. Returns whether
 /// it hit, and the page evicted.
@@ -120,14 +125,14 @@ fn pages_no_plan_reads_again_go_first_and_pinned_pages_never() {
     lru.install_plan("job/0", None, &[key(1), key(2), key(9)], far)
         .unwrap();
     lru.insert(key(3), PAGE);
-    let victims: Vec<u8> = lru.take_victims().iter().map(|(k, _)| k.0[0]).collect();
+    let victims = evicted(&lru);
     assert_eq!(victims, vec![3], "the only page no plan reads again");
     // Now every page is planned; the pinned one is read again last, but
     // the furthest page that may go is 4.
     lru.install_plan("job/0", None, &[key(1), key(2), key(4), key(9)], far)
         .unwrap();
     lru.insert(key(4), PAGE);
-    let victims: Vec<u8> = lru.take_victims().iter().map(|(k, _)| k.0[0]).collect();
+    let victims = evicted(&lru);
     assert_eq!(victims, vec![4]);
     assert!(lru.contains(&key(9)) && lru.contains(&key(1)) && lru.contains(&key(2)));
 }
@@ -250,6 +255,18 @@ fn plans_are_bounded() {
     order.install("job/3", None, &full, far).unwrap();
 }
 
+/// Installs `tenant`'s plan of pages `pages`, as the HTTP route names it.
+fn plan_of(lru: &Lru, tenant: &Arc<str>, pages: &[u8]) {
+    let pages: Vec<PageKey> = pages.iter().map(|p| key(*p)).collect();
+    lru.install_plan(
+        &format!("{tenant}:job/0"),
+        Some(tenant.clone()),
+        &pages,
+        Duration::from_secs(600),
+    )
+    .unwrap();
+}
+
 /// The tenant rule: a plan reorders its own tenant's evictions and
 /// never shifts them onto another tenant.
 #[test]
@@ -262,34 +279,25 @@ fn a_plan_never_makes_another_tenant_give_up_pages() {
     lru.insert_kept(key(11), PAGE, Retention::Lru, Some(b.clone()));
     lru.insert_kept(key(12), PAGE, Retention::Lru, Some(b.clone()));
     // Team a plans to read 1 soon and 2 later; b's pages are in no plan.
-    let far = Duration::from_secs(600);
-    lru.install_plan("team-a:job/0", Some(a.clone()), &[key(1), key(2)], far)
-        .unwrap();
+    plan_of(&lru, &a, &[1, 2]);
     lru.insert_kept(key(3), PAGE, Retention::Lru, Some(a.clone()));
-    let victims: Vec<u8> = lru.take_victims().iter().map(|(k, _)| k.0[0]).collect();
+    let victims = evicted(&lru);
     // Recency would take a1; a gives up its own page instead: 3, which its
     // plan does not read, not one of b's.
     assert_eq!(victims, vec![3]);
     assert!(lru.contains(&key(11)) && lru.contains(&key(12)));
     lru.insert_kept(key(4), PAGE, Retention::Lru, Some(a.clone()));
-    lru.install_plan(
-        "team-a:job/0",
-        Some(a.clone()),
-        &[key(1), key(2), key(4)],
-        far,
-    )
-    .unwrap();
+    plan_of(&lru, &a, &[1, 2, 4]);
     lru.insert_kept(key(13), PAGE, Retention::Lru, Some(b.clone()));
-    let victims: Vec<u8> = lru.take_victims().iter().map(|(k, _)| k.0[0]).collect();
+    let victims = evicted(&lru);
     // Two pages over, and recency's two oldest are a's (1, 2): every page
     // of a is planned now, so a pays with the two its plan reads last.
     assert_eq!(victims, vec![4, 2]);
     assert_eq!(lru.tenant_used("team-b"), 3 * PAGE, "b keeps 11, 12, 13");
     // A plan of b's naming a's pages does not protect them.
-    lru.install_plan("team-b:job/0", Some(b.clone()), &[key(1)], far)
-        .unwrap();
+    plan_of(&lru, &b, &[1]);
     lru.insert_kept(key(14), PAGE, Retention::Lru, Some(b.clone()));
-    let victims: Vec<u8> = lru.take_victims().iter().map(|(k, _)| k.0[0]).collect();
+    let victims = evicted(&lru);
     assert_eq!(
         victims,
         vec![1],
@@ -299,13 +307,7 @@ fn a_plan_never_makes_another_tenant_give_up_pages() {
     lru.insert_kept(key(5), PAGE, Retention::Lru, Some(a.clone()));
     lru.insert_kept(key(6), PAGE, Retention::Lru, Some(a.clone()));
     lru.insert_kept(key(7), PAGE, Retention::Lru, Some(a.clone()));
-    lru.install_plan(
-        "team-a:job/0",
-        Some(a.clone()),
-        &[key(7), key(6), key(5)],
-        far,
-    )
-    .unwrap();
+    plan_of(&lru, &a, &[7, 6, 5]);
     let victims: Vec<u8> = lru
         .take_tenant_victims("team-a", PAGE)
         .iter()
