@@ -352,7 +352,20 @@ impl ObjectDb {
     pub fn remove_upload(&self, id: &str) -> Result<(), DbError> {
         self.db
             .delete_cf_opt(self.cf(CF_UPLOADS), id, &Self::synced())?;
-        let _ = std::fs::remove_dir_all(self.upload_dir(id));
+        // Moved aside first: a part still being received creates its file
+        // by the upload's path, so after the move it fails instead of
+        // landing in a directory that `remove_dir_all` already listed (the
+        // directory would then outlive the abort).
+        let dir = self.upload_dir(id);
+        let aside = self
+            .root
+            .join("tmp")
+            .join(format!("aborted-{id}-{}", uuid::Uuid::new_v4().simple()));
+        let doomed = match std::fs::rename(&dir, &aside) {
+            Ok(()) => aside,
+            Err(_) => dir,
+        };
+        let _ = std::fs::remove_dir_all(doomed);
         Ok(())
     }
 }
