@@ -52,8 +52,8 @@ set +e
   "$LAKECACHE_VENV/bin/ruff" check .
   "$LAKECACHE_VENV/bin/ruff" format --check .
   # The POSIX conformance suite and the benchmark scripts, same rules.
-  "$LAKECACHE_VENV/bin/ruff" check --config pyproject.toml ../cli/tests/posix ../benches/fio ../benches/dlio ../ops/tests ../pyclient/python ../scripts/testsupport
-  "$LAKECACHE_VENV/bin/ruff" format --check --config pyproject.toml ../benches/dlio ../ops/tests ../pyclient/python ../scripts/testsupport
+  "$LAKECACHE_VENV/bin/ruff" check --config pyproject.toml ../cli/tests/posix ../benches/fio ../benches/dlio ../benches/plans ../ops/tests ../pyclient/python ../scripts/testsupport
+  "$LAKECACHE_VENV/bin/ruff" format --check --config pyproject.toml ../benches/dlio ../benches/plans ../ops/tests ../pyclient/python ../scripts/testsupport
   LAKECACHE_BIN="${CARGO_TARGET_DIR:-$PWD/../target}/debug/lakecache" \
     PATH="$LAKECACHE_VENV/bin:$PATH" "$LAKECACHE_VENV/bin/pytest" -q -rA
   # Operations: Kubernetes manifests, systemd units, traces end to end.

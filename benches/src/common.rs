@@ -70,6 +70,7 @@ pub fn worker_options(cache_dir: PathBuf, capacity: u64) -> Result<WorkerOptions
             egress_price_per_gb: lakecache_worker::metrics::DEFAULT_EGRESS_PRICE_PER_GB,
             tenant_quotas: Default::default(),
             tenant_s3_rps: Default::default(),
+            plan_prefetch: Default::default(),
         },
         limits: HttpLimits::default(),
         access: Default::default(),

@@ -6,17 +6,14 @@
 //!
 //! Usage: delay-proxy --listen 127.0.0.1:9100 --upstream 127.0.0.1:9000 --rtt-ms 10
 
+mod delay;
+
 use std::net::SocketAddr;
 use std::time::Duration;
 
 use anyhow::{Context, Result};
-use bytes::{Bytes, BytesMut};
 use clap::Parser;
-use tokio::io::{AsyncReadExt, AsyncWriteExt};
-use tokio::net::tcp::{OwnedReadHalf, OwnedWriteHalf};
-use tokio::net::{TcpListener, TcpStream};
-use tokio::sync::mpsc;
-use tokio::time::Instant;
+use tokio::net::TcpListener;
 
 #[derive(Parser)]
 struct Args {
@@ -29,10 +26,6 @@ struct Args {
     rtt_ms: u64,
 }
 
-/// Chunks in flight per direction (64 KiB each at most): room for a
-/// 10 Gbit/s stream at a 10 ms round trip.
-const IN_FLIGHT: usize = 4096;
-
 #[tokio::main]
 async fn main() -> Result<()> {
     let args = Args::parse();
@@ -44,56 +37,5 @@ async fn main() -> Result<()> {
         "delay-proxy {} -> {} (+{} ms round trip)",
         args.listen, args.upstream, args.rtt_ms
     );
-    loop {
-        let (client, _) = listener.accept().await?;
-        let upstream = args.upstream;
-        tokio::spawn(async move {
-            if let Err(e) = relay(client, upstream, one_way).await {
-                eprintln!("connection ended: {e:#}");
-            }
-        });
-    }
-}
-
-async fn relay(client: TcpStream, upstream: SocketAddr, one_way: Duration) -> Result<()> {
-    // The connection's own handshake pays the round trip too.
-    tokio::time::sleep(one_way * 2).await;
-    let server = TcpStream::connect(upstream).await.context("upstream")?;
-    client.set_nodelay(true)?;
-    server.set_nodelay(true)?;
-    let (cr, cw) = client.into_split();
-    let (sr, sw) = server.into_split();
-    let up = tokio::spawn(pipe(cr, sw, one_way));
-    let down = tokio::spawn(pipe(sr, cw, one_way));
-    let _ = tokio::join!(up, down);
-    Ok(())
-}
-
-async fn pipe(mut from: OwnedReadHalf, mut to: OwnedWriteHalf, delay: Duration) {
-    let (tx, mut rx) = mpsc::channel::<(Instant, Bytes)>(IN_FLIGHT);
-    let reader = tokio::spawn(async move {
-        loop {
-            let mut buf = BytesMut::with_capacity(64 << 10);
-            match from.read_buf(&mut buf).await {
-                Ok(0) | Err(_) => break,
-                Ok(_) => {
-                    if tx
-                        .send((Instant::now() + delay, buf.freeze()))
-                        .await
-                        .is_err()
-                    {
-                        break;
-                    }
-                }
-            }
-        }
-    });
-    while let Some((due, chunk)) = rx.recv().await {
-        tokio::time::sleep_until(due).await;
-        if to.write_all(&chunk).await.is_err() {
-            break;
-        }
-    }
-    let _ = to.shutdown().await;
-    reader.abort();
+    delay::serve(listener, args.upstream, one_way).await
 }

@@ -22,7 +22,38 @@ use crate::store::{ObjectMeta, ObjectStore, StoreError};
 use lakecache_protocol::memory::MemoryBudget;
 
 mod plan;
+mod plan_fetch;
 pub use plan::{PlanEntry, PlanReport};
+pub use plan_fetch::PlanPrefetchConfig;
+
+tokio::task_local! {
+    /// Set when a read being served waits on S3 (or on a fetch already in
+    /// flight): the read was not a cache hit.
+    static WAITED: std::cell::Cell<bool>;
+}
+
+/// Marks the read being served as one that waited for its bytes.
+fn mark_waited() {
+    let _ = WAITED.try_with(|w| w.set(true));
+}
+
+/// Where a read's first piece came from, as `x-lakecache-cache` reports
+/// it: a hit had every byte cached when the read was issued; a read that
+/// waited on S3 or on a fetch still in flight (a prefetch's too) missed.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Served {
+    Hit,
+    Miss,
+}
+
+impl Served {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Served::Hit => "hit",
+            Served::Miss => "miss",
+        }
+    }
+}
 
 #[derive(Debug, Clone)]
 pub struct CacheConfig {
@@ -55,6 +86,8 @@ pub struct CacheConfig {
     pub tenant_quotas: std::collections::BTreeMap<String, u64>,
     /// S3 requests per second each named tenant's work may make.
     pub tenant_s3_rps: std::collections::BTreeMap<String, u32>,
+    /// Fetching ahead of jobs that published plans.
+    pub plan_prefetch: PlanPrefetchConfig,
 }
 
 #[derive(Debug, Clone, thiserror::Error)]
@@ -127,6 +160,8 @@ pub struct Cache {
     fresh: crate::fresh::FreshPages,
     /// Fetched pages whose page file is still being written.
     writing: crate::fresh::PagesInWrite,
+    /// The pages each plan reads, for fetching ahead of its reader.
+    plan_fetches: plan_fetch::PlanFetches,
 }
 
 /// What an S3 fetch holds while its bytes are in use: a fetch permit and
@@ -227,8 +262,10 @@ impl Cache {
             s3_down: Default::default(),
             fresh: crate::fresh::FreshPages::new(fresh_bytes),
             writing: Default::default(),
+            plan_fetches: Default::default(),
         });
         tokio::spawn(evictor(Arc::downgrade(&cache), cache.evict.clone()));
+        tokio::spawn(plan_fetch::prefetcher(Arc::downgrade(&cache)));
         if let Some(wb) = &cache.writeback {
             let _ = cache.metrics.writeback.set(Arc::downgrade(wb));
             let _ = cache.metrics.cache.set(Arc::downgrade(&cache));
@@ -459,59 +496,73 @@ impl Cache {
     /// Streams `range` of the object version `meta`. The first piece is
     /// fetched before returning, so an error there is still an error
     /// status; a later failure ends the stream with an error (the
-    /// connection is cut, never short data).
+    /// connection is cut, never short data). Also says whether the first
+    /// piece was a hit.
     pub async fn read(
         self: &Arc<Self>,
         uri: &ObjectUri,
         meta: &ObjectMeta,
         range: Range<u64>,
-    ) -> Result<impl Stream<Item = Result<Bytes, CacheError>> + Send + 'static, CacheError> {
+    ) -> Result<
+        (
+            impl Stream<Item = Result<Bytes, CacheError>> + Send + 'static,
+            Served,
+        ),
+        CacheError,
+    > {
         let dirty = crate::writeback::is_cache_version(&meta.etag);
         let seq = !dirty && self.maybe_read_ahead(uri, meta, &range);
+        let mut served = Served::Hit;
         let first = if range.is_empty() {
             None
         } else {
-            Some(
-                self.next_piece(uri, meta, range.start, range.end, seq)
-                    .await?,
-            )
+            let (piece, waited) = WAITED
+                .scope(std::cell::Cell::new(false), async {
+                    let piece = self
+                        .next_piece(uri, meta, range.start, range.end, seq)
+                        .await;
+                    (piece, WAITED.with(|w| w.get()))
+                })
+                .await;
+            if waited {
+                served = Served::Miss;
+            }
+            Some(piece?)
         };
         let state = (self.clone(), uri.clone(), meta.clone(), range, first);
         // The body is polled after the request's task-local scope ended.
         let tenant = crate::tenant::current();
-        Ok(futures::stream::unfold(
-            state,
-            move |(cache, uri, meta, range, first)| {
-                let tenant = tenant.clone();
-                async move {
-                    if range.is_empty() {
-                        return None;
+        let pieces = futures::stream::unfold(state, move |(cache, uri, meta, range, first)| {
+            let tenant = tenant.clone();
+            async move {
+                if range.is_empty() {
+                    return None;
+                }
+                let piece = match first {
+                    Some(p) => Ok(p),
+                    None => {
+                        crate::tenant::scope(
+                            tenant,
+                            cache.next_piece(&uri, &meta, range.start, range.end, seq),
+                        )
+                        .await
                     }
-                    let piece = match first {
-                        Some(p) => Ok(p),
-                        None => {
-                            crate::tenant::scope(
-                                tenant,
-                                cache.next_piece(&uri, &meta, range.start, range.end, seq),
-                            )
-                            .await
-                        }
-                    };
-                    match piece {
-                        Ok(bytes) => {
-                            let next = range.start + bytes.len() as u64..range.end;
-                            cache.metrics.served(bytes.len() as u64);
-                            Some((Ok(bytes), (cache, uri, meta, next, None)))
-                        }
-                        Err(e) => {
-                            tracing::warn!(%uri, error = %e, "read failed mid-stream");
-                            let done = range.end..range.end;
-                            Some((Err(e), (cache, uri, meta, done, None)))
-                        }
+                };
+                match piece {
+                    Ok(bytes) => {
+                        let next = range.start + bytes.len() as u64..range.end;
+                        cache.metrics.served(bytes.len() as u64);
+                        Some((Ok(bytes), (cache, uri, meta, next, None)))
+                    }
+                    Err(e) => {
+                        tracing::warn!(%uri, error = %e, "read failed mid-stream");
+                        let done = range.end..range.end;
+                        Some((Err(e), (cache, uri, meta, done, None)))
                     }
                 }
-            },
-        ))
+            }
+        });
+        Ok((pieces, served))
     }
 
     /// Bytes from `pos` towards `end`: at most [`MAX_PIECE`], never across
@@ -628,6 +679,7 @@ impl Cache {
             .policies
             .for_uri(&uri_s)
             .is_some_and(|p| p.skip_cache);
+        mark_waited();
         let fetched = if skip_cache {
             // Pass-through: exactly the bytes asked for, stored nowhere.
             let range = id.offset + sub.start..id.offset + sub.end;

@@ -305,6 +305,12 @@ impl Lru {
         Ok(())
     }
 
+    /// Where plan `name`'s reader is (see `PlanOrder::cursor`); `None`
+    /// once the plan expired.
+    pub fn plan_cursor(&self, name: &str) -> Option<u64> {
+        self.lock().plans.cursor(name)
+    }
+
     pub fn has_plans(&self) -> bool {
         self.planned.load(Ordering::Relaxed)
     }

@@ -32,6 +32,7 @@ pub struct Metrics {
     evicted_pages: Counter<u64>,
     evicted_bytes: Counter<u64>,
     corrupt_pages: Counter<u64>,
+    plan_prefetched_bytes: Counter<u64>,
     discarded_pages: Counter<u64>,
     handed_off_pages: Counter<u64>,
     writeback_uploaded_objects: Counter<u64>,
@@ -269,6 +270,12 @@ impl Metrics {
             ),
             evicted_pages: counter(&meter, "lakecache_evicted_pages", "", "Pages evicted"),
             evicted_bytes: counter(&meter, "lakecache_evicted", "By", "Bytes evicted"),
+            plan_prefetched_bytes: counter(
+                &meter,
+                "lakecache_plan_prefetched",
+                "By",
+                "Bytes fetched ahead of readers in the order their published plans give",
+            ),
             corrupt_pages: counter(
                 &meter,
                 "lakecache_corrupt_pages",
@@ -400,6 +407,10 @@ impl Metrics {
 
     pub fn writeback_failure(&self) {
         self.writeback_failures.add(1, &[]);
+    }
+
+    pub fn plan_prefetched(&self, bytes: u64) {
+        self.plan_prefetched_bytes.add(bytes, &[]);
     }
 
     pub fn corrupt_page(&self) {

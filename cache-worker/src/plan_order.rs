@@ -185,6 +185,12 @@ impl PlanOrder {
         self.plans.is_empty()
     }
 
+    /// Plan `name`'s cursor: the position (in its pages, a page listed
+    /// again right after itself counted once) its reader reads next.
+    pub fn cursor(&self, name: &str) -> Option<u64> {
+        self.plans.get(name).map(|p| p.cursor)
+    }
+
     /// Whether `tenant` has published any plan.
     pub fn has_tenant(&self, tenant: Option<&str>) -> bool {
         self.plans.values().any(|p| p.tenant.as_deref() == tenant)

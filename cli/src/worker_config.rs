@@ -239,6 +239,15 @@ pub struct WorkerSettings {
     /// metrics [default: 0.09, S3's internet egress list price]
     #[arg(long, env = "LAKECACHE_EGRESS_PRICE_PER_GB")]
     pub egress_price_per_gb: Option<f64>,
+    /// Bytes fetched ahead of one job's readers on this worker, in the
+    /// order its published plan gives (capped at a quarter of the cache;
+    /// 0 turns plan prefetch off) [default: 512MiB]
+    #[arg(long, env = "LAKECACHE_PLAN_PREFETCH")]
+    pub plan_prefetch: Option<ByteSize>,
+    /// How far ahead of a planned reader, in time at its pace, pages are
+    /// fetched [default: 2s]
+    #[arg(long, env = "LAKECACHE_PLAN_LEAD")]
+    pub plan_lead: Option<Seconds>,
 }
 
 /// `TENANT=VALUE` settings by tenant, each value checked by `parse`.
@@ -385,6 +394,8 @@ impl WorkerSettings {
                 egress_price_per_gb,
                 tenant_quota,
                 tenant_s3_rps,
+                plan_prefetch,
+                plan_lead,
             ]
         )
     }
@@ -602,6 +613,13 @@ impl WorkerSettings {
                 egress_price_per_gb,
                 tenant_quotas,
                 tenant_s3_rps,
+                plan_prefetch: {
+                    let default = lakecache_worker::cache::PlanPrefetchConfig::default();
+                    lakecache_worker::cache::PlanPrefetchConfig {
+                        budget_bytes: self.plan_prefetch.map_or(default.budget_bytes, |s| s.0),
+                        lead: self.plan_lead.map_or(default.lead, |s| s.0),
+                    }
+                },
                 writeback: lakecache_worker::writeback::WriteBackConfig {
                     staging_limit: self
                         .write_staging_limit

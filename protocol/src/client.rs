@@ -93,6 +93,11 @@ pub const OFFSET_HEADER: &str = "x-lakecache-offset";
 /// On a page hand-off, the sending worker's instance id: a worker never
 /// takes pages from itself (a ring entry can name it by another address).
 pub const FROM_HEADER: &str = "x-lakecache-from";
+/// On a read's response: `hit` when the first piece's bytes (up to the
+/// end of its page) were cached when the read was issued, `miss` when it
+/// waited on S3 or on a fetch in flight. Reads within one page are
+/// described whole.
+pub const CACHE_HEADER: &str = "x-lakecache-cache";
 
 /// Largest response body buffer allocated up front from Content-Length.
 const MAX_PRESIZE: u64 = 256 << 20;

@@ -251,3 +251,73 @@ def test_dataset_matches_the_trainers_loader_and_the_trainer_reads_lakecache_uri
     )  # fmt: skip
     assert header["dataset"]["snapshot_checksum"] == snap["checksum"]
     assert [name for name, _ in header["dataset"]["shards"]] == [f"shard{i}.bin" for i in range(4)]
+
+
+def test_a_map_style_dataset_with_a_planned_sampler_reads_every_record_in_loader_workers(mount):
+    """Issue #35, map-style: a sampler's epoch order goes to the workers as
+    a plan before the epoch, and DataLoader workers (forked, each with its
+    own client) read every record right."""
+    from lakecache.samples import PlannedSampler, RecordDataset, records_to_tensor
+
+    mnt, worker, token_file = mount
+    d = mnt / "pyclient" / "records"
+    d.mkdir(parents=True)
+    record = 64 << 10
+    for i in range(3):
+        # 16 bytes of header, then records whose bytes say (object, record).
+        body = b"H" * 16 + b"".join(bytes([i * 10 + r]) * record for r in range(6))
+        (d / f"{i}.bin").write_bytes(body + b"tail")
+    uris = [f"s3://lakecache/pyclient/records/{i}.bin" for i in range(3)]
+    ds = RecordDataset(
+        uris,
+        record,
+        header_bytes=16,
+        transform=records_to_tensor,
+        worker=worker,
+        token_file=token_file,
+    )
+    assert len(ds) == 18
+    assert ds.sample_range(7) == (uris[1], 16 + record, 16 + 2 * record)
+    with pytest.raises(IndexError):
+        ds.sample_range(18)
+    inner = torch.utils.data.RandomSampler(ds, generator=torch.Generator().manual_seed(3))
+    sampler = PlannedSampler(inner, ds, job="records", rank=0, ttl_s=60)
+    loader = torch.utils.data.DataLoader(ds, batch_size=4, sampler=sampler, num_workers=2)
+    seen = []
+    for batch in loader:
+        assert batch.shape[1] == record
+        seen += [int(row[0]) for row in batch]
+        assert all(bool((row == row[0]).all()) for row in batch)
+    assert sorted(seen) == sorted(i * 10 + r for i in range(3) for r in range(6))
+    assert sampler.name == "records/0"
+    result = sampler.plan_result
+    assert result is not None and result["pages"] >= 3 and result["skipped_entries"] == 0, result
+
+    # A plan the workers refuse is a warning; the epoch reads the same.
+    class Refusing:
+        def __init__(self, real):
+            self.real = real
+
+        def publish_plan(self, *args, **kwargs):
+            raise OSError("worker gone")
+
+    ds.client()  # this process's client, wrapped below
+    real = ds._client
+    ds._client = Refusing(real)
+    ds._pid = os.getpid()
+    order = [5, 1, 17, 0]
+    with pytest.warns(UserWarning, match="publishing read plan records/0 failed: worker gone"):
+        drawn = list(PlannedSampler(_Fixed(order), ds, job="records", rank=0))
+    assert drawn == order
+    ds._client = real
+
+
+class _Fixed(torch.utils.data.Sampler):
+    def __init__(self, order: list[int]) -> None:
+        self.order = order
+
+    def __iter__(self):
+        return iter(self.order)
+
+    def __len__(self) -> int:
+        return len(self.order)

@@ -53,6 +53,11 @@ impl Cache {
         let ps = self.config.page_size;
         let mut report = PlanReport::default();
         let mut pages: Vec<PageKey> = Vec::new();
+        // For prefetch: each page's object (an index into `objects`) and
+        // page number.
+        let mut objects: Vec<(ObjectUri, ObjectMeta)> = Vec::new();
+        let mut object_at: HashMap<String, u32> = HashMap::new();
+        let mut at: Vec<(u32, u64)> = Vec::new();
         for entry in entries {
             let key = entry.uri.to_string();
             let meta = match metas.get(&key) {
@@ -70,10 +75,20 @@ impl Cache {
             if entry.range.start >= end {
                 continue;
             }
+            let obj = match object_at.get(&key) {
+                Some(obj) => *obj,
+                None => {
+                    objects.push((entry.uri.clone(), meta.clone()));
+                    let obj = objects.len() as u32 - 1;
+                    object_at.insert(key.clone(), obj);
+                    obj
+                }
+            };
             for idx in entry.range.start / ps..=(end - 1) / ps {
                 let page = PageKey::new(&key, &meta.etag, idx);
                 if pages.last() != Some(&page) {
                     pages.push(page);
+                    at.push((obj, idx));
                 }
             }
             if pages.len() > MAX_PLAN_PAGES {
@@ -86,10 +101,15 @@ impl Cache {
             tracing::warn!(plan = name, skipped = report.skipped_entries, first = ?report.skipped.first(), "plan entries skipped");
         }
         // A plan ranks the pages of the tenant that published it.
+        let tenant = crate::tenant::current();
         self.lru
-            .install_plan(name, crate::tenant::current(), &pages, ttl)
+            .install_plan(name, tenant.clone(), &pages, ttl)
             .map_err(|e| CacheError::Invalid(format!("{e}; nothing was installed")))?;
         report.pages = pages.len();
+        self.plan_fetches.install(
+            name,
+            super::plan_fetch::PlanFetch::new(tenant, objects, pages, at),
+        );
         Ok(report)
     }
 

@@ -372,7 +372,7 @@ async fn page(state: &AppState, token: Option<&str>, asked: Asked<'_>) -> (Local
         // One read of the whole range, as one HTTP request would be: the
         // worker's read-ahead follows a reader by where its reads start.
         let end = end.min(offset.saturating_add(MAX_INLINE));
-        let pieces = cache.read(&uri, &meta, offset..end).await?;
+        let (pieces, _) = cache.read(&uri, &meta, offset..end).await?;
         Ok(Found::Stream(Box::pin(pieces), end - offset))
     })
     .await;

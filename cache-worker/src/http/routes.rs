@@ -416,9 +416,11 @@ async fn read(
                 }
             },
         };
+        let mut served = None;
         let mut resp = if with_body {
             match state.cache.read(&uri, &meta, range.clone()).await {
-                Ok(stream) => {
+                Ok((stream, first)) => {
+                    served = Some(first);
                     let frames =
                         stream.map(|r| r.map(Frame::data).map_err(|e| -> BoxError { Box::new(e) }));
                     http::Response::new(BodyExt::boxed_unsync(StreamBody::new(frames)))
@@ -456,6 +458,12 @@ async fn read(
         set_header(&mut resp, header::ETAG, format!("\"{etag}\""));
         resp.headers_mut()
             .insert(header::ACCEPT_RANGES, HeaderValue::from_static("bytes"));
+        if let Some(first) = served {
+            resp.headers_mut().insert(
+                lakecache_protocol::CACHE_HEADER,
+                HeaderValue::from_static(first.as_str()),
+            );
+        }
         resp.headers_mut().insert(
             header::CONTENT_TYPE,
             HeaderValue::from_static("application/octet-stream"),

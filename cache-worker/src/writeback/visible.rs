@@ -254,7 +254,7 @@ impl Cache {
         to: &ObjectUri,
         user: Option<&lakecache_protocol::UserMeta>,
     ) -> Result<ObjectMeta, CacheError> {
-        let body = self.read(from, source, 0..source.size).await?;
+        let (body, _) = self.read(from, source, 0..source.size).await?;
         self.write_back(
             to,
             Box::pin(body),

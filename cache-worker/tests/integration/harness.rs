@@ -49,6 +49,7 @@ pub fn default_options(cache_dir: PathBuf) -> WorkerOptions {
             egress_price_per_gb: lakecache_worker::metrics::DEFAULT_EGRESS_PRICE_PER_GB,
             tenant_quotas: Default::default(),
             tenant_s3_rps: Default::default(),
+            plan_prefetch: Default::default(),
         },
         limits: HttpLimits::default(),
         access: Default::default(),

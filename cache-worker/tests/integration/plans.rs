@@ -208,3 +208,113 @@ async fn plans_over_http_are_installed_or_refused_naming_the_problem() {
     // The worker serves on.
     read(&h, 3).await;
 }
+
+/// Whether the worker answered a read of object `i` from its cache.
+async fn read_says(h: &Harness, i: u64) -> String {
+    let resp = h.client.read_stream(&uri(&name(i)), None).await.unwrap();
+    let said = resp
+        .headers()
+        .get(lakecache_protocol::CACHE_HEADER)
+        .expect("a read's answer says whether it hit")
+        .to_str()
+        .unwrap()
+        .to_string();
+    use http_body_util::BodyExt as _;
+    let body = resp.into_body().collect().await.unwrap().to_bytes();
+    assert_eq!(body.len() as u64, MIB);
+    said
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_read_says_whether_its_bytes_were_cached() {
+    let h = small_cache().await;
+    assert_eq!(read_says(&h, 5).await, "miss");
+    assert_eq!(read_says(&h, 5).await, "hit");
+}
+
+fn plan_of(order: &[u64]) -> Vec<PlanEntry> {
+    order
+        .iter()
+        .map(|i| PlanEntry {
+            uri: uri(&name(*i)),
+            range: 0..MIB,
+        })
+        .collect()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_plans_next_pages_are_fetched_before_they_are_read() {
+    let h = small_cache().await;
+    let order: Vec<u64> = vec![9, 2, 30, 17, 4, 21];
+    install(&h, &plan_of(&order)).await;
+    // Nothing read yet: the prefetcher fetches ahead of the cursor, within
+    // a quarter of the cache (4 pages here).
+    for i in &order[..4] {
+        let i = *i;
+        eventually(Duration::from_secs(10), "4 pages prefetched", || {
+            let h = &h;
+            async move { read_is_cached(h, i).await }
+        })
+        .await;
+    }
+    for i in &order[..4] {
+        assert_eq!(read_says(&h, *i).await, "hit", "object {i}");
+    }
+    // Reading moved the cursor: the rest follow.
+    for i in &order[4..] {
+        let i = *i;
+        eventually(Duration::from_secs(10), "the rest prefetched", || {
+            let h = &h;
+            async move { read_is_cached(h, i).await }
+        })
+        .await;
+    }
+    for i in &order[4..] {
+        assert_eq!(read_says(&h, *i).await, "hit", "object {i}");
+    }
+}
+
+/// Whether object `i`'s page is cached, without reading it (a read would
+/// move the plan).
+async fn read_is_cached(h: &Harness, i: u64) -> bool {
+    let cache = h.worker.as_ref().unwrap().cache().clone();
+    cache.is_cached(&uri(&name(i)), 0).await
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn plan_prefetch_stays_within_its_budget_and_can_be_turned_off() {
+    let h = Harness::with(|o| {
+        o.cache.capacity = 64 * MIB;
+        o.cache.plan_prefetch.budget_bytes = 3 * MIB;
+    })
+    .await;
+    for i in 0..OBJECTS {
+        h.put_direct(&name(i), &data(MIB as usize, i)).await;
+    }
+    let before = h.gets();
+    install(&h, &plan_of(&(0..OBJECTS).collect::<Vec<_>>())).await;
+    eventually(Duration::from_secs(10), "3 pages prefetched", || {
+        let gets = h.gets();
+        async move { gets >= before + 3 }
+    })
+    .await;
+    // Several prefetcher rounds later, still 3: the budget holds while
+    // the reader does not move.
+    tokio::time::sleep(scaled(Duration::from_millis(300))).await;
+    assert_eq!(h.gets(), before + 3);
+
+    let off = Harness::with(|o| o.cache.plan_prefetch.budget_bytes = 0).await;
+    for i in 0..4 {
+        off.put_direct(&name(i), &data(MIB as usize, i)).await;
+    }
+    let before = off.gets();
+    off.worker
+        .as_ref()
+        .unwrap()
+        .cache()
+        .install_plan("job/0", &plan_of(&[0, 1, 2, 3]), Duration::from_secs(600))
+        .await
+        .unwrap();
+    tokio::time::sleep(scaled(Duration::from_millis(300))).await;
+    assert_eq!(off.gets(), before, "prefetch was off");
+}

@@ -1,0 +1,320 @@
+//! Prefetch by plan (issue #35): a job that published its read order gets
+//! the pages it reads next fetched ahead of it. The lead is kept in time:
+//! each plan's reader pace (pages per second, from how its cursor moves)
+//! times [`PlanPrefetchConfig::lead`], within a byte budget per job on
+//! each worker. A prefetched page is an ordinary cached page; eviction by
+//! plan keeps it, its next use being near.
+//!
+//! A prefetch never moves a plan's cursor (only client reads do), and a
+//! read that finds its page still being prefetched waits for it and counts
+//! as a miss ([`super::Served`]).
+
+use std::collections::{HashMap, HashSet};
+use std::sync::{Arc, Mutex, Weak};
+use std::time::{Duration, Instant};
+
+use lakecache_protocol::ObjectUri;
+
+use super::{Cache, CacheError};
+use crate::pages::{PageId, PageKey};
+use crate::store::ObjectMeta;
+
+/// How far ahead of each job's readers a worker fetches.
+#[derive(Debug, Clone, PartialEq)]
+pub struct PlanPrefetchConfig {
+    /// Bytes fetched ahead of one job's readers on one worker, at most
+    /// (and never over a quarter of the cache); 0 turns prefetch off.
+    pub budget_bytes: u64,
+    /// How far ahead in time: the reader's pace times this.
+    pub lead: Duration,
+}
+
+impl Default for PlanPrefetchConfig {
+    fn default() -> Self {
+        Self {
+            budget_bytes: 512 << 20,
+            lead: Duration::from_secs(2),
+        }
+    }
+}
+
+/// How often the prefetcher looks at the plans' cursors.
+const TICK: Duration = Duration::from_millis(20);
+/// Pages one plan has in flight at most.
+const IN_FLIGHT_PER_PLAN: usize = 8;
+/// Pages fetched ahead of a reader whose pace is not known yet.
+const START_LEAD_PAGES: u64 = 8;
+/// A pace is measured over at least this long.
+const PACE_WINDOW: Duration = Duration::from_millis(250);
+
+/// One plan's pages, resolved for fetching: position `i` is page
+/// `keys[i]`, page `at[i].1` of object `objects[at[i].0]`.
+pub(crate) struct PlanFetch {
+    generation: u64,
+    tenant: Option<Arc<str>>,
+    objects: Vec<(ObjectUri, ObjectMeta)>,
+    keys: Vec<PageKey>,
+    at: Vec<(u32, u64)>,
+    in_flight: Mutex<HashSet<PageKey>>,
+}
+
+impl PlanFetch {
+    pub(crate) fn new(
+        tenant: Option<Arc<str>>,
+        objects: Vec<(ObjectUri, ObjectMeta)>,
+        keys: Vec<PageKey>,
+        at: Vec<(u32, u64)>,
+    ) -> Self {
+        Self {
+            generation: 0,
+            tenant,
+            objects,
+            keys,
+            at,
+            in_flight: Mutex::default(),
+        }
+    }
+
+    fn in_flight(&self) -> std::sync::MutexGuard<'_, HashSet<PageKey>> {
+        self.in_flight.lock().unwrap_or_else(|p| p.into_inner())
+    }
+}
+
+/// The installed plans' fetch lists, by plan name.
+#[derive(Default)]
+pub(crate) struct PlanFetches {
+    plans: Mutex<HashMap<String, Arc<PlanFetch>>>,
+    installs: std::sync::atomic::AtomicU64,
+}
+
+impl PlanFetches {
+    fn lock(&self) -> std::sync::MutexGuard<'_, HashMap<String, Arc<PlanFetch>>> {
+        self.plans.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    pub(crate) fn install(&self, name: &str, mut plan: PlanFetch) {
+        plan.generation = self
+            .installs
+            .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+        self.lock().insert(name.to_string(), Arc::new(plan));
+    }
+
+    fn snapshot(&self) -> Vec<(String, Arc<PlanFetch>)> {
+        self.lock()
+            .iter()
+            .map(|(n, p)| (n.clone(), p.clone()))
+            .collect()
+    }
+
+    /// Drops plan `name` unless it was renewed since `generation`.
+    fn remove(&self, name: &str, generation: u64) {
+        let mut plans = self.lock();
+        if plans.get(name).is_some_and(|p| p.generation == generation) {
+            plans.remove(name);
+        }
+    }
+}
+
+/// The job a plan named `job/rank` belongs to.
+fn job_of(name: &str) -> &str {
+    name.rsplit_once('/').map_or(name, |(job, _)| job)
+}
+
+/// A plan's reader pace, from where its cursor was when.
+struct Pace {
+    generation: u64,
+    mark: (u64, Instant),
+    pages_per_s: Option<f64>,
+}
+
+impl Pace {
+    fn new(generation: u64, cursor: u64, now: Instant) -> Self {
+        Self {
+            generation,
+            mark: (cursor, now),
+            pages_per_s: None,
+        }
+    }
+
+    fn observe(&mut self, cursor: u64, now: Instant) {
+        let (at, since) = self.mark;
+        let elapsed = now.duration_since(since);
+        if elapsed < PACE_WINDOW {
+            return;
+        }
+        let sample = cursor.saturating_sub(at) as f64 / elapsed.as_secs_f64();
+        // A reader that stalls (between epochs, or waiting on a miss)
+        // keeps most of its lead: the pace decays, never drops to 0 at once.
+        self.pages_per_s = Some(match self.pages_per_s {
+            None => sample,
+            Some(old) => 0.6 * old + 0.4 * sample,
+        });
+        self.mark = (cursor, now);
+    }
+
+    fn lead_pages(&self, lead: Duration) -> u64 {
+        match self.pages_per_s {
+            None => START_LEAD_PAGES,
+            Some(rate) => ((rate * lead.as_secs_f64()).ceil() as u64).max(2),
+        }
+    }
+}
+
+/// Fetches the pages each plan reads next, every [`TICK`]; exits when the
+/// cache is dropped or shuts down.
+pub(crate) async fn prefetcher(cache: Weak<Cache>) {
+    let mut paces: HashMap<String, Pace> = HashMap::new();
+    loop {
+        tokio::time::sleep(TICK).await;
+        let Some(this) = cache.upgrade() else { return };
+        if *this.closing.borrow() {
+            return;
+        }
+        let config = this.config.plan_prefetch.clone();
+        let plans = this.plan_fetches.snapshot();
+        paces.retain(|name, _| plans.iter().any(|(n, _)| n == name));
+        if config.budget_bytes == 0 || plans.is_empty() {
+            continue;
+        }
+        let mut per_job: HashMap<&str, u64> = HashMap::new();
+        for (name, _) in &plans {
+            *per_job.entry(job_of(name)).or_default() += 1;
+        }
+        let budget = config.budget_bytes.min(this.config.capacity / 4);
+        let now = Instant::now();
+        for (name, plan) in &plans {
+            let Some(cursor) = this.lru.plan_cursor(name) else {
+                // Expired (or replaced by a plan with no pages here).
+                this.plan_fetches.remove(name, plan.generation);
+                continue;
+            };
+            let pace = paces
+                .entry(name.clone())
+                .or_insert_with(|| Pace::new(plan.generation, cursor, now));
+            if pace.generation != plan.generation {
+                *pace = Pace::new(plan.generation, cursor, now);
+            }
+            pace.observe(cursor, now);
+            let share = budget / per_job.get(job_of(name)).copied().unwrap_or(1).max(1);
+            this.prefetch_ahead(plan, cursor, pace.lead_pages(config.lead), share);
+        }
+    }
+}
+
+impl Cache {
+    /// Starts fetches of `plan`'s pages from `cursor` on, `lead` pages
+    /// and `budget` bytes ahead at most (cached pages count too).
+    fn prefetch_ahead(
+        self: &Arc<Self>,
+        plan: &Arc<PlanFetch>,
+        cursor: u64,
+        lead: u64,
+        budget: u64,
+    ) {
+        let ps = self.config.page_size;
+        let end = cursor.saturating_add(lead).min(plan.keys.len() as u64);
+        let mut ahead = 0u64;
+        for pos in cursor..end {
+            let key = plan.keys[pos as usize];
+            let (obj, idx) = plan.at[pos as usize];
+            let Some((uri, meta)) = plan.objects.get(obj as usize) else {
+                continue;
+            };
+            let len = ps.min(meta.size.saturating_sub(idx * ps));
+            if ahead + len > budget {
+                return;
+            }
+            ahead += len;
+            if self.lru.contains(&key) || self.fresh.holds(&key) || self.writing.holds(&key) {
+                continue;
+            }
+            {
+                let mut in_flight = plan.in_flight();
+                if in_flight.contains(&key) {
+                    continue;
+                }
+                if in_flight.len() >= IN_FLIGHT_PER_PLAN {
+                    return;
+                }
+                in_flight.insert(key);
+            }
+            let (this, plan, uri, meta) = (self.clone(), plan.clone(), uri.clone(), meta.clone());
+            let tenant = plan.tenant.clone();
+            tokio::spawn(crate::tenant::scope(tenant, async move {
+                let fetched = this.prefetch_page(&uri, &meta, idx, key).await;
+                plan.in_flight().remove(&key);
+                match fetched {
+                    Ok(true) => this.metrics.plan_prefetched(len),
+                    Ok(false) => {}
+                    Err(e) => {
+                        tracing::debug!(%uri, page = idx, error = %e, "plan prefetch failed")
+                    }
+                }
+            }));
+        }
+    }
+
+    /// Whether the page holding `offset` of `uri`'s current version is
+    /// cached (on disk or in memory), without reading it: a read would
+    /// count as a plan's reader's.
+    pub async fn is_cached(self: &Arc<Self>, uri: &ObjectUri, offset: u64) -> bool {
+        let Ok(meta) = self.stat(uri).await else {
+            return false;
+        };
+        let key = PageKey::new(&uri.to_string(), &meta.etag, offset / self.config.page_size);
+        self.lru.contains(&key) || self.fresh.holds(&key) || self.writing.holds(&key)
+    }
+
+    /// Fetches page `idx` whole unless cached; `Ok(true)` once its file
+    /// is written (the budget counts pages until then).
+    async fn prefetch_page(
+        self: &Arc<Self>,
+        uri: &ObjectUri,
+        meta: &ObjectMeta,
+        idx: u64,
+        key: PageKey,
+    ) -> Result<bool, CacheError> {
+        if self.lru.contains(&key) {
+            return Ok(false);
+        }
+        let id = PageId::new(
+            &uri.to_string(),
+            &meta.etag,
+            idx,
+            self.config.page_size,
+            meta.size,
+        );
+        self.fetch_page(uri, meta, idx, key, id).await?;
+        self.writing.written(&key).await;
+        Ok(true)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_plan_name_belongs_to_its_job() {
+        assert_eq!(job_of("train/3"), "train");
+        assert_eq!(job_of("a/b/0"), "a/b");
+        assert_eq!(job_of("solo"), "solo");
+    }
+
+    #[test]
+    fn the_lead_follows_the_readers_pace_and_decays_when_it_stalls() {
+        let t0 = Instant::now();
+        let mut pace = Pace::new(0, 0, t0);
+        assert_eq!(pace.lead_pages(Duration::from_secs(2)), START_LEAD_PAGES);
+        // 40 pages in half a second: 80 pages/s, 160 pages in 2 s.
+        pace.observe(40, t0 + Duration::from_millis(500));
+        assert_eq!(pace.lead_pages(Duration::from_secs(2)), 160);
+        // Too soon to measure: unchanged.
+        pace.observe(41, t0 + Duration::from_millis(600));
+        assert_eq!(pace.lead_pages(Duration::from_secs(2)), 160);
+        // A stall lowers the pace without dropping it to nothing.
+        pace.observe(40, t0 + Duration::from_millis(1000));
+        let lead = pace.lead_pages(Duration::from_secs(2));
+        assert!(lead > 2 && lead < 160, "{lead}");
+    }
+}
