@@ -451,13 +451,13 @@ async fn write_data(args: &Args, s3: &common::BenchS3) -> Result<HashMap<u64, St
 
 fn check_args(args: &Args) -> Result<()> {
     let sample = args.sample_kib * 1024;
-    if sample == 0 || PAGE % sample != 0 {
+    if sample == 0 || !PAGE.is_multiple_of(sample) {
         bail!(
             "--sample-kib must divide the 4 MiB page (got {})",
             args.sample_kib
         );
     }
-    if args.shard_mib == 0 || (args.shard_mib * MIB) % sample != 0 {
+    if args.shard_mib == 0 || !(args.shard_mib * MIB).is_multiple_of(sample) {
         bail!("--shard-mib must be a positive multiple of the sample size");
     }
     if args.runs == 0 || args.batch == 0 || args.loader_workers == 0 || args.shards == 0 {
