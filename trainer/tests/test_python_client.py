@@ -255,7 +255,7 @@ def test_dataset_matches_the_trainers_loader_and_the_trainer_reads_lakecache_uri
 
 def test_a_map_style_dataset_with_a_planned_sampler_reads_every_record_in_loader_workers(mount):
     """Issue #35, map-style: a sampler's epoch order goes to the workers as
-    a plan before the epoch, and DataLoader workers (forked, each with its
+    a plan before the epoch, and DataLoader workers (spawned, each with its
     own client) read every record right."""
     from lakecache.samples import PlannedSampler, RecordDataset, records_to_tensor
 
@@ -282,7 +282,9 @@ def test_a_map_style_dataset_with_a_planned_sampler_reads_every_record_in_loader
         ds.sample_range(18)
     inner = torch.utils.data.RandomSampler(ds, generator=torch.Generator().manual_seed(3))
     sampler = PlannedSampler(inner, ds, job="records", rank=0, ttl_s=60)
-    loader = torch.utils.data.DataLoader(ds, batch_size=4, sampler=sampler, num_workers=2)
+    loader = torch.utils.data.DataLoader(
+        ds, batch_size=4, sampler=sampler, num_workers=2, multiprocessing_context="spawn"
+    )
     seen = []
     for batch in loader:
         assert batch.shape[1] == record

@@ -5,14 +5,17 @@ that they fetch ahead of the loader and evict by it.
 
     ds = RecordDataset(uris, record_bytes=1 << 20, worker=..., token_file=...)
     sampler = PlannedSampler(DistributedSampler(ds, shuffle=True), ds)
-    loader = DataLoader(ds, batch_size=8, sampler=sampler, num_workers=4)
+    loader = DataLoader(ds, batch_size=8, sampler=sampler, num_workers=4,
+                        multiprocessing_context="spawn")
     for epoch in range(epochs):
         sampler.set_epoch(epoch)
         for batch in loader: ...
 
 The sampler runs in the main process (DataLoader asks it for indices), so
 one process publishes each rank's plan; the data set opens its own client
-in each loader worker process, as the client does not survive a fork.
+in each loader worker process. Loader workers must start by spawn (or
+forkserver): a client does not survive a fork, and the data set says so
+instead of hanging.
 """
 
 from __future__ import annotations
@@ -29,9 +32,6 @@ from torch.utils.data import Dataset, Sampler
 
 from . import plans
 from ._native import Client
-
-# Clients a forked process inherited (see RecordDataset.client).
-_INHERITED: list[Client] = []
 
 
 class RecordDataset(Dataset):
@@ -73,12 +73,16 @@ class RecordDataset(Dataset):
         self._len = count
 
     def client(self) -> Client:
-        """This process's client (made again after a fork)."""
-        if self._client is None or self._pid != os.getpid():
-            if self._client is not None:
-                # Never dropped in a forked child: dropping would wait for
-                # its runtime's threads, which only the parent has.
-                _INHERITED.append(self._client)
+        """This process's client. A process forked from one holding a
+        client cannot make its own (the parent's runtime threads are not
+        there, and locks they held stay held): use DataLoader workers that
+        start by spawn, which get the settings and open a client."""
+        if self._client is not None and self._pid != os.getpid():
+            raise RuntimeError(
+                "RecordDataset in a forked process: create the DataLoader with "
+                "multiprocessing_context='spawn' (or 'forkserver')"
+            )
+        if self._client is None:
             self._client = Client(**self._client_args)
             self._pid = os.getpid()
         return self._client
