@@ -36,6 +36,7 @@ def plot(doc: dict, out: Path) -> None:
         hit_ax.set_ylim(-0.02, 1.02)
         wait_ax.set_title(f"{r} rank(s): data wait per step (ms)")
         wait_ax.set_yscale("symlog", linthresh=1)
+        wait_ax.set_ylim(bottom=0)
         hit_ax.legend(loc="lower right", fontsize="small")
     fig.suptitle(
         f"Two shuffled epochs, cache half the data set, {doc['rtt_ms']} ms RTT, "
