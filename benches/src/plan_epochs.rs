@@ -45,6 +45,7 @@ const COMPUTE: Duration = Duration::from_millis(40);
 const PREFETCH_FACTOR: usize = 2;
 const BUCKET: &str = "bench";
 const PAGE: u64 = 4 * MIB;
+const EPOCHS: u64 = 2;
 
 #[derive(Parser)]
 struct Args {
@@ -74,12 +75,21 @@ struct Args {
     /// Rank counts to run
     #[arg(long, default_value = "1,2", value_delimiter = ',')]
     ranks: Vec<usize>,
+    /// Readers to run (a subset is for trying changes; the table of
+    /// record has all four)
+    #[arg(
+        long,
+        value_enum,
+        default_value = "local,no-cache,lru,plans",
+        value_delimiter = ','
+    )]
+    modes: Vec<Mode>,
     /// Where the table (plan-epochs.md) and per-step series (.json) go
     #[arg(long, default_value = "benches/results")]
     out: PathBuf,
 }
 
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, clap::ValueEnum)]
 enum Mode {
     Local,
     NoCache,
@@ -88,7 +98,6 @@ enum Mode {
 }
 
 impl Mode {
-    const ALL: [Mode; 4] = [Mode::Local, Mode::NoCache, Mode::Lru, Mode::Plans];
     fn name(self) -> &'static str {
         match self {
             Mode::Local => "local files",
@@ -335,6 +344,7 @@ impl Bench {
         let mut workers = Vec::new();
         let mut sources: Vec<Arc<Source>> = Vec::new();
         let mut clusters = Vec::new();
+        let mut worker_metrics = Vec::new();
         match mode {
             Mode::Local => {
                 let local = Arc::new(Source::Local(self.args.dir.join("local")));
@@ -353,6 +363,7 @@ impl Bench {
                     let options = common::worker_options(dir.join(format!("cache-{w}")), capacity)?;
                     let metrics = Arc::new(Metrics::new().map_err(anyhow::Error::msg)?);
                     let store = lakecache_worker::s3_store(&self.proxied, metrics.clone()).await;
+                    worker_metrics.push(metrics.clone());
                     workers.push(lakecache_worker::start_worker(options, store, metrics).await?);
                 }
                 let addrs: Vec<String> = workers.iter().map(|w| w.addr().to_string()).collect();
@@ -378,14 +389,27 @@ impl Bench {
         let cpu_before = cpu_seconds();
         let mut epochs = Vec::new();
         let mut publish_s = 0.0;
-        for epoch in 0..2u64 {
-            // The same seed for every mode: they read the same order.
-            let order = shuffled(self.samples, 0x1a4e_cac4e + run as u64 * 1000 + epoch);
+        // The same seed for every mode: they read the same order.
+        let order = |epoch: u64| shuffled(self.samples, 0x1a4e_cac4e + run as u64 * 1000 + epoch);
+        let of_rank = |order: &[u64], rank: usize| -> Vec<u64> {
+            order.iter().skip(rank).step_by(ranks).copied().collect()
+        };
+        for epoch in 0..EPOCHS {
+            let this_epoch = order(epoch);
+            let next_epoch = (epoch + 1 < EPOCHS).then(|| order(epoch + 1));
             let mut tasks = Vec::new();
             for (rank, source) in sources.iter().enumerate() {
-                let mine: Vec<u64> = order.iter().skip(rank).step_by(ranks).copied().collect();
+                let mine = of_rank(&this_epoch, rank);
                 if mode == Mode::Plans {
-                    let entries: Vec<(ObjectUri, std::ops::Range<u64>)> = mine
+                    // The sampler's next epoch is known too (its seed is
+                    // the epoch's): the plan runs on into it, so the
+                    // epoch's end keeps and fetches what the next starts
+                    // with. It is published again when that epoch starts.
+                    let mut planned = mine.clone();
+                    if let Some(next) = &next_epoch {
+                        planned.extend(of_rank(next, rank));
+                    }
+                    let entries: Vec<(ObjectUri, std::ops::Range<u64>)> = planned
                         .iter()
                         .map(|s| {
                             let (shard, off) = self.layout.place(*s);
@@ -414,6 +438,15 @@ impl Bench {
             epochs.push(per_rank);
         }
         let cpu_s = cpu_seconds() - cpu_before;
+        if std::env::var_os("PLAN_EPOCHS_METRICS").is_some() {
+            for m in &worker_metrics {
+                for line in m.render().lines() {
+                    if !line.starts_with('#') && line.contains("lakecache_") {
+                        eprintln!("  {line}");
+                    }
+                }
+            }
+        }
         for w in workers {
             w.shutdown().await;
         }
@@ -515,7 +548,7 @@ async fn main() -> Result<()> {
     let mut rows = Vec::new();
     let mut series = serde_json::Map::new();
     for &ranks in &args.ranks {
-        for mode in Mode::ALL {
+        for &mode in &args.modes {
             let mut outcomes = Vec::new();
             for run in 0..args.runs {
                 let o = bench.run(mode, ranks, run).await.with_context(|| {
@@ -598,7 +631,7 @@ fn render(rows: &[serde_json::Value], args: &Args) -> String {
     ));
     out.push_str("| ranks | reader | epoch-1 hit ratio | epoch-2 hit ratio (runs) | epoch-1 data wait | epoch-2 data wait (runs) | CPU-s per GiB read | plan publish s |\n|---|---|---|---|---|---|---|---|\n");
     for r in rows {
-        let mode = Mode::ALL
+        let mode = [Mode::Local, Mode::NoCache, Mode::Lru, Mode::Plans]
             .iter()
             .find(|m| m.key() == r["mode"].as_str().unwrap_or(""))
             .copied()

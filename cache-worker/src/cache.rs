@@ -164,6 +164,18 @@ pub struct Cache {
     plan_fetches: plan_fetch::PlanFetches,
 }
 
+/// How a read's miss is fetched.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Fetch {
+    /// The page whole, even over a partly filled one (a plan reads it
+    /// again).
+    WholePage,
+    /// The page whole unless partly filled (then the blocks touched).
+    Sequential,
+    /// The blocks touched, or exactly the bytes (see `crate::admission`).
+    Random,
+}
+
 /// What an S3 fetch holds while its bytes are in use: a fetch permit and
 /// the bytes' share of the memory budget.
 type FetchHeld = (
@@ -519,7 +531,7 @@ impl Cache {
             let (piece, waited) = WAITED
                 .scope(std::cell::Cell::new(false), async {
                     let piece = self
-                        .next_piece(uri, meta, range.start, range.end, seq)
+                        .next_piece(uri, meta, range.start, range.end, seq, true)
                         .await;
                     (piece, WAITED.with(|w| w.get()))
                 })
@@ -541,9 +553,11 @@ impl Cache {
                 let piece = match first {
                     Some(p) => Ok(p),
                     None => {
+                        // A later piece starting a page is a read of it.
+                        let new_page = range.start % cache.config.page_size == 0;
                         crate::tenant::scope(
                             tenant,
-                            cache.next_piece(&uri, &meta, range.start, range.end, seq),
+                            cache.next_piece(&uri, &meta, range.start, range.end, seq, new_page),
                         )
                         .await
                     }
@@ -574,14 +588,17 @@ impl Cache {
         pos: u64,
         end: u64,
         sequential: bool,
+        new_page: bool,
     ) -> Result<Bytes, CacheError> {
         if crate::writeback::is_cache_version(&meta.etag) {
             return self.dirty_piece(uri, meta, pos, end).await;
         }
-        self.clean_piece_of(uri, meta, pos, end, sequential).await
+        self.clean_piece_of(uri, meta, pos, end, sequential, new_page)
+            .await
     }
 
-    /// Bytes of a version S3 has (from pages or S3).
+    /// Bytes of a version S3 has (from pages or S3). `new_page`: the
+    /// first piece of a read in its page, which plans count as a read.
     pub(crate) async fn clean_piece_of(
         self: &Arc<Self>,
         uri: &ObjectUri,
@@ -589,6 +606,7 @@ impl Cache {
         pos: u64,
         end: u64,
         sequential: bool,
+        new_page: bool,
     ) -> Result<Bytes, CacheError> {
         let ps = self.config.page_size;
         let idx = pos / ps;
@@ -604,9 +622,17 @@ impl Cache {
         // interleaving must not make it fetch the page again in blocks.
         let page_end = (page_start + ps).min(meta.size);
         let whole_page = pos == page_start && end >= page_end;
-        self.note_planned_read(uri, &meta.etag, idx);
-        self.page_range(uri, meta, idx, sub, sequential || whole_page)
-            .await
+        // A page a plan reads again is fetched whole on a miss, and a
+        // partly filled one completed: the plan's later reads of it hit,
+        // and plan eviction keeps whole pages, not a block per sample.
+        let fetch = if new_page && self.note_planned_read(uri, &meta.etag, idx) {
+            Fetch::WholePage
+        } else if sequential || whole_page {
+            Fetch::Sequential
+        } else {
+            Fetch::Random
+        };
+        self.page_range(uri, meta, idx, sub, fetch).await
     }
 
     /// Makes page `idx` of `meta` cached in full (a preload's miss).
@@ -618,7 +644,8 @@ impl Cache {
     ) -> Result<(), CacheError> {
         let ps = self.config.page_size;
         let len = ps.min(meta.size.saturating_sub(idx * ps));
-        self.page_range(uri, meta, idx, 0..len, true).await?;
+        self.page_range(uri, meta, idx, 0..len, Fetch::Sequential)
+            .await?;
         // A preload counts a page once its file is written, not when its
         // bytes are in memory.
         let key = PageKey::new(&uri.to_string(), &meta.etag, idx);
@@ -640,7 +667,7 @@ impl Cache {
         meta: &ObjectMeta,
         idx: u64,
         sub: Range<u64>,
-        sequential: bool,
+        fetch: Fetch,
     ) -> Result<Bytes, CacheError> {
         let uri_s = uri.to_string();
         let key = PageKey::new(&uri_s, &meta.etag, idx);
@@ -661,7 +688,10 @@ impl Cache {
                     self.count_traffic(uri.bucket(), bytes.len() as u64, 0);
                     return Ok(bytes);
                 }
-                Err(PageReadError::Unfilled(_)) => partly_filled = true,
+                Err(PageReadError::Unfilled(_)) => {
+                    partly_filled = true;
+                    self.lru.set_partly_filled(&key, true);
+                }
                 Err(PageReadError::Corrupt(why)) => {
                     tracing::warn!(uri = %uri_s, page = idx, %why, "page file rejected; dropping and refetching");
                     self.metrics.corrupt_page();
@@ -684,13 +714,15 @@ impl Cache {
             // Pass-through: exactly the bytes asked for, stored nowhere.
             let range = id.offset + sub.start..id.offset + sub.end;
             self.get_exact(uri, meta, range).await.map(|(data, _)| data)
-        } else if sequential && !partly_filled {
+        } else if fetch == Fetch::WholePage || (fetch == Fetch::Sequential && !partly_filled) {
             self.fetch_page(uri, meta, idx, key, id).await.map(|page| {
                 self.fresh
                     .serve(&key, &sub)
                     .unwrap_or_else(|| slice_within(&page, &sub))
             })
-        } else if !sequential && !self.random_admission.admit(key, &sub, CHECK_BLOCK, id.len) {
+        } else if fetch == Fetch::Random
+            && !self.random_admission.admit(key, &sub, CHECK_BLOCK, id.len)
+        {
             // A random read of part of a block: fetched exactly, kept
             // nowhere (see crate::admission).
             let range = id.offset + sub.start..id.offset + sub.end;
@@ -772,6 +804,7 @@ impl Cache {
             .map_err(join_failed)?;
             match opened {
                 Ok(file) => {
+                    self.note_planned_read(uri, &meta.etag, idx);
                     // Recorded once granted, and as far as the grant goes:
                     // a refused page is read by `Self::read` instead,
                     // which records the same read itself.
@@ -928,10 +961,11 @@ impl Cache {
                     },
                 );
                 let filled = tokio::task::spawn_blocking(move || {
-                    keeper.pages.fill(&key, &id, first as usize, &kept)?;
+                    let whole = keeper.pages.fill(&key, &id, first as usize, &kept)?;
                     if !keeper.lru.contains(&key) {
                         keeper.index_page(key, entry);
                     }
+                    keeper.lru.set_partly_filled(&key, !whole);
                     Ok::<_, std::io::Error>(())
                 })
                 .await;

@@ -28,6 +28,10 @@ struct Inner {
     /// Read orders published by jobs: the eviction order of the pages
     /// they read again (see `plan_order`).
     plans: PlanOrder,
+    /// Pages some of whose blocks are not filled yet (a random reader's
+    /// misses fill only what they touch). Not known after a restart until
+    /// a read finds a hole.
+    partly_filled: HashSet<PageKey>,
 }
 
 /// One tenant's pages: bytes, and the evictable ones in access order.
@@ -75,6 +79,7 @@ impl Inner {
         let (seq, len) = self.by_key.remove(key)?;
         self.by_seq.remove(&seq);
         self.pinned.remove(key);
+        self.partly_filled.remove(key);
         self.expires_ms.remove(key);
         self.used -= len;
         if let Some(tenant) = self.tenant_of.remove(key) {
@@ -315,9 +320,12 @@ impl Lru {
         self.planned.load(Ordering::Relaxed)
     }
 
-    /// A client read `key` (a hit or a miss): the plans move on.
-    pub fn planned_read(&self, key: &PageKey) {
-        self.lock().plans.read(key);
+    /// A client read `key` (a hit or a miss): the plans move on. Returns
+    /// whether some plan reads it again after this read.
+    pub fn planned_read(&self, key: &PageKey) -> bool {
+        let mut inner = self.lock();
+        inner.plans.read(key);
+        inner.plans.distance(key).is_some()
     }
 
     /// Drops plans their jobs stopped renewing; returns how many.
@@ -329,11 +337,10 @@ impl Lru {
         expired
     }
 
-    /// Marks a page as just used (and read, for the plans); `None` if it
-    /// is not tracked.
+    /// Marks a page as just used; `None` if it is not tracked. (A read
+    /// moves the plans through [`Self::planned_read`], once per read.)
     pub fn touch(&self, key: &PageKey) -> Option<u64> {
         let mut inner = self.lock();
-        inner.plans.read(key);
         let seq = inner.next_seq;
         let (old_seq, len) = *inner.by_key.get(key)?;
         if inner.pinned.contains(key) {
@@ -361,6 +368,24 @@ impl Lru {
 
     pub fn contains(&self, key: &PageKey) -> bool {
         self.lock().by_key.contains_key(key)
+    }
+
+    /// Whether `key` is on disk with every block filled (as far as this
+    /// worker knows: see `Inner::partly_filled`).
+    pub fn holds_whole(&self, key: &PageKey) -> bool {
+        let inner = self.lock();
+        inner.by_key.contains_key(key) && !inner.partly_filled.contains(key)
+    }
+
+    /// Records whether a tracked page lacks some blocks; an untracked
+    /// page is left alone (it was evicted meanwhile).
+    pub fn set_partly_filled(&self, key: &PageKey, partly: bool) {
+        let mut inner = self.lock();
+        if !partly {
+            inner.partly_filled.remove(key);
+        } else if inner.by_key.contains_key(key) {
+            inner.partly_filled.insert(*key);
+        }
     }
 
     pub fn used(&self) -> u64 {
@@ -446,6 +471,27 @@ mod tests {
 
     fn key(i: u8) -> PageKey {
         PageKey([i; 32])
+    }
+
+    #[test]
+    fn a_partly_filled_page_is_not_held_whole_until_refilled_or_rewritten() {
+        let lru = Lru::new(100, 0.9, 0.5, Arc::default());
+        // Not tracked: nothing to mark.
+        lru.set_partly_filled(&key(1), true);
+        lru.insert(key(1), 10);
+        assert!(lru.holds_whole(&key(1)));
+        lru.set_partly_filled(&key(1), true);
+        assert!(lru.contains(&key(1)) && !lru.holds_whole(&key(1)));
+        lru.set_partly_filled(&key(1), false);
+        assert!(lru.holds_whole(&key(1)));
+        // Written whole again (re-added), or evicted: the mark goes.
+        lru.set_partly_filled(&key(1), true);
+        lru.insert(key(1), 10);
+        assert!(lru.holds_whole(&key(1)));
+        lru.set_partly_filled(&key(1), true);
+        lru.remove(&key(1));
+        lru.insert(key(1), 10);
+        assert!(lru.holds_whole(&key(1)));
     }
 
     #[test]

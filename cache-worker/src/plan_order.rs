@@ -7,8 +7,8 @@
 //! ([`crate::lru`] keeps that order).
 //!
 //! Distances are counted in plan entries from each plan's cursor (the
-//! entry after the last one read): plans of one job's ranks read at about
-//! one pace, so their distances compare directly.
+//! first entry not read yet): plans of one job's ranks read at about one
+//! pace, so their distances compare directly.
 
 use std::collections::{BTreeMap, BinaryHeap, HashMap, HashSet, VecDeque};
 use std::sync::Arc;
@@ -20,8 +20,9 @@ use crate::pages::PageKey;
 /// about 220 bytes per entry (benches/results/plan-cost.md).
 pub const MAX_PLAN_PAGES: usize = 1 << 20;
 pub const MAX_TOTAL_PAGES: usize = 4 << 20;
-/// How far ahead of its cursor (in entries) a read still counts as a
-/// plan's own reader's.
+/// How far ahead of the furthest read (in entries) a read still counts as
+/// a plan's own reader's, and how far behind it an entry not read yet is
+/// still waited for.
 pub const DEFAULT_WINDOW: u64 = 4096;
 
 #[derive(Debug, thiserror::Error, PartialEq, Eq)]
@@ -36,16 +37,27 @@ pub enum PlanError {
     },
 }
 
-/// One plan: the pages it reads, in order, from its cursor on.
+/// One plan: the pages it reads, in order, and which of those reads
+/// have happened.
+///
+/// Loader workers read a little out of order, so a read consumes only its
+/// own page's next position; positions passed over stay, until they fall
+/// `window` behind the furthest read (then they count as skipped).
 struct Plan {
+    /// The first position not yet read (or skipped): distances count
+    /// from here.
     cursor: u64,
-    /// Each page's positions at or after the cursor, ascending.
+    /// One past the furthest position read: where the reader is.
+    reached: u64,
+    /// Each page's positions not yet read, ascending.
     ahead: HashMap<PageKey, VecDeque<u64>>,
     /// Each page's next position, keyed by that position (unique).
     next: BTreeMap<u64, PageKey>,
+    /// The position each page was last read at.
+    read_at: HashMap<PageKey, u64>,
     len: usize,
-    /// The page at the cursor's last entry: a reader reads a page in
-    /// several pieces, and only the first moves the cursor.
+    /// The page read last: a reader reads a page in several pieces, and
+    /// only the first is a read of the plan's.
     last: Option<PageKey>,
     expires: Instant,
     /// The tenant that published it: it ranks that tenant's pages only.
@@ -71,8 +83,10 @@ impl Plan {
             .collect();
         Self {
             cursor: 0,
+            reached: 0,
             ahead,
             next,
+            read_at: HashMap::new(),
             len: pages.len(),
             last: None,
             expires,
@@ -85,35 +99,60 @@ impl Plan {
         Some(at - self.cursor)
     }
 
-    /// `key` was read: if its next position is within `window` of the
-    /// cursor, the cursor moves past it, and entries skipped on the way
-    /// are dropped. A read further ahead is not this plan's reader (another
-    /// job reading the same data) and moves nothing.
+    /// `key` was read. Its next position is what was read, if it lies
+    /// within `window` of where the reader is. A read further ahead is not
+    /// this plan's reader (another job reading the same data) and changes
+    /// nothing; so does a read of a page read moments ago at an earlier
+    /// position, while the reader is not yet halfway to the next one (a
+    /// second piece of one read, or a second sample in one page).
     fn read(&mut self, key: &PageKey, window: u64) {
-        let Some(at) = self.distance(key) else { return };
-        if at > window || self.last == Some(*key) {
+        if self.last == Some(*key) {
             return;
         }
-        self.cursor += at + 1;
+        let Some(&at) = self.ahead.get(key).and_then(|p| p.front()) else {
+            return;
+        };
+        if at >= self.reached.saturating_add(window) {
+            return;
+        }
+        if let Some(&before) = self.read_at.get(key) {
+            if self.reached < before + (at - before) / 2 {
+                return;
+            }
+        }
         self.last = Some(*key);
+        self.read_at.insert(*key, at);
+        self.reached = self.reached.max(at + 1);
+        self.advance(key);
+        // Positions left this far behind the reader were skipped.
+        let behind = self.reached.saturating_sub(window);
         while let Some((&pos, &page)) = self.next.first_key_value() {
-            if pos >= self.cursor {
+            if pos >= behind {
                 break;
             }
-            self.next.pop_first();
-            let Some(positions) = self.ahead.get_mut(&page) else {
-                continue;
-            };
-            while positions.front().is_some_and(|p| *p < self.cursor) {
-                positions.pop_front();
+            self.advance(&page);
+        }
+        self.cursor = self
+            .next
+            .first_key_value()
+            .map_or(self.reached, |(pos, _)| *pos);
+    }
+
+    /// Drops `page`'s next position.
+    fn advance(&mut self, page: &PageKey) {
+        let Some(positions) = self.ahead.get_mut(page) else {
+            return;
+        };
+        if let Some(pos) = positions.pop_front() {
+            self.next.remove(&pos);
+        }
+        match positions.front() {
+            Some(p) => {
+                self.next.insert(*p, *page);
             }
-            match positions.front() {
-                Some(p) => {
-                    self.next.insert(*p, page);
-                }
-                None => {
-                    self.ahead.remove(&page);
-                }
+            None => {
+                self.ahead.remove(page);
+                self.read_at.remove(page);
             }
         }
     }
@@ -185,10 +224,11 @@ impl PlanOrder {
         self.plans.is_empty()
     }
 
-    /// Plan `name`'s cursor: the position (in its pages, a page listed
-    /// again right after itself counted once) its reader reads next.
+    /// Where plan `name`'s reader is: one past the furthest position
+    /// (in its pages, a page listed again right after itself counted
+    /// once) read so far.
     pub fn cursor(&self, name: &str) -> Option<u64> {
-        self.plans.get(name).map(|p| p.cursor)
+        self.plans.get(name).map(|p| p.reached)
     }
 
     /// Whether `tenant` has published any plan.
@@ -224,9 +264,10 @@ impl PlanOrder {
         let Some(nearest) = nearest else {
             return;
         };
-        let window = self.window.min(nearest);
         for plan in self.plans.values_mut() {
-            plan.read(key, window);
+            if plan.distance(key) == Some(nearest) {
+                plan.read(key, self.window);
+            }
         }
     }
 

@@ -314,6 +314,56 @@ def test_a_map_style_dataset_with_a_planned_sampler_reads_every_record_in_loader
     ds._client = real
 
 
+def test_a_planned_sampler_plans_the_next_epoch_where_the_epoch_decides_the_order():
+    """A DistributedSampler's order follows from its epoch: the plan runs on
+    into the next epoch, and the sampler stays at its own epoch. A plan the
+    workers find too long goes out for this epoch alone."""
+    from lakecache.samples import PlannedSampler
+
+    class Ranges:
+        def __len__(self):
+            return 10
+
+        def sample_range(self, i):
+            return ("s3://b/k", i * 10, i * 10 + 10)
+
+        def client(self):
+            return self.published
+
+    class Capturing:
+        def __init__(self, limit=None):
+            self.plans, self.limit = [], limit
+
+        def publish_plan(self, name, entries, ttl_s):
+            if self.limit is not None and len(entries) > self.limit:
+                raise ValueError(f"more than {self.limit} entries")
+            self.plans.append([start // 10 for _, start, _ in entries])
+            return {"pages": len(entries), "skipped_entries": 0}
+
+    ds = Ranges()
+    inner = torch.utils.data.DistributedSampler(ds, num_replicas=1, rank=0, shuffle=True, seed=7)
+    inner.set_epoch(3)
+    epoch3, epoch4 = list(inner), None
+    inner.set_epoch(4)
+    epoch4 = list(inner)
+    inner.set_epoch(3)
+    assert epoch3 != epoch4
+
+    ds.published = Capturing()
+    sampler = PlannedSampler(inner, ds, job="j", rank=0)
+    assert list(sampler) == epoch3
+    assert ds.published.plans == [epoch3 + epoch4]
+    assert list(inner) == epoch3, "the sampler is left at its own epoch"
+
+    ds.published = Capturing(limit=10)
+    assert list(PlannedSampler(inner, ds, job="j", rank=0)) == epoch3
+    assert ds.published.plans == [epoch3]
+
+    ds.published = Capturing()
+    assert list(PlannedSampler(inner, ds, job="j", rank=0, plan_next_epoch=False)) == epoch3
+    assert ds.published.plans == [epoch3]
+
+
 class _Fixed(torch.utils.data.Sampler):
     def __init__(self, order: list[int]) -> None:
         self.order = order

@@ -141,11 +141,12 @@ impl Cache {
     }
 
     /// A client read `page`: the plans it was next for move on (nothing
-    /// to do, and no hashing, while no plan is installed).
-    pub(crate) fn note_planned_read(&self, uri: &ObjectUri, etag: &str, idx: u64) {
-        if self.lru.has_plans() {
-            self.lru
-                .planned_read(&PageKey::new(&uri.to_string(), etag, idx));
-        }
+    /// to do, and no hashing, while no plan is installed). Returns whether
+    /// some plan reads the page again: then a miss fetches it whole.
+    pub(crate) fn note_planned_read(&self, uri: &ObjectUri, etag: &str, idx: u64) -> bool {
+        self.lru.has_plans()
+            && self
+                .lru
+                .planned_read(&PageKey::new(&uri.to_string(), etag, idx))
     }
 }

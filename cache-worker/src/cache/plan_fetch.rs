@@ -9,7 +9,7 @@
 //! read that finds its page still being prefetched waits for it and counts
 //! as a miss ([`super::Served`]).
 
-use std::collections::{HashMap, HashSet};
+use std::collections::{HashMap, HashSet, VecDeque};
 use std::sync::{Arc, Mutex, Weak};
 use std::time::{Duration, Instant};
 
@@ -22,8 +22,9 @@ use crate::store::ObjectMeta;
 /// How far ahead of each job's readers a worker fetches.
 #[derive(Debug, Clone, PartialEq)]
 pub struct PlanPrefetchConfig {
-    /// Bytes fetched ahead of one job's readers on one worker, at most
-    /// (and never over a quarter of the cache); 0 turns prefetch off.
+    /// Bytes one job's plans on one worker fetch ahead of their readers,
+    /// at most (and never over a quarter of the cache); pages cached
+    /// anyway do not count. 0 turns prefetch off.
     pub budget_bytes: u64,
     /// How far ahead in time: the reader's pace times this.
     pub lead: Duration,
@@ -41,7 +42,7 @@ impl Default for PlanPrefetchConfig {
 /// How often the prefetcher looks at the plans' cursors.
 const TICK: Duration = Duration::from_millis(20);
 /// Pages one plan has in flight at most.
-const IN_FLIGHT_PER_PLAN: usize = 8;
+const IN_FLIGHT_PER_PLAN: usize = 16;
 /// Pages fetched ahead of a reader whose pace is not known yet.
 const START_LEAD_PAGES: u64 = 8;
 /// A pace is measured over at least this long.
@@ -55,7 +56,20 @@ pub(crate) struct PlanFetch {
     objects: Vec<(ObjectUri, ObjectMeta)>,
     keys: Vec<PageKey>,
     at: Vec<(u32, u64)>,
-    in_flight: Mutex<HashSet<PageKey>>,
+    progress: Mutex<Progress>,
+}
+
+/// How far a plan's prefetch got.
+#[derive(Default)]
+struct Progress {
+    in_flight: HashSet<PageKey>,
+    /// Pages this plan fetched (or is fetching) for positions the reader
+    /// has not reached: (position, bytes), in position order. They are
+    /// what the budget counts; pages cached anyway are free.
+    ahead: VecDeque<(u64, u64)>,
+    ahead_bytes: u64,
+    /// Positions before this one were fetched or found cached.
+    scanned_to: u64,
 }
 
 impl PlanFetch {
@@ -71,12 +85,12 @@ impl PlanFetch {
             objects,
             keys,
             at,
-            in_flight: Mutex::default(),
+            progress: Mutex::default(),
         }
     }
 
-    fn in_flight(&self) -> std::sync::MutexGuard<'_, HashSet<PageKey>> {
-        self.in_flight.lock().unwrap_or_else(|p| p.into_inner())
+    fn progress(&self) -> std::sync::MutexGuard<'_, Progress> {
+        self.progress.lock().unwrap_or_else(|p| p.into_inner())
     }
 }
 
@@ -203,7 +217,8 @@ pub(crate) async fn prefetcher(cache: Weak<Cache>) {
 
 impl Cache {
     /// Starts fetches of `plan`'s pages from `cursor` on, `lead` pages
-    /// and `budget` bytes ahead at most (cached pages count too).
+    /// ahead at most, while the pages it fetched ahead of the reader stay
+    /// within `budget` bytes.
     fn prefetch_ahead(
         self: &Arc<Self>,
         plan: &Arc<PlanFetch>,
@@ -213,36 +228,45 @@ impl Cache {
     ) {
         let ps = self.config.page_size;
         let end = cursor.saturating_add(lead).min(plan.keys.len() as u64);
-        let mut ahead = 0u64;
-        for pos in cursor..end {
+        let mut progress = plan.progress();
+        // Fetches the reader has passed no longer count.
+        while let Some(&(pos, len)) = progress.ahead.front() {
+            if pos >= cursor {
+                break;
+            }
+            progress.ahead.pop_front();
+            progress.ahead_bytes -= len;
+        }
+        let mut pos = progress.scanned_to.max(cursor);
+        while pos < end {
             let key = plan.keys[pos as usize];
             let (obj, idx) = plan.at[pos as usize];
             let Some((uri, meta)) = plan.objects.get(obj as usize) else {
+                pos += 1;
                 continue;
             };
-            let len = ps.min(meta.size.saturating_sub(idx * ps));
-            if ahead + len > budget {
-                return;
-            }
-            ahead += len;
-            if self.lru.contains(&key) || self.fresh.holds(&key) || self.writing.holds(&key) {
+            if progress.in_flight.contains(&key)
+                || self.lru.holds_whole(&key)
+                || self.fresh.holds(&key)
+                || self.writing.holds(&key)
+            {
+                pos += 1;
                 continue;
             }
+            let len = ps.min(meta.size.saturating_sub(idx * ps));
+            if progress.ahead_bytes + len > budget || progress.in_flight.len() >= IN_FLIGHT_PER_PLAN
             {
-                let mut in_flight = plan.in_flight();
-                if in_flight.contains(&key) {
-                    continue;
-                }
-                if in_flight.len() >= IN_FLIGHT_PER_PLAN {
-                    return;
-                }
-                in_flight.insert(key);
+                break;
             }
+            progress.in_flight.insert(key);
+            progress.ahead.push_back((pos, len));
+            progress.ahead_bytes += len;
+            pos += 1;
             let (this, plan, uri, meta) = (self.clone(), plan.clone(), uri.clone(), meta.clone());
             let tenant = plan.tenant.clone();
             tokio::spawn(crate::tenant::scope(tenant, async move {
                 let fetched = this.prefetch_page(&uri, &meta, idx, key).await;
-                plan.in_flight().remove(&key);
+                plan.progress().in_flight.remove(&key);
                 match fetched {
                     Ok(true) => this.metrics.plan_prefetched(len),
                     Ok(false) => {}
@@ -252,6 +276,7 @@ impl Cache {
                 }
             }));
         }
+        progress.scanned_to = pos;
     }
 
     /// Whether the page holding `offset` of `uri`'s current version is
@@ -262,7 +287,7 @@ impl Cache {
             return false;
         };
         let key = PageKey::new(&uri.to_string(), &meta.etag, offset / self.config.page_size);
-        self.lru.contains(&key) || self.fresh.holds(&key) || self.writing.holds(&key)
+        self.lru.holds_whole(&key) || self.fresh.holds(&key) || self.writing.holds(&key)
     }
 
     /// Fetches page `idx` whole unless cached; `Ok(true)` once its file
@@ -274,7 +299,7 @@ impl Cache {
         idx: u64,
         key: PageKey,
     ) -> Result<bool, CacheError> {
-        if self.lru.contains(&key) {
+        if self.lru.holds_whole(&key) {
             return Ok(false);
         }
         let id = PageId::new(

@@ -99,7 +99,8 @@ impl Cache {
             etag,
             ..meta.clone()
         };
-        self.clean_piece_of(uri, &clean, pos, end, true).await
+        self.clean_piece_of(uri, &clean, pos, end, true, false)
+            .await
     }
 
     /// Pending writes and deletes under `prefix` of `bucket`, by URI.

@@ -318,3 +318,88 @@ async fn plan_prefetch_stays_within_its_budget_and_can_be_turned_off() {
     tokio::time::sleep(scaled(Duration::from_millis(300))).await;
     assert_eq!(off.gets(), before, "prefetch was off");
 }
+
+/// Reads `range` of object `i`; says whether it hit.
+async fn read_range_says(h: &Harness, i: u64, range: std::ops::Range<u64>) -> String {
+    let resp = h
+        .client
+        .read_stream(&uri(&name(i)), Some(range.clone()))
+        .await
+        .unwrap();
+    let said = resp
+        .headers()
+        .get(lakecache_protocol::CACHE_HEADER)
+        .expect("a read's answer says whether it hit")
+        .to_str()
+        .unwrap()
+        .to_string();
+    use http_body_util::BodyExt as _;
+    let body = resp.into_body().collect().await.unwrap().to_bytes();
+    let want = data(MIB as usize, i);
+    assert!(
+        body[..] == want[range.start as usize..range.end as usize],
+        "object {i} bytes {range:?} came back wrong"
+    );
+    said
+}
+
+/// A plan of samples smaller than a page: `(object, range)` in order.
+fn sample_plan(samples: &[(u64, std::ops::Range<u64>)]) -> Vec<PlanEntry> {
+    samples
+        .iter()
+        .map(|(i, range)| PlanEntry {
+            uri: uri(&name(*i)),
+            range: range.clone(),
+        })
+        .collect()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_page_a_plan_reads_again_is_fetched_whole_on_a_miss() {
+    // Prefetch off: the reader's own misses are under test.
+    let h = Harness::with(|o| o.cache.plan_prefetch.budget_bytes = 0).await;
+    for i in 0..2 {
+        h.put_direct(&name(i), &data(MIB as usize, i)).await;
+    }
+    const Q: u64 = MIB / 4;
+    // Two samples of object 0's page, one of object 1's between them;
+    // none at an object's start (a read there counts as sequential).
+    let samples = [(0, Q..2 * Q), (1, Q..2 * Q), (0, 3 * Q..MIB)];
+    install(&h, &sample_plan(&samples)).await;
+    let before = h.gets();
+    assert_eq!(read_range_says(&h, 0, Q..2 * Q).await, "miss");
+    assert_eq!(read_range_says(&h, 1, Q..2 * Q).await, "miss");
+    // Object 0's page came whole with its first sample: its second
+    // sample hits.
+    assert_eq!(read_range_says(&h, 0, 3 * Q..MIB).await, "hit");
+    assert_eq!(h.gets(), before + 2, "one GET per page");
+
+    // Without a plan, a random sample fetches only its blocks: the
+    // page's other samples miss.
+    let plain = Harness::start().await;
+    plain.put_direct(&name(0), &data(MIB as usize, 0)).await;
+    assert_eq!(read_range_says(&plain, 0, Q..2 * Q).await, "miss");
+    assert_eq!(read_range_says(&plain, 0, 3 * Q..MIB).await, "miss");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn prefetch_completes_a_partly_filled_page_a_plan_reads() {
+    let h = Harness::start().await;
+    h.put_direct(&name(0), &data(MIB as usize, 0)).await;
+    const Q: u64 = MIB / 4;
+    // A random read of one whole block, before any plan: kept as a
+    // partly filled page.
+    assert_eq!(read_range_says(&h, 0, Q..2 * Q).await, "miss");
+    assert_eq!(read_range_says(&h, 0, Q..2 * Q).await, "hit");
+    assert!(
+        !read_is_cached(&h, 0).await,
+        "the page is only partly filled"
+    );
+    install(&h, &sample_plan(&[(0, 3 * Q..MIB)])).await;
+    eventually(Duration::from_secs(10), "the page completed", || {
+        let h = &h;
+        async move { read_is_cached(h, 0).await }
+    })
+    .await;
+    assert_eq!(read_range_says(&h, 0, 3 * Q..MIB).await, "hit");
+}

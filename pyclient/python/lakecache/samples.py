@@ -120,7 +120,13 @@ class PlannedSampler(Sampler[int]):
     `dataset.sample_range`) as plan `JOB/RANK`, and publishes what is left
     again every `ttl_s / 3` seconds within the epoch so the plan never
     expires under a running job. A plan that cannot be published is a
-    warning; the indices come all the same."""
+    warning; the indices come all the same.
+
+    Where the wrapped sampler's order follows from its epoch (it has
+    `set_epoch` and `epoch`, as DistributedSampler does), the plan runs on
+    into the next epoch's order (`plan_next_epoch`), so the end of one
+    epoch already keeps and fetches what the next starts with. A plan too
+    long for the workers' limit is published for this epoch alone."""
 
     def __init__(
         self,
@@ -129,10 +135,12 @@ class PlannedSampler(Sampler[int]):
         job: str | None = None,
         rank: int | None = None,
         ttl_s: int = 900,
+        plan_next_epoch: bool = True,
     ) -> None:
         if ttl_s <= 0:
             raise ValueError(f"ttl_s is {ttl_s}; it must be positive")
         self.sampler, self.dataset, self.ttl_s = sampler, dataset, ttl_s
+        self.plan_next_epoch = plan_next_epoch
         if rank is None:
             rank = getattr(sampler, "rank", None)
         if rank is None:
@@ -151,20 +159,50 @@ class PlannedSampler(Sampler[int]):
 
     def __iter__(self) -> Iterator[int]:
         order = [int(i) for i in self.sampler]
-        self._publish(order)
+        following = self._next_epoch_order()
+        self._publish(order, following)
         published = time.monotonic()
         for at, index in enumerate(order):
             if time.monotonic() - published >= self.ttl_s / 3:
-                self._publish(order[at:])
+                self._publish(order[at:], following)
                 published = time.monotonic()
             yield index
 
-    def _publish(self, order: list[int]) -> None:
+    def _next_epoch_order(self) -> list[int]:
+        """The next epoch's indices, where the sampler's epoch decides them;
+        the sampler is left at its own epoch."""
+        epoch = getattr(self.sampler, "epoch", None)
+        if not self.plan_next_epoch or not isinstance(epoch, int):
+            return []
+        if not hasattr(self.sampler, "set_epoch"):
+            return []
+        self.sampler.set_epoch(epoch + 1)
+        try:
+            return [int(i) for i in self.sampler]
+        finally:
+            self.sampler.set_epoch(epoch)
+
+    def _publish(self, order: list[int], following: list[int]) -> None:
+        client = self.dataset.client()
+        if following:
+            # The longer plan first; past the workers' limit, this epoch's.
+            entries = [self.dataset.sample_range(i) for i in order + following]
+            try:
+                self.plan_result = client.publish_plan(self.name, entries, self.ttl_s)
+                return
+            except ValueError:
+                pass
+            except OSError as e:
+                self._warn(e)
+                return
         entries = [self.dataset.sample_range(i) for i in order]
         try:
-            self.plan_result = self.dataset.client().publish_plan(self.name, entries, self.ttl_s)
+            self.plan_result = client.publish_plan(self.name, entries, self.ttl_s)
         except (OSError, ValueError) as e:
-            warnings.warn(f"lakecache: publishing read plan {self.name} failed: {e}", stacklevel=2)
+            self._warn(e)
+
+    def _warn(self, e: Exception) -> None:
+        warnings.warn(f"lakecache: publishing read plan {self.name} failed: {e}", stacklevel=4)
 
 
 def records_to_tensor(data: bytes) -> torch.Tensor:
