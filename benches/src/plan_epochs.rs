@@ -75,6 +75,10 @@ struct Args {
     /// Rank counts to run
     #[arg(long, default_value = "1,2", value_delimiter = ',')]
     ranks: Vec<usize>,
+    /// Workers' plan prefetch budget in MiB (their default when absent;
+    /// 0 turns prefetch off, leaving eviction by plan alone)
+    #[arg(long)]
+    plan_prefetch_mib: Option<u64>,
     /// Readers to run (a subset is for trying changes; the table of
     /// record has all four)
     #[arg(
@@ -360,7 +364,11 @@ impl Bench {
                 // The cache holds half the data set, split among the workers.
                 let capacity = self.samples * self.layout.sample / 2 / ranks as u64;
                 for w in 0..ranks {
-                    let options = common::worker_options(dir.join(format!("cache-{w}")), capacity)?;
+                    let mut options =
+                        common::worker_options(dir.join(format!("cache-{w}")), capacity)?;
+                    if let Some(mib) = self.args.plan_prefetch_mib {
+                        options.cache.plan_prefetch.budget_bytes = mib * MIB;
+                    }
                     let metrics = Arc::new(Metrics::new().map_err(anyhow::Error::msg)?);
                     let store = lakecache_worker::s3_store(&self.proxied, metrics.clone()).await;
                     worker_metrics.push(metrics.clone());

@@ -1115,10 +1115,19 @@ impl Cache {
         {
             window = 0; // nothing fetched ahead would be kept
         }
+        let ps = self.config.page_size;
+        // A planned read (a random sample at an object's start, often)
+        // gets its next pages from the plan's prefetch, not by guess.
+        if sequential
+            && self
+                .lru
+                .is_planned(&PageKey::new(&key, &meta.etag, range.start / ps))
+        {
+            window = 0;
+        }
         if !sequential || window == 0 {
             return sequential;
         }
-        let ps = self.config.page_size;
         let last_page = (range.end - 1) / ps;
         let mut limit = meta.size;
         if let Some(seg) = self.config.segment_size.filter(|s| *s > 0) {

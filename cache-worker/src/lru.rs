@@ -9,6 +9,10 @@ use std::sync::{Arc, Mutex};
 use crate::pages::PageKey;
 use crate::plan_order::{PlanError, PlanOrder};
 
+/// Least recent pages [`Lru::prefetch_horizon`] looks among for one no
+/// plan reads again.
+const HORIZON_SCAN: usize = 64;
+
 #[derive(Default)]
 struct Inner {
     by_key: HashMap<PageKey, (u64, u64)>,
@@ -326,6 +330,40 @@ impl Lru {
         let mut inner = self.lock();
         inner.plans.read(key);
         inner.plans.distance(key).is_some()
+    }
+
+    /// How soon (in plan entries) `tenant`'s plans must read a page for
+    /// fetching it ahead to beat keeping what eviction would take for it:
+    /// the next use of the planned page that would go first. `None` while
+    /// there is room, or pages no plan reads again to evict (among the
+    /// least recent [`HORIZON_SCAN`]).
+    pub fn prefetch_horizon(&self, tenant: Option<&str>) -> Option<u64> {
+        let inner = self.lock();
+        if inner.used + inner.staged < self.low {
+            return None;
+        }
+        let unplanned = inner.by_seq.values().take(HORIZON_SCAN).any(|k| {
+            let owner = inner.tenant_of.get(k).map(|t| &**t);
+            inner.plans.distance_for(k, owner).is_none()
+        });
+        if unplanned {
+            return None;
+        }
+        let victim = inner
+            .plans
+            .furthest_first(tenant)
+            .find(|k| inner.by_key.contains_key(k) && !inner.pinned.contains(k))?;
+        inner.plans.distance_for(&victim, tenant)
+    }
+
+    /// Whether some plan reads `key` (now or later).
+    pub fn is_planned(&self, key: &PageKey) -> bool {
+        self.has_plans() && self.lock().plans.distance(key).is_some()
+    }
+
+    /// How soon `tenant`'s plans read `key`, in plan entries.
+    pub fn plan_distance(&self, key: &PageKey, tenant: Option<&str>) -> Option<u64> {
+        self.lock().plans.distance_for(key, tenant)
     }
 
     /// Drops plans their jobs stopped renewing; returns how many.

@@ -206,7 +206,11 @@ pub(crate) async fn prefetcher(cache: Weak<Cache>) {
                 .entry(name.clone())
                 .or_insert_with(|| Pace::new(plan.generation, cursor, now));
             if pace.generation != plan.generation {
+                // Renewed (a new epoch, say): its reader goes on at the
+                // pace it had, from the renewed plan's start.
+                let known = pace.pages_per_s;
                 *pace = Pace::new(plan.generation, cursor, now);
+                pace.pages_per_s = known;
             }
             pace.observe(cursor, now);
             let share = budget / per_job.get(job_of(name)).copied().unwrap_or(1).max(1);
@@ -237,6 +241,10 @@ impl Cache {
             progress.ahead.pop_front();
             progress.ahead_bytes -= len;
         }
+        let tenant = plan.tenant.as_deref();
+        // Fetching a page that is read after what it would evict only
+        // moves a miss: Belady's rule applies to fetches ahead too.
+        let horizon = self.lru.prefetch_horizon(tenant);
         let mut pos = progress.scanned_to.max(cursor);
         while pos < end {
             let key = plan.keys[pos as usize];
@@ -257,6 +265,12 @@ impl Cache {
             if progress.ahead_bytes + len > budget || progress.in_flight.len() >= IN_FLIGHT_PER_PLAN
             {
                 break;
+            }
+            if let Some(horizon) = horizon {
+                let next_use = self.lru.plan_distance(&key, tenant);
+                if next_use.is_none_or(|d| d >= horizon) {
+                    break;
+                }
             }
             progress.in_flight.insert(key);
             progress.ahead.push_back((pos, len));

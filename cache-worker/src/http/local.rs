@@ -271,9 +271,11 @@ async fn send_inline(stream: &mut UnixStream, inline: Inline, state: &AppState) 
             }
             None => return Err(io::Error::other(format!("{sent} of {len} bytes"))),
         };
+        // Counted before the reader can have the bytes: a reader that
+        // checks the metric after its read must find them counted.
+        state.metrics.served_inline(piece.len() as u64);
         stream.write_all(&piece).await?;
         sent += piece.len() as u64;
-        state.metrics.served_inline(piece.len() as u64);
     }
     Ok(())
 }

@@ -403,3 +403,38 @@ async fn prefetch_completes_a_partly_filled_page_a_plan_reads() {
     .await;
     assert_eq!(read_range_says(&h, 0, 3 * Q..MIB).await, "hit");
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_planned_read_at_an_objects_start_fetches_no_pages_by_guess() {
+    // A random sample that happens to start an object looks sequential;
+    // without a plan the worker reads the next pages ahead.
+    let run = |planned: bool| async move {
+        let h = Harness::with(|o| {
+            o.cache.plan_prefetch.budget_bytes = 0;
+            o.cache.readahead_pages = 4;
+        })
+        .await;
+        h.put_direct(&name(0), &data(4 * MIB as usize, 0)).await;
+        if planned {
+            install(&h, &sample_plan(&[(0, 0..MIB / 4)])).await;
+        }
+        let before = h.gets();
+        let got = h
+            .client
+            .read(&uri(&name(0)), Some(0..MIB / 4))
+            .await
+            .unwrap();
+        assert_eq!(got.len() as u64, MIB / 4);
+        (h, before)
+    };
+    let (plain, before) = run(false).await;
+    eventually(Duration::from_secs(10), "read-ahead without a plan", || {
+        let gets = plain.gets();
+        async move { gets >= before + 2 }
+    })
+    .await;
+    let (planned, before) = run(true).await;
+    // As long as the read-ahead above took at most: nothing more came.
+    tokio::time::sleep(scaled(Duration::from_millis(300))).await;
+    assert_eq!(planned.gets(), before + 1, "only the page read");
+}
