@@ -117,6 +117,33 @@ fn a_scan_of_twice_the_cache_hits_half_with_a_plan_and_nothing_without() {
 }
 
 #[test]
+fn prefetch_reaches_only_as_far_as_what_it_would_evict() {
+    // Watermarks of 1.0: no room once 3 pages are held.
+    let lru = cache(3);
+    let far = Duration::from_secs(600);
+    lru.install_plan("job/0", None, &[1, 2, 3, 4, 5].map(key), far)
+        .unwrap();
+    lru.insert(key(1), PAGE);
+    assert_eq!(lru.prefetch_horizon(None), None, "room");
+    lru.insert(key(9), PAGE);
+    lru.insert(key(3), PAGE);
+    assert_eq!(
+        lru.prefetch_horizon(None),
+        None,
+        "9 is read by no plan: it goes first"
+    );
+    lru.remove(&key(9));
+    lru.insert(key(4), PAGE);
+    // Full of planned pages: the one read last (4, 3 entries ahead) would
+    // go, so only pages read before it are worth fetching.
+    assert_eq!(lru.prefetch_horizon(None), Some(3));
+    assert_eq!(lru.plan_distance(&key(2), None), Some(1));
+    assert_eq!(lru.plan_distance(&key(5), None), Some(4));
+    // Another tenant's plan does not rank these pages.
+    assert_eq!(lru.plan_distance(&key(2), Some("other")), None);
+}
+
+#[test]
 fn pages_no_plan_reads_again_go_first_and_pinned_pages_never() {
     let lru = cache(3);
     lru.insert_kept(key(9), PAGE, Retention::Pinned, None);
