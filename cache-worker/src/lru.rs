@@ -10,8 +10,10 @@ use crate::pages::PageKey;
 use crate::plan_order::{PlanError, PlanOrder};
 
 /// Least recent pages [`Lru::prefetch_horizon`] looks among for one no
-/// plan reads again.
+/// plan reads again, and furthest planned pages it looks at for a cached
+/// one, at most: it runs every prefetcher tick, under the lock.
 const HORIZON_SCAN: usize = 64;
+const HORIZON_SCAN_PLANNED: usize = 4096;
 
 #[derive(Default)]
 struct Inner {
@@ -336,7 +338,8 @@ impl Lru {
     /// fetching it ahead to beat keeping what eviction would take for it:
     /// the next use of the planned page that would go first. `None` while
     /// there is room, or pages no plan reads again to evict (among the
-    /// least recent [`HORIZON_SCAN`]).
+    /// least recent [`HORIZON_SCAN`]). Looks at [`HORIZON_SCAN_PLANNED`]
+    /// of the furthest planned pages at most.
     pub fn prefetch_horizon(&self, tenant: Option<&str>) -> Option<u64> {
         let inner = self.lock();
         if inner.used + inner.staged < self.low {
@@ -349,11 +352,22 @@ impl Lru {
         if unplanned {
             return None;
         }
-        let victim = inner
+        // Bounded under the lock: past HORIZON_SCAN_PLANNED pages not
+        // cached, the victim is nearer than the last one looked at, which
+        // then bounds the horizon from above (prefetch may fetch a little
+        // too far).
+        let mut looked = None;
+        for key in inner
             .plans
             .furthest_first(tenant)
-            .find(|k| inner.by_key.contains_key(k) && !inner.pinned.contains(k))?;
-        inner.plans.distance_for(&victim, tenant)
+            .take(HORIZON_SCAN_PLANNED)
+        {
+            if inner.by_key.contains_key(&key) && !inner.pinned.contains(&key) {
+                return inner.plans.distance_for(&key, tenant);
+            }
+            looked = Some(key);
+        }
+        inner.plans.distance_for(&looked?, tenant)
     }
 
     /// Whether some plan reads `key` (now or later).
