@@ -1118,7 +1118,9 @@ impl Cache {
         let ps = self.config.page_size;
         // A planned read (a random sample at an object's start, often)
         // gets its next pages from the plan's prefetch, not by guess.
+        // (No hashing on the sequential path while no plan is installed.)
         if sequential
+            && self.lru.has_plans()
             && self
                 .lru
                 .is_planned(&PageKey::new(&key, &meta.etag, range.start / ps))
