@@ -244,7 +244,8 @@ impl Cache {
         let tenant = plan.tenant.as_deref();
         // Fetching a page that is read after what it would evict only
         // moves a miss: Belady's rule applies to fetches ahead too.
-        let horizon = self.lru.prefetch_horizon(tenant);
+        // Looked up once a page needs fetching: most ticks find none.
+        let mut horizon: Option<Option<u64>> = None;
         let mut pos = progress.scanned_to.max(cursor);
         while pos < end {
             let key = plan.keys[pos as usize];
@@ -266,6 +267,7 @@ impl Cache {
             {
                 break;
             }
+            let horizon = *horizon.get_or_insert_with(|| self.lru.prefetch_horizon(tenant));
             if let Some(horizon) = horizon {
                 let next_use = self.lru.plan_distance(&key, tenant);
                 if next_use.is_none_or(|d| d >= horizon) {
