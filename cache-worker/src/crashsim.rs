@@ -1,34 +1,58 @@
 //! Simulated power loss, for tests: what a worker writes under a chosen
-//! directory is tracked, and at a chosen sync call the "power goes out":
-//! everything not yet synced is undone the way a power loss would lose it,
-//! and every later tracked operation fails, as on a dead machine.
+//! directory is tracked, and at a chosen cut point (every sync call, and
+//! a few marked places without one) the "power goes out": everything not
+//! yet synced is undone the way a power loss would lose it, and every
+//! later tracked operation fails, as on a dead machine.
 //!
 //! A SIGKILL leaves the page cache intact and cannot show a missing
-//! `fsync`; this can. The model is the conservative POSIX one:
-//! - a file's bytes are durable up to the length it had at its last
-//!   `fsync`/`fdatasync` (bytes written since are cut off; a file never
-//!   synced is emptied);
-//! - creating a file or directory, or renaming onto a name, is durable
-//!   once the directory holding the new name is synced; until then it is
-//!   undone (a rename moves back, a creation disappears).
+//! `fsync`; this can. Two models of what is lost:
+//! - conservative (the default): a file's bytes are durable up to the
+//!   length it had at its last `fsync`/`fdatasync` (bytes written since
+//!   are cut off; a file never synced is emptied); creating a file or
+//!   directory, or renaming onto a name, is durable once the directory
+//!   holding the new name is synced, and undone until then;
+//! - torn ([`tear`], seeded): only what fsync and directory fsync promise
+//!   holds. Of the unsynced bytes a file gained, a random prefix of whole
+//!   512-byte sectors survives, sometimes with a sector range inside it
+//!   zeroed (a later write reached the disk, an earlier one did not); an
+//!   unsynced overwrite in place survives sector by sector at random; of
+//!   each directory's unsynced creations and renames, a random prefix
+//!   survives (in the order made, as a journaling filesystem commits).
 //!
 //! Inert unless [`arm`] was called: every hook then returns at once.
 
+use std::cell::RefCell;
 use std::collections::HashMap;
 use std::fs;
 use std::io;
-use std::os::unix::fs::MetadataExt;
+use std::os::unix::fs::{FileExt, MetadataExt};
 use std::path::{Path, PathBuf};
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::Mutex;
+
+mod cut;
+pub mod slow_disk;
 
 static ARMED: AtomicBool = AtomicBool::new(false);
 static SIM: Mutex<Option<Sim>> = Mutex::new(None);
+/// Journal compaction threshold set by a test (0: the journal's own).
+static COMPACT_AFTER: AtomicU64 = AtomicU64::new(0);
+
+thread_local! {
+    /// What the thread is doing, for naming cut points (innermost last).
+    static SITE: RefCell<Vec<&'static str>> = const { RefCell::new(Vec::new()) };
+}
 
 enum Op {
     Create(PathBuf),
     Mkdir(PathBuf),
-    Rename { from: PathBuf, to: PathBuf },
+    Rename {
+        from: PathBuf,
+        to: PathBuf,
+        /// A hard link to the file the rename replaced, restored if the
+        /// rename is undone.
+        replaced: Option<PathBuf>,
+    },
 }
 
 struct Pending {
@@ -37,15 +61,31 @@ struct Pending {
     dir: PathBuf,
 }
 
+/// Bytes overwritten in place and not yet synced, as they were before.
+struct Overwrite {
+    ino: u64,
+    offset: u64,
+    old: Vec<u8>,
+}
+
 struct Sim {
     root: PathBuf,
-    /// The sync call (1-based) at which the power goes out.
+    /// Where replaced files are kept until their replacement is durable
+    /// (beside `root`, on the same filesystem, outside what is tracked).
+    backups: PathBuf,
+    backup_count: u64,
+    /// The cut point (1-based) at which the power goes out.
     cut_at: u64,
-    syncs: u64,
+    points: u64,
     dead: bool,
+    /// Where the power went out.
+    cut_site: Option<&'static str>,
     /// Inode → length at its last sync.
     synced_len: HashMap<u64, u64>,
     pending: Vec<Pending>,
+    overwrites: Vec<Overwrite>,
+    /// Seeded choices of the torn model; `None`: the conservative one.
+    tear: Option<cut::Rng>,
 }
 
 fn lock() -> std::sync::MutexGuard<'static, Option<Sim>> {
@@ -56,31 +96,114 @@ fn dead() -> io::Error {
     io::Error::other("simulated power loss: this machine is off")
 }
 
-/// Tracks everything written under `root`; the `cut_at`-th sync under it
-/// cuts the power.
+/// Tracks everything written under `root`; the `cut_at`-th cut point
+/// under it cuts the power (conservative model until [`tear`]).
 pub fn arm(root: &Path, cut_at: u64) {
+    let name = root.file_name().map(|n| n.to_string_lossy().into_owned());
+    let backups = root.with_file_name(format!(".{}.crashsim", name.unwrap_or_default()));
     *lock() = Some(Sim {
         root: root.to_path_buf(),
+        backups,
+        backup_count: 0,
         cut_at,
-        syncs: 0,
+        points: 0,
         dead: false,
+        cut_site: None,
         synced_len: HashMap::new(),
         pending: Vec::new(),
+        overwrites: Vec::new(),
+        tear: None,
     });
     ARMED.store(true, Ordering::SeqCst);
 }
 
-/// Moves the cut to the `more`-th sync from now, keeping what is tracked.
+/// Loses only what fsync does not promise, with choices drawn from `seed`
+/// (the same seed and the same operations lose the same bytes).
+pub fn tear(seed: u64) {
+    if let Some(s) = lock().as_mut() {
+        s.tear = Some(cut::Rng::new(seed));
+    }
+}
+
+/// Moves the cut to the `more`-th cut point from now, keeping what is
+/// tracked.
 pub fn cut_after(more: u64) {
     if let Some(s) = lock().as_mut() {
-        s.cut_at = s.syncs.saturating_add(more);
+        s.cut_at = s.points.saturating_add(more);
     }
+}
+
+/// Whether the power has gone out (tracking still on).
+pub fn power_is_out() -> bool {
+    lock().as_ref().is_some_and(|s| s.dead)
+}
+
+/// Cut points reached since [`arm`].
+pub fn points_reached() -> u64 {
+    lock().as_ref().map_or(0, |s| s.points)
 }
 
 /// Stops tracking; returns whether the power was cut.
 pub fn disarm() -> bool {
+    disarm_site().is_some()
+}
+
+/// Stops tracking; returns where the power was cut, if it was.
+pub fn disarm_site() -> Option<&'static str> {
     ARMED.store(false, Ordering::SeqCst);
-    lock().take().is_some_and(|s| s.dead)
+    let sim = lock().take()?;
+    let _ = fs::remove_dir_all(&sim.backups);
+    sim.cut_site
+}
+
+/// Makes journals under the armed root compact once `bytes` of finished
+/// records pile up, so that a short test reaches compaction (0: the
+/// journal's own limit).
+pub fn compact_journals_after(bytes: u64) {
+    COMPACT_AFTER.store(bytes, Ordering::SeqCst);
+}
+
+/// The compaction threshold of the journal at `path`: a test's where the
+/// journal is tracked, else `default`.
+pub(crate) fn compact_after(path: &Path, default: u64) -> u64 {
+    match COMPACT_AFTER.load(Ordering::Relaxed) {
+        0 => default,
+        set if with(path, |_| ()).is_some() => set,
+        _ => default,
+    }
+}
+
+/// Names the cut points this thread reaches until dropped.
+pub(crate) struct SiteGuard;
+
+impl Drop for SiteGuard {
+    fn drop(&mut self) {
+        SITE.with(|s| s.borrow_mut().pop());
+    }
+}
+
+/// Cut points reached on this thread until the guard drops are `site`'s.
+pub(crate) fn site(name: &'static str) -> SiteGuard {
+    SITE.with(|s| s.borrow_mut().push(name));
+    SiteGuard
+}
+
+/// The name of a cut point at `path`: the thread's site, else what the
+/// path is.
+fn site_of(path: &Path) -> &'static str {
+    if let Some(named) = SITE.with(|s| s.borrow().last().copied()) {
+        return named;
+    }
+    let name = path.file_name().unwrap_or_default().to_string_lossy();
+    if name.ends_with(".journal") {
+        "write: journal record"
+    } else if path.parent().and_then(Path::file_name) == Some("tmp".as_ref()) {
+        "write: page file"
+    } else if path.is_dir() {
+        "write: directory"
+    } else {
+        "other"
+    }
 }
 
 /// Runs `f` with the simulation for `path`, when armed and `path` is
@@ -172,19 +295,26 @@ pub(crate) fn mkdir(path: &Path, make: impl FnOnce() -> io::Result<()>) -> io::R
 }
 
 /// Renames with `rename`; the new name is durable once its directory is
-/// synced.
+/// synced. A file it replaces comes back if the rename is undone.
 pub(crate) fn rename(
     from: &Path,
     to: &Path,
     rename: impl FnOnce() -> io::Result<()>,
 ) -> io::Result<()> {
     alive(to)?;
-    rename()?;
+    let replaced = with(to, |s| s.keep_old(to)).flatten();
+    if let Err(e) = rename() {
+        if let Some(kept) = &replaced {
+            let _ = fs::remove_file(kept);
+        }
+        return Err(e);
+    }
     with(to, |s| {
         s.pending.push(Pending {
             op: Op::Rename {
                 from: from.to_path_buf(),
                 to: to.to_path_buf(),
+                replaced,
             },
             dir: parent(to),
         })
@@ -192,16 +322,31 @@ pub(crate) fn rename(
     Ok(())
 }
 
-/// A sync call: the power may go out here, before it takes effect.
-fn sync_point(s: &mut Sim) -> io::Result<()> {
-    if s.dead {
-        return Err(dead());
-    }
-    s.syncs += 1;
-    if s.syncs == s.cut_at {
-        s.cut();
-        return Err(dead());
-    }
+/// `len` bytes of `file` (at `path`) at `offset` are about to be
+/// overwritten in place: what they were is kept until the file is synced.
+pub(crate) fn overwriting(path: &Path, file: &fs::File, offset: u64, len: usize) -> io::Result<()> {
+    with(path, |s| {
+        if s.dead {
+            return Err(dead());
+        }
+        let mut old = vec![0u8; len];
+        let got = file.read_at(&mut old, offset)?;
+        old.truncate(got);
+        if let Ok(m) = file.metadata() {
+            s.overwrites.push(Overwrite {
+                ino: m.ino(),
+                offset,
+                old,
+            });
+        }
+        Ok(())
+    })
+    .unwrap_or(Ok(()))
+}
+
+/// A place where the power may go out though nothing is synced there.
+pub(crate) fn cut_point(path: &Path) -> io::Result<()> {
+    with(path, |s| s.point(path)).transpose()?;
     Ok(())
 }
 
@@ -211,12 +356,13 @@ pub(crate) fn sync_file(
     file: &fs::File,
     sync: impl FnOnce() -> io::Result<()>,
 ) -> io::Result<()> {
-    with(path, sync_point).transpose()?;
+    with(path, |s| s.point(path)).transpose()?;
     let _slowed = slow_disk::enter(path);
     sync()?;
     with(path, |s| {
         if let Ok(m) = file.metadata() {
             s.synced_len.insert(m.ino(), m.len());
+            s.overwrites.retain(|o| o.ino != m.ino());
         }
     });
     Ok(())
@@ -225,109 +371,48 @@ pub(crate) fn sync_file(
 /// Syncs the directory `dir` with `sync`: what was created or renamed
 /// into it is durable from now on.
 pub(crate) fn sync_dir(dir: &Path, sync: impl FnOnce() -> io::Result<()>) -> io::Result<()> {
-    with(dir, sync_point).transpose()?;
+    with(dir, |s| s.point(dir)).transpose()?;
     sync()?;
-    with(dir, |s| s.pending.retain(|p| p.dir != dir));
+    with(dir, |s| {
+        let (durable, still): (Vec<_>, Vec<_>) =
+            s.pending.drain(..).partition(|p| p.dir.as_path() == dir);
+        s.pending = still;
+        for p in durable {
+            if let Op::Rename {
+                replaced: Some(kept),
+                ..
+            } = p.op
+            {
+                let _ = fs::remove_file(kept);
+            }
+        }
+    });
     Ok(())
 }
 
 impl Sim {
-    /// Undoes what a power loss would lose, newest first.
-    fn cut(&mut self) {
-        self.dead = true;
-        for pending in self.pending.drain(..).rev() {
-            let undone = match &pending.op {
-                Op::Rename { from, to } => fs::rename(to, from),
-                Op::Create(path) => fs::remove_file(path),
-                Op::Mkdir(path) => fs::remove_dir_all(path),
-            };
-            if let Err(e) = undone {
-                if e.kind() != io::ErrorKind::NotFound {
-                    tracing::warn!(error = %e, "simulated power loss: undoing an operation failed");
-                }
-            }
+    /// A cut point: the power may go out here, before what follows.
+    fn point(&mut self, path: &Path) -> io::Result<()> {
+        if self.dead {
+            return Err(dead());
         }
-        let mut stack = vec![self.root.clone()];
-        while let Some(dir) = stack.pop() {
-            let Ok(entries) = fs::read_dir(&dir) else {
-                continue;
-            };
-            for entry in entries.flatten() {
-                let path = entry.path();
-                let Ok(meta) = fs::symlink_metadata(&path) else {
-                    continue;
-                };
-                if meta.is_dir() {
-                    stack.push(path);
-                } else if let Some(len) = self.synced_len.get(&meta.ino()) {
-                    if meta.len() > *len {
-                        let _ = fs::OpenOptions::new()
-                            .write(true)
-                            .open(&path)
-                            .and_then(|f| f.set_len(*len));
-                    }
-                }
-            }
+        self.points += 1;
+        if self.points == self.cut_at {
+            self.cut_site = Some(site_of(path));
+            self.cut();
+            return Err(dead());
         }
-        tracing::warn!(root = %self.root.display(), sync = self.syncs, "simulated power loss");
-    }
-}
-
-/// A slow disk, for tests: every sync of a file with a given name under a
-/// given directory takes a set time longer. Independent of the power-loss
-/// simulation, and inert unless [`slow_disk::slow_syncs`] was called.
-pub mod slow_disk {
-    use std::path::{Path, PathBuf};
-    use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
-    use std::sync::Mutex;
-    use std::time::Duration;
-
-    static ON: AtomicBool = AtomicBool::new(false);
-    static RULE: Mutex<Option<(PathBuf, String, Duration)>> = Mutex::new(None);
-    static UNDER_WAY: AtomicU64 = AtomicU64::new(0);
-
-    /// Syncs of files named `file_name` under `root` take `delay` longer.
-    pub fn slow_syncs(root: &Path, file_name: &str, delay: Duration) {
-        *rule() = Some((root.to_path_buf(), file_name.to_string(), delay));
-        ON.store(true, Ordering::SeqCst);
+        Ok(())
     }
 
-    /// Syncs are fast again.
-    pub fn fast_syncs() {
-        ON.store(false, Ordering::SeqCst);
-        *rule() = None;
-    }
-
-    /// Slowed syncs going on now.
-    pub fn under_way() -> u64 {
-        UNDER_WAY.load(Ordering::SeqCst)
-    }
-
-    fn rule() -> std::sync::MutexGuard<'static, Option<(PathBuf, String, Duration)>> {
-        RULE.lock().unwrap_or_else(|p| p.into_inner())
-    }
-
-    /// Counts a slowed sync as under way until dropped.
-    pub(crate) struct Slowed;
-
-    impl Drop for Slowed {
-        fn drop(&mut self) {
-            UNDER_WAY.fetch_sub(1, Ordering::SeqCst);
-        }
-    }
-
-    /// Waits the rule's delay if it covers `path` (before its sync).
-    pub(crate) fn enter(path: &Path) -> Option<Slowed> {
-        if !ON.load(Ordering::Relaxed) {
+    /// Hard-links the file at `to` (about to be replaced) aside.
+    fn keep_old(&mut self, to: &Path) -> Option<PathBuf> {
+        if !fs::symlink_metadata(to).is_ok_and(|m| m.is_file()) {
             return None;
         }
-        let delay = rule().as_ref().and_then(|(root, name, delay)| {
-            let named = path.file_name().is_some_and(|n| *n == **name);
-            (named && path.starts_with(root)).then_some(*delay)
-        })?;
-        UNDER_WAY.fetch_add(1, Ordering::SeqCst);
-        let slowed = Slowed;
-        std::thread::sleep(delay);
-        Some(slowed)
+        fs::create_dir_all(&self.backups).ok()?;
+        self.backup_count += 1;
+        let kept = self.backups.join(self.backup_count.to_string());
+        fs::hard_link(to, &kept).ok().map(|()| kept)
     }
 }

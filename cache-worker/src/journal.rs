@@ -81,6 +81,11 @@ pub struct PendingObject {
     /// journal is gone.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub replica_of: Option<ReplicaOf>,
+    /// On a copy: its primary has not yet confirmed that its own journal
+    /// holds the write, so the write may never have been acknowledged. A
+    /// copy taken over from a lost primary is uploaded only if confirmed.
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub unconfirmed: bool,
     /// On a primary's entry: the workers holding copies, told to drop
     /// them once S3 has the object.
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
@@ -293,18 +298,32 @@ impl Journal {
         Ok(seq)
     }
 
+    /// The copy `seq` is confirmed by its primary; returns once that is on
+    /// disk (the entry is recorded again, confirmed).
+    pub fn confirm(&mut self, seq: u64) -> Result<(), JournalError> {
+        let Some(entry) = self.pending.get(&seq).filter(|p| p.unconfirmed) else {
+            return Ok(());
+        };
+        let mut entry = entry.clone();
+        entry.unconfirmed = false;
+        self.append(&Record::Pending(Box::new(entry.clone())))?;
+        self.pending.insert(seq, entry);
+        Ok(())
+    }
+
     /// S3 has the object under `etag`: it is no longer pending.
     pub fn mark_uploaded(&mut self, seq: u64, etag: &str) -> Result<(), JournalError> {
         if !self.pending.contains_key(&seq) {
             return Ok(());
         }
+        let _site = crate::crashsim::site("upload: journal marks the object uploaded");
         let bytes = self.append(&Record::Uploaded {
             seq,
             etag: etag.into(),
         })?;
         self.pending.remove(&seq);
         self.finished_bytes += bytes;
-        if self.finished_bytes > COMPACT_AFTER {
+        if self.finished_bytes > crate::crashsim::compact_after(&self.path, COMPACT_AFTER) {
             self.compact()?;
         }
         Ok(())
@@ -330,6 +349,7 @@ impl Journal {
     /// Rewrites the file with only the pending records (a new file synced
     /// and renamed over the old, so a crash leaves one or the other).
     pub fn compact(&mut self) -> Result<(), JournalError> {
+        let _site = crate::crashsim::site("journal compaction");
         let records: Vec<Record> = self
             .pending
             .values()

@@ -481,12 +481,15 @@ impl PageStore {
             return Err(PageReadError::Corrupt("page length differs".into()));
         }
         header.id = *to_id;
-        file.write_all_at(&header.encode(), 0)?;
+        let encoded = header.encode();
+        crate::crashsim::cut_point(&path)?;
+        crate::crashsim::overwriting(&path, &file, 0, encoded.len())?;
+        file.write_all_at(&encoded, 0)?;
         let dest = to.path(to_key);
         if let Some(parent) = dest.parent() {
             mkdir_private(parent)?;
         }
-        fs::rename(&path, dest)?;
+        crate::crashsim::rename(&path, &dest, || fs::rename(&path, &dest))?;
         Ok(())
     }
 
@@ -523,6 +526,7 @@ impl PageStore {
                 "fill is not block-aligned within the page",
             ));
         }
+        crate::crashsim::alive(&self.pages)?;
         let stripe = key.0[0] as usize % FILL_LOCKS;
         let _guard = self.fill_locks[stripe]
             .lock()
@@ -653,7 +657,12 @@ impl PageStore {
     }
 
     pub fn remove(&self, key: &PageKey) {
-        if let Err(e) = fs::remove_file(self.path(key)) {
+        let path = self.path(key);
+        // A machine whose power went out (in a test) removes nothing.
+        if crate::crashsim::alive(&path).is_err() {
+            return;
+        }
+        if let Err(e) = fs::remove_file(path) {
             if e.kind() != io::ErrorKind::NotFound {
                 tracing::warn!(page = %key.hex(), error = %e, "removing page file failed");
             }
@@ -661,6 +670,9 @@ impl PageStore {
     }
 
     pub fn discard_staged(&self, staged: Staged) {
+        if crate::crashsim::alive(&staged.path).is_err() {
+            return;
+        }
         let _ = fs::remove_file(&staged.path);
     }
 }

@@ -55,6 +55,10 @@ pub struct WriteBackConfig {
     /// A copy's worker that makes no progress this long, and then does
     /// not answer a probe, is given up on (the next candidate takes it).
     pub replica_progress: Duration,
+    /// How often a replica asks the primaries of the copies it holds
+    /// about them; a copy younger than this is not asked about (its
+    /// primary may still be syncing its own pages).
+    pub replica_check: Duration,
 }
 
 impl Default for WriteBackConfig {
@@ -66,6 +70,7 @@ impl Default for WriteBackConfig {
             replicas: None,
             peer_order_wait: Duration::from_secs(30),
             replica_progress: Duration::from_secs(10),
+            replica_check: Duration::from_secs(2),
         }
     }
 }
@@ -338,6 +343,20 @@ impl WriteBack {
         }
     }
 
+    /// Records that the primary confirmed this worker's copy of `version`
+    /// of `uri`; false where no such copy is held. Blocking.
+    pub(crate) fn confirm_copy(&self, uri: &str, version: &str) -> Result<bool, JournalError> {
+        let mut journal = lock(&self.journal);
+        let seq = journal
+            .pending()
+            .find(|p| p.uri == uri && p.version == version && p.replica_of.is_some())
+            .map(|p| p.seq);
+        match seq {
+            Some(seq) => journal.confirm(seq).map(|()| true),
+            None => Ok(false),
+        }
+    }
+
     /// The replica entry for `version` of `uri`, if this worker holds one.
     pub(crate) fn replica_entry(&self, uri: &str, version: &str) -> Option<PendingObject> {
         lock(&self.journal)
@@ -577,6 +596,7 @@ mod lock_order_tests {
             page_size: 4 << 20,
             delete: false,
             replica_of,
+            unconfirmed: false,
             replicas: Vec::new(),
             meta: Default::default(),
             tenant: None,

@@ -929,6 +929,7 @@ impl WorkerClient {
         let headers = [
             (crate::VERSION_HEADER, version),
             (crate::REPLICA_OF_HEADER, replica_of),
+            (crate::CONFIRM_HEADER, "1"),
         ];
         self.put_checked(uri, body, crate::WriteMode::Back, &headers, meta, watch)
             .await
@@ -950,6 +951,7 @@ impl WorkerClient {
         let req = self
             .request(http::Method::POST, &path)
             .header(crate::REPLICA_OF_HEADER, replica_of)
+            .header(crate::CONFIRM_HEADER, "1")
             .body(empty())
             .map_err(|e| ClientError::Decode(e.to_string()))?;
         let resp = self.send_quick(req).await?;
@@ -968,6 +970,23 @@ impl WorkerClient {
             form_urlencoded(&[("version", version)])
         );
         self.get_json(&path).await
+    }
+
+    /// Tells this worker (a replica) that the primary's journal now holds
+    /// `version` of `uri`: the copy is of an acknowledged write. Fails
+    /// where this worker holds no such copy.
+    pub async fn confirm_replica(&self, uri: &ObjectUri, version: &str) -> Result<(), ClientError> {
+        let path = format!(
+            "{}?{}",
+            uri.api_path("confirm"),
+            form_urlencoded(&[("version", version)])
+        );
+        let req = self
+            .request(http::Method::POST, &path)
+            .body(empty())
+            .map_err(|e| ClientError::Decode(e.to_string()))?;
+        let resp = self.send_quick(req).await?;
+        self.collect(resp.into_body()).await.map(|_| ())
     }
 
     /// Tells this worker (a replica) that `version` of `uri` is settled:

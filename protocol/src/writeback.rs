@@ -51,6 +51,11 @@ pub const REPLICA_OF_HEADER: &str = "x-lakecache-replica-of";
 /// On a replica PUT: the cache version the primary gave the object, so
 /// both copies answer reads of it.
 pub const VERSION_HEADER: &str = "x-lakecache-version";
+/// On a replica PUT or delete: the primary will confirm the copy once its
+/// own journal holds the write (`POST /v1/confirm/...`), and only then
+/// acknowledge it. A copy never confirmed was never acknowledged: a
+/// replica that takes over a lost primary's copies drops it.
+pub const CONFIRM_HEADER: &str = "x-lakecache-confirm";
 
 /// The ETag-like version a worker gives a written-back object until S3
 /// names it starts with this; no S3 ETag does (they are hex digests).

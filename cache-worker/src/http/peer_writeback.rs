@@ -6,7 +6,7 @@ use std::sync::Arc;
 
 use http::StatusCode;
 use lakecache_protocol::{
-    is_cache_version, ErrorCode, ObjectUri, WriteBackEntry, CACHE_VERSION_PREFIX,
+    is_cache_version, ErrorCode, ObjectUri, WriteBackEntry, CACHE_VERSION_PREFIX, CONFIRM_HEADER,
     REPLICA_OF_HEADER, VERSION_HEADER,
 };
 
@@ -40,7 +40,20 @@ pub(super) fn replica_role(headers: &http::HeaderMap) -> Result<WriteRole, Box<R
     Ok(WriteRole::Replica {
         version: checked_version(version)?,
         of: parse_replica_of(&of)?,
+        confirm: confirm_asked(headers)?,
     })
+}
+
+/// Whether the primary will confirm the copy ([`CONFIRM_HEADER`]: `1`).
+fn confirm_asked(headers: &http::HeaderMap) -> Result<bool, Box<Response>> {
+    match headers.get(CONFIRM_HEADER).map(|v| v.as_bytes()) {
+        None => Ok(false),
+        Some(b"1") => Ok(true),
+        Some(_) => Err(Box::new(error(
+            ErrorCode::BadRequest,
+            format!("{CONFIRM_HEADER} must be 1 where present"),
+        ))),
+    }
 }
 
 fn checked_version(version: String) -> Result<String, Box<Response>> {
@@ -177,6 +190,10 @@ pub(super) async fn replica_delete(
         Ok(call) => call,
         Err(resp) => return *resp,
     };
+    let confirm = match confirm_asked(headers) {
+        Ok(c) => c,
+        Err(resp) => return *resp,
+    };
     let version = match checked_version(version) {
         Ok(v) => v,
         Err(resp) => return *resp,
@@ -193,8 +210,36 @@ pub(super) async fn replica_delete(
             )
         }
     };
-    match state.cache.record_replica_delete(&uri, version, of).await {
+    match state
+        .cache
+        .record_replica_delete(&uri, version, of, confirm)
+        .await
+    {
         Ok(()) => json(StatusCode::OK, &serde_json::json!({ "recorded": true })),
         Err(e) => cache_error(&e),
+    }
+}
+
+/// A primary's journal now holds the write this worker has a copy of.
+pub(super) async fn confirm_replica(
+    state: &AppState,
+    access: &Access<'_>,
+    rest: &str,
+    query: &str,
+) -> Response {
+    let (uri, version, wb) = match peer_call(state, access, rest, query) {
+        Ok(call) => call,
+        Err(resp) => return *resp,
+    };
+    let (wb, key) = (wb.clone(), uri.to_string());
+    let confirmed = tokio::task::spawn_blocking(move || wb.confirm_copy(&key, &version)).await;
+    match confirmed {
+        Ok(Ok(true)) => json(StatusCode::OK, &serde_json::json!({ "confirmed": true })),
+        Ok(Ok(false)) => error(
+            ErrorCode::NotFound,
+            format!("this worker holds no copy of {uri} at that version to confirm"),
+        ),
+        Ok(Err(e)) => error(ErrorCode::Internal, format!("confirming a copy: {e}")),
+        Err(e) => error(ErrorCode::Internal, format!("confirming a copy: {e}")),
     }
 }

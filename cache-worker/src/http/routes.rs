@@ -18,7 +18,9 @@ use lakecache_protocol::{
 use super::auth::{Access, AccessPolicy};
 use super::body_check::{body_error, CheckedBody};
 use super::limits::{Admitted, IdleTimeoutBody, TenantLimiter};
-use super::peer_writeback::{drop_replica, pending_entry, replica_delete, replica_role};
+use super::peer_writeback::{
+    confirm_replica, drop_replica, pending_entry, replica_delete, replica_role,
+};
 use super::range::{parse_range, resolve};
 use super::read_crc::with_crc_trailer;
 use super::response::{
@@ -183,6 +185,10 @@ async fn object_route(
         Handler::ReplicaDelete => (
             "replica_delete",
             replica_delete(state, access, rest, query, req.headers()).await,
+        ),
+        Handler::ConfirmReplica => (
+            "confirm_replica",
+            confirm_replica(state, access, rest, query).await,
         ),
         Handler::Health | Handler::Metrics | Handler::Writeback => {
             let msg = format!("{handler:?} is not served here");

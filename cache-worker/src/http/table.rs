@@ -56,6 +56,8 @@ pub enum Handler {
     PendingEntry,
     DropReplica,
     ReplicaDelete,
+    /// A primary confirms a copy once its own journal holds the write.
+    ConfirmReplica,
     /// A job's read order for one rank (`plans::publish`).
     Plan,
 }
@@ -107,6 +109,7 @@ pub static ROUTES: &[RouteSpec] = &[
     route("GET", Under("/v1/pending/"), Peer, Handler::PendingEntry),
     route("DELETE", Under("/v1/replica/"), Peer, Handler::DropReplica),
     route("POST", Under("/v1/replica/"), Peer, Handler::ReplicaDelete),
+    route("POST", Under("/v1/confirm/"), Peer, Handler::ConfirmReplica),
 ];
 
 /// Why a request matched no route.

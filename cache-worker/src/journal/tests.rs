@@ -13,6 +13,7 @@ fn object(uri: &str, size: u64) -> PendingObject {
         page_size: 4 << 20,
         delete: false,
         replica_of: None,
+        unconfirmed: false,
         replicas: Vec::new(),
         // Round-trips with the rest: the mount's mode and times.
         meta: [("mode".to_string(), "33188".to_string())].into(),

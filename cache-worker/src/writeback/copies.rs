@@ -310,6 +310,48 @@ impl Cache {
         Ok(())
     }
 
+    /// Tells every replica holding a copy of `object` (just journaled
+    /// here) that the write is acknowledged; all must record it before
+    /// the client hears so. A copy left unconfirmed would be dropped by a
+    /// replica taking over from this worker's lost disk. On failure the
+    /// client is told the write was not acknowledged, though this
+    /// worker's journal holds it and uploads it: a retry, journaled
+    /// later, reaches S3 after it.
+    pub(super) async fn confirm_copies(
+        self: &Arc<Self>,
+        object: &PendingObject,
+    ) -> Result<(), CacheError> {
+        let Ok(uri) = super::visible::parse_uri(&object.uri) else {
+            return Ok(());
+        };
+        let confirms = object.replicas.iter().map(|addr| {
+            let uri = uri.clone();
+            async move {
+                let done = match self.peers.client(addr) {
+                    Ok(c) => c
+                        .confirm_replica(&uri, &object.version)
+                        .await
+                        .map_err(|e| e.to_string()),
+                    Err(e) => Err(e.to_string()),
+                };
+                done.map_err(|e| format!("{addr}: {e}"))
+            }
+        });
+        let failed: Vec<String> = futures::future::join_all(confirms)
+            .await
+            .into_iter()
+            .filter_map(Result::err)
+            .collect();
+        if failed.is_empty() {
+            return Ok(());
+        }
+        Err(CacheError::ReplicasUnavailable(format!(
+            "a worker holding a copy of {} did not confirm it ({}); the write was not acknowledged, though this worker will still upload it",
+            object.uri,
+            failed.join("; ")
+        )))
+    }
+
     /// Tells replicas holding a copy of `object` that it is settled
     /// (uploaded, replaced, or never acknowledged), in the background.
     /// A copy whose drop is lost is found settled by the replica itself.

@@ -14,7 +14,6 @@
 
 use std::collections::HashSet;
 use std::sync::{Arc, Weak};
-use std::time::Duration;
 
 use lakecache_protocol::EntryState;
 
@@ -22,18 +21,13 @@ use super::{now_ms, WriteBack};
 use crate::cache::{join_failed, Cache, CacheError};
 use crate::journal::PendingObject;
 
-/// How often held copies are checked with their primaries.
-const CHECK_EVERY: Duration = Duration::from_secs(2);
-/// A copy younger than this is not asked about: its primary may still be
-/// syncing its own pages.
-const MIN_AGE_MS: i64 = 2_000;
 /// Questions per round, so a large backlog does not flood a primary.
 const MAX_ASKS: usize = 256;
 
 /// Runs until the cache is dropped or closes.
 pub(crate) async fn replica_watcher(cache: Weak<Cache>, wb: Arc<WriteBack>) {
     loop {
-        tokio::time::sleep(CHECK_EVERY).await;
+        tokio::time::sleep(wb.config.replica_check).await;
         let Some(cache) = cache.upgrade() else { return };
         if *cache.closing.borrow() {
             return;
@@ -53,13 +47,14 @@ pub(crate) async fn replica_watcher(cache: Weak<Cache>, wb: Arc<WriteBack>) {
 impl Cache {
     async fn check_copies(self: &Arc<Self>, wb: &Arc<WriteBack>, held: Vec<PendingObject>) {
         let now = now_ms();
+        let min_age_ms = wb.config.replica_check.as_millis() as i64;
         let mut unreachable = HashSet::new();
         let mut asked = 0;
         for copy in held {
             let Some(primary) = copy.replica_of.clone() else {
                 continue;
             };
-            if now - copy.acked_ms < MIN_AGE_MS
+            if now - copy.acked_ms < min_age_ms
                 || unreachable.contains(&primary.addr)
                 || asked >= MAX_ASKS
             {

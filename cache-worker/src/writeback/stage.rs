@@ -32,8 +32,14 @@ pub enum WriteRole {
     /// A client's write: this worker uploads it, after copying it to the
     /// next workers of the ring.
     Primary,
-    /// A copy of a write another worker takes as primary.
-    Replica { version: String, of: ReplicaOf },
+    /// A copy of a write another worker takes as primary; `confirm`: the
+    /// primary confirms it once acknowledged (until then it is held as
+    /// unconfirmed).
+    Replica {
+        version: String,
+        of: ReplicaOf,
+        confirm: bool,
+    },
 }
 
 /// How a body's pages reach the disk.
@@ -123,12 +129,17 @@ impl Cache {
             io,
             ..Taken::default()
         };
-        let (version, replica_of) = match role {
+        let (version, replica_of, unconfirmed) = match role {
             WriteRole::Primary => (
                 format!("{VERSION_PREFIX}{}", uuid::Uuid::new_v4().simple()),
                 None,
+                false,
             ),
-            WriteRole::Replica { version, of } => (version, Some(of)),
+            WriteRole::Replica {
+                version,
+                of,
+                confirm,
+            } => (version, Some(of), confirm),
         };
         let _taking = wb.taking(&uri.to_string(), &version);
         let mut copies = match replica_of {
@@ -148,6 +159,7 @@ impl Cache {
             .await;
         if let Ok(object) = &mut result {
             object.replica_of = replica_of;
+            object.unconfirmed = unconfirmed;
             object.meta = meta.user;
             let late = meta.late.as_ref().and_then(|m| m.get());
             if let Some(late) = late.filter(|late| **late != object.meta) {
@@ -281,6 +293,7 @@ impl Cache {
             page_size: self.config.page_size,
             delete: false,
             replica_of: None,
+            unconfirmed: false,
             replicas: Vec::new(),
             meta: UserMeta::new(),
             tenant: crate::tenant::current().map(|t| t.to_string()),
@@ -346,6 +359,8 @@ impl Cache {
             }
         };
         tracing::debug!(uri = %object.uri, seq, size = object.size, "write-back recorded");
+        // Only now may the copies count as copies of an acknowledged write.
+        self.confirm_copies(&object).await?;
         // The reservation now belongs to the pending object.
         taken.reserved = 0;
         Ok(ObjectMeta {

@@ -181,7 +181,14 @@ impl Cache {
         object: &PendingObject,
     ) -> Result<bool, CacheError> {
         let uri = super::visible::parse_uri(&object.uri)?;
-        let superseded = wb.superseded(object);
+        // A copy its lost primary never confirmed was never acknowledged:
+        // uploading it could land a write the client was told failed
+        // over the one it retried.
+        let never_acked = object.replica_of.is_some() && object.unconfirmed;
+        if never_acked {
+            tracing::warn!(uri = %object.uri, version = %object.version, "dropping a copy its lost primary never confirmed (the write was not acknowledged)");
+        }
+        let superseded = wb.superseded(object) || never_acked;
         let etag = if superseded {
             // A later write or delete of the same object replaces this
             // one; S3 ends the same without it.
@@ -303,6 +310,7 @@ impl Cache {
         let (this, wb2, record, s3_etag) =
             (self.clone(), wb.clone(), object.clone(), etag.to_string());
         let moved = tokio::task::spawn_blocking(move || {
+            let _site = crate::crashsim::site("settle: pages re-keyed to the ETag");
             let pages = record.size.div_ceil(record.page_size.max(1));
             for index in 0..pages {
                 let from_key = WriteBack::page_key(&record.uri, &record.version, index);

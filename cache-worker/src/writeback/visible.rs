@@ -224,6 +224,7 @@ impl Cache {
             self.forget_copies(&record, &record.replicas);
             return Err(e);
         }
+        self.confirm_copies(&record).await?;
         Ok(true)
     }
 
@@ -234,10 +235,12 @@ impl Cache {
         uri: &ObjectUri,
         version: String,
         of: crate::journal::ReplicaOf,
+        confirm: bool,
     ) -> Result<(), CacheError> {
         let wb = self.write_back_state()?.clone();
         let mut record = delete_record(&uri.to_string(), version, self.config.page_size);
         record.replica_of = Some(of);
+        record.unconfirmed = confirm;
         tokio::task::spawn_blocking(move || wb.record(record))
             .await
             .map_err(join_failed)?
@@ -279,6 +282,7 @@ fn delete_record(uri: &str, version: String, page_size: u64) -> PendingObject {
         page_size,
         delete: true,
         replica_of: None,
+        unconfirmed: false,
         replicas: Vec::new(),
         meta: Default::default(),
         tenant: None,
@@ -297,6 +301,7 @@ fn dirty_record(uri: &ObjectUri, meta: &ObjectMeta, seq: u64, page_size: u64) ->
         page_size,
         delete: false,
         replica_of: None,
+        unconfirmed: false,
         replicas: Vec::new(),
         meta: meta.user.clone(),
         tenant: None,

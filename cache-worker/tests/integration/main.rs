@@ -14,6 +14,7 @@ mod local;
 mod plans;
 mod policies;
 mod power_loss;
+mod power_sweep;
 mod reads;
 mod replicas;
 mod route_matrix;

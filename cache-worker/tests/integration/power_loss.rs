@@ -25,7 +25,7 @@ const SIZES: [usize; 5] = [
 ];
 
 /// The simulation is one per process: these tests take turns.
-static ONE_AT_A_TIME: tokio::sync::Mutex<()> = tokio::sync::Mutex::const_new(());
+pub(crate) static ONE_AT_A_TIME: tokio::sync::Mutex<()> = tokio::sync::Mutex::const_new(());
 
 struct Acked {
     key: String,

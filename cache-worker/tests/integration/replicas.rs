@@ -402,3 +402,81 @@ async fn a_copy_answered_by_another_workers_identity_does_not_count() {
         "the copy answered under another identity was counted"
     );
 }
+
+/// A primary sends a copy, then loses its power before its own journal
+/// holds the write: the client was never told the write succeeded. The
+/// replica must not upload that copy when it takes over from the
+/// primary's lost disk; it would land in S3 over the client's retry.
+/// A copy the primary confirmed (acknowledged) is uploaded. Found by the
+/// widened power-loss sweep (`power_sweep.rs`).
+#[tokio::test]
+async fn a_copy_its_lost_primary_never_confirmed_is_dropped_not_uploaded() {
+    let h = Harness::with(|o| o.cache.writeback.replicas = Some(2)).await;
+    let b_dir = tempfile::tempdir().unwrap();
+    let b = start_at(&h, b_dir.path(), None).await;
+    let a_addr = h.addr().to_string();
+    place(&b, std::slice::from_ref(&a_addr));
+    let b_client = client(&b);
+    // Copies from "the primary at A's address" under a journal A does not
+    // have: the journal that was lost with A's disk.
+    let lost = format!("lost-journal {a_addr}");
+    let copy = |key: &'static str, version: &'static str, body: &'static [u8]| {
+        let (b_client, lost) = (b_client.clone(), lost.clone());
+        async move {
+            b_client
+                .put_replica(
+                    &uri(key),
+                    version,
+                    &lost,
+                    futures::stream::iter([Ok(Bytes::from_static(body))]),
+                    &Default::default(),
+                    None,
+                )
+                .await
+                .unwrap()
+        }
+    };
+    copy(
+        "conf/acked",
+        "lc-00000000000000000000000000000001",
+        b"acked",
+    )
+    .await;
+    copy(
+        "conf/never",
+        "lc-00000000000000000000000000000002",
+        b"never acked",
+    )
+    .await;
+    b_client
+        .confirm_replica(&uri("conf/acked"), "lc-00000000000000000000000000000001")
+        .await
+        .unwrap();
+    // Confirming a copy this worker does not hold is refused, by name.
+    let err = b_client
+        .confirm_replica(&uri("conf/absent"), "lc-00000000000000000000000000000003")
+        .await
+        .unwrap_err();
+    assert_api_error(&err, ErrorCode::NotFound);
+    assert_eq!(status(&b_client).await.replica_objects, 2);
+
+    eventually(
+        Duration::from_secs(60),
+        "B takes over and settles both copies",
+        || async {
+            let s = status(&b_client).await;
+            s.replica_objects == 0 && s.pending_objects == 0
+        },
+    )
+    .await;
+    assert_eq!(
+        s3_bytes(&h, "conf/acked").await.as_deref(),
+        Some(&b"acked"[..])
+    );
+    assert_eq!(
+        s3_bytes(&h, "conf/never").await,
+        None,
+        "a copy of a write never acknowledged was uploaded"
+    );
+    b.shutdown().await;
+}

@@ -168,7 +168,7 @@ fn sample(route: &RouteSpec, who: Who) -> Sample {
             ],
             b"page".to_vec(),
         ),
-        Handler::PendingEntry | Handler::DropReplica => {
+        Handler::PendingEntry | Handler::DropReplica | Handler::ConfirmReplica => {
             (format!("{object}{version}"), vec![], vec![])
         }
         Handler::ReplicaDelete => (
