@@ -1292,13 +1292,16 @@ impl Fs {
                 ..
             }) = self.handle(fh)
             {
-                discarded.store(true, Ordering::SeqCst);
+                // The object it replaces goes first: an unlink that fails
+                // leaves the writer to store its data at close, as if the
+                // unlink had never been asked for.
                 if previous.is_some_and(|p| p.etag.is_some()) {
                     match self.data.delete(&self.uri(&node.key)?).await {
                         Ok(()) | Err(DataError::NotFound) => {}
                         Err(e) => return Err(e.into()),
                     }
                 }
+                discarded.store(true, Ordering::SeqCst);
                 self.inodes.update(node.ino, |n| n.writer = None);
                 self.dir_changed(parent);
                 self.inodes.unlink(parent, name);
@@ -1438,6 +1441,14 @@ impl Fs {
                 // The copy carries the attributes as this mount has them
                 // (a chmod not stored yet included).
                 let user = src.meta.user.clone();
+                // Handles open on either file go on reading what they
+                // opened, as on a local file system: a local copy, taken
+                // before the copy replaces one and the delete removes the
+                // other.
+                if let Some(d) = &dst {
+                    self.keep_for_open_handles(d).await;
+                }
+                self.keep_for_open_handles(&src).await;
                 let stat = self.data.copy(&from, None, &to, user.as_ref()).await?;
                 self.data.delete(&from).await?;
                 self.inodes

@@ -308,12 +308,19 @@ impl InodeTable {
             .collect()
     }
 
-    /// Keys under `old` (a directory key) now live under `new`; the
-    /// directory's own inode is moved by [`Self::rename`].
-    pub fn rekey_under(&self, old: &str, new: &str) {
+    /// Keys under `old` (a directory key) now live under `new`, as the
+    /// versions `moved` names by old key; the directory's own inode is
+    /// moved by [`Self::rename`].
+    pub fn rekey_under(&self, old: &str, new: &str, moved: &HashMap<String, Meta>) {
         let mut t = self.lock();
         for n in t.nodes.values_mut() {
             if n.key.starts_with(old) && n.key != old {
+                if let Some(meta) = moved.get(&n.key) {
+                    if n.kind == Kind::File {
+                        n.meta = meta.clone();
+                        n.page_cache_etag = None;
+                    }
+                }
                 n.key = format!("{new}{}", &n.key[old.len()..]);
                 n.meta_dirty = false;
             }

@@ -330,6 +330,18 @@ impl FileReader {
         self.tier_checked = CheckedBlocks::default();
     }
 
+    /// The version read was copied in place to `etag` with new
+    /// metadata and the same bytes: reads go on from the copy (the old
+    /// version may be gone). Read-ahead stays valid; the tier copy is
+    /// keyed by the old version and is let go.
+    pub fn follow_copy(&mut self, from: &str, etag: &str) {
+        if self.etag == from {
+            self.etag = etag.to_string();
+            self.tier = None;
+            self.tier_checked = CheckedBlocks::default();
+        }
+    }
+
     pub fn size(&self) -> u64 {
         self.size
     }

@@ -9,7 +9,7 @@ mod model;
 
 use std::sync::Arc;
 
-use lakecache_fuse::data_plane::MemoryDataPlane;
+use lakecache_fuse::data_plane::{FaultyDataPlane, MemoryDataPlane};
 use lakecache_fuse::{Fs, FsConfig};
 use model::{run_case, Op};
 use proptest::prelude::*;
@@ -48,7 +48,7 @@ proptest! {
     fn fs_matches_the_model(ops in proptest::collection::vec(model::op(), 1..48)) {
         let rt = tokio::runtime::Builder::new_current_thread().enable_all().build().unwrap();
         rt.block_on(async {
-            let data = Arc::new(MemoryDataPlane::new());
+            let data = Arc::new(FaultyDataPlane::new(MemoryDataPlane::new()));
             let fs = Fs::new(data.clone(), config());
             run_case(&fs, &data, BUCKET, "root/", &ops).await
         }).map_err(TestCaseError::fail)?;
@@ -66,7 +66,7 @@ mod found {
             .build()
             .unwrap();
         rt.block_on(async {
-            let data = Arc::new(MemoryDataPlane::new());
+            let data = Arc::new(FaultyDataPlane::new(MemoryDataPlane::new()));
             let fs = Fs::new(data.clone(), config());
             run_case(&fs, &data, BUCKET, "root/", &ops).await
         })
@@ -129,6 +129,93 @@ mod found {
         ]);
     }
 
+    /// An unlink of a file being rewritten (`O_TRUNC` over a stored
+    /// file) failed on S3 after marking the writer discarded: the close
+    /// then succeeded and its data was never stored.
+    #[test]
+    fn an_unlink_that_fails_leaves_the_writer_to_store_its_data() {
+        run(vec![
+            Create { dir: 0, name: 0 },
+            Write {
+                handle: 0,
+                len: 1,
+                seed: 0,
+            },
+            Flush { handle: 0 },
+            Create { dir: 0, name: 0 },
+            Write {
+                handle: 1,
+                len: 4,
+                seed: 7,
+            },
+            Faulty {
+                fault: model::meta::Fault::S3Error,
+                op: Box::new(Unlink { dir: 0, name: 0 }),
+            },
+        ]);
+    }
+
+    /// A chmod of a file open for reading is stored by a copy in place,
+    /// a new version: the reader, still on the old one, got ESTALE.
+    #[test]
+    fn a_chmod_stored_while_a_file_is_open_for_reading_keeps_its_reader() {
+        run(vec![
+            Create { dir: 0, name: 0 },
+            Write {
+                handle: 0,
+                len: 40,
+                seed: 3,
+            },
+            Flush { handle: 0 },
+            OpenRead { dir: 0, name: 0 },
+            ReadHandle {
+                handle: 0,
+                offset: 0,
+                len: 1,
+            },
+            Chmod {
+                dir: 0,
+                name: 0,
+                mode: 0o600,
+            },
+            Create { dir: 0, name: 1 },
+            Fsync { handle: 0 },
+            ReadHandle {
+                handle: 0,
+                offset: 0,
+                len: 30,
+            },
+        ]);
+    }
+
+    /// A directory rename copies its files to new versions; the inodes
+    /// kept the old ETags, and a truncate (which reads the kept bytes by
+    /// version) failed with ESTALE.
+    #[test]
+    fn a_file_in_a_renamed_directory_can_be_truncated() {
+        run(vec![
+            Mkdir { dir: 0, name: 1 },
+            Create { dir: 1, name: 0 },
+            Write {
+                handle: 0,
+                len: 3,
+                seed: 1,
+            },
+            Release { handle: 0 },
+            Rename {
+                dir: 0,
+                name: 1,
+                to_dir: 0,
+                to_name: 2,
+            },
+            Truncate {
+                dir: 1,
+                name: 0,
+                size: 1,
+            },
+        ]);
+    }
+
     #[test]
     fn a_renamed_directory_lists_what_was_created_in_it_after_a_listing() {
         run(vec![
@@ -151,5 +238,136 @@ mod found {
             Mkdir { dir: 2, name: 2 },
             Readdir { dir: 4 },
         ]);
+    }
+}
+
+/// Every operation the model grew, in one sequence the model checks:
+/// chmod, chown, utimens, truncate up and down, symlink and readlink,
+/// reads through handles of files unlinked and renamed while open, and
+/// operations over a faulty data plane (slow, S3's 500, the worker gone).
+mod grown {
+    use super::*;
+    use model::meta::Fault;
+    use model::Op::*;
+
+    fn faulty(fault: Fault, op: Op) -> Op {
+        Faulty {
+            fault,
+            op: Box::new(op),
+        }
+    }
+
+    #[test]
+    fn every_grown_operation_agrees_with_the_model() {
+        let rt = tokio::runtime::Builder::new_current_thread()
+            .enable_all()
+            .build()
+            .unwrap();
+        let ops = vec![
+            Create { dir: 0, name: 0 },
+            Write {
+                handle: 0,
+                len: 60,
+                seed: 5,
+            },
+            Truncate {
+                dir: 0,
+                name: 0,
+                size: 100,
+            },
+            Release { handle: 0 },
+            Stat { dir: 0, name: 0 },
+            Truncate {
+                dir: 0,
+                name: 0,
+                size: 30,
+            },
+            Truncate {
+                dir: 0,
+                name: 0,
+                size: 90,
+            },
+            Chmod {
+                dir: 0,
+                name: 0,
+                mode: 0o4711,
+            },
+            Chown {
+                dir: 0,
+                name: 0,
+                uid: 1000,
+                gid: 1000,
+            },
+            Utimens {
+                dir: 0,
+                name: 0,
+                secs: 1_700_000_000,
+            },
+            Stat { dir: 0, name: 0 },
+            Symlink {
+                dir: 0,
+                name: 1,
+                target: 1,
+            },
+            Readlink { dir: 0, name: 1 },
+            Readlink { dir: 0, name: 0 },
+            Stat { dir: 0, name: 1 },
+            // Open for reading, then renamed over and unlinked: reads go on.
+            OpenRead { dir: 0, name: 0 },
+            Create { dir: 0, name: 2 },
+            Write {
+                handle: 0,
+                len: 10,
+                seed: 9,
+            },
+            Release { handle: 0 },
+            OpenRead { dir: 0, name: 2 },
+            Rename {
+                dir: 0,
+                name: 0,
+                to_dir: 0,
+                to_name: 3,
+            },
+            ReadHandle {
+                handle: 0,
+                offset: 20,
+                len: 40,
+            },
+            Rename {
+                dir: 0,
+                name: 2,
+                to_dir: 0,
+                to_name: 3,
+            },
+            ReadHandle {
+                handle: 0,
+                offset: 0,
+                len: 90,
+            },
+            ReadHandle {
+                handle: 1,
+                offset: 0,
+                len: 10,
+            },
+            Unlink { dir: 0, name: 3 },
+            ReadHandle {
+                handle: 1,
+                offset: 2,
+                len: 5,
+            },
+            CloseRead { handle: 0 },
+            CloseRead { handle: 0 },
+            faulty(Fault::Slow, Stat { dir: 0, name: 1 }),
+            faulty(Fault::S3Error, Mkdir { dir: 0, name: 2 }),
+            faulty(Fault::WorkerGone, Readdir { dir: 0 }),
+            faulty(Fault::S3Error, Unlink { dir: 0, name: 1 }),
+            Readdir { dir: 0 },
+        ];
+        rt.block_on(async {
+            let data = Arc::new(FaultyDataPlane::new(MemoryDataPlane::new()));
+            let fs = Fs::new(data.clone(), config());
+            run_case(&fs, &data, BUCKET, "root/", &ops).await
+        })
+        .unwrap();
     }
 }

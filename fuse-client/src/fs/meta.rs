@@ -432,12 +432,36 @@ impl Fs {
                 n.meta.mtime_ms = stat.last_modified_ms;
             }
         });
+        if let (Some(stat), Kind::File, Some(old)) = (&stat, node.kind, &node.meta.etag) {
+            if stat.size == node.meta.size {
+                self.readers_follow_copy(ino, old, &stat.etag).await;
+            }
+        }
         if !self.inodes.get(ino).is_some_and(|n| n.meta_dirty) {
             self.dirty_meta.clear(ino);
         }
         // Freed now if the kernel forgot it while it was dirty.
         self.inodes.forget(ino, 0);
         Ok(())
+    }
+
+    /// Handles reading `ino` at version `from` read `etag` from now on:
+    /// a copy in place that changed only metadata (a chmod stored while
+    /// the file is open for reading).
+    async fn readers_follow_copy(&self, ino: u64, from: &str, etag: &str) {
+        let readers: Vec<_> = {
+            let handles = self.handles.lock().unwrap_or_else(|p| p.into_inner());
+            handles
+                .values()
+                .filter_map(|h| match h {
+                    Handle::Read { reader, ino: i } if *i == ino => Some(reader.clone()),
+                    _ => None,
+                })
+                .collect()
+        };
+        for reader in readers {
+            reader.lock().await.follow_copy(from, etag);
+        }
     }
 
     /// An object with `data` and `meta` in the key's write mode.

@@ -370,8 +370,12 @@ impl Fs {
                 .buffered(TREE_COPIES_IN_FLIGHT)
                 .collect()
                 .await;
-        for copied in copies {
-            copied?;
+        // A copy is a new version (its ETag need not be the source's):
+        // inodes known here take it, or a later read by version of one
+        // of them would find the object changed.
+        let mut moved = std::collections::HashMap::with_capacity(keys.len());
+        for (key, copied) in keys.iter().zip(copies) {
+            moved.insert(key.clone(), super::meta_of(&copied?));
         }
         let deletes: Vec<Result<(), DataError>> = futures::stream::iter(moves)
             .map(|(from, _, _)| {
@@ -387,7 +391,7 @@ impl Fs {
                 Err(e) => return Err(e.into()),
             }
         }
-        self.inodes.rekey_under(&src.key, new_key);
+        self.inodes.rekey_under(&src.key, new_key, &moved);
         self.listings.invalidate_under(&src.key);
         // The target may be an empty directory that was listed before.
         self.listings.invalidate_under(new_key);
