@@ -9,8 +9,8 @@
 //! - conservative (the default): a file's bytes are durable up to the
 //!   length it had at its last `fsync`/`fdatasync` (bytes written since
 //!   are cut off; a file never synced is emptied); creating a file or
-//!   directory, or renaming onto a name, is durable once the directory
-//!   holding the new name is synced, and undone until then;
+//!   directory, renaming onto a name, or unlinking a file, is durable
+//!   once the directory holding the name is synced, and undone until then;
 //! - torn ([`tear`], seeded): only what fsync and directory fsync promise
 //!   holds. Of the unsynced bytes a file gained, a random prefix of whole
 //!   512-byte sectors survives, sometimes with a sector range inside it
@@ -52,6 +52,11 @@ enum Op {
         /// A hard link to the file the rename replaced, restored if the
         /// rename is undone.
         replaced: Option<PathBuf>,
+    },
+    /// A file unlinked; `kept` is a hard link to it, put back if undone.
+    Remove {
+        path: PathBuf,
+        kept: PathBuf,
     },
 }
 
@@ -322,6 +327,31 @@ pub(crate) fn rename(
     Ok(())
 }
 
+/// Unlinks the file at `path` with `remove`; until its directory is
+/// synced the file may come back after a power loss.
+pub(crate) fn remove(path: &Path, remove: impl FnOnce() -> io::Result<()>) -> io::Result<()> {
+    alive(path)?;
+    let kept = with(path, |s| s.keep_old(path)).flatten();
+    if let Err(e) = remove() {
+        if let Some(kept) = &kept {
+            let _ = fs::remove_file(kept);
+        }
+        return Err(e);
+    }
+    if let Some(kept) = kept {
+        with(path, |s| {
+            s.pending.push(Pending {
+                op: Op::Remove {
+                    path: path.to_path_buf(),
+                    kept,
+                },
+                dir: parent(path),
+            })
+        });
+    }
+    Ok(())
+}
+
 /// `len` bytes of `file` (at `path`) at `offset` are about to be
 /// overwritten in place: what they were is kept until the file is synced.
 pub(crate) fn overwriting(path: &Path, file: &fs::File, offset: u64, len: usize) -> io::Result<()> {
@@ -378,12 +408,15 @@ pub(crate) fn sync_dir(dir: &Path, sync: impl FnOnce() -> io::Result<()>) -> io:
             s.pending.drain(..).partition(|p| p.dir.as_path() == dir);
         s.pending = still;
         for p in durable {
-            if let Op::Rename {
-                replaced: Some(kept),
-                ..
-            } = p.op
-            {
-                let _ = fs::remove_file(kept);
+            match p.op {
+                Op::Rename {
+                    replaced: Some(kept),
+                    ..
+                }
+                | Op::Remove { kept, .. } => {
+                    let _ = fs::remove_file(kept);
+                }
+                _ => {}
             }
         }
     });

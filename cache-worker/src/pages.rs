@@ -662,7 +662,7 @@ impl PageStore {
         if crate::crashsim::alive(&path).is_err() {
             return;
         }
-        if let Err(e) = fs::remove_file(path) {
+        if let Err(e) = crate::crashsim::remove(&path, || fs::remove_file(&path)) {
             if e.kind() != io::ErrorKind::NotFound {
                 tracing::warn!(page = %key.hex(), error = %e, "removing page file failed");
             }

@@ -82,12 +82,17 @@ impl Sim {
             *n += 1;
             if *n > kept[&p.dir] {
                 undo.push(p.op);
-            } else if let Op::Rename {
-                replaced: Some(old),
-                ..
-            } = &p.op
-            {
-                let _ = fs::remove_file(old);
+            } else {
+                match &p.op {
+                    Op::Rename {
+                        replaced: Some(old),
+                        ..
+                    }
+                    | Op::Remove { kept: old, .. } => {
+                        let _ = fs::remove_file(old);
+                    }
+                    _ => {}
+                }
             }
         }
         for op in undo.into_iter().rev() {
@@ -99,6 +104,7 @@ impl Sim {
                     }
                 }
                 Op::Create(path) => warn_unless_gone("create", fs::remove_file(path)),
+                Op::Remove { path, kept } => warn_unless_gone("unlink", fs::rename(kept, path)),
                 Op::Mkdir(path) => warn_unless_gone("mkdir", fs::remove_dir_all(path)),
             }
         }
@@ -209,7 +215,7 @@ mod tests {
     /// One scenario, cut under a given model: a synced file gains bytes,
     /// a synced journal is replaced by an unsynced rename, and a synced
     /// header is overwritten in place. Returns what the disk kept.
-    fn scenario(root: &Path, seed: Option<u64>) -> (Vec<u8>, Vec<u8>, Vec<u8>) {
+    fn scenario(root: &Path, seed: Option<u64>) -> (Vec<u8>, Vec<u8>, Vec<u8>, bool) {
         let _ = fs::remove_dir_all(root);
         fs::create_dir_all(root).unwrap();
         arm(root, u64::MAX);
@@ -242,6 +248,11 @@ mod tests {
         overwriting(&header, &h, 0, 1024).unwrap();
         h.write_all_at(&[9u8; 1024], 0).unwrap();
 
+        let gone = root.join("gone");
+        fs::write(&gone, b"unlinked").unwrap();
+        existing(&gone);
+        remove(&gone, || fs::remove_file(&gone)).unwrap();
+
         cut_after(1);
         assert!(cut_point(root).is_err(), "the power goes out here");
         assert!(power_is_out());
@@ -250,6 +261,7 @@ mod tests {
             fs::read(&data).unwrap(),
             fs::read(&journal).unwrap(),
             fs::read(&header).unwrap(),
+            gone.exists(),
         )
     }
 
@@ -257,7 +269,8 @@ mod tests {
     fn a_cut_loses_what_fsync_does_not_promise_and_nothing_else() {
         let dir = tempfile::tempdir().unwrap();
         let root = dir.path().join("disk");
-        let (data, journal, header) = scenario(&root, None);
+        let (data, journal, header, back) = scenario(&root, None);
+        assert!(back, "an unsynced unlink is undone");
         assert_eq!(
             data,
             vec![1u8; 1000],
@@ -271,7 +284,7 @@ mod tests {
 
         let (mut shorter, mut holes, mut journals_kept) = (0, 0, 0);
         for seed in 0..64 {
-            let (data, journal, header) = scenario(&root, Some(seed));
+            let (data, journal, header, _) = scenario(&root, Some(seed));
             assert!(data.len() >= 1000 && data.len() <= 6000, "seed {seed}");
             assert_eq!(
                 &data[..1000],
