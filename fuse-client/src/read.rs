@@ -342,6 +342,15 @@ impl FileReader {
         }
     }
 
+    /// The object was copied to `uri` as version `etag` (its directory
+    /// renamed) and the source is going: reads go on from the copy.
+    pub fn follow_move(&mut self, from: &str, uri: ObjectUri, etag: &str) {
+        if self.etag == from {
+            self.uri = uri;
+            self.follow_copy(from, etag);
+        }
+    }
+
     pub fn size(&self) -> u64 {
         self.size
     }

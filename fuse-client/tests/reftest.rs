@@ -3,7 +3,7 @@
 //! against a plain model of the namespace; every result must agree.
 //!
 //! Cases: `PROPTEST_CASES` (default 4000); `benches/model/reftest-long.sh`
-//! runs many more.
+//! runs many more. The seed is printed; `LAKECACHE_MODEL_SEED` replays it.
 
 mod model;
 
@@ -29,16 +29,46 @@ fn config() -> FsConfig {
     c
 }
 
+/// A whole number from the environment, or `default`; anything else
+/// stops the test saying what was wrong.
+fn env_number(name: &str, default: u64) -> u64 {
+    match std::env::var(name) {
+        Err(_) => default,
+        Ok(v) => v
+            .trim()
+            .parse()
+            .unwrap_or_else(|_| panic!("{name}={v:?} is not a whole number")),
+    }
+}
+
 fn cases() -> u32 {
-    std::env::var("PROPTEST_CASES")
-        .ok()
-        .and_then(|v| v.parse().ok())
-        .unwrap_or(4000)
+    let cases = env_number("PROPTEST_CASES", 4000);
+    assert!(
+        cases > 0,
+        "PROPTEST_CASES=0: the model needs at least one case"
+    );
+    u32::try_from(cases).unwrap_or_else(|_| panic!("PROPTEST_CASES={cases} is too many"))
+}
+
+/// The run's seed: `LAKECACHE_MODEL_SEED`, or drawn and printed, so a
+/// failure can be replayed.
+fn seed() -> u64 {
+    let drawn = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map(|d| d.as_nanos() as u64)
+        .unwrap_or(1);
+    let seed = env_number("LAKECACHE_MODEL_SEED", drawn);
+    eprintln!(
+        "reference model: seed {seed} (replay with LAKECACHE_MODEL_SEED={seed}), {} cases",
+        cases()
+    );
+    seed
 }
 
 proptest! {
     #![proptest_config(ProptestConfig {
         cases: cases(),
+        rng_seed: proptest::test_runner::RngSeed::Fixed(seed()),
         max_shrink_iters: 4096,
         failure_persistence: None,
         ..ProptestConfig::default()
@@ -184,6 +214,34 @@ mod found {
                 handle: 0,
                 offset: 0,
                 len: 30,
+            },
+        ]);
+    }
+
+    /// A file open for reading in a directory that is renamed: the
+    /// reader kept the old key, which the move deleted (ENOENT).
+    #[test]
+    fn a_file_open_for_reading_survives_a_rename_of_its_directory() {
+        run(vec![
+            Mkdir { dir: 0, name: 3 },
+            Create { dir: 1, name: 3 },
+            Write {
+                handle: 0,
+                len: 8,
+                seed: 0,
+            },
+            Flush { handle: 0 },
+            OpenRead { dir: 1, name: 3 },
+            Rename {
+                dir: 6,
+                name: 3,
+                to_dir: 2,
+                to_name: 0,
+            },
+            ReadHandle {
+                handle: 0,
+                offset: 0,
+                len: 5,
             },
         ]);
     }

@@ -326,6 +326,9 @@ impl Fs {
             return Err(FsError::Busy("a file in the directory is being written"));
         }
         let mut keys = Vec::new();
+        // The version each key had when listed (empty where a store's
+        // listing leaves ETags out).
+        let mut listed = std::collections::HashMap::new();
         let mut token = None;
         loop {
             let page = self
@@ -338,7 +341,10 @@ impl Fs {
                     Some(1000),
                 )
                 .await?;
-            keys.extend(page.objects.into_iter().map(|o| o.key));
+            for o in page.objects {
+                listed.insert(o.key.clone(), o.etag);
+                keys.push(o.key);
+            }
             if keys.len() > MAX_TREE_OBJECTS {
                 return Err(FsError::CrossDevice(
                     "directory too large to rename in place",
@@ -377,6 +383,11 @@ impl Fs {
         for (key, copied) in keys.iter().zip(copies) {
             moved.insert(key.clone(), super::meta_of(&copied?));
         }
+        // Files open for reading under it read the copies from now on, as
+        // a local file system's open files survive a rename of their
+        // directory.
+        self.readers_follow_moves(&src.key, new_key, &listed, &moved)
+            .await?;
         let deletes: Vec<Result<(), DataError>> = futures::stream::iter(moves)
             .map(|(from, _, _)| {
                 let data = data.clone();
@@ -400,6 +411,44 @@ impl Fs {
 }
 
 impl Fs {
+    /// Readers of objects under `old` (a directory key) that `moved`
+    /// copied (old key → the copy's version) read the copies, under
+    /// `new`, where they read the version that was copied (`listed`);
+    /// a reader of an older version keeps it, as before the move.
+    async fn readers_follow_moves(
+        &self,
+        old: &str,
+        new: &str,
+        listed: &std::collections::HashMap<String, String>,
+        moved: &std::collections::HashMap<String, crate::inode::Meta>,
+    ) -> Result<(), FsError> {
+        let readers: Vec<_> = {
+            let handles = self.handles.lock().unwrap_or_else(|p| p.into_inner());
+            handles
+                .values()
+                .filter_map(|h| match h {
+                    Handle::Read { reader, .. } => Some(reader.clone()),
+                    _ => None,
+                })
+                .collect()
+        };
+        for reader in readers {
+            let mut r = reader.lock().await;
+            let key = r.uri().key().to_string();
+            let (Some(meta), Some(rest)) = (moved.get(&key), key.strip_prefix(old)) else {
+                continue;
+            };
+            let Some(etag) = meta.etag.clone() else {
+                continue;
+            };
+            let Some(from) = listed.get(&key).filter(|e| !e.is_empty()) else {
+                continue;
+            };
+            r.follow_move(from, self.uri(&format!("{new}{rest}"))?, &etag);
+        }
+        Ok(())
+    }
+
     /// A file is unlinked while handles here still have it open: they
     /// keep reading its bytes from a local copy (POSIX keeps an unlinked
     /// file readable until its last close), and changes not yet stored
