@@ -1441,15 +1441,19 @@ impl Fs {
                 // The copy carries the attributes as this mount has them
                 // (a chmod not stored yet included).
                 let user = src.meta.user.clone();
-                // Handles open on either file go on reading what they
-                // opened, as on a local file system: a local copy, taken
-                // before the copy replaces one and the delete removes the
-                // other.
+                // Handles open on the file it replaces go on reading it, as
+                // on a local file system: a local copy, taken before the
+                // copy overwrites it. Handles open on the moved file read
+                // the copy: it is the same file, under its new name.
                 if let Some(d) = &dst {
                     self.keep_for_open_handles(d).await;
                 }
-                self.keep_for_open_handles(&src).await;
                 let stat = self.data.copy(&from, None, &to, user.as_ref()).await?;
+                if let Some(old) = &src.meta.etag {
+                    for reader in self.readers_of(src.ino) {
+                        reader.lock().await.follow_move(old, to.clone(), &stat.etag);
+                    }
+                }
                 self.data.delete(&from).await?;
                 self.inodes
                     .rename(src.ino, new_parent, new_name, new_key, meta_of(&stat));

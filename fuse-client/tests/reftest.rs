@@ -246,6 +246,49 @@ mod found {
         ]);
     }
 
+    /// A truncate of a file open for reading: the reader went on seeing
+    /// the old size and bytes (POSIX shows it the truncation), also
+    /// after the file was renamed.
+    #[test]
+    fn a_reader_sees_a_truncate_of_its_file_also_after_a_rename() {
+        run(vec![
+            Create { dir: 0, name: 0 },
+            Write {
+                handle: 0,
+                len: 20,
+                seed: 4,
+            },
+            Release { handle: 0 },
+            OpenRead { dir: 0, name: 0 },
+            Rename {
+                dir: 0,
+                name: 0,
+                to_dir: 0,
+                to_name: 3,
+            },
+            Truncate {
+                dir: 0,
+                name: 3,
+                size: 5,
+            },
+            ReadHandle {
+                handle: 0,
+                offset: 0,
+                len: 20,
+            },
+            Truncate {
+                dir: 0,
+                name: 3,
+                size: 9,
+            },
+            ReadHandle {
+                handle: 0,
+                offset: 3,
+                len: 20,
+            },
+        ]);
+    }
+
     /// A directory rename copies its files to new versions; the inodes
     /// kept the old ETags, and a truncate (which reads the kept bytes by
     /// version) failed with ESTALE.

@@ -342,6 +342,9 @@ impl Fs {
         };
         let meta = meta_of(&stat);
         self.dir_changed(node.parent);
+        // Handles open for reading see the new size, as on a local file
+        // system (it is the same file).
+        self.readers_switch(node.ino, &stat.etag, stat.size).await;
         self.inodes
             .update(node.ino, |n| {
                 n.meta = meta;
@@ -445,21 +448,33 @@ impl Fs {
         Ok(())
     }
 
+    /// Handles reading `ino` read version `etag` (of `size` bytes) from
+    /// now on: the file was rewritten in place (a truncate).
+    async fn readers_switch(&self, ino: u64, etag: &str, size: u64) {
+        for reader in self.readers_of(ino) {
+            reader.lock().await.switch_version(etag.to_string(), size);
+        }
+    }
+
+    pub(super) fn readers_of(
+        &self,
+        ino: u64,
+    ) -> Vec<std::sync::Arc<tokio::sync::Mutex<crate::read::FileReader>>> {
+        let handles = self.handles.lock().unwrap_or_else(|p| p.into_inner());
+        handles
+            .values()
+            .filter_map(|h| match h {
+                Handle::Read { reader, ino: i } if *i == ino => Some(reader.clone()),
+                _ => None,
+            })
+            .collect()
+    }
+
     /// Handles reading `ino` at version `from` read `etag` from now on:
     /// a copy in place that changed only metadata (a chmod stored while
     /// the file is open for reading).
     async fn readers_follow_copy(&self, ino: u64, from: &str, etag: &str) {
-        let readers: Vec<_> = {
-            let handles = self.handles.lock().unwrap_or_else(|p| p.into_inner());
-            handles
-                .values()
-                .filter_map(|h| match h {
-                    Handle::Read { reader, ino: i } if *i == ino => Some(reader.clone()),
-                    _ => None,
-                })
-                .collect()
-        };
-        for reader in readers {
+        for reader in self.readers_of(ino) {
             reader.lock().await.follow_copy(from, etag);
         }
     }

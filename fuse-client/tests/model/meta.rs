@@ -41,7 +41,8 @@ impl Attr {
 pub struct Reader {
     pub fh: u64,
     pub content: Vec<u8>,
-    /// The name of the file it reads, until it is unlinked or replaced.
+    /// The name of the file it reads, until it is unlinked or replaced: a
+    /// truncate through the name changes what the reader sees.
     pub path: Option<String>,
 }
 
@@ -259,16 +260,6 @@ pub(super) async fn step(
             let name = named(name);
             let path = join(&parent, name);
             unless_link(model, &path)?;
-            if model
-                .readers
-                .iter()
-                .any(|r| r.path.as_deref() == Some(path.as_str()))
-            {
-                // Not modelled: POSIX shows the truncation to readers
-                // already open; the mount's readers keep the version they
-                // opened (a known gap, left open).
-                return None;
-            }
             let expected = model.truncate(&path, *size);
             let change = SetAttr {
                 size: Some(*size),
@@ -407,6 +398,12 @@ impl Model {
             Some(Entry::File { stored, .. }) => {
                 let mut content = stored.take().unwrap_or_default();
                 content.resize(size as usize, 0);
+                // Readers of the file see it too: it is the same file.
+                for r in &mut self.readers {
+                    if r.path.as_deref() == Some(path) {
+                        r.content = content.clone();
+                    }
+                }
                 *stored = Some(content);
                 None
             }
