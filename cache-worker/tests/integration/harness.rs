@@ -149,6 +149,25 @@ impl Harness {
         self.worker = Some(worker);
     }
 
+    /// Another worker on the same S3, with its cache in `dir`, listening
+    /// on `listen` (an address a worker had before) or a port from the OS.
+    pub async fn start_another(
+        &self,
+        dir: &std::path::Path,
+        listen: Option<&str>,
+    ) -> lakecache_worker::RunningWorker {
+        let mut options = self.options.clone();
+        options.cache_dir = dir.to_path_buf();
+        if let Some(addr) = listen {
+            options.listen = addr.parse().unwrap();
+        }
+        let metrics = Arc::new(Metrics::new().unwrap());
+        let store = lakecache_worker::s3_store(&self.s3_config, metrics.clone()).await;
+        lakecache_worker::start_worker(options, store, metrics)
+            .await
+            .unwrap_or_else(|e| panic!("starting a worker over {}: {e}", dir.display()))
+    }
+
     pub async fn put_direct(&self, key: &str, data: &[u8]) -> String {
         self.direct
             .put(&uri(key), Bytes::copy_from_slice(data), &Default::default())

@@ -19,13 +19,12 @@
 //! operations at a cut point may differ between runs.
 
 use std::collections::BTreeMap;
-use std::path::Path;
 use std::sync::Arc;
 use std::time::Duration;
 
 use bytes::Bytes;
 use lakecache_protocol::{ClientError, ObjectUri, WorkerClient};
-use lakecache_worker::{crashsim, Metrics, Placement, RunningWorker, WorkerOptions};
+use lakecache_worker::{crashsim, Placement, RunningWorker};
 
 use crate::harness::*;
 use crate::power_loss::ONE_AT_A_TIME;
@@ -72,19 +71,6 @@ fn pair(worker: &RunningWorker, other: &str) {
         me: worker.addr().to_string(),
         other: other.to_string(),
     }));
-}
-
-async fn start_at(h: &Harness, dir: &Path, listen: Option<&str>) -> RunningWorker {
-    let mut options: WorkerOptions = h.options.clone();
-    options.cache_dir = dir.to_path_buf();
-    if let Some(addr) = listen {
-        options.listen = addr.parse().unwrap();
-    }
-    let metrics = Arc::new(Metrics::new().unwrap());
-    let store = lakecache_worker::s3_store(&h.s3_config, metrics.clone()).await;
-    lakecache_worker::start_worker(options, store, metrics)
-        .await
-        .unwrap_or_else(|e| panic!("starting a worker over {}: {e}", dir.display()))
 }
 
 fn client_of(worker: &RunningWorker) -> WorkerClient {
@@ -185,7 +171,7 @@ async fn run(label: &str, seed: u64, cut_at: u64, lose_disk: bool) -> Outcome {
     })
     .await;
     let b_dir = tempfile::tempdir().unwrap();
-    let b = start_at(&h, b_dir.path(), None).await;
+    let b = h.start_another(b_dir.path(), None).await;
     let (a_addr, b_addr) = (h.addr().to_string(), b.addr().to_string());
     pair(h.worker.as_ref().unwrap(), &b_addr);
     pair(&b, &a_addr);
@@ -239,7 +225,7 @@ async fn run(label: &str, seed: u64, cut_at: u64, lose_disk: bool) -> Outcome {
     if lose_disk {
         std::fs::remove_dir_all(&h.options.cache_dir).unwrap();
     }
-    let a = start_at(&h, &h.options.cache_dir, Some(&a_addr)).await;
+    let a = h.start_another(&h.options.cache_dir, Some(&a_addr)).await;
     pair(&a, &b_addr);
     let a_client = client_of(&a);
     // A reader fails over to the copy while the primary has lost its disk.

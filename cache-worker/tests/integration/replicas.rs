@@ -3,14 +3,13 @@
 //! primary is away, drops it once S3 has it, and uploads it itself when
 //! the primary comes back without its disk.
 
-use std::path::Path;
 use std::sync::Arc;
 use std::time::Duration;
 
 use bytes::Bytes;
 use lakecache_protocol::{ClientError, ErrorCode, ObjectUri, WorkerClient, WriteBackStatus};
 use lakecache_s3_endpoint::{Fault, S3Op};
-use lakecache_worker::{Metrics, Placement, RunningWorker, WorkerOptions};
+use lakecache_worker::{Placement, RunningWorker};
 
 use crate::harness::*;
 
@@ -37,19 +36,6 @@ fn place(worker: &RunningWorker, others: &[String]) {
         me: worker.addr().to_string(),
         others: others.to_vec(),
     }));
-}
-
-async fn start_at(h: &Harness, dir: &Path, listen: Option<&str>) -> RunningWorker {
-    let mut options: WorkerOptions = h.options.clone();
-    options.cache_dir = dir.to_path_buf();
-    if let Some(addr) = listen {
-        options.listen = addr.parse().unwrap();
-    }
-    let metrics = Arc::new(Metrics::new().unwrap());
-    let store = lakecache_worker::s3_store(&h.s3_config, metrics.clone()).await;
-    lakecache_worker::start_worker(options, store, metrics)
-        .await
-        .unwrap()
 }
 
 fn client(worker: &RunningWorker) -> WorkerClient {
@@ -103,7 +89,7 @@ async fn a_copy_on_the_next_worker_serves_reads_and_is_uploaded_when_the_primary
         1_000_000,
     );
     let b_dir = tempfile::tempdir().unwrap();
-    let b = start_at(&h, b_dir.path(), None).await;
+    let b = h.start_another(b_dir.path(), None).await;
     let (a_addr, b_addr) = (h.addr().to_string(), b.addr().to_string());
     place(h.worker.as_ref().unwrap(), std::slice::from_ref(&b_addr));
     place(&b, std::slice::from_ref(&a_addr));
@@ -147,7 +133,7 @@ async fn a_copy_on_the_next_worker_serves_reads_and_is_uploaded_when_the_primary
     // The primary's disk is lost: it comes back empty at its address.
     h.worker.take().unwrap().shutdown().await;
     std::fs::remove_dir_all(&h.options.cache_dir).unwrap();
-    let a2 = start_at(&h, &h.options.cache_dir, Some(&a_addr)).await;
+    let a2 = h.start_another(&h.options.cache_dir, Some(&a_addr)).await;
     place(&a2, std::slice::from_ref(&b_addr));
     assert_eq!(status(&client(&a2)).await.pending_objects, 0);
 
@@ -182,7 +168,7 @@ async fn copies_are_dropped_once_the_primary_uploads_and_a_dead_candidate_is_ski
     })
     .await;
     let c_dir = tempfile::tempdir().unwrap();
-    let c = start_at(&h, c_dir.path(), None).await;
+    let c = h.start_another(c_dir.path(), None).await;
     // The first candidate is a port nobody listens on: the copy goes to
     // the next one, fed from the primary's synced pages.
     let dead = {
@@ -263,7 +249,7 @@ async fn a_worker_alone_refuses_two_copies_and_a_malformed_copy_header_is_refuse
 async fn a_later_write_on_another_worker_reaches_s3_after_an_earlier_one() {
     let h = Harness::with(|o| o.cache.writeback.replicas = Some(1)).await;
     let b_dir = tempfile::tempdir().unwrap();
-    let b = start_at(&h, b_dir.path(), None).await;
+    let b = h.start_another(b_dir.path(), None).await;
     let (a_addr, b_addr) = (h.addr().to_string(), b.addr().to_string());
     place(h.worker.as_ref().unwrap(), std::slice::from_ref(&b_addr));
     place(&b, std::slice::from_ref(&a_addr));
@@ -314,8 +300,8 @@ async fn a_copy_sent_to_a_worker_without_the_pending_source_finds_it_on_its_prim
     h.faults()
         .inject(S3Op::PutObject, Fault::InternalError, 1_000_000);
     let (b_dir, c_dir) = (tempfile::tempdir().unwrap(), tempfile::tempdir().unwrap());
-    let b = start_at(&h, b_dir.path(), None).await;
-    let c = start_at(&h, c_dir.path(), None).await;
+    let b = h.start_another(b_dir.path(), None).await;
+    let c = h.start_another(c_dir.path(), None).await;
     let (a_addr, b_addr, c_addr) = (
         h.addr().to_string(),
         b.addr().to_string(),
@@ -371,8 +357,8 @@ async fn a_copy_sent_to_a_worker_without_the_pending_source_finds_it_on_its_prim
 async fn a_copy_answered_by_another_workers_identity_does_not_count() {
     let h = Harness::with(|o| o.cache.writeback.replicas = Some(2)).await;
     let (b_dir, c_dir) = (tempfile::tempdir().unwrap(), tempfile::tempdir().unwrap());
-    let b = start_at(&h, b_dir.path(), None).await;
-    let c = start_at(&h, c_dir.path(), None).await;
+    let b = h.start_another(b_dir.path(), None).await;
+    let c = h.start_another(c_dir.path(), None).await;
     let (a_addr, b_addr, c_addr) = (
         h.addr().to_string(),
         b.addr().to_string(),
@@ -413,7 +399,7 @@ async fn a_copy_answered_by_another_workers_identity_does_not_count() {
 async fn a_copy_its_lost_primary_never_confirmed_is_dropped_not_uploaded() {
     let h = Harness::with(|o| o.cache.writeback.replicas = Some(2)).await;
     let b_dir = tempfile::tempdir().unwrap();
-    let b = start_at(&h, b_dir.path(), None).await;
+    let b = h.start_another(b_dir.path(), None).await;
     let a_addr = h.addr().to_string();
     place(&b, std::slice::from_ref(&a_addr));
     let b_client = client(&b);
