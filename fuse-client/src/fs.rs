@@ -1308,9 +1308,13 @@ impl Fs {
                 return Ok(());
             }
         }
-        // Still open here: its handles go on reading a local copy.
-        self.keep_for_open_handles(&node).await;
+        // Still open here: its handles go on reading a local copy, once
+        // the delete has gone through.
+        let kept = self.copy_for_open_handles(&node).await;
         self.data.delete(&self.uri(&node.key)?).await?;
+        if let Some(kept) = kept {
+            self.attach_kept(kept).await;
+        }
         self.dir_changed(parent);
         self.inodes.unlink(parent, name);
         Ok(())
@@ -1445,10 +1449,14 @@ impl Fs {
                 // on a local file system: a local copy, taken before the
                 // copy overwrites it. Handles open on the moved file read
                 // the copy: it is the same file, under its new name.
-                if let Some(d) = &dst {
-                    self.keep_for_open_handles(d).await;
-                }
+                let kept = match &dst {
+                    Some(d) => self.copy_for_open_handles(d).await,
+                    None => None,
+                };
                 let stat = self.data.copy(&from, None, &to, user.as_ref()).await?;
+                if let Some(kept) = kept {
+                    self.attach_kept(kept).await;
+                }
                 if let Some(old) = &src.meta.etag {
                     for reader in self.readers_of(src.ino) {
                         reader.lock().await.follow_move(old, to.clone(), &stat.etag);

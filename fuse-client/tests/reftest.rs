@@ -289,6 +289,31 @@ mod found {
         ]);
     }
 
+    /// An unlink that failed on S3 had already detached the file's
+    /// readers onto a local copy: a later truncate did not reach them.
+    #[test]
+    fn an_unlink_that_fails_leaves_the_readers_on_the_file() {
+        run(vec![
+            Create { dir: 0, name: 1 },
+            Release { handle: 0 },
+            OpenRead { dir: 0, name: 1 },
+            Faulty {
+                fault: model::meta::Fault::S3Error,
+                op: Box::new(Unlink { dir: 0, name: 1 }),
+            },
+            Truncate {
+                dir: 0,
+                name: 1,
+                size: 7,
+            },
+            ReadHandle {
+                handle: 0,
+                offset: 0,
+                len: 9,
+            },
+        ]);
+    }
+
     /// A directory rename copies its files to new versions; the inodes
     /// kept the old ETags, and a truncate (which reads the kept bytes by
     /// version) failed with ESTALE.

@@ -454,7 +454,14 @@ impl Fs {
     /// file readable until its last close), and changes not yet stored
     /// are dropped. Beyond `--truncate-rewrite-max` no copy is made and
     /// those handles fail once S3 no longer has the object.
-    pub(super) async fn keep_for_open_handles(&self, node: &crate::inode::Inode) {
+    ///
+    /// The copy is made before the object goes and attached with
+    /// [`Self::attach_kept`] once it has gone: an unlink that fails leaves
+    /// the handles reading the file as before.
+    pub(super) async fn copy_for_open_handles(
+        &self,
+        node: &crate::inode::Inode,
+    ) -> Option<KeptCopy> {
         let open: Vec<(u64, Handle)> = {
             let handles = self.handles.lock().unwrap_or_else(|p| p.into_inner());
             handles
@@ -468,15 +475,30 @@ impl Fs {
                 .collect()
         };
         if open.is_empty() || node.meta.size > self.config.truncate_rewrite_max {
-            return;
+            return None;
         }
         let copy = match self.fill_spool(node).await {
             Ok(file) => Arc::new(file),
             Err(e) => {
                 tracing::warn!(key = %node.key, error = %crate::error::Chain(&e), "no local copy of a file unlinked while open; its readers will fail");
-                return;
+                return None;
             }
         };
+        Some(KeptCopy {
+            ino: node.ino,
+            size: node.meta.size,
+            open,
+            copy,
+        })
+    }
+
+    pub(super) async fn attach_kept(&self, kept: KeptCopy) {
+        let KeptCopy {
+            ino: kept_ino,
+            size,
+            open,
+            copy,
+        } = kept;
         for (fh, handle) in open {
             let update = match handle {
                 Handle::Update(u) => u,
@@ -492,7 +514,7 @@ impl Fs {
                 let mut state = update.state.lock().await;
                 if state.file.is_none() {
                     state.file = Some(copy.clone());
-                    state.len = node.meta.size;
+                    state.len = size;
                 }
                 state.dirty = false;
             }
@@ -501,6 +523,15 @@ impl Fs {
                 handles.insert(fh, Handle::Update(update));
             }
         }
-        self.inodes.update(node.ino, |n| n.writer = None);
+        self.inodes.update(kept_ino, |n| n.writer = None);
     }
+}
+
+/// A local copy of a file for the handles open on it (see
+/// [`Fs::copy_for_open_handles`]).
+pub(super) struct KeptCopy {
+    ino: u64,
+    size: u64,
+    open: Vec<(u64, Handle)>,
+    copy: Arc<std::fs::File>,
 }
