@@ -168,6 +168,17 @@ impl Harness {
             .unwrap_or_else(|e| panic!("starting a worker over {}: {e}", dir.display()))
     }
 
+    /// What S3 itself holds at `key` (read past the workers), if anything.
+    pub async fn s3_bytes(&self, key: &str) -> Option<Vec<u8>> {
+        let meta = self.direct.head(&uri(key)).await.ok()?;
+        let body = self
+            .direct
+            .get_range(&uri(key), 0..meta.size, &meta.etag)
+            .await
+            .ok()?;
+        Some(body.to_vec())
+    }
+
     pub async fn put_direct(&self, key: &str, data: &[u8]) -> String {
         self.direct
             .put(&uri(key), Bytes::copy_from_slice(data), &Default::default())

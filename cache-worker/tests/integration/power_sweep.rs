@@ -90,13 +90,7 @@ async fn put_back(client: &WorkerClient, key: &str, body: &[u8]) -> Result<Strin
 }
 
 async fn s3_sha(h: &Harness, key: &str) -> Option<String> {
-    let meta = h.direct.head(&uri(key)).await.ok()?;
-    let body = h
-        .direct
-        .get_range(&uri(key), 0..meta.size, &meta.etag)
-        .await
-        .ok()?;
-    Some(sha(&body))
+    h.s3_bytes(key).await.map(|b| sha(&b))
 }
 
 /// A reader's view through `client`: the version and bytes' hash, or
@@ -115,10 +109,6 @@ async fn read_sha(client: &WorkerClient, key: &str) -> Result<Option<(String, St
         .await
         .map_err(|e| format!("read: {e}"))?;
     Ok(Some((stat.etag, sha(&bytes))))
-}
-
-fn metric(text: &str, name: &str) -> f64 {
-    metric_value(text, name)
 }
 
 /// A number from the environment, or `default`; anything else stops the
@@ -199,7 +189,7 @@ async fn run(label: &str, seed: u64, cut_at: u64, lose_disk: bool) -> Outcome {
     let start = std::time::Instant::now();
     while !crashsim::power_is_out() {
         let settled = match h.client.metrics().await {
-            Ok(m) => metric(&m, "lakecache_writeback_uploaded_objects") as usize >= acked,
+            Ok(m) => metric_value(&m, "lakecache_writeback_uploaded_objects") as usize >= acked,
             Err(_) => false,
         };
         if settled {

@@ -61,17 +61,6 @@ async fn status(client: &WorkerClient) -> WriteBackStatus {
     client.writeback_status(None).await.unwrap()
 }
 
-/// Polls `check` every 100 ms until it holds; panics after `limit`.
-async fn s3_bytes(h: &Harness, key: &str) -> Option<Vec<u8>> {
-    let meta = h.direct.head(&uri(key)).await.ok()?;
-    let body = h
-        .direct
-        .get_range(&uri(key), 0..meta.size, &meta.etag)
-        .await
-        .ok()?;
-    Some(body.to_vec())
-}
-
 #[tokio::test]
 async fn a_copy_on_the_next_worker_serves_reads_and_is_uploaded_when_the_primary_loses_its_disk() {
     let mut h = Harness::with(|o| o.cache.writeback.replicas = Some(2)).await;
@@ -140,8 +129,8 @@ async fn a_copy_on_the_next_worker_serves_reads_and_is_uploaded_when_the_primary
     // B notices the new journal and uploads its copies once S3 is back.
     h.faults().clear();
     eventually(Duration::from_secs(60), "B uploads the copies", || async {
-        s3_bytes(&h, "ckpt/r/model.bin").await.as_deref() == Some(&big[..])
-            && s3_bytes(&h, "ckpt/r/latest").await.as_deref() == Some(&small[..])
+        h.s3_bytes("ckpt/r/model.bin").await.as_deref() == Some(&big[..])
+            && h.s3_bytes("ckpt/r/latest").await.as_deref() == Some(&small[..])
     })
     .await;
     eventually(Duration::from_secs(30), "B's backlog drains", || async {
@@ -150,7 +139,7 @@ async fn a_copy_on_the_next_worker_serves_reads_and_is_uploaded_when_the_primary
     })
     .await;
     assert_eq!(
-        s3_bytes(&h, "ckpt/r/old").await,
+        h.s3_bytes("ckpt/r/old").await,
         None,
         "the delete acknowledged before the disk loss was not replayed"
     );
@@ -192,7 +181,7 @@ async fn copies_are_dropped_once_the_primary_uploads_and_a_dead_candidate_is_ski
     // Once S3 has it, the copy is dropped.
     h.faults().clear();
     eventually(Duration::from_secs(60), "the upload", || async {
-        s3_bytes(&h, "ckpt/d/shard").await.as_deref() == Some(&body[..])
+        h.s3_bytes("ckpt/d/shard").await.as_deref() == Some(&body[..])
     })
     .await;
     eventually(Duration::from_secs(30), "C drops its copy", || async {
@@ -218,7 +207,7 @@ async fn copies_are_dropped_once_the_primary_uploads_and_a_dead_candidate_is_ski
         "{err:?}"
     );
     assert_eq!(status(&h.client).await.pending_objects, 0);
-    assert!(s3_bytes(&h, "ckpt/d/refused").await.is_none());
+    assert!(h.s3_bytes("ckpt/d/refused").await.is_none());
 }
 
 #[tokio::test]
@@ -272,7 +261,7 @@ async fn a_later_write_on_another_worker_reaches_s3_after_an_earlier_one() {
     .await;
     tokio::time::sleep(Duration::from_millis(1500)).await;
     assert_eq!(
-        s3_bytes(&h, "ord/latest").await,
+        h.s3_bytes("ord/latest").await,
         None,
         "latest reached S3 before the checkpoint it names"
     );
@@ -280,8 +269,8 @@ async fn a_later_write_on_another_worker_reaches_s3_after_an_earlier_one() {
 
     h.faults().clear();
     eventually(Duration::from_secs(60), "both reach S3", || async {
-        s3_bytes(&h, "ord/step9/model.bin").await.as_deref() == Some(&big[..])
-            && s3_bytes(&h, "ord/latest").await.as_deref() == Some(&b"step9"[..])
+        h.s3_bytes("ord/step9/model.bin").await.as_deref() == Some(&big[..])
+            && h.s3_bytes("ord/latest").await.as_deref() == Some(&b"step9"[..])
     })
     .await;
     b.shutdown().await;
@@ -456,11 +445,11 @@ async fn a_copy_its_lost_primary_never_confirmed_is_dropped_not_uploaded() {
     )
     .await;
     assert_eq!(
-        s3_bytes(&h, "conf/acked").await.as_deref(),
+        h.s3_bytes("conf/acked").await.as_deref(),
         Some(&b"acked"[..])
     );
     assert_eq!(
-        s3_bytes(&h, "conf/never").await,
+        h.s3_bytes("conf/never").await,
         None,
         "a copy of a write never acknowledged was uploaded"
     );

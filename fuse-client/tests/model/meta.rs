@@ -9,7 +9,7 @@ use lakecache_fuse::data_plane::{DataError, DataFault, DataOp, FaultyDataPlane, 
 use lakecache_fuse::{Fs, Kind, SetAttr};
 use proptest::prelude::*;
 
-use super::{errno, join, walk, Answer, Entry, Model, Op, Outcome, NAMES};
+use super::{errno, join, open_for_read, slice, walk, Answer, Entry, Model, Op, Outcome, NAMES};
 
 /// Targets symlinks point at (never followed by these operations).
 const TARGETS: [&str; 3] = ["a", "../b/c", "/etc/hostname"];
@@ -322,26 +322,8 @@ pub(super) async fn step(
             let name = named(name);
             let path = join(&parent, name);
             unless_link(model, &path)?;
-            let expected = match model.entries.get(&path) {
-                None => Err(libc::ENOENT),
-                Some(Entry::Dir) => Err(libc::EISDIR),
-                Some(Entry::File {
-                    writer: Some(_), ..
-                }) => Err(libc::EBUSY),
-                Some(Entry::File { stored, .. }) => Ok(stored.clone().unwrap_or_default()),
-            };
-            let actual = async {
-                let p = walk(fs, &parent).await?;
-                let node = fs.lookup(p, name).await.map_err(errno)?;
-                if node.kind == Kind::Dir {
-                    return Err(libc::EISDIR);
-                }
-                fs.open(node.ino, libc::O_RDONLY, pid)
-                    .await
-                    .map(|(fh, _)| fh)
-                    .map_err(errno)
-            }
-            .await;
+            let expected = model.readable(&path);
+            let actual = open_for_read(fs, &parent, name, pid).await;
             if let (Ok(content), Ok(fh)) = (&expected, &actual) {
                 model.readers.push(Reader {
                     fh: *fh,
@@ -363,9 +345,7 @@ pub(super) async fn step(
                 return None;
             }
             let r = &model.readers[handle % model.readers.len()];
-            let start = (*offset as usize).min(r.content.len());
-            let end = ((offset + len) as usize).min(r.content.len()).max(start);
-            let expected = Ok(Answer::Bytes(vec![r.content[start..end].to_vec()]));
+            let expected = Ok(Answer::Bytes(vec![slice(&r.content, *offset, *len)]));
             let actual = fs
                 .read(r.fh, *offset, *len as u32)
                 .await

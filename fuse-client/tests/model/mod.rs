@@ -345,6 +345,40 @@ fn move_beside(model: &mut Model, src: &str, dst: &str) {
     model.links.extend(links);
 }
 
+impl Model {
+    /// What an `open(O_RDONLY)` of `path` would read, or its errno.
+    fn readable(&self, path: &str) -> Result<Vec<u8>, i32> {
+        match self.entries.get(path) {
+            None => Err(libc::ENOENT),
+            Some(Entry::Dir) => Err(libc::EISDIR),
+            Some(Entry::File {
+                writer: Some(_), ..
+            }) => Err(libc::EBUSY),
+            Some(Entry::File { stored, .. }) => Ok(stored.clone().unwrap_or_default()),
+        }
+    }
+}
+
+/// `len` bytes of `content` at `off`, as a read returns them.
+fn slice(content: &[u8], off: u64, len: u64) -> Vec<u8> {
+    let start = (off as usize).min(content.len());
+    let end = ((off + len) as usize).min(content.len()).max(start);
+    content[start..end].to_vec()
+}
+
+/// LOOKUP then OPEN(O_RDONLY), as the kernel does it: the handle.
+async fn open_for_read(fs: &Fs, parent: &str, name: &str, pid: u32) -> Result<u64, i32> {
+    let p = walk(fs, parent).await?;
+    let node = fs.lookup(p, name).await.map_err(errno)?;
+    if node.kind == Kind::Dir {
+        return Err(libc::EISDIR);
+    }
+    fs.open(node.ino, libc::O_RDONLY, pid)
+        .await
+        .map(|(fh, _)| fh)
+        .map_err(errno)
+}
+
 fn errno(e: FsError) -> i32 {
     e.errno()
 }
@@ -524,36 +558,16 @@ async fn one(fs: &Fs, model: &mut Model, op: &Op, pid: u32) -> Option<(Outcome, 
             if model.links.contains(&path) {
                 return None;
             }
-            let expected = match model.entries.get(&path) {
-                None => Err(libc::ENOENT),
-                Some(Entry::Dir) => Err(libc::EISDIR),
-                Some(Entry::File {
-                    writer: Some(_), ..
-                }) => Err(libc::EBUSY),
-                Some(Entry::File { stored, .. }) => {
-                    let content = stored.clone().unwrap_or_default();
-                    Ok(Answer::Bytes(
-                        reads
-                            .iter()
-                            .map(|&(off, len)| {
-                                let start = (off as usize).min(content.len());
-                                let end = (off + len).min(content.len() as u64) as usize;
-                                content[start..end.max(start)].to_vec()
-                            })
-                            .collect(),
-                    ))
-                }
-            };
+            let expected = model.readable(&path).map(|content| {
+                Answer::Bytes(
+                    reads
+                        .iter()
+                        .map(|&(off, len)| slice(&content, off, len))
+                        .collect(),
+                )
+            });
             let actual = async {
-                let p = walk(fs, &parent).await?;
-                let node = fs.lookup(p, name).await.map_err(errno)?;
-                if node.kind == Kind::Dir {
-                    return Err(libc::EISDIR);
-                }
-                let (fh, _) = fs
-                    .open(node.ino, libc::O_RDONLY, pid)
-                    .await
-                    .map_err(errno)?;
+                let fh = open_for_read(fs, &parent, name, pid).await?;
                 let mut got = Vec::new();
                 let mut failed = None;
                 for &(off, len) in reads {
