@@ -42,7 +42,11 @@ def client() -> lakecache.Client:
     """One client per process (DLIO's reader threads share it)."""
     global _client
     if _client is None:
-        _client = lakecache.Client(worker=_env("LAKECACHE_DLIO_WORKER"), threads=4)
+        # With the mount's tier directory, reads share its node-local tier.
+        tier = os.environ.get("LAKECACHE_DLIO_LOCAL_CACHE") or None
+        _client = lakecache.Client(
+            worker=_env("LAKECACHE_DLIO_WORKER"), threads=4, local_cache=tier
+        )
     return _client
 
 

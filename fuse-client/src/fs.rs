@@ -858,31 +858,9 @@ impl Fs {
             .completer
             .is_some()
             .then(|| (uri.to_string(), etag.clone()));
-        let tier_object = self.tier_object(&uri, &etag, node.meta.size).await;
-        let mut reader = FileReader::new(
-            self.data.clone(),
-            uri,
-            etag,
-            node.meta.size,
-            ReadaheadPolicy {
-                initial: self.config.readahead_initial,
-                max: self.config.readahead_max,
-                chunk: self.config.readahead_chunk,
-            },
-            self.memory.clone(),
-        )
-        .with_tier(tier_object, self.completer.clone())
-        // An object larger than the tier can never be whole there.
-        .whole_on_random(
-            self.tier
-                .as_ref()
-                .map_or(self.config.random_whole_max, |t| {
-                    self.config.random_whole_max.min(t.capacity())
-                }),
-        );
-        if !updating && self.config.tier_whole_for(&node.key) {
-            reader.ask_whole();
-        }
+        let mut reader = self
+            .object_reader(uri, etag, node.meta.size, !updating)
+            .await;
         if !updating && self.prefetch.enabled() {
             let listing = self
                 .inodes
@@ -911,6 +889,79 @@ impl Fs {
             self.kernel_cache.opened(fh, ino, &uri, &etag);
         }
         Ok((fh, keep_cache))
+    }
+
+    /// A reader of `uri` at `etag` as an open makes one: the node-local
+    /// tier first, then the workers with read-ahead, the tier copy filled
+    /// and completed by the mount's rules (`reading`: not an open for
+    /// update, so `--local-cache-whole` applies).
+    pub(crate) async fn object_reader(
+        &self,
+        uri: ObjectUri,
+        etag: String,
+        size: u64,
+        reading: bool,
+    ) -> FileReader {
+        let tier_object = self.tier_object(&uri, &etag, size).await;
+        let whole = reading && self.config.tier_whole_for(uri.key());
+        let mut reader = FileReader::new(
+            self.data.clone(),
+            uri,
+            etag,
+            size,
+            ReadaheadPolicy {
+                initial: self.config.readahead_initial,
+                max: self.config.readahead_max,
+                chunk: self.config.readahead_chunk,
+            },
+            self.memory.clone(),
+        )
+        .with_tier(tier_object, self.completer.clone())
+        // An object larger than the tier can never be whole there.
+        .whole_on_random(
+            self.tier
+                .as_ref()
+                .map_or(self.config.random_whole_max, |t| {
+                    self.config.random_whole_max.min(t.capacity())
+                }),
+        );
+        if whole {
+            reader.ask_whole();
+        }
+        reader
+    }
+
+    /// Whether this mount serves `uri`: its bucket, under its prefix.
+    pub(crate) fn serves(&self, uri: &ObjectUri) -> bool {
+        uri.bucket() == self.config.bucket && uri.key().starts_with(&self.config.prefix)
+    }
+
+    pub(crate) fn bucket_and_prefix(&self) -> (&str, &str) {
+        (&self.config.bucket, &self.config.prefix)
+    }
+
+    /// A reader for another process on the node (the tier socket): the
+    /// size comes from the tier's copy, or from the workers, whose
+    /// version must still be `etag`.
+    pub(crate) async fn client_reader(
+        &self,
+        uri: ObjectUri,
+        etag: &str,
+    ) -> Result<FileReader, FsError> {
+        let held = self
+            .tier
+            .as_ref()
+            .and_then(|t| t.get(&uri.to_string(), etag));
+        let size = match held {
+            Some(object) => object.size(),
+            None => match self.data.stat(&uri).await {
+                Ok(stat) if stat.etag == etag => stat.size,
+                Ok(_) => return Err(FsError::Stale),
+                Err(DataError::NotFound) => return Err(FsError::NotFound),
+                Err(e) => return Err(FsError::DataPlane(e)),
+            },
+        };
+        Ok(self.object_reader(uri, etag.to_string(), size, true).await)
     }
 
     /// `previous`: the metadata to restore if the upload fails.

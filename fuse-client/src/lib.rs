@@ -22,6 +22,7 @@ pub mod posix;
 pub mod read;
 pub mod resend;
 mod staged;
+pub mod tier_clients;
 pub mod unmount_guard;
 pub mod write;
 

@@ -16,6 +16,7 @@ pub struct MountMetrics {
     op_errors: Counter<u64>,
     read_bytes: Counter<u64>,
     tier_hit_bytes: Counter<u64>,
+    tier_socket_bytes: Counter<u64>,
     readahead_hit_bytes: Counter<u64>,
     readahead_wasted_bytes: Counter<u64>,
     dir_prefetch_files: Counter<u64>,
@@ -70,6 +71,12 @@ impl MountMetrics {
                 "lakecache_fuse_local_tier_hit",
                 "By",
                 "Bytes read from the node-local tier instead of a worker",
+            ),
+            tier_socket_bytes: counter(
+                &meter,
+                "lakecache_fuse_tier_socket",
+                "By",
+                "Bytes other readers on the node got through the tier socket (how: file handed over, or inline)",
             ),
             readahead_hit_bytes: counter(
                 &meter,
@@ -297,6 +304,12 @@ impl MountMetrics {
 
     pub fn tier_hit(&self, bytes: u64) {
         self.tier_hit_bytes.add(bytes, &[]);
+    }
+
+    /// `how`: "file" (a tier file handed over whole) or "inline".
+    pub fn tier_socket(&self, how: &'static str, bytes: u64) {
+        self.tier_socket_bytes
+            .add(bytes, &[opentelemetry::KeyValue::new("how", how)]);
     }
 
     pub fn readahead_hit(&self, bytes: u64) {

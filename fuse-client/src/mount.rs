@@ -44,6 +44,8 @@ pub struct Mounted {
     /// Becomes true when the session thread returns; awaited any number
     /// of times (a oneshot would panic when polled after completion).
     ended: tokio::sync::watch::Receiver<bool>,
+    /// The tier socket, served while the mount is (dropped after it).
+    _tier_clients: Option<crate::tier_clients::TierClients>,
 }
 
 /// True when `path` is a mount whose server is gone ("Transport endpoint
@@ -289,6 +291,11 @@ pub fn mount(
             None => None,
         };
     let kernel_cache = fs.kernel_cache().clone();
+    // Other readers on the node share the tier through the mount.
+    let tier_clients = {
+        let _in_runtime = runtime.enter();
+        crate::tier_clients::serve(fs.clone())
+    };
     let adapter = KernelAdapter::new(fs, runtime);
     let mut session = Session::new(adapter, &path, &config).map_err(|e| MountError::Mount {
         path: path.clone(),
@@ -315,6 +322,7 @@ pub fn mount(
         _guard: guard,
         session: Some(thread),
         ended,
+        _tier_clients: tier_clients,
     })
 }
 

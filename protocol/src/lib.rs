@@ -16,6 +16,7 @@ mod plan;
 #[doc(hidden)]
 pub mod snapshot;
 pub mod testing;
+pub mod tier_socket;
 pub mod tls;
 pub mod token;
 pub mod trace_context;

@@ -14,6 +14,7 @@ use futures::StreamExt;
 use lakecache_fuse::data_plane::{load_manifest, read_exact, ManifestError, SnapshotDataPlane};
 use lakecache_fuse::{DataError, DataPlane};
 use lakecache_protocol::snapshot::Snapshot;
+use lakecache_protocol::tier_socket::{TierChannel, TierClientError, TierErrorKind, TierRead};
 use lakecache_protocol::ObjectUri;
 use lakecache_registry::{ClusterClient, ClusterOptions, RegistryUrl, RingOptions};
 use lakecache_store::{NoMetrics, ObjectStore, S3Config, S3Store};
@@ -67,17 +68,22 @@ struct Client {
     /// plane (publishing plans).
     cluster: Arc<ClusterClient>,
     snapshot_checksum: Option<String>,
+    /// The node's mount, whose local tier reads go through first.
+    tier: Option<TierChannel>,
 }
 
 #[pymethods]
 impl Client {
     /// registry: `static:HOST:PORT,...`, `file:/path` or `etcd://HOST:PORT[/prefix]`;
     /// worker: a single HOST:PORT when no registry is given.
+    /// local_cache: the `--local-cache` directory of a mount on this node:
+    /// reads go through its node-local tier (shared with the mount, so an
+    /// object both read is fetched once); the mount must be running.
     #[new]
     #[pyo3(signature = (registry=None, worker=None, token_file=None, tls_ca=None,
                         snapshot=None, segment_size=None, progress_timeout_s=2.0, threads=4,
                         s3_fallback=false, s3_endpoint=None, s3_region=None,
-                        s3_path_style=false))]
+                        s3_path_style=false, local_cache=None))]
     #[allow(clippy::too_many_arguments)]
     fn new(
         py: Python<'_>,
@@ -93,7 +99,15 @@ impl Client {
         s3_endpoint: Option<String>,
         s3_region: Option<String>,
         s3_path_style: bool,
+        local_cache: Option<PathBuf>,
     ) -> PyResult<Self> {
+        let tier =
+            match local_cache {
+                Some(dir) => Some(py.detach(|| TierChannel::connect(&dir)).map_err(|e| {
+                    PyOSError::new_err(format!("local_cache {}: {e}", dir.display()))
+                })?),
+                None => None,
+            };
         let registry: RegistryUrl = match (registry, worker) {
             (Some(r), _) => r.parse(),
             (None, Some(w)) => format!("static:{w}").parse(),
@@ -189,6 +203,7 @@ impl Client {
             data,
             cluster,
             snapshot_checksum: checksum,
+            tier,
         })
     }
 
@@ -238,6 +253,9 @@ impl Client {
         // see it while it is filled.
         PyBytes::new_with(py, (end - start) as usize, |out| {
             let fetched = py.detach(|| {
+                if self.read_tier(&parsed, start, etag, out)? {
+                    return Ok(());
+                }
                 self.rt.block_on(async {
                     let (data, parsed) = (self.data.as_ref(), &parsed);
                     // read_exact answers each piece whole or fails.
@@ -255,6 +273,20 @@ impl Client {
             });
             fetched.map_err(|e| to_py(uri, e))
         })
+    }
+
+    /// Bytes each path served when reads go through a mount's local tier
+    /// (`local_cache`): `{"file_bytes", "inline_bytes", "unavailable"}`
+    /// (tier files read here, bytes the mount sent, reads it sent to the
+    /// workers); `None` without `local_cache`.
+    fn tier_stats(&self) -> Option<std::collections::HashMap<&'static str, u64>> {
+        use std::sync::atomic::Ordering::Relaxed;
+        let stats = self.tier.as_ref()?.stats();
+        Some(std::collections::HashMap::from([
+            ("file_bytes", stats.file_bytes.load(Relaxed)),
+            ("inline_bytes", stats.inline_bytes.load(Relaxed)),
+            ("unavailable", stats.unavailable.load(Relaxed)),
+        ]))
     }
 
     /// Publishes plan `name` (`job/rank`): this rank's reads for the coming
@@ -353,6 +385,43 @@ impl Client {
                 Ok((objects, prefixes))
             })
         })
+    }
+}
+
+impl Client {
+    /// Fills `out` from the mount's local tier when there is one and it
+    /// serves the object: `Ok(true)`. `Ok(false)`: read from the workers.
+    fn read_tier(
+        &self,
+        uri: &ObjectUri,
+        start: u64,
+        etag: &str,
+        out: &mut [u8],
+    ) -> Result<bool, DataError> {
+        let Some(tier) = self
+            .tier
+            .as_ref()
+            .filter(|t| t.serves(uri.bucket(), uri.key()))
+        else {
+            return Ok(false);
+        };
+        match tier.read_into(&uri.to_string(), etag, start, out) {
+            Ok(TierRead::Done) => Ok(true),
+            Ok(TierRead::Unavailable(_)) => Ok(false),
+            Err(TierClientError::Refused { kind, message }) => Err(match kind {
+                TierErrorKind::NotFound => DataError::NotFound,
+                TierErrorKind::Changed => DataError::Changed {
+                    expected: Some(etag.to_string()),
+                    found: None,
+                },
+                TierErrorKind::InvalidRange => DataError::InvalidRange {
+                    start,
+                    end: start + out.len() as u64,
+                },
+                TierErrorKind::BadRequest => DataError::StoreUnavailable(message),
+            }),
+            Err(_) => Ok(false),
+        }
     }
 }
 

@@ -9,6 +9,8 @@ import json
 import os
 import subprocess
 import sys
+import urllib.request
+from pathlib import Path
 
 import fsspec
 import lakecache
@@ -132,6 +134,91 @@ def test_with_no_worker_answering_reads_go_to_s3_only_when_allowed(mount):
                 os.environ.pop(k, None)
             else:
                 os.environ[k] = v
+
+
+def _fetched_from_workers(worker: str) -> int:
+    """Object bytes the worker has sent to readers: over HTTP or inline on
+    its local socket, plus those it granted as page-file descriptors."""
+    text = urllib.request.urlopen(f"http://{worker}/metrics", timeout=30).read().decode()
+    values: dict[str, float] = {}
+    for line in text.splitlines():
+        name, _, value = line.partition(" ")
+        if name in ("lakecache_served_bytes_total", "lakecache_local_served_bytes_total"):
+            values[name] = float(value)
+    assert len(values) == 2, f"the worker exports only {sorted(values)}:\n{text}"
+    return int(sum(values.values()))
+
+
+def _whole_in_tier(tier: Path, key: str) -> bool:
+    """The tier's metadata (each object's .meta, JSON) shows every block
+    of `key` filled."""
+    for meta in tier.glob("*.meta"):
+        m = json.loads(meta.read_text())["meta"]
+        if m["uri"].endswith("/" + key) and all(c is not None for c in m["crcs"]):
+            return True
+    return False
+
+
+def test_the_python_client_reads_through_the_mounts_tier_so_an_object_is_fetched_once(mount):
+    """Issue #35's fourth part: a Client given the mount's --local-cache
+    reads through the mount's node-local tier, so an object read by both
+    paths is fetched from the workers once, whichever reads first."""
+    mnt, worker, token_file = mount
+    tier = mnt.parent / "data" / "local-cache"
+    base = "pyclient/tier"
+    rng = np.random.default_rng(35)
+    sizes = {"w": 1 << 20, "a": (6 << 20) + 123, "b": (5 << 20) + 7}
+    payload = {n: rng.integers(0, 256, size, dtype=np.uint8).tobytes() for n, size in sizes.items()}
+    for n, data in payload.items():
+        # One directory each: an open prefetches its directory's files.
+        (mnt / base / n).mkdir(parents=True)
+        (mnt / base / n / "x.bin").write_bytes(data)
+    uri = {n: f"s3://lakecache/{base}/{n}/x.bin" for n in payload}
+    plain = lakecache.Client(worker=worker, token_file=token_file)
+    # Both counters exist once the worker has served each way.
+    assert (mnt / base / "w" / "x.bin").read_bytes() == payload["w"]
+    size, etag, _ = plain.stat(uri["w"])
+    assert plain.read(uri["w"], 0, size, etag) == payload["w"]
+
+    shared = lakecache.Client(worker=worker, token_file=token_file, local_cache=str(tier))
+    # The client reads first: the mount fetches, fills its tier, and the
+    # mount's own read then finds the object there.
+    before = _fetched_from_workers(worker)
+    size, etag, _ = shared.stat(uri["a"])
+    assert shared.read(uri["a"], 0, size, etag) == payload["a"]
+    assert shared.tier_stats()["inline_bytes"] == size, shared.tier_stats()
+    testproc.wait_for("a.bin whole in the tier", lambda: _whole_in_tier(tier, f"{base}/a/x.bin"))
+    assert (mnt / base / "a" / "x.bin").read_bytes() == payload["a"]
+    # Read again, the client is handed the tier's file and reads it itself.
+    assert shared.read(uri["a"], 1000, size - 3, etag) == payload["a"][1000:-3]
+    assert shared.tier_stats()["file_bytes"] == size - 1003, shared.tier_stats()
+    assert _fetched_from_workers(worker) - before == len(payload["a"])
+
+    # The mount reads first; the client then reads the tier's file.
+    before = _fetched_from_workers(worker)
+    assert (mnt / base / "b" / "x.bin").read_bytes() == payload["b"]
+    testproc.wait_for("b.bin whole in the tier", lambda: _whole_in_tier(tier, f"{base}/b/x.bin"))
+    size_b, etag_b, _ = shared.stat(uri["b"])
+    assert shared.read(uri["b"], 0, size_b, etag_b) == payload["b"]
+    stats = shared.tier_stats()
+    assert stats["file_bytes"] == size - 1003 + size_b and stats["unavailable"] == 0, stats
+    assert _fetched_from_workers(worker) - before == len(payload["b"])
+
+    # The control: a client without the tier fetches the object again.
+    before = _fetched_from_workers(worker)
+    assert plain.read(uri["b"], 0, size_b, etag_b) == payload["b"]
+    assert _fetched_from_workers(worker) - before == len(payload["b"])
+
+    # Errors come back as the workers would give them.
+    with pytest.raises(ValueError, match="outside"):
+        shared.read(uri["b"], 0, size_b + 1, etag_b)
+    with pytest.raises(lakecache.ObjectChangedError):
+        shared.read(uri["a"], 0, 10, "not-its-etag")
+    with pytest.raises(FileNotFoundError):
+        shared.read(f"s3://lakecache/{base}/none.bin", 0, 10, etag)
+    # A directory no mount serves is named, with what to do.
+    with pytest.raises(OSError, match="is a lakecache mount with --local-cache"):
+        lakecache.Client(worker=worker, token_file=token_file, local_cache=str(mnt.parent))
 
 
 def test_a_snapshot_client_serves_recorded_versions_and_names_a_changed_one(mount):

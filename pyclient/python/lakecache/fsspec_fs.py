@@ -33,10 +33,13 @@ def connect(
     s3_endpoint: str | None = None,
     s3_region: str | None = None,
     s3_path_style: bool | None = None,
+    local_cache: str | None = None,
 ) -> Client:
     """A Client with the CLI's defaults and environment variables. As for
     the mount, a read no worker can answer goes straight to S3 unless
-    `s3_fallback=False` (or $LAKECACHE_NO_S3_FALLBACK=1)."""
+    `s3_fallback=False` (or $LAKECACHE_NO_S3_FALLBACK=1). `local_cache`
+    (or $LAKECACHE_LOCAL_CACHE): a running mount's `--local-cache`
+    directory, whose node-local tier reads then share."""
     if s3_fallback is None:
         s3_fallback = not _env_flag("LAKECACHE_NO_S3_FALLBACK")
     if s3_path_style is None:
@@ -51,6 +54,7 @@ def connect(
         s3_endpoint=s3_endpoint or os.environ.get("LAKECACHE_S3_ENDPOINT"),
         s3_region=s3_region or os.environ.get("LAKECACHE_S3_REGION"),
         s3_path_style=s3_path_style,
+        local_cache=local_cache or os.environ.get("LAKECACHE_LOCAL_CACHE") or None,
     )
 
 
@@ -70,6 +74,7 @@ class LakecacheFileSystem(AbstractFileSystem):
         s3_endpoint: str | None = None,
         s3_region: str | None = None,
         s3_path_style: bool | None = None,
+        local_cache: str | None = None,
         **kwargs: Any,
     ) -> None:
         super().__init__(**kwargs)
@@ -83,6 +88,7 @@ class LakecacheFileSystem(AbstractFileSystem):
             s3_endpoint=s3_endpoint,
             s3_region=s3_region,
             s3_path_style=s3_path_style,
+            local_cache=local_cache,
         )
 
     @classmethod

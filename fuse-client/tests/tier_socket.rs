@@ -1,0 +1,138 @@
+//! The mount's tier socket driven by the reader's end
+//! (`lakecache_protocol::tier_socket`), over a real Unix socket, with the
+//! data plane in memory: what the mount fetches, when it hands over the
+//! tier's file, and how it answers bad requests.
+
+use std::io::{Read, Write};
+use std::os::fd::AsRawFd;
+use std::os::unix::net::UnixStream;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use lakecache_fuse::data_plane::{DataOp, FaultyDataPlane, MemoryDataPlane};
+use lakecache_fuse::local_tier::LocalTier;
+use lakecache_fuse::{tier_clients, Fs, FsConfig};
+use lakecache_protocol::local_read::{recv_message, send_message};
+use lakecache_protocol::tier_socket::{
+    TierAnswer, TierChannel, TierClientError, TierErrorKind, TierRead, TIER_SOCKET_NAME,
+};
+
+const MIB: usize = 1 << 20;
+
+fn body(len: usize) -> Vec<u8> {
+    (0..len).map(|i| (i * 13 % 253) as u8).collect()
+}
+
+/// Sends one raw request body and returns the answer.
+fn ask(c: &UnixStream, body: &[u8]) -> TierAnswer {
+    send_message(c.as_raw_fd(), body, None).unwrap();
+    let (reply, _) = recv_message(c.as_raw_fd()).unwrap();
+    serde_json::from_slice(&reply).unwrap()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_reader_on_the_node_fills_the_mounts_tier_once_then_reads_its_file() {
+    let data = body(5 * MIB + 321);
+    let plane = Arc::new(FaultyDataPlane::new(MemoryDataPlane::new()));
+    let etag = plane.inner().insert("data", "train/x.bin", data.clone());
+    plane
+        .inner()
+        .insert("data", "other/y.bin", b"elsewhere".to_vec());
+    let dir = tempfile::tempdir().unwrap();
+    let tier = Arc::new(LocalTier::open(dir.path(), 64 * MIB as u64).unwrap());
+    let fs = Arc::new(
+        Fs::new(plane.clone(), FsConfig::new("data", "train/")).with_local_tier(tier.clone()),
+    );
+    let serving = tier_clients::serve(fs.clone()).expect("a tier gets a socket");
+    assert_eq!(serving.path(), dir.path().join(TIER_SOCKET_NAME));
+
+    let tier_dir = dir.path().to_path_buf();
+    let (data2, etag2) = (data.clone(), etag.clone());
+    let channel = tokio::task::spawn_blocking(move || {
+        let channel = TierChannel::connect(&tier_dir).unwrap();
+        assert!(channel.serves("data", "train/x.bin") && !channel.serves("data", "other/y.bin"));
+        let mut out = vec![0u8; data2.len()];
+        let done = channel.read_into("s3://data/train/x.bin", &etag2, 0, &mut out);
+        assert_eq!(done.unwrap(), TierRead::Done);
+        assert!(out == data2, "inline bytes differ from the object");
+        channel
+    })
+    .await
+    .unwrap();
+    let read_bytes: u64 = plane.read_ranges().iter().map(|r| r.end - r.start).sum();
+    assert_eq!(
+        read_bytes,
+        data.len() as u64,
+        "fetched {:?}",
+        plane.read_ranges()
+    );
+
+    // The whole object lands in the tier; the next read gets its file.
+    let deadline = Instant::now() + Duration::from_secs(30);
+    while !tier
+        .get("s3://data/train/x.bin", &etag)
+        .is_some_and(|o| o.is_complete())
+    {
+        assert!(Instant::now() < deadline, "the tier copy never completed");
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    let reads_before = plane.calls(DataOp::Read);
+    let (data2, etag2) = (data.clone(), etag.clone());
+    let channel = tokio::task::spawn_blocking(move || {
+        let mut out = vec![0u8; 1000];
+        let at = 4 * MIB;
+        channel
+            .read_into("s3://data/train/x.bin", &etag2, at as u64, &mut out)
+            .unwrap();
+        assert!(out == data2[at..at + 1000]);
+        let file_bytes = channel
+            .stats()
+            .file_bytes
+            .load(std::sync::atomic::Ordering::Relaxed);
+        assert_eq!(file_bytes, 1000);
+        channel
+    })
+    .await
+    .unwrap();
+    assert_eq!(
+        plane.calls(DataOp::Read),
+        reads_before,
+        "a tier hit went to the workers"
+    );
+
+    // Definite answers, and what the mount leaves to the workers.
+    let etag2 = etag.clone();
+    let dir2 = dir.path().to_path_buf();
+    tokio::task::spawn_blocking(move || {
+        let mut out = vec![0u8; 10];
+        let changed = channel.read_into("s3://data/train/x.bin", "older", 0, &mut out);
+        assert!(matches!(changed, Err(TierClientError::Refused { kind: TierErrorKind::Changed, .. })), "{changed:?}");
+        let gone = channel.read_into("s3://data/train/gone.bin", &etag2, 0, &mut out);
+        assert!(matches!(gone, Err(TierClientError::Refused { kind: TierErrorKind::NotFound, .. })), "{gone:?}");
+
+        let c = UnixStream::connect(dir2.join(TIER_SOCKET_NAME)).unwrap();
+        let answer = ask(&c, br#"{"op":"read","uri":"s3://data/other/y.bin","etag":"e","offset":0,"len":9}"#);
+        assert!(matches!(&answer, TierAnswer::Unavailable { reason } if reason.contains("outside this mount")), "{answer:?}");
+        let answer = ask(&c, br#"{"op":"read","uri":"s3://data/train/x.bin","etag":"e","offset":0,"len":0}"#);
+        assert!(matches!(&answer, TierAnswer::Error { kind: TierErrorKind::BadRequest, message } if message.contains("1 to")), "{answer:?}");
+        let answer = ask(&c, br#"{"op":"read","uri":"not a uri","etag":"e","offset":0,"len":1}"#);
+        assert!(matches!(answer, TierAnswer::Error { kind: TierErrorKind::BadRequest, .. }), "{answer:?}");
+        let answer = ask(&c, br#"{"op":"format_disk"}"#);
+        assert!(matches!(&answer, TierAnswer::Error { kind: TierErrorKind::BadRequest, message } if message.contains("not a tier socket request")), "{answer:?}");
+        let past = format!(r#"{{"op":"read","uri":"s3://data/train/x.bin","etag":"{etag2}","offset":{},"len":2}}"#, 5 * MIB + 320);
+        let answer = ask(&c, past.as_bytes());
+        assert!(matches!(answer, TierAnswer::Error { kind: TierErrorKind::InvalidRange, .. }), "{answer:?}");
+        // A frame longer than any request ends the connection, and only it.
+        let mut raw = &c;
+        raw.write_all(&(1u32 << 30).to_le_bytes()).unwrap();
+        let mut rest = Vec::new();
+        assert_eq!(raw.read_to_end(&mut rest).unwrap(), 0);
+        let c = UnixStream::connect(dir2.join(TIER_SOCKET_NAME)).unwrap();
+        assert!(matches!(ask(&c, br#"{"op":"hello"}"#), TierAnswer::Hello { .. }));
+    })
+    .await
+    .unwrap();
+    // Dropped with the mount: the socket goes.
+    drop(serving);
+    assert!(!dir.path().join(TIER_SOCKET_NAME).exists());
+}

@@ -1,0 +1,409 @@
+//! Other readers on a node share the mount's node-local tier through the
+//! mount: the tier has one owner (the mount holds its `LOCK`), so a
+//! second process never fills or evicts it. The mount listens on a Unix
+//! socket in the tier's directory ([`TIER_SOCKET_NAME`], mode 0600, its
+//! own user or root only); a reader asks it for a range of an object's
+//! version:
+//!
+//! - the tier holds the version whole and checked: the answer is
+//!   [`TierAnswer::File`] with a read-only descriptor of the tier's file,
+//!   which the reader keeps and reads itself from then on (as the kernel
+//!   does for a FUSE passthrough open);
+//! - otherwise the mount reads the range as its own FUSE reads do (tier
+//!   first, then the workers, filling the tier and completing it whole
+//!   by the same rules) and sends the bytes inline ([`TierAnswer::Inline`]).
+//!
+//! So an object read by both a Python loader and the mount is fetched
+//! from the workers once. Wire format as in [`crate::local_read`]: a
+//! 4-byte little-endian length, then JSON; a descriptor rides on the
+//! answer's first byte; inline bytes follow their answer.
+
+use std::collections::VecDeque;
+use std::fs::File;
+use std::io::{self, Read};
+use std::os::fd::AsRawFd;
+use std::os::unix::fs::FileExt;
+use std::os::unix::net::UnixStream;
+use std::path::{Path, PathBuf};
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use serde::{Deserialize, Serialize};
+
+use crate::local_read::{recv_message, send_message};
+
+/// Version of this socket's protocol; the mount answers `hello` with it.
+pub const TIER_PROTOCOL: u32 = 1;
+
+/// The socket's name inside the tier directory (`--local-cache`).
+pub const TIER_SOCKET_NAME: &str = "clients.sock";
+
+/// One inline answer carries at most this much; a longer read is asked
+/// for in parts.
+pub const MAX_TIER_INLINE: u64 = 16 << 20;
+
+/// How long one call may take before the reader gives up on the mount.
+const CALL_TIMEOUT: Duration = Duration::from_secs(120);
+
+/// After the socket fails, reads go to the workers this long before it
+/// is tried again (a mount restarting).
+const BACKOFF: Duration = Duration::from_secs(5);
+
+/// Tier files a reader keeps open (each an object it was handed whole).
+const MAX_FILES: usize = 256;
+
+const MAX_IDLE: usize = 16;
+
+#[derive(Debug, Clone, Serialize, Deserialize, PartialEq, Eq)]
+#[serde(tag = "op", rename_all = "snake_case")]
+pub enum TierRequest {
+    Hello,
+    /// Bytes `offset..offset + len` of `uri` at version `etag`.
+    Read {
+        uri: String,
+        etag: String,
+        offset: u64,
+        len: u64,
+    },
+}
+
+#[derive(Debug, Clone, Serialize, Deserialize, PartialEq, Eq)]
+#[serde(rename_all = "snake_case")]
+pub enum TierAnswer {
+    /// The mount's protocol, and the bucket and key prefix it serves.
+    Hello {
+        protocol: u32,
+        bucket: String,
+        prefix: String,
+    },
+    /// The whole version, `size` bytes, is in the descriptor that rides
+    /// on this answer; read it directly from now on.
+    File { size: u64 },
+    /// `len` bytes from the requested offset follow this answer.
+    Inline { len: u64 },
+    /// Not served here (outside the mount's bucket, no tier room, ...):
+    /// read from the workers.
+    Unavailable { reason: String },
+    /// A definite answer about the object, as the workers would give it.
+    Error {
+        kind: TierErrorKind,
+        message: String,
+    },
+}
+
+#[derive(Debug, Clone, Copy, Serialize, Deserialize, PartialEq, Eq)]
+#[serde(rename_all = "snake_case")]
+pub enum TierErrorKind {
+    NotFound,
+    /// The object is no longer the version asked for.
+    Changed,
+    InvalidRange,
+    BadRequest,
+}
+
+#[derive(Debug, thiserror::Error)]
+pub enum TierClientError {
+    #[error("node-local tier socket {path}: {source} (is a lakecache mount with --local-cache {dir} running, as this user or root?)", dir = path.parent().map(|p| p.display().to_string()).unwrap_or_default())]
+    Connect { path: PathBuf, source: io::Error },
+    #[error("node-local tier socket {path}: {why}")]
+    Protocol { path: PathBuf, why: String },
+    #[error("the mount answered {kind:?}: {message}")]
+    Refused {
+        kind: TierErrorKind,
+        message: String,
+    },
+}
+
+/// What a read through the tier did.
+#[derive(Debug, PartialEq, Eq)]
+pub enum TierRead {
+    /// The whole range is in the caller's buffer.
+    Done,
+    /// The mount could not serve it (the reason is given): read it from
+    /// the workers.
+    Unavailable(String),
+}
+
+/// Bytes a [`TierChannel`] served, by path.
+#[derive(Debug, Default)]
+pub struct TierStats {
+    /// Read by the reader itself from tier files it was handed.
+    pub file_bytes: AtomicU64,
+    /// Sent by the mount (its tier, or the workers through it).
+    pub inline_bytes: AtomicU64,
+    /// Reads the mount could not serve (the caller went to the workers).
+    pub unavailable: AtomicU64,
+}
+
+/// A reader's end of the tier socket: blocking calls, pooled
+/// connections, and the tier files it was handed, by version.
+pub struct TierChannel {
+    path: PathBuf,
+    /// Idle connections, with the process that opened them: a forked
+    /// child (a DataLoader worker) must not share its parent's.
+    idle: Mutex<(u32, Vec<UnixStream>)>,
+    files: Mutex<VecDeque<HeldFile>>,
+    down_until: Mutex<Option<Instant>>,
+    stats: Arc<TierStats>,
+    /// What the mount serves, from its hello.
+    bucket: String,
+    prefix: String,
+}
+
+struct HeldFile {
+    uri: String,
+    etag: String,
+    size: u64,
+    file: Arc<File>,
+}
+
+impl TierChannel {
+    /// Connects to the mount serving the tier at `dir` and checks that it
+    /// speaks this protocol.
+    pub fn connect(dir: &Path) -> Result<Self, TierClientError> {
+        let mut channel = Self {
+            path: dir.join(TIER_SOCKET_NAME),
+            idle: Mutex::new((std::process::id(), Vec::new())),
+            files: Mutex::default(),
+            down_until: Mutex::default(),
+            stats: Arc::default(),
+            bucket: String::new(),
+            prefix: String::new(),
+        };
+        let c = channel.open()?;
+        let answer = channel
+            .call(&c, &TierRequest::Hello)
+            .map_err(|e| channel.broken(e))?;
+        match answer {
+            (
+                TierAnswer::Hello {
+                    protocol: TIER_PROTOCOL,
+                    bucket,
+                    prefix,
+                },
+                _,
+            ) => {
+                channel.put_back(c);
+                (channel.bucket, channel.prefix) = (bucket, prefix);
+                Ok(channel)
+            }
+            (other, _) => Err(channel.broken(format!(
+                "expected a hello of protocol {TIER_PROTOCOL}, got {other:?}"
+            ))),
+        }
+    }
+
+    /// Whether the mount serves `key` of `bucket` (its bucket, under its
+    /// prefix); other objects are read from the workers without asking.
+    pub fn serves(&self, bucket: &str, key: &str) -> bool {
+        bucket == self.bucket && key.starts_with(&self.prefix)
+    }
+
+    pub fn stats(&self) -> &Arc<TierStats> {
+        &self.stats
+    }
+
+    /// Fills `out` with the bytes of `uri` at `etag` from `offset`.
+    pub fn read_into(
+        &self,
+        uri: &str,
+        etag: &str,
+        offset: u64,
+        out: &mut [u8],
+    ) -> Result<TierRead, TierClientError> {
+        if let Some((file, size)) = self.held(uri, etag) {
+            return self.read_file(uri, etag, &file, size, offset, out);
+        }
+        if self.is_down() {
+            return Ok(self.unavailable("the tier socket failed a moment ago".into()));
+        }
+        let mut at = 0usize;
+        while at < out.len() {
+            let want = ((out.len() - at) as u64).min(MAX_TIER_INLINE);
+            let request = TierRequest::Read {
+                uri: uri.to_string(),
+                etag: etag.to_string(),
+                offset: offset + at as u64,
+                len: want,
+            };
+            let c = match self.take() {
+                Ok(c) => c,
+                Err(e) => return Ok(self.failed(e.to_string())),
+            };
+            let (answer, fd) = match self.call(&c, &request) {
+                Ok(a) => a,
+                Err(why) => return Ok(self.failed(why)),
+            };
+            match answer {
+                TierAnswer::File { size } => {
+                    let Some(fd) = fd else {
+                        return Ok(self.failed("a file answer came without its descriptor".into()));
+                    };
+                    self.put_back(c);
+                    let file = Arc::new(File::from(fd));
+                    self.hold(uri, etag, size, file.clone());
+                    return self.read_file(
+                        uri,
+                        etag,
+                        &file,
+                        size,
+                        offset + at as u64,
+                        &mut out[at..],
+                    );
+                }
+                TierAnswer::Inline { len } if len == want => {
+                    let mut stream = &c;
+                    if let Err(e) = stream.read_exact(&mut out[at..at + len as usize]) {
+                        return Ok(self.failed(format!("inline bytes: {e}")));
+                    }
+                    self.put_back(c);
+                    self.stats.inline_bytes.fetch_add(len, Ordering::Relaxed);
+                    at += len as usize;
+                }
+                TierAnswer::Unavailable { reason } => {
+                    self.put_back(c);
+                    return Ok(self.unavailable(reason));
+                }
+                TierAnswer::Error { kind, message } => {
+                    self.put_back(c);
+                    return Err(TierClientError::Refused { kind, message });
+                }
+                other => return Ok(self.failed(format!("a read answered {other:?}"))),
+            }
+        }
+        Ok(TierRead::Done)
+    }
+
+    /// A read of a tier file this reader holds; one that fails (a disk
+    /// error) lets go of the file and sends the read to the workers.
+    fn read_file(
+        &self,
+        uri: &str,
+        etag: &str,
+        file: &File,
+        size: u64,
+        offset: u64,
+        out: &mut [u8],
+    ) -> Result<TierRead, TierClientError> {
+        let end = offset.saturating_add(out.len() as u64);
+        if end > size {
+            return Err(TierClientError::Refused {
+                kind: TierErrorKind::InvalidRange,
+                message: format!("range {offset}..{end} is outside the {size}-byte object"),
+            });
+        }
+        if let Err(e) = file.read_exact_at(out, offset) {
+            self.files
+                .lock()
+                .unwrap_or_else(|p| p.into_inner())
+                .retain(|h| !(h.uri == uri && h.etag == etag));
+            return Ok(self.unavailable(format!("reading a tier file: {e}")));
+        }
+        self.stats
+            .file_bytes
+            .fetch_add(out.len() as u64, Ordering::Relaxed);
+        Ok(TierRead::Done)
+    }
+
+    fn held(&self, uri: &str, etag: &str) -> Option<(Arc<File>, u64)> {
+        let files = self.files.lock().unwrap_or_else(|p| p.into_inner());
+        files
+            .iter()
+            .find(|h| h.uri == uri && h.etag == etag)
+            .map(|h| (h.file.clone(), h.size))
+    }
+
+    fn hold(&self, uri: &str, etag: &str, size: u64, file: Arc<File>) {
+        let mut files = self.files.lock().unwrap_or_else(|p| p.into_inner());
+        files.retain(|h| !(h.uri == uri && h.etag == etag));
+        if files.len() >= MAX_FILES {
+            files.pop_front();
+        }
+        files.push_back(HeldFile {
+            uri: uri.to_string(),
+            etag: etag.to_string(),
+            size,
+            file,
+        });
+    }
+
+    fn open(&self) -> Result<UnixStream, TierClientError> {
+        let c = UnixStream::connect(&self.path).map_err(|source| TierClientError::Connect {
+            path: self.path.clone(),
+            source,
+        })?;
+        let timeouts = c
+            .set_read_timeout(Some(CALL_TIMEOUT))
+            .and_then(|()| c.set_write_timeout(Some(CALL_TIMEOUT)));
+        timeouts.map_err(|source| TierClientError::Connect {
+            path: self.path.clone(),
+            source,
+        })?;
+        Ok(c)
+    }
+
+    fn take(&self) -> Result<UnixStream, TierClientError> {
+        {
+            let mut idle = self.idle.lock().unwrap_or_else(|p| p.into_inner());
+            let me = std::process::id();
+            if idle.0 != me {
+                // Forked: the parent's connections are the parent's.
+                idle.1.clear();
+                idle.0 = me;
+            }
+            if let Some(c) = idle.1.pop() {
+                return Ok(c);
+            }
+        }
+        self.open()
+    }
+
+    fn put_back(&self, c: UnixStream) {
+        let mut idle = self.idle.lock().unwrap_or_else(|p| p.into_inner());
+        if idle.0 == std::process::id() && idle.1.len() < MAX_IDLE {
+            idle.1.push(c);
+        }
+    }
+
+    fn call(
+        &self,
+        c: &UnixStream,
+        request: &TierRequest,
+    ) -> Result<(TierAnswer, Option<std::os::fd::OwnedFd>), String> {
+        let body = serde_json::to_vec(request).map_err(|e| e.to_string())?;
+        send_message(c.as_raw_fd(), &body, None).map_err(|e| format!("sending: {e}"))?;
+        let (reply, fd) = recv_message(c.as_raw_fd()).map_err(|e| format!("receiving: {e}"))?;
+        let answer = serde_json::from_slice(&reply).map_err(|e| format!("bad answer: {e}"))?;
+        Ok((answer, fd))
+    }
+
+    fn is_down(&self) -> bool {
+        let down = self.down_until.lock().unwrap_or_else(|p| p.into_inner());
+        down.is_some_and(|until| Instant::now() < until)
+    }
+
+    fn unavailable(&self, reason: String) -> TierRead {
+        self.stats.unavailable.fetch_add(1, Ordering::Relaxed);
+        TierRead::Unavailable(reason)
+    }
+
+    /// The socket failed: reads go to the workers for a while.
+    fn failed(&self, why: String) -> TierRead {
+        *self.down_until.lock().unwrap_or_else(|p| p.into_inner()) = Some(Instant::now() + BACKOFF);
+        self.unavailable(format!(
+            "node-local tier socket {}: {why}",
+            self.path.display()
+        ))
+    }
+
+    fn broken(&self, why: impl Into<String>) -> TierClientError {
+        TierClientError::Protocol {
+            path: self.path.clone(),
+            why: why.into(),
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests;
