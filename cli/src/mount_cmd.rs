@@ -103,6 +103,17 @@ pub struct FuseArgs {
     /// (repeat for several; comma-separated in the environment)
     #[arg(long, env = "LAKECACHE_LOCAL_CACHE_WHOLE", value_delimiter = ',')]
     pub local_cache_whole: Vec<String>,
+    /// Bytes of a published plan's next objects (a Python client's
+    /// `publish_plan` with `local_cache`) fetched whole into the node-local
+    /// tier ahead of its reader: about 2 s at the reader's pace, within
+    /// this (all plans together, at most a quarter of --local-cache-size);
+    /// 0 turns it off
+    #[arg(
+        long,
+        env = "LAKECACHE_LOCAL_CACHE_PLAN_PREFETCH",
+        default_value = "512MiB"
+    )]
+    pub local_cache_plan_prefetch: ByteSize,
     /// A reader that jumps around an object of at most this size (3
     /// random reads in one open) gets the whole object fetched in the
     /// background: into the node-local tier when there is one (clamped to
@@ -211,6 +222,7 @@ impl FuseArgs {
                 .write_back_prefixes
                 .push(format!("{}{dir}", config.prefix));
         }
+        config.tier_plan_prefetch = self.local_cache_plan_prefetch.0;
         for p in &self.local_cache_whole {
             let dir = mount_dir("--local-cache-whole", p, "shards/")?;
             config

@@ -48,6 +48,9 @@ pub struct FsConfig {
     /// node-local tier completes as soon as they are opened, whatever
     /// the read pattern (a shuffling reader never reads 8 MiB in order).
     pub tier_whole_prefixes: Vec<String>,
+    /// Bytes a published plan's next objects are fetched ahead into the
+    /// node-local tier (all plans together); 0: off.
+    pub tier_plan_prefetch: u64,
     /// A random reader (3 jumps in one open) of an object at most this
     /// large gets it fetched whole into the node-local tier; 0: never.
     pub random_whole_max: u64,
@@ -115,6 +118,7 @@ impl FsConfig {
             write_mode: WriteMode::Through,
             write_back_prefixes: Vec::new(),
             tier_whole_prefixes: Vec::new(),
+            tier_plan_prefetch: crate::tier_plans::DEFAULT_TIER_PLAN_PREFETCH,
             random_whole_max: 2 << 30,
             push_page_cache: true,
             dir_prefetch_window: 64 << 20,

@@ -75,6 +75,8 @@ pub struct Fs {
     memory: Arc<MemoryBudget>,
     /// The node-local cache tier, when the mount has one.
     tier: Option<Arc<crate::local_tier::LocalTier>>,
+    /// Plans the tier fetches ahead of (with a tier only).
+    tier_plans: Option<Arc<crate::tier_plans::TierPlans>>,
     /// Fetches the rest of tier objects readers want whole.
     completer: Option<Arc<crate::complete::Completer>>,
     /// Metadata changes not yet stored in S3.
@@ -165,6 +167,7 @@ impl Fs {
             forgets: AtomicU64::new(0),
             memory,
             tier: None,
+            tier_plans: None,
             completer: None,
             dirty_meta: meta::DirtyMeta::default(),
             object_locks: object_locks::ObjectLocks::default(),
@@ -178,8 +181,25 @@ impl Fs {
             crate::complete::Completer::new(self.data.clone(), tier.clone(), self.memory.clone())
                 .with_kernel_cache(self.kernel_cache.clone()),
         ));
+        if self.config.tier_plan_prefetch > 0 {
+            if let Some(completer) = &self.completer {
+                let plans = crate::tier_plans::TierPlans::new(
+                    self.data.clone(),
+                    tier.clone(),
+                    completer.clone(),
+                    self.config.tier_plan_prefetch,
+                );
+                plans.attach();
+                self.tier_plans = Some(plans);
+            }
+        }
         self.tier = Some(tier);
         self
+    }
+
+    /// Plans published to the node-local tier (through its socket).
+    pub fn tier_plans(&self) -> Option<&Arc<crate::tier_plans::TierPlans>> {
+        self.tier_plans.as_ref()
     }
 
     /// Pushes whole-fetched objects into the kernel's page cache, once
@@ -858,6 +878,9 @@ impl Fs {
             .completer
             .is_some()
             .then(|| (uri.to_string(), etag.clone()));
+        if let (Some(plans), false) = (&self.tier_plans, updating) {
+            plans.note(&uri.to_string(), None);
+        }
         let mut reader = self
             .object_reader(uri, etag, node.meta.size, !updating)
             .await;

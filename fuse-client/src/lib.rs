@@ -23,6 +23,7 @@ pub mod read;
 pub mod resend;
 mod staged;
 pub mod tier_clients;
+pub mod tier_plans;
 pub mod unmount_guard;
 pub mod write;
 

@@ -765,6 +765,15 @@ pub struct LocalTier {
     fills: FillQueue,
     /// Objects with their data file open, across the tier.
     open_count: Arc<std::sync::atomic::AtomicUsize>,
+    /// Plans whose next reads decide what is evicted.
+    plans: Mutex<Option<std::sync::Weak<dyn NextUse>>>,
+}
+
+/// When the held plans read an object again.
+pub trait NextUse: Send + Sync {
+    /// Bytes of planned reads before `uri` is read again; `None` when no
+    /// plan reads it again.
+    fn next_use(&self, uri: &str) -> Option<u64>;
 }
 
 impl std::fmt::Debug for LocalTier {
@@ -820,6 +829,7 @@ impl LocalTier {
             creating: Mutex::new(()),
             fills: FillQueue::start(),
             open_count: Default::default(),
+            plans: Mutex::default(),
         };
         tier.recover()?;
         Ok(tier)
@@ -916,6 +926,11 @@ impl LocalTier {
 
     fn lock(&self) -> std::sync::MutexGuard<'_, State> {
         self.state.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    /// Whether the tier holds this version (a look that is not a use).
+    pub fn contains(&self, uri: &str, etag: &str) -> bool {
+        self.lock().slots.contains_key(&object_id(uri, etag))
     }
 
     /// The object for this version, if the tier holds it.
@@ -1175,10 +1190,21 @@ impl LocalTier {
                 if state.used + incoming <= self.capacity {
                     return;
                 }
+                let plans = self.plans.lock().unwrap_or_else(|e| e.into_inner()).clone();
+                let plans = plans.and_then(|p| p.upgrade());
+                // Objects in use last; then those no plan reads again
+                // (least recently used first); then the one a plan reads
+                // again furthest ahead (Belady's rule).
                 state
                     .slots
                     .iter()
-                    .min_by_key(|(_, s)| (Arc::strong_count(&s.object) > 1, s.last_use))
+                    .min_by_key(|(_, s)| {
+                        let next = plans
+                            .as_ref()
+                            .and_then(|p| p.next_use(&s.object.uri_and_etag().0));
+                        let in_use = Arc::strong_count(&s.object) > 1;
+                        (in_use, next.is_some(), std::cmp::Reverse(next), s.last_use)
+                    })
                     .map(|(id, _)| id.clone())
             };
             match victim {
@@ -1186,6 +1212,11 @@ impl LocalTier {
                 None => return,
             }
         }
+    }
+
+    /// Evicts by `plans` from now on (see [`NextUse`]).
+    pub fn evict_by(&self, plans: std::sync::Weak<dyn NextUse>) {
+        *self.plans.lock().unwrap_or_else(|e| e.into_inner()) = Some(plans);
     }
 
     pub fn dir(&self) -> &Path {

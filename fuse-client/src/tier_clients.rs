@@ -12,9 +12,10 @@ use std::os::unix::fs::PermissionsExt;
 use std::path::PathBuf;
 use std::sync::Arc;
 
-use lakecache_protocol::local_read::{frame, recvmsg_fd, sendmsg_with_fd, MAX_MESSAGE};
+use lakecache_protocol::local_read::{frame, recvmsg_fd, sendmsg_with_fd};
 use lakecache_protocol::tier_socket::{
-    TierAnswer, TierErrorKind, TierRequest, MAX_TIER_INLINE, TIER_PROTOCOL, TIER_SOCKET_NAME,
+    TierAnswer, TierErrorKind, TierRequest, MAX_TIER_INLINE, MAX_TIER_MESSAGE, TIER_PROTOCOL,
+    TIER_SOCKET_NAME,
 };
 use lakecache_protocol::ObjectUri;
 use tokio::io::{AsyncReadExt, AsyncWriteExt, Interest};
@@ -36,12 +37,17 @@ const PIECE: u64 = 1 << 20;
 /// and removes the socket file.
 pub struct TierClients {
     task: tokio::task::JoinHandle<()>,
+    /// Prefetch by the plans published here.
+    plans: Option<tokio::task::JoinHandle<()>>,
     path: PathBuf,
 }
 
 impl Drop for TierClients {
     fn drop(&mut self) {
         self.task.abort();
+        if let Some(plans) = &self.plans {
+            plans.abort();
+        }
         let _ = std::fs::remove_file(&self.path);
     }
 }
@@ -69,8 +75,9 @@ pub fn serve(fs: Arc<Fs>) -> Option<TierClients> {
         }
     };
     tracing::info!(path = %path.display(), "tier socket: other readers on this node share the local tier");
+    let plans = fs.tier_plans().map(|p| tokio::spawn(p.clone().run()));
     let task = tokio::spawn(accept(listener, fs));
-    Some(TierClients { task, path })
+    Some(TierClients { task, plans, path })
 }
 
 fn bind(path: &std::path::Path) -> io::Result<UnixListener> {
@@ -139,7 +146,7 @@ async fn read_request(stream: &mut UnixStream) -> io::Result<Vec<u8>> {
     }
     stream.read_exact(&mut len[got..]).await?;
     let n = u32::from_le_bytes(len) as usize;
-    if n > MAX_MESSAGE {
+    if n > MAX_TIER_MESSAGE {
         return Err(io::Error::new(
             io::ErrorKind::InvalidData,
             "request too long",
@@ -192,6 +199,21 @@ async fn connection(
                     .instrument(span)
                     .await?;
             }
+            Ok(TierRequest::Plan {
+                name,
+                ttl_s,
+                objects,
+                order,
+            }) => {
+                let answer = plan(fs, &name, ttl_s, objects, order);
+                send(&mut stream, &answer, None).await?;
+            }
+            Ok(TierRequest::Note { uri, offset }) => {
+                if let Some(plans) = fs.tier_plans() {
+                    plans.note(&uri, Some(offset));
+                }
+                send(&mut stream, &TierAnswer::Noted, None).await?;
+            }
             Err(e) => {
                 let refusal = error(
                     TierErrorKind::BadRequest,
@@ -200,6 +222,28 @@ async fn connection(
                 send(&mut stream, &refusal, None).await?;
             }
         }
+    }
+}
+
+fn plan(
+    fs: &Fs,
+    name: &str,
+    ttl_s: u64,
+    objects: Vec<String>,
+    order: Vec<(u32, u64, u64)>,
+) -> TierAnswer {
+    let Some(plans) = fs.tier_plans() else {
+        return unavailable("this mount does not prefetch by plan (--local-cache-plan-prefetch 0)");
+    };
+    if let Err(why) = lakecache_protocol::validate_plan_name(name) {
+        return error(TierErrorKind::BadRequest, why);
+    }
+    match plans.install(name, ttl_s, objects, order, |u| fs.serves(u)) {
+        Ok(entries) => {
+            tracing::debug!(plan = name, entries, "tier plan taken");
+            TierAnswer::PlanTaken { entries }
+        }
+        Err(e) => error(TierErrorKind::BadRequest, format!("plan {name}: {e}")),
     }
 }
 
@@ -236,6 +280,9 @@ async fn read(
             format!("a read of {len} bytes; ask for 1 to {MAX_TIER_INLINE}"),
         );
         return send(stream, &refusal, None).await;
+    }
+    if let (Some(plans), true) = (fs.tier_plans(), fs.serves(&uri)) {
+        plans.note(&uri.to_string(), Some(offset));
     }
     if !fs.serves(&uri) {
         let (bucket, prefix) = fs.bucket_and_prefix();

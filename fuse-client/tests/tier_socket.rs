@@ -136,3 +136,104 @@ async fn a_reader_on_the_node_fills_the_mounts_tier_once_then_reads_its_file() {
     drop(serving);
     assert!(!dir.path().join(TIER_SOCKET_NAME).exists());
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_published_plan_has_the_tier_fetch_the_next_objects_before_they_are_read() {
+    let plane = Arc::new(FaultyDataPlane::new(MemoryDataPlane::new()));
+    let mut etags = Vec::new();
+    for i in 0..6 {
+        etags.push(
+            plane
+                .inner()
+                .insert("data", &format!("train/{i}.bin"), body(3 * MIB + i)),
+        );
+    }
+    plane
+        .inner()
+        .insert("data", "train/unplanned.bin", body(MIB));
+    let dir = tempfile::tempdir().unwrap();
+    let tier = Arc::new(LocalTier::open(dir.path(), 256 * MIB as u64).unwrap());
+    let fs = Arc::new(
+        Fs::new(plane.clone(), FsConfig::new("data", "train/")).with_local_tier(tier.clone()),
+    );
+    let _serving = tier_clients::serve(fs.clone()).unwrap();
+    let tier_dir = dir.path().to_path_buf();
+    let uri = |i: usize| format!("s3://data/train/{i}.bin");
+    let entries: Vec<_> = [3usize, 0, 5, 1, 4, 2]
+        .iter()
+        .map(|&i| (uri(i).parse().unwrap(), 0..(3 * MIB + i) as u64))
+        .collect();
+    let channel = tokio::task::spawn_blocking(move || {
+        let channel = TierChannel::connect(&tier_dir).unwrap();
+        assert_eq!(channel.publish_plan("job/0", 60, &entries).unwrap(), 6);
+        channel
+    })
+    .await
+    .unwrap();
+    // Before any read: the plan's first two objects are fetched whole.
+    let whole = |i: usize| {
+        tier.get(&uri(i), &etags[i])
+            .is_some_and(|o| o.is_complete())
+    };
+    let deadline = Instant::now() + Duration::from_secs(30);
+    while !(whole(3) && whole(0)) {
+        assert!(
+            Instant::now() < deadline,
+            "the plan's first objects were not prefetched"
+        );
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    let plans = fs.tier_plans().unwrap();
+    assert!(
+        plans
+            .stats
+            .prefetched_objects
+            .load(std::sync::atomic::Ordering::Relaxed)
+            >= 2
+    );
+    // The reader then finds each planned object whole, read by itself.
+    let reads_before = plane.calls(DataOp::Read);
+    let etag3 = etags[3].clone();
+    let channel = tokio::task::spawn_blocking(move || {
+        let mut out = vec![0u8; 3 * MIB + 3];
+        channel
+            .read_into("s3://data/train/3.bin", &etag3, 0, &mut out)
+            .unwrap();
+        assert!(out == body(3 * MIB + 3));
+        assert_eq!(
+            channel
+                .stats()
+                .inline_bytes
+                .load(std::sync::atomic::Ordering::Relaxed),
+            0
+        );
+        channel
+    })
+    .await
+    .unwrap();
+    // The reader moved on: the next planned object is fetched too.
+    while !whole(5) {
+        assert!(
+            Instant::now() < deadline,
+            "the plan's third object was not prefetched"
+        );
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    assert!(plane.calls(DataOp::Read) > reads_before);
+    assert!(tier.get("s3://data/train/unplanned.bin", "any").is_none());
+    // A malformed plan is refused with what is wrong, and the last one stays.
+    let bad = vec![("s3://data/train/1.bin".parse().unwrap(), 9..9)];
+    let refused = tokio::task::spawn_blocking(move || channel.publish_plan("job/0", 60, &bad))
+        .await
+        .unwrap();
+    match refused {
+        Err(TierClientError::Refused {
+            kind: TierErrorKind::BadRequest,
+            message,
+        }) => {
+            assert!(message.contains("empty or reversed"), "{message}")
+        }
+        other => panic!("expected a refusal, got {other:?}"),
+    }
+    assert_eq!(plans.held(), 1);
+}

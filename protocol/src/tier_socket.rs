@@ -43,6 +43,13 @@ pub const TIER_SOCKET_NAME: &str = "clients.sock";
 /// for in parts.
 pub const MAX_TIER_INLINE: u64 = 16 << 20;
 
+/// A request is at most this long (a plan's is the long one).
+pub const MAX_TIER_MESSAGE: usize = 16 << 20;
+
+/// A plan sent to the mount lists at most this many entries: the first
+/// ones of the epoch (the mount's prefetch looks a few seconds ahead).
+pub const MAX_TIER_PLAN_ENTRIES: usize = 1 << 18;
+
 /// How long one call may take before the reader gives up on the mount.
 const CALL_TIMEOUT: Duration = Duration::from_secs(120);
 
@@ -66,6 +73,21 @@ pub enum TierRequest {
         offset: u64,
         len: u64,
     },
+    /// This rank's reads for the coming epoch, in order, for the mount's
+    /// tier to fetch ahead of (`order`: `[object, start, end]`, `object`
+    /// an index into `objects`). Replaces an earlier plan of that name.
+    Plan {
+        name: String,
+        ttl_s: u64,
+        objects: Vec<String>,
+        order: Vec<(u32, u64, u64)>,
+    },
+    /// The reader is at `offset` of `uri` (it reads a file it was handed,
+    /// which the mount does not see): where a plan's reader is.
+    Note {
+        uri: String,
+        offset: u64,
+    },
 }
 
 #[derive(Debug, Clone, Serialize, Deserialize, PartialEq, Eq)]
@@ -79,17 +101,28 @@ pub enum TierAnswer {
     },
     /// The whole version, `size` bytes, is in the descriptor that rides
     /// on this answer; read it directly from now on.
-    File { size: u64 },
+    File {
+        size: u64,
+    },
     /// `len` bytes from the requested offset follow this answer.
-    Inline { len: u64 },
+    Inline {
+        len: u64,
+    },
     /// Not served here (outside the mount's bucket, no tier room, ...):
     /// read from the workers.
-    Unavailable { reason: String },
+    Unavailable {
+        reason: String,
+    },
     /// A definite answer about the object, as the workers would give it.
     Error {
         kind: TierErrorKind,
         message: String,
     },
+    /// A plan was taken: `entries` of it.
+    PlanTaken {
+        entries: usize,
+    },
+    Noted,
 }
 
 #[derive(Debug, Clone, Copy, Serialize, Deserialize, PartialEq, Eq)]
@@ -149,6 +182,10 @@ pub struct TierChannel {
     /// What the mount serves, from its hello.
     bucket: String,
     prefix: String,
+    /// A plan was sent: reads of held files are noted to the mount
+    /// (the object last noted, so each is noted once per switch).
+    planned: std::sync::atomic::AtomicBool,
+    last_noted: Mutex<String>,
 }
 
 struct HeldFile {
@@ -170,6 +207,8 @@ impl TierChannel {
             stats: Arc::default(),
             bucket: String::new(),
             prefix: String::new(),
+            planned: Default::default(),
+            last_noted: Mutex::default(),
         };
         let c = channel.open()?;
         let answer = channel
@@ -213,6 +252,7 @@ impl TierChannel {
         out: &mut [u8],
     ) -> Result<TierRead, TierClientError> {
         if let Some((file, size)) = self.held(uri, etag) {
+            self.note(uri, offset);
             return self.read_file(uri, etag, &file, size, offset, out);
         }
         if self.is_down() {
@@ -277,6 +317,87 @@ impl TierChannel {
 
     /// A read of a tier file this reader holds; one that fails (a disk
     /// error) lets go of the file and sends the read to the workers.
+    /// Sends plan `name` (this rank's reads, in order) to the mount, whose
+    /// tier then fetches ahead of them; entries outside the mount are left
+    /// out, and at most [`MAX_TIER_PLAN_ENTRIES`] are sent. Returns the
+    /// entries the mount took.
+    pub fn publish_plan(
+        &self,
+        name: &str,
+        ttl_s: u64,
+        entries: &[(crate::ObjectUri, std::ops::Range<u64>)],
+    ) -> Result<usize, TierClientError> {
+        let mut objects: Vec<String> = Vec::new();
+        let mut index: std::collections::HashMap<&crate::ObjectUri, u32> = Default::default();
+        let mut order = Vec::new();
+        for (uri, range) in entries
+            .iter()
+            .filter(|(u, _)| self.serves(u.bucket(), u.key()))
+            .take(MAX_TIER_PLAN_ENTRIES)
+        {
+            let i = *index.entry(uri).or_insert_with(|| {
+                objects.push(uri.to_string());
+                (objects.len() - 1) as u32
+            });
+            order.push((i, range.start, range.end));
+        }
+        let request = TierRequest::Plan {
+            name: name.to_string(),
+            ttl_s,
+            objects,
+            order,
+        };
+        let body = serde_json::to_vec(&request).map_err(|e| self.broken(e.to_string()))?;
+        if body.len() > MAX_TIER_MESSAGE {
+            return Err(self.broken(format!(
+                "a plan of {} bytes is longer than the {MAX_TIER_MESSAGE} a request may be",
+                body.len()
+            )));
+        }
+        let c = self.take()?;
+        let mut frame = (body.len() as u32).to_le_bytes().to_vec();
+        frame.extend_from_slice(&body);
+        let mut w = &c;
+        std::io::Write::write_all(&mut w, &frame)
+            .map_err(|e| self.broken(format!("sending a plan: {e}")))?;
+        let (reply, _) =
+            recv_message(c.as_raw_fd()).map_err(|e| self.broken(format!("receiving: {e}")))?;
+        match serde_json::from_slice(&reply) {
+            Ok(TierAnswer::PlanTaken { entries }) => {
+                self.put_back(c);
+                self.planned.store(true, Ordering::Relaxed);
+                Ok(entries)
+            }
+            Ok(TierAnswer::Error { kind, message }) => {
+                self.put_back(c);
+                Err(TierClientError::Refused { kind, message })
+            }
+            other => Err(self.broken(format!("a plan answered {other:?}"))),
+        }
+    }
+
+    /// Tells the mount where a planned reader is, once per object switch.
+    fn note(&self, uri: &str, offset: u64) {
+        if !self.planned.load(Ordering::Relaxed) || self.is_down() {
+            return;
+        }
+        {
+            let mut last = self.last_noted.lock().unwrap_or_else(|p| p.into_inner());
+            if *last == uri {
+                return;
+            }
+            uri.clone_into(&mut last);
+        }
+        let request = TierRequest::Note {
+            uri: uri.to_string(),
+            offset,
+        };
+        let Ok(c) = self.take() else { return };
+        if let Ok((TierAnswer::Noted, _)) = self.call(&c, &request) {
+            self.put_back(c);
+        }
+    }
+
     fn read_file(
         &self,
         uri: &str,

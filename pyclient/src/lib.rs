@@ -293,7 +293,10 @@ impl Client {
     /// epoch, in order, as `(uri, start, end)` byte ranges. Each worker gets
     /// the part it serves and evicts by it; the plan lives `ttl_s` seconds
     /// unless published again. Returns `{"workers", "pages",
-    /// "skipped_entries", "skipped"}`; a malformed plan raises ValueError.
+    /// "skipped_entries", "skipped"}`, and with `local_cache` the entries
+    /// the mount's tier took (`"tier_entries"`, it fetches ahead of them)
+    /// or why it took none (`"tier_error"`); a malformed plan raises
+    /// ValueError.
     #[pyo3(signature = (name, entries, ttl_s=900))]
     fn publish_plan(
         &self,
@@ -330,6 +333,25 @@ impl Client {
                 _ => PyOSError::new_err(format!("publishing plan {name}: {e}")),
             })?;
         let mut out = std::collections::HashMap::new();
+        // The mount's tier fetches ahead of the plan too; a tier that
+        // cannot take it is reported, never raised (reads go on).
+        if let Some(tier) = &self.tier {
+            let taken = py.detach(|| tier.publish_plan(name, ttl_s, &ranges));
+            match taken {
+                Ok(entries) => {
+                    out.insert(
+                        "tier_entries".into(),
+                        entries.into_pyobject(py)?.into_any().unbind(),
+                    );
+                }
+                Err(e) => {
+                    out.insert(
+                        "tier_error".into(),
+                        e.to_string().into_pyobject(py)?.into_any().unbind(),
+                    );
+                }
+            }
+        }
         out.insert(
             "workers".into(),
             published.workers.into_pyobject(py)?.into_any().unbind(),

@@ -209,6 +209,10 @@ def test_the_python_client_reads_through_the_mounts_tier_so_an_object_is_fetched
     assert plain.read(uri["b"], 0, size_b, etag_b) == payload["b"]
     assert _fetched_from_workers(worker) - before == len(payload["b"])
 
+    # A plan goes to the workers and to the mount's tier, which fetches
+    # ahead of it (tests in fuse-client/tests/tier_socket.rs).
+    got = shared.publish_plan("tiertest/0", [(uri["b"], 0, size_b), (uri["a"], 0, size)], ttl_s=60)
+    assert got["tier_entries"] == 2 and got["workers"] == 1, got
     # Errors come back as the workers would give them.
     with pytest.raises(ValueError, match="outside"):
         shared.read(uri["b"], 0, size_b + 1, etag_b)

@@ -9,7 +9,13 @@ use std::sync::Arc;
 
 use super::*;
 
-/// A mount that answers hello, then each read with `answer`; counts reads.
+thread_local! {
+    /// Notes the scripted mount of this test's thread received.
+    static NOTES: Arc<AtomicUsize> = Arc::new(AtomicUsize::new(0));
+}
+
+/// A mount that answers hello, then each read with `answer`; counts reads
+/// (and notes, in [`NOTES`]).
 fn scripted_mount(
     dir: &Path,
     answer: impl Fn(&UnixStream, u64, u64) + Send + 'static,
@@ -17,6 +23,7 @@ fn scripted_mount(
     let listener = UnixListener::bind(dir.join(TIER_SOCKET_NAME)).unwrap();
     let reads = Arc::new(AtomicUsize::new(0));
     let counted = reads.clone();
+    let notes = NOTES.with(|n| n.clone());
     std::thread::spawn(move || {
         for c in listener.incoming() {
             let Ok(c) = c else { return };
@@ -26,6 +33,17 @@ fn scripted_mount(
                     TierRequest::Read { offset, len, .. } => {
                         counted.fetch_add(1, Ordering::SeqCst);
                         answer(&c, offset, len);
+                    }
+                    TierRequest::Plan { order, .. } => reply(
+                        &c,
+                        &TierAnswer::PlanTaken {
+                            entries: order.len(),
+                        },
+                        None,
+                    ),
+                    TierRequest::Note { .. } => {
+                        notes.fetch_add(1, Ordering::SeqCst);
+                        reply(&c, &TierAnswer::Noted, None)
                     }
                 }
             }
@@ -206,5 +224,45 @@ fn connecting_where_no_mount_listens_says_what_to_run() {
     assert!(
         e.to_string().contains("expected a hello of protocol"),
         "{e}"
+    );
+}
+
+#[test]
+fn after_a_plan_each_switch_to_a_held_file_is_noted_once() {
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("object.data");
+    std::fs::write(&path, bytes(1000)).unwrap();
+    scripted_mount(dir.path(), move |c, _, _| {
+        let f = File::open(&path).unwrap();
+        reply(c, &TierAnswer::File { size: 1000 }, Some(f.as_raw_fd()));
+    });
+    let notes = NOTES.with(|n| n.clone());
+    let channel = TierChannel::connect(dir.path()).unwrap();
+    let mut out = vec![0u8; 10];
+    for uri in ["s3://b/data/x", "s3://b/data/y"] {
+        channel.read_into(uri, "e", 0, &mut out).unwrap();
+    }
+    channel
+        .read_into("s3://b/data/x", "e", 5, &mut out)
+        .unwrap();
+    assert_eq!(notes.load(Ordering::SeqCst), 0, "noted without a plan");
+    let plan: Vec<(crate::ObjectUri, std::ops::Range<u64>)> = vec![
+        ("s3://bkt/data/x".parse().unwrap(), 0..10),
+        ("s3://bkt/other/z".parse().unwrap(), 0..10),
+    ];
+    // The scripted mount serves bucket "b": nothing of this plan is its.
+    assert_eq!(channel.publish_plan("job/0", 60, &plan).unwrap(), 0);
+    for uri in [
+        "s3://b/data/y",
+        "s3://b/data/y",
+        "s3://b/data/x",
+        "s3://b/data/x",
+    ] {
+        channel.read_into(uri, "e", 0, &mut out).unwrap();
+    }
+    assert_eq!(
+        notes.load(Ordering::SeqCst),
+        2,
+        "one note per switch of file"
     );
 }
