@@ -113,7 +113,17 @@ CHECKPOINT_TARGETS = ("local", "mount-back", "mount-through")
 CHECKPOINT_RUN_BYTES = int(2.5 * GIB)
 # mount-tier-whole: the tier with the dataset directory fetched whole on
 # open (`--local-cache-whole dlio/`), as a training mount would set it.
-READERS = ("local", "mount-workers", "mount-tier", "mount-tier-whole", "pyclient", "s3fs")
+# pyclient-tier: the Python client reading through the mount's tier (its
+# socket, `local_cache=`); pyclient reads from the workers alone.
+READERS = (
+    "local",
+    "mount-workers",
+    "mount-tier",
+    "mount-tier-whole",
+    "pyclient",
+    "pyclient-tier",
+    "s3fs",
+)
 
 
 def dlio(
@@ -529,12 +539,19 @@ class Bench:
         env: dict[str, str] = {}
         extra = train_flags(a, w, compute_s, a.epochs)
         data = local
-        if reader in ("mount-workers", "mount-tier", "mount-tier-whole", "pyclient"):
+        if reader in (
+            "mount-workers",
+            "mount-tier",
+            "mount-tier-whole",
+            "pyclient",
+            "pyclient-tier",
+        ):
             lake.start_lakecache(
-                tier=reader.startswith("mount-tier"), tier_whole=reader == "mount-tier-whole"
+                tier=reader.startswith("mount-tier") or reader == "pyclient-tier",
+                tier_whole=reader == "mount-tier-whole",
             )
             data = lake.mnt / "dlio" / sized
-            if reader == "pyclient":
+            if reader.startswith("pyclient"):
                 if w.name != "unet3d":
                     lake.stop_daemons()
                     return self.skipped(w, reader, rtt, np_, "the plugin reads NPZ only")
@@ -548,6 +565,9 @@ class Bench:
                     "LAKECACHE_DLIO_WORKER": f"127.0.0.1:{lake.worker_port}",
                     "LAKECACHE_DLIO_COUNTS": str(a.work / "out" / "counts"),
                 }
+                if reader == "pyclient-tier":
+                    # Through the mount's node-local tier (its socket).
+                    env["LAKECACHE_DLIO_LOCAL_CACHE"] = str(lake.work / "tier")
                 shutil.rmtree(a.work / "out" / "counts", ignore_errors=True)
                 (a.work / "out" / "counts").mkdir(parents=True)
         elif reader == "s3fs":
@@ -562,7 +582,7 @@ class Bench:
         # their warm AU fell from 38-39% to 34-35% (reclaim inside the
         # cgroup), and before its reads made a single copy they were
         # OOM-killed at 1x. They fill no page cache with it.
-        own = self.process_memory * (2 if reader == "pyclient" else 1)
+        own = self.process_memory * (2 if reader.startswith("pyclient") else 1)
         self.reader_cg.set_limit(parse_size(a.page_cache) + np_ * own)
         started = time.monotonic()
         tier = None
@@ -587,7 +607,7 @@ class Bench:
         wall = time.monotonic() - started
         run = summary.load(out / "summary.json")
         read = counter.total()
-        if reader == "pyclient":
+        if reader.startswith("pyclient"):
             read = pyclient_bytes(a.work / "out" / "counts")
         epochs = json.loads((out / "per_epoch_stats.json").read_text())
         train_s = sum(float(e["duration"]) for e in epochs.values())

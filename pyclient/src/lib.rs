@@ -429,20 +429,17 @@ impl Client {
         };
         match tier.read_into(&uri.to_string(), etag, start, out) {
             Ok(TierRead::Done) => Ok(true),
-            Ok(TierRead::Unavailable(_)) => Ok(false),
-            Err(TierClientError::Refused { kind, message }) => Err(match kind {
-                TierErrorKind::NotFound => DataError::NotFound,
-                TierErrorKind::Changed => DataError::Changed {
-                    expected: Some(etag.to_string()),
-                    found: None,
-                },
-                TierErrorKind::InvalidRange => DataError::InvalidRange {
-                    start,
-                    end: start + out.len() as u64,
-                },
-                TierErrorKind::BadRequest => DataError::StoreUnavailable(message),
+            Err(TierClientError::Refused {
+                kind: TierErrorKind::InvalidRange,
+                ..
+            }) => Err(DataError::InvalidRange {
+                start,
+                end: start + out.len() as u64,
             }),
-            Err(_) => Ok(false),
+            // Anything else (a changed or missing object included) is
+            // answered by the workers, through this client's data plane:
+            // a snapshot client then names a snapshot mismatch as such.
+            Ok(TierRead::Unavailable(_)) | Err(_) => Ok(false),
         }
     }
 }
