@@ -182,3 +182,45 @@ fn the_tier_evicts_unplanned_objects_first_then_the_furthest_planned_one() {
     add("s3://bkt/d/v.bin");
     assert!(!held(&uri(0)) && held(&uri(3)) && held(&uri(2)));
 }
+
+proptest::proptest! {
+    #![proptest_config(proptest::prelude::ProptestConfig::with_cases(64))]
+    /// A reader follows its plan through a tier of `k` objects: every
+    /// object the tier evicts is one Belady's rule picks (read again
+    /// furthest ahead, or never).
+    #[test]
+    fn the_tier_evicts_what_beladys_rule_picks(
+        k in 2usize..5,
+        seq in proptest::collection::vec(0u32..7, 1..40),
+    ) {
+        let dir = tempfile::tempdir().unwrap();
+        let p = plans_on(dir.path(), 1 << 30, k as u64 * MIB);
+        p.attach();
+        let tier = p.tier.clone();
+        let objects = (0..7).map(uri).collect();
+        let order = seq.iter().map(|&o| (o, 0, MIB)).collect();
+        p.install("job/0", 60, objects, order, |_| true).unwrap();
+        for (t, &o) in seq.iter().enumerate() {
+            p.note(&uri(o as usize), None);
+            if tier.contains(&uri(o as usize), "e") {
+                continue;
+            }
+            let held: Vec<u32> = (0..7).filter(|&h| tier.contains(&uri(h as usize), "e")).collect();
+            let next = |h: u32| seq[t + 1..].iter().position(|&x| x == h).unwrap_or(usize::MAX);
+            let furthest = held.iter().map(|&h| next(h)).max();
+            drop(tier.get_or_create(&uri(o as usize), "e", MIB).unwrap());
+            if held.len() == k {
+                let gone: Vec<u32> = held
+                    .iter()
+                    .copied()
+                    .filter(|&h| !tier.contains(&uri(h as usize), "e"))
+                    .collect();
+                proptest::prop_assert_eq!(gone.len(), 1);
+                proptest::prop_assert_eq!(
+                    Some(next(gone[0])), furthest,
+                    "step {}: evicted {} of {:?}", t, gone[0], held
+                );
+            }
+        }
+    }
+}
