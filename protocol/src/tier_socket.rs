@@ -20,9 +20,9 @@
 
 use std::collections::VecDeque;
 use std::fs::File;
-use std::io::{self, Read};
+use std::io;
+use std::mem::MaybeUninit;
 use std::os::fd::AsRawFd;
-use std::os::unix::fs::FileExt;
 use std::os::unix::net::UnixStream;
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -251,6 +251,22 @@ impl TierChannel {
         offset: u64,
         out: &mut [u8],
     ) -> Result<TierRead, TierClientError> {
+        // SAFETY: the same memory seen as possibly uninitialised; what
+        // `read_into_uninit` writes there is always initialised bytes.
+        let out = unsafe { &mut *(out as *mut [u8] as *mut [MaybeUninit<u8>]) };
+        self.read_into_uninit(uri, etag, offset, out)
+    }
+
+    /// [`Self::read_into`] into memory not initialised yet (a new Python
+    /// `bytes` of 146 MB is not zeroed first only to be overwritten). On
+    /// [`TierRead::Done`] every byte of `out` is written.
+    pub fn read_into_uninit(
+        &self,
+        uri: &str,
+        etag: &str,
+        offset: u64,
+        out: &mut [MaybeUninit<u8>],
+    ) -> Result<TierRead, TierClientError> {
         if let Some((file, size)) = self.held(uri, etag) {
             self.note(uri, offset);
             return self.read_file(uri, etag, &file, size, offset, out);
@@ -293,8 +309,7 @@ impl TierChannel {
                     );
                 }
                 TierAnswer::Inline { len } if len == want => {
-                    let mut stream = &c;
-                    if let Err(e) = stream.read_exact(&mut out[at..at + len as usize]) {
+                    if let Err(e) = read_exact_raw(&c, &mut out[at..at + len as usize]) {
                         return Ok(self.failed(format!("inline bytes: {e}")));
                     }
                     self.put_back(c);
@@ -405,7 +420,7 @@ impl TierChannel {
         file: &File,
         size: u64,
         offset: u64,
-        out: &mut [u8],
+        out: &mut [MaybeUninit<u8>],
     ) -> Result<TierRead, TierClientError> {
         let end = offset.saturating_add(out.len() as u64);
         if end > size {
@@ -414,7 +429,7 @@ impl TierChannel {
                 message: format!("range {offset}..{end} is outside the {size}-byte object"),
             });
         }
-        if let Err(e) = file.read_exact_at(out, offset) {
+        if let Err(e) = pread_exact_raw(file, out, offset) {
             self.files
                 .lock()
                 .unwrap_or_else(|p| p.into_inner())
@@ -524,6 +539,56 @@ impl TierChannel {
             why: why.into(),
         }
     }
+}
+
+/// Fills `out` from the socket (a read timeout set on it applies).
+fn read_exact_raw(c: &UnixStream, out: &mut [MaybeUninit<u8>]) -> io::Result<()> {
+    let mut at = 0;
+    while at < out.len() {
+        let rest = &mut out[at..];
+        // SAFETY: reads at most `rest.len()` bytes into memory we borrow
+        // mutably, from a descriptor `c` keeps open.
+        let n = unsafe { libc::read(c.as_raw_fd(), rest.as_mut_ptr().cast(), rest.len()) };
+        match n {
+            0 => return Err(io::ErrorKind::UnexpectedEof.into()),
+            n if n > 0 => at += n as usize,
+            _ => {
+                let e = io::Error::last_os_error();
+                if e.kind() != io::ErrorKind::Interrupted {
+                    return Err(e);
+                }
+            }
+        }
+    }
+    Ok(())
+}
+
+/// Fills `out` from `file` at `offset`; a file that ends first is an error.
+fn pread_exact_raw(file: &File, out: &mut [MaybeUninit<u8>], offset: u64) -> io::Result<()> {
+    let mut at = 0;
+    while at < out.len() {
+        let rest = &mut out[at..];
+        // SAFETY: as in `read_exact_raw`, from a file we borrow.
+        let n = unsafe {
+            libc::pread(
+                file.as_raw_fd(),
+                rest.as_mut_ptr().cast(),
+                rest.len(),
+                (offset + at as u64) as libc::off_t,
+            )
+        };
+        match n {
+            0 => return Err(io::ErrorKind::UnexpectedEof.into()),
+            n if n > 0 => at += n as usize,
+            _ => {
+                let e = io::Error::last_os_error();
+                if e.kind() != io::ErrorKind::Interrupted {
+                    return Err(e);
+                }
+            }
+        }
+    }
+    Ok(())
 }
 
 #[cfg(test)]

@@ -5,6 +5,7 @@
 //! through the same [`SnapshotDataPlane`]. Every blocking call releases
 //! the GIL, so reader threads in Python run in parallel.
 
+use std::mem::MaybeUninit;
 use std::ops::Range;
 use std::path::PathBuf;
 use std::sync::Arc;
@@ -248,10 +249,12 @@ impl Client {
             .collect();
         // Each piece is copied into the bytes object as it arrives, with
         // the GIL released: one copy, and no second whole-sized buffer
-        // (a 146 MB sample was held twice, and copied under the GIL). The
-        // object is not shared until it is returned, so nothing else can
-        // see it while it is filled.
-        PyBytes::new_with(py, (end - start) as usize, |out| {
+        // (a 146 MB sample was held twice, and copied under the GIL), and
+        // no zeroing first (30 ms of a 146 MB sample's 140 ms from the
+        // tier). The object is not shared until it is returned, so nothing
+        // else can see it while it is filled.
+        let len = (end - start) as usize;
+        bytes_filled_by(py, len, |out| {
             let fetched = py.detach(|| {
                 if self.read_tier(&parsed, start, etag, out)? {
                     return Ok(());
@@ -265,8 +268,14 @@ impl Client {
                     let mut at = 0usize;
                     while let Some(bytes) = stream.next().await {
                         let bytes = bytes?;
-                        out[at..at + bytes.len()].copy_from_slice(&bytes);
+                        out[at..at + bytes.len()].write_copy_of_slice(&bytes);
                         at += bytes.len();
+                    }
+                    if at != len {
+                        return Err(DataError::ShortBody {
+                            expected: len as u64,
+                            got: at as u64,
+                        });
                     }
                     Ok::<_, DataError>(())
                 })
@@ -418,7 +427,7 @@ impl Client {
         uri: &ObjectUri,
         start: u64,
         etag: &str,
-        out: &mut [u8],
+        out: &mut [MaybeUninit<u8>],
     ) -> Result<bool, DataError> {
         let Some(tier) = self
             .tier
@@ -427,7 +436,7 @@ impl Client {
         else {
             return Ok(false);
         };
-        match tier.read_into(&uri.to_string(), etag, start, out) {
+        match tier.read_into_uninit(&uri.to_string(), etag, start, out) {
             Ok(TierRead::Done) => Ok(true),
             Err(TierClientError::Refused {
                 kind: TierErrorKind::InvalidRange,
@@ -441,6 +450,29 @@ impl Client {
             // a snapshot client then names a snapshot mismatch as such.
             Ok(TierRead::Unavailable(_)) | Err(_) => Ok(false),
         }
+    }
+}
+
+/// A new `bytes` of `len` bytes, all written by `fill` before anyone can
+/// see it (without zeroing them first); dropped unread if `fill` fails.
+fn bytes_filled_by<'py>(
+    py: Python<'py>,
+    len: usize,
+    fill: impl FnOnce(&mut [MaybeUninit<u8>]) -> PyResult<()>,
+) -> PyResult<Bound<'py, PyBytes>> {
+    let size = pyo3::ffi::Py_ssize_t::try_from(len)
+        .map_err(|_| PyValueError::new_err(format!("a read of {len} bytes is too large")))?;
+    // SAFETY: with a null pointer, PyBytes_FromStringAndSize returns a new
+    // bytes object of `size` bytes not yet initialised, owned here and
+    // seen by no one else until returned; PyBytes_AsString points at its
+    // `size` bytes. `fill` writes every one of them or fails, and a
+    // failed object is dropped without being read.
+    unsafe {
+        let raw = pyo3::ffi::PyBytes_FromStringAndSize(std::ptr::null(), size);
+        let object = Bound::from_owned_ptr_or_err(py, raw)?;
+        let data = pyo3::ffi::PyBytes_AsString(raw).cast::<MaybeUninit<u8>>();
+        fill(std::slice::from_raw_parts_mut(data, len))?;
+        Ok(object.cast_into_unchecked::<PyBytes>())
     }
 }
 
