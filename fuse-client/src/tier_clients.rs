@@ -8,17 +8,16 @@
 use std::collections::VecDeque;
 use std::io;
 use std::os::fd::{AsRawFd, OwnedFd};
-use std::os::unix::fs::PermissionsExt;
 use std::path::PathBuf;
 use std::sync::Arc;
 
-use lakecache_protocol::local_read::{frame, recvmsg_fd, sendmsg_with_fd};
+use lakecache_protocol::local_read::{frame, sendmsg_with_fd};
 use lakecache_protocol::tier_socket::{
     TierAnswer, TierErrorKind, TierRequest, MAX_TIER_INLINE, MAX_TIER_MESSAGE, TIER_PROTOCOL,
     TIER_SOCKET_NAME,
 };
 use lakecache_protocol::ObjectUri;
-use tokio::io::{AsyncReadExt, AsyncWriteExt, Interest};
+use tokio::io::{AsyncWriteExt, Interest};
 use tokio::net::{UnixListener, UnixStream};
 use tracing::Instrument;
 
@@ -67,7 +66,7 @@ pub fn serve(fs: Arc<Fs>) -> Option<TierClients> {
         tracing::warn!(path = %path.display(), "the tier socket's path is too long for a Unix socket; other readers on this node cannot share the local tier");
         return None;
     }
-    let listener = match bind(&path) {
+    let listener = match lakecache_protocol::unix_server::bind_private(&path) {
         Ok(l) => l,
         Err(e) => {
             tracing::warn!(path = %path.display(), error = %e, "the tier socket could not be made; other readers on this node cannot share the local tier");
@@ -78,16 +77,6 @@ pub fn serve(fs: Arc<Fs>) -> Option<TierClients> {
     let plans = fs.tier_plans().map(|p| tokio::spawn(p.clone().run()));
     let task = tokio::spawn(accept(listener, fs));
     Some(TierClients { task, plans, path })
-}
-
-fn bind(path: &std::path::Path) -> io::Result<UnixListener> {
-    match std::fs::remove_file(path) {
-        Err(e) if e.kind() != io::ErrorKind::NotFound => return Err(e),
-        _ => {}
-    }
-    let listener = UnixListener::bind(path)?;
-    std::fs::set_permissions(path, std::fs::Permissions::from_mode(0o600))?;
-    Ok(listener)
 }
 
 async fn accept(listener: UnixListener, fs: Arc<Fs>) {
@@ -107,7 +96,7 @@ async fn accept(listener: UnixListener, fs: Arc<Fs>) {
                 continue;
             }
         };
-        if let Err(why) = same_user(&stream) {
+        if let Err(why) = lakecache_protocol::unix_server::same_user(&stream, "mount") {
             tracing::warn!(%why, "tier socket: refused a connection");
             continue;
         }
@@ -123,37 +112,10 @@ async fn accept(listener: UnixListener, fs: Arc<Fs>) {
     }
 }
 
-fn same_user(stream: &UnixStream) -> Result<(), String> {
-    let cred = stream.peer_cred().map_err(|e| e.to_string())?;
-    // SAFETY: geteuid has no preconditions.
-    let me = unsafe { libc::geteuid() };
-    if cred.uid() == me || cred.uid() == 0 {
-        Ok(())
-    } else {
-        Err(format!("uid {} is not the mount's user {me}", cred.uid()))
-    }
-}
-
 async fn read_request(stream: &mut UnixStream) -> io::Result<Vec<u8>> {
-    let mut len = [0u8; 4];
-    let raw = stream.as_raw_fd();
-    // A descriptor sent to us is not our protocol: it closes with `_fd`.
-    let (got, _fd) = stream
-        .async_io(Interest::READABLE, || recvmsg_fd(raw, &mut len))
-        .await?;
-    if got == 0 {
-        return Err(io::ErrorKind::UnexpectedEof.into());
-    }
-    stream.read_exact(&mut len[got..]).await?;
-    let n = u32::from_le_bytes(len) as usize;
-    if n > MAX_TIER_MESSAGE {
-        return Err(io::Error::new(
-            io::ErrorKind::InvalidData,
-            "request too long",
-        ));
-    }
-    let mut body = vec![0u8; n];
-    stream.read_exact(&mut body).await?;
+    // A descriptor sent to us is not our protocol: it closes here.
+    let (body, _fd) =
+        lakecache_protocol::unix_server::read_request(stream, MAX_TIER_MESSAGE).await?;
     Ok(body)
 }
 

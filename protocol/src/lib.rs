@@ -21,6 +21,7 @@ pub mod tls;
 pub mod token;
 pub mod trace_context;
 mod types;
+pub mod unix_server;
 mod uri;
 mod user_meta;
 mod writeback;

@@ -543,41 +543,31 @@ impl TierChannel {
 
 /// Fills `out` from the socket (a read timeout set on it applies).
 fn read_exact_raw(c: &UnixStream, out: &mut [MaybeUninit<u8>]) -> io::Result<()> {
-    let mut at = 0;
-    while at < out.len() {
-        let rest = &mut out[at..];
-        // SAFETY: reads at most `rest.len()` bytes into memory we borrow
-        // mutably, from a descriptor `c` keeps open.
-        let n = unsafe { libc::read(c.as_raw_fd(), rest.as_mut_ptr().cast(), rest.len()) };
-        match n {
-            0 => return Err(io::ErrorKind::UnexpectedEof.into()),
-            n if n > 0 => at += n as usize,
-            _ => {
-                let e = io::Error::last_os_error();
-                if e.kind() != io::ErrorKind::Interrupted {
-                    return Err(e);
-                }
-            }
-        }
-    }
-    Ok(())
+    // SAFETY: reads at most `len` bytes to `to`, which `fill_raw` points
+    // into memory borrowed mutably, from a descriptor `c` keeps open.
+    fill_raw(out, |to, len, _| unsafe {
+        libc::read(c.as_raw_fd(), to, len)
+    })
 }
 
 /// Fills `out` from `file` at `offset`; a file that ends first is an error.
 fn pread_exact_raw(file: &File, out: &mut [MaybeUninit<u8>], offset: u64) -> io::Result<()> {
+    fill_raw(out, |to, len, at| {
+        let at = (offset + at as u64) as libc::off_t;
+        // SAFETY: as in `read_exact_raw`, from a file we borrow.
+        unsafe { libc::pread(file.as_raw_fd(), to, len, at) }
+    })
+}
+
+/// Calls `read(to, len, at)` (a read(2)-like call) until `out` is full.
+fn fill_raw(
+    out: &mut [MaybeUninit<u8>],
+    mut read: impl FnMut(*mut libc::c_void, usize, usize) -> isize,
+) -> io::Result<()> {
     let mut at = 0;
     while at < out.len() {
         let rest = &mut out[at..];
-        // SAFETY: as in `read_exact_raw`, from a file we borrow.
-        let n = unsafe {
-            libc::pread(
-                file.as_raw_fd(),
-                rest.as_mut_ptr().cast(),
-                rest.len(),
-                (offset + at as u64) as libc::off_t,
-            )
-        };
-        match n {
+        match read(rest.as_mut_ptr().cast(), rest.len(), at) {
             0 => return Err(io::ErrorKind::UnexpectedEof.into()),
             n if n > 0 => at += n as usize,
             _ => {

@@ -5,32 +5,24 @@
 
 use std::io;
 use std::os::fd::{AsRawFd, OwnedFd};
-use std::os::unix::fs::PermissionsExt;
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
 
 use futures::StreamExt as _;
 use lakecache_protocol::local_read::{
-    frame, recvmsg_fd, sendmsg_with_fd, LocalAnswer, LocalRequest, PageGrant, LOCAL_PROTOCOL,
-    MAX_INLINE, MAX_MESSAGE,
+    frame, sendmsg_with_fd, LocalAnswer, LocalRequest, PageGrant, LOCAL_PROTOCOL, MAX_INLINE,
+    MAX_MESSAGE,
 };
 use lakecache_protocol::{ErrorCode, ObjectUri};
-use tokio::io::{AsyncReadExt, AsyncWriteExt, Interest};
+use tokio::io::{AsyncWriteExt, Interest};
 use tokio::net::{UnixListener, UnixStream};
 
 use super::{local_commit, AppState};
 use crate::cache::CacheError;
 
-/// Binds the socket at `path` (a stale one from an earlier run is
-/// replaced) with mode 0600.
+/// Binds the socket at `path` (a stale one is replaced), mode 0600.
 pub fn bind(path: &Path) -> io::Result<UnixListener> {
-    match std::fs::remove_file(path) {
-        Err(e) if e.kind() != io::ErrorKind::NotFound => return Err(e),
-        _ => {}
-    }
-    let listener = UnixListener::bind(path)?;
-    std::fs::set_permissions(path, std::fs::Permissions::from_mode(0o600))?;
-    Ok(listener)
+    lakecache_protocol::unix_server::bind_private(path)
 }
 
 /// Serves connections until the task is aborted; removes the socket file
@@ -69,40 +61,12 @@ impl Drop for RemoveOnDrop {
     }
 }
 
-/// The file mode keeps others out; this keeps out a process that was
-/// handed a connected socket by someone else, too.
 fn same_user(stream: &UnixStream) -> Result<(), String> {
-    let cred = stream.peer_cred().map_err(|e| e.to_string())?;
-    // SAFETY: geteuid has no preconditions.
-    let me = unsafe { libc::geteuid() };
-    if cred.uid() == me || cred.uid() == 0 {
-        Ok(())
-    } else {
-        Err(format!("uid {} is not the worker's user {me}", cred.uid()))
-    }
+    lakecache_protocol::unix_server::same_user(stream, "worker")
 }
 
-/// Reads one request, with the descriptor that rode on its first byte.
 async fn read_request(stream: &mut UnixStream) -> io::Result<(Vec<u8>, Option<OwnedFd>)> {
-    let mut len = [0u8; 4];
-    let raw = stream.as_raw_fd();
-    let (got, fd) = stream
-        .async_io(Interest::READABLE, || recvmsg_fd(raw, &mut len))
-        .await?;
-    if got == 0 {
-        return Err(io::ErrorKind::UnexpectedEof.into());
-    }
-    stream.read_exact(&mut len[got..]).await?;
-    let n = u32::from_le_bytes(len) as usize;
-    if n > MAX_MESSAGE {
-        return Err(io::Error::new(
-            io::ErrorKind::InvalidData,
-            "request too long",
-        ));
-    }
-    let mut body = vec![0u8; n];
-    stream.read_exact(&mut body).await?;
-    Ok((body, fd))
+    lakecache_protocol::unix_server::read_request(stream, MAX_MESSAGE).await
 }
 
 async fn connection(mut stream: UnixStream, state: &AppState, listen: &str) -> io::Result<()> {
