@@ -879,7 +879,9 @@ impl Fs {
             .is_some()
             .then(|| (uri.to_string(), etag.clone()));
         if let (Some(plans), false) = (&self.tier_plans, updating) {
-            plans.note(&uri.to_string(), None);
+            if plans.any() {
+                plans.note(&uri.to_string(), None);
+            }
         }
         let mut reader = self
             .object_reader(uri, etag, node.meta.size, !updating)

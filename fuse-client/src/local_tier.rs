@@ -771,6 +771,11 @@ pub struct LocalTier {
 
 /// When the held plans read an object again.
 pub trait NextUse: Send + Sync {
+    /// Whether any plan is held: without one, eviction asks nothing.
+    fn active(&self) -> bool {
+        true
+    }
+
     /// Bytes of planned reads before `uri` is read again; `None` when no
     /// plan reads it again.
     fn next_use(&self, uri: &str) -> Option<u64>;
@@ -1191,7 +1196,7 @@ impl LocalTier {
                     return;
                 }
                 let plans = self.plans.lock().unwrap_or_else(|e| e.into_inner()).clone();
-                let plans = plans.and_then(|p| p.upgrade());
+                let plans = plans.and_then(|p| p.upgrade()).filter(|p| p.active());
                 // Objects in use last; then those no plan reads again
                 // (least recently used first); then the one a plan reads
                 // again furthest ahead (Belady's rule).

@@ -243,7 +243,7 @@ async fn read(
         );
         return send(stream, &refusal, None).await;
     }
-    if let (Some(plans), true) = (fs.tier_plans(), fs.serves(&uri)) {
+    if let (Some(plans), true) = (fs.tier_plans().filter(|p| p.any()), fs.serves(&uri)) {
         plans.note(&uri.to_string(), Some(offset));
     }
     if !fs.serves(&uri) {

@@ -14,7 +14,7 @@
 //! [`WINDOW`] entries ahead.
 
 use std::collections::{HashMap, HashSet};
-use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
@@ -170,6 +170,8 @@ pub struct TierPlans {
     completer: Arc<Completer>,
     budget: u64,
     plans: Mutex<HashMap<String, Plan>>,
+    /// Plans held, for a check without the lock (every open asks).
+    held_count: AtomicUsize,
     wake: Notify,
     lookups: Arc<Semaphore>,
     pub stats: Arc<TierPlanStats>,
@@ -191,6 +193,7 @@ impl TierPlans {
             completer,
             budget,
             plans: Mutex::default(),
+            held_count: AtomicUsize::new(0),
             wake: Notify::new(),
             lookups: Arc::new(Semaphore::new(LOOKUPS)),
             stats: Arc::default(),
@@ -297,6 +300,7 @@ impl TierPlans {
                 }
             }
             plans.insert(name.to_string(), plan);
+            self.held_count.store(plans.len(), Ordering::Relaxed);
         }
         self.wake.notify_one();
         Ok(entries)
@@ -324,6 +328,11 @@ impl TierPlans {
     pub fn attach(self: &Arc<Self>) {
         let plans: Arc<dyn crate::local_tier::NextUse> = self.clone();
         self.tier.evict_by(Arc::downgrade(&plans));
+    }
+
+    /// Whether any plan is held (no lock): opens skip the note otherwise.
+    pub fn any(&self) -> bool {
+        self.held_count.load(Ordering::Relaxed) > 0
     }
 
     pub fn held(&self) -> usize {
@@ -354,6 +363,7 @@ impl TierPlans {
         let now = Instant::now();
         let mut plans = self.lock();
         plans.retain(|_, p| p.expires > now);
+        self.held_count.store(plans.len(), Ordering::Relaxed);
         let share = self.budget / plans.len().max(1) as u64;
         let mut out = Vec::new();
         for plan in plans.values_mut() {
@@ -396,6 +406,10 @@ impl TierPlans {
 }
 
 impl crate::local_tier::NextUse for TierPlans {
+    fn active(&self) -> bool {
+        self.any()
+    }
+
     fn next_use(&self, uri: &str) -> Option<u64> {
         let plans = self.lock();
         plans
