@@ -1146,6 +1146,8 @@ mod observability;
 mod posix;
 #[path = "mount/snapshot.rs"]
 mod snapshot;
+#[path = "mount/tier_clients.rs"]
+mod tier_clients;
 #[path = "mount/tier_completion.rs"]
 mod tier_completion;
 #[path = "mount/tier_damage.rs"]

@@ -283,11 +283,7 @@ impl TierChannel {
                 offset: offset + at as u64,
                 len: want,
             };
-            let c = match self.take() {
-                Ok(c) => c,
-                Err(e) => return Ok(self.failed(e.to_string())),
-            };
-            let (answer, fd) = match self.call(&c, &request) {
+            let (c, answer, fd) = match self.exchange(&request) {
                 Ok(a) => a,
                 Err(why) => return Ok(self.failed(why)),
             };
@@ -369,14 +365,28 @@ impl TierChannel {
                 body.len()
             )));
         }
-        let c = self.take()?;
+        // Framed here: a plan is longer than `send_message` allows.
         let mut frame = (body.len() as u32).to_le_bytes().to_vec();
         frame.extend_from_slice(&body);
-        let mut w = &c;
-        std::io::Write::write_all(&mut w, &frame)
-            .map_err(|e| self.broken(format!("sending a plan: {e}")))?;
-        let (reply, _) =
-            recv_message(c.as_raw_fd()).map_err(|e| self.broken(format!("receiving: {e}")))?;
+        let send = |c: &UnixStream| -> Result<Vec<u8>, String> {
+            let mut w = c;
+            std::io::Write::write_all(&mut w, &frame)
+                .map_err(|e| format!("sending a plan: {e}"))?;
+            let (reply, _) = recv_message(c.as_raw_fd()).map_err(|e| format!("receiving: {e}"))?;
+            Ok(reply)
+        };
+        let (c, pooled) = self.take()?;
+        let (c, reply) = match send(&c) {
+            Ok(reply) => (c, reply),
+            // An idle connection may have outlived the mount that took it.
+            Err(_) if pooled => {
+                self.drop_idle();
+                let c = self.open()?;
+                let reply = send(&c).map_err(|e| self.broken(e))?;
+                (c, reply)
+            }
+            Err(e) => return Err(self.broken(e)),
+        };
         match serde_json::from_slice(&reply) {
             Ok(TierAnswer::PlanTaken { entries }) => {
                 self.put_back(c);
@@ -407,8 +417,7 @@ impl TierChannel {
             uri: uri.to_string(),
             offset,
         };
-        let Ok(c) = self.take() else { return };
-        if let Ok((TierAnswer::Noted, _)) = self.call(&c, &request) {
+        if let Ok((c, TierAnswer::Noted, _)) = self.exchange(&request) {
             self.put_back(c);
         }
     }
@@ -479,7 +488,9 @@ impl TierChannel {
         Ok(c)
     }
 
-    fn take(&self) -> Result<UnixStream, TierClientError> {
+    /// A connection, and whether it came from the idle pool (where it
+    /// may have outlived the mount that accepted it).
+    fn take(&self) -> Result<(UnixStream, bool), TierClientError> {
         {
             let mut idle = self.idle.lock().unwrap_or_else(|p| p.into_inner());
             let me = std::process::id();
@@ -489,10 +500,40 @@ impl TierChannel {
                 idle.0 = me;
             }
             if let Some(c) = idle.1.pop() {
-                return Ok(c);
+                return Ok((c, true));
             }
         }
-        self.open()
+        Ok((self.open()?, false))
+    }
+
+    /// Lets go of every idle connection: one failed, so the mount that
+    /// accepted them is gone (a restarted mount listens anew).
+    fn drop_idle(&self) {
+        self.idle
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .1
+            .clear();
+    }
+
+    /// One request and its answer, on a connection the caller puts back
+    /// when it is done with it. A failure on an idle connection is tried
+    /// once more on a new one, so a mount restarted since costs nothing.
+    fn exchange(
+        &self,
+        request: &TierRequest,
+    ) -> Result<(UnixStream, TierAnswer, Option<std::os::fd::OwnedFd>), String> {
+        let (c, pooled) = self.take().map_err(|e| e.to_string())?;
+        match self.call(&c, request) {
+            Ok((answer, fd)) => Ok((c, answer, fd)),
+            Err(_) if pooled => {
+                self.drop_idle();
+                let c = self.open().map_err(|e| e.to_string())?;
+                let (answer, fd) = self.call(&c, request)?;
+                Ok((c, answer, fd))
+            }
+            Err(why) => Err(why),
+        }
     }
 
     fn put_back(&self, c: UnixStream) {
@@ -526,6 +567,7 @@ impl TierChannel {
 
     /// The socket failed: reads go to the workers for a while.
     fn failed(&self, why: String) -> TierRead {
+        self.drop_idle();
         *self.down_until.lock().unwrap_or_else(|p| p.into_inner()) = Some(Instant::now() + BACKOFF);
         self.unavailable(format!(
             "node-local tier socket {}: {why}",

@@ -266,3 +266,56 @@ fn after_a_plan_each_switch_to_a_held_file_is_noted_once() {
         "one note per switch of file"
     );
 }
+
+#[test]
+fn an_idle_connection_the_mount_dropped_is_replaced_without_going_to_the_workers() {
+    // A mount that answers one request per connection and then hangs up,
+    // as a restarted mount leaves every pooled connection of the old one.
+    let dir = tempfile::tempdir().unwrap();
+    let listener = UnixListener::bind(dir.path().join(TIER_SOCKET_NAME)).unwrap();
+    let accepted = Arc::new(AtomicUsize::new(0));
+    let counted = accepted.clone();
+    std::thread::spawn(move || {
+        for c in listener.incoming() {
+            let Ok(mut c) = c else { return };
+            counted.fetch_add(1, Ordering::SeqCst);
+            let Ok((body, _)) = recv_message(c.as_raw_fd()) else {
+                continue;
+            };
+            match serde_json::from_slice::<TierRequest>(&body).unwrap() {
+                TierRequest::Hello => reply(&c, &hello(), None),
+                TierRequest::Read { len, .. } => {
+                    reply(&c, &TierAnswer::Inline { len }, None);
+                    c.write_all(&bytes(len as usize)).unwrap();
+                }
+                TierRequest::Plan { order, .. } => reply(
+                    &c,
+                    &TierAnswer::PlanTaken {
+                        entries: order.len(),
+                    },
+                    None,
+                ),
+                TierRequest::Note { .. } => reply(&c, &TierAnswer::Noted, None),
+            }
+        }
+    });
+    let channel = TierChannel::connect(dir.path()).unwrap();
+    let mut out = vec![0u8; 4096];
+    for round in 0..3 {
+        let got = channel
+            .read_into("s3://b/data/x", "e", 0, &mut out)
+            .unwrap();
+        assert_eq!(got, TierRead::Done, "read {round}");
+        assert_eq!(out, bytes(4096), "read {round}");
+    }
+    // A plan on an idle connection too (this mount's bucket is too short
+    // to name in a plan, so none of it is the mount's).
+    let uri: crate::ObjectUri = "s3://bkt/data/x".parse().unwrap();
+    assert_eq!(
+        channel.publish_plan("job/0", 60, &[(uri, 0..10)]).unwrap(),
+        0
+    );
+    assert_eq!(channel.stats().unavailable.load(Ordering::Relaxed), 0);
+    // Hello, then one new connection per call after the first failed.
+    assert_eq!(accepted.load(Ordering::SeqCst), 5);
+}
