@@ -7,7 +7,12 @@ import json
 import sys
 from pathlib import Path
 
-READERS = {"plans": "workers, plans", "lru": "workers, LRU", "nocache": "no cache (S3)"}
+READERS = {
+    "plans": "workers, plans",
+    "mounts": "mounts, plans",
+    "lru": "workers, LRU",
+    "nocache": "no cache (S3)",
+}
 
 
 def plot(doc: dict, out: Path) -> None:
@@ -26,7 +31,10 @@ def plot(doc: dict, out: Path) -> None:
                 continue
             steps = [s for epoch in epochs for s in epoch]
             xs = range(1, len(steps) + 1)
-            hit_ax.plot(xs, [s[0] for s in steps], label=label, linewidth=1)
+            # None: no per-read hit (a mount's reads; its epoch ratio is
+            # in the table).
+            hits = [float("nan") if s[0] is None else s[0] for s in steps]
+            hit_ax.plot(xs, hits, label=label, linewidth=1)
             wait_ax.plot(xs, [s[1] for s in steps], label=label, linewidth=1)
             boundary = len(epochs[0]) + 0.5
         for ax in (hit_ax, wait_ax):

@@ -79,3 +79,56 @@ pub fn worker_options(cache_dir: PathBuf, capacity: u64) -> Result<WorkerOptions
         peer_tls: None,
     })
 }
+
+/// A `lakecache mount` a bench started: unmounted and stopped when dropped.
+pub struct BenchMount {
+    pub child: std::process::Child,
+    pub path: PathBuf,
+}
+
+impl BenchMount {
+    /// Spawns `cmd` (a `lakecache mount ... PATH`) and waits until `path`
+    /// is mounted; a mount that exits or takes over 30 s is an error.
+    pub fn start(cmd: &mut std::process::Command, path: &std::path::Path) -> Result<Self> {
+        std::fs::create_dir_all(path)?;
+        // The mount table names it by its absolute path.
+        let path = &std::fs::canonicalize(path)?;
+        let child = cmd
+            .spawn()
+            .map_err(|e| anyhow::anyhow!("starting {cmd:?}: {e}"))?;
+        let mut mount = BenchMount {
+            child,
+            path: path.to_path_buf(),
+        };
+        let deadline = std::time::Instant::now() + Duration::from_secs(30);
+        while !is_mounted(path) {
+            if let Some(status) = mount.child.try_wait()? {
+                anyhow::bail!("the mount at {} exited ({status})", path.display());
+            }
+            if std::time::Instant::now() > deadline {
+                anyhow::bail!("the mount at {} did not come up in 30 s", path.display());
+            }
+            std::thread::sleep(Duration::from_millis(50));
+        }
+        Ok(mount)
+    }
+}
+
+impl Drop for BenchMount {
+    fn drop(&mut self) {
+        let _ = std::process::Command::new("fusermount3")
+            .arg("-u")
+            .arg(&self.path)
+            .status();
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+/// Whether `path` is a mount point (as this process's mount table says).
+pub fn is_mounted(path: &std::path::Path) -> bool {
+    let want = path.to_string_lossy();
+    std::fs::read_to_string("/proc/self/mountinfo")
+        .map(|m| m.lines().any(|l| l.split(' ').nth(4) == Some(&*want)))
+        .unwrap_or(false)
+}

@@ -10,7 +10,7 @@ mod common;
 
 use std::io::Write;
 use std::path::{Path, PathBuf};
-use std::process::{Child, Command, Stdio};
+use std::process::{Command, Stdio};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
@@ -45,13 +45,6 @@ fn rss_kib(pid: u32) -> Result<u64> {
         .context("no VmRSS")
 }
 
-fn is_mounted(path: &Path) -> bool {
-    let want = path.to_string_lossy();
-    std::fs::read_to_string("/proc/self/mountinfo")
-        .map(|m| m.lines().any(|l| l.split(' ').nth(4) == Some(&*want)))
-        .unwrap_or(false)
-}
-
 /// Seconds of one `ls -l DIR > /dev/null`.
 fn time_ls(dir: &Path) -> Result<f64> {
     let started = Instant::now();
@@ -72,22 +65,6 @@ fn first_entry(dir: &Path) -> Result<f64> {
     let mut entries = std::fs::read_dir(dir)?;
     entries.next().context("empty directory")??;
     Ok(started.elapsed().as_secs_f64())
-}
-
-struct Mount {
-    child: Child,
-    path: PathBuf,
-}
-
-impl Drop for Mount {
-    fn drop(&mut self) {
-        let _ = Command::new("fusermount3")
-            .arg("-u")
-            .arg(&self.path)
-            .status();
-        let _ = self.child.kill();
-        let _ = self.child.wait();
-    }
 }
 
 #[tokio::main]
@@ -139,24 +116,14 @@ async fn main() -> Result<()> {
 
     let mnt = tmp.path().join("mnt");
     std::fs::create_dir_all(&mnt)?;
-    let child = Command::new(&args.lakecache)
-        .args(["mount", "s3://data", "--worker", &worker.addr().to_string()])
-        .arg(&mnt)
-        .stdout(Stdio::null())
-        .stderr(Stdio::inherit())
-        .spawn()
-        .with_context(|| format!("starting {}", args.lakecache.display()))?;
-    let mount = Mount {
-        child,
-        path: mnt.clone(),
-    };
-    let deadline = Instant::now() + Duration::from_secs(20);
-    while !is_mounted(&mnt) {
-        if Instant::now() > deadline {
-            bail!("the mount did not come up");
-        }
-        std::thread::sleep(Duration::from_millis(50));
-    }
+    let mount = common::BenchMount::start(
+        Command::new(&args.lakecache)
+            .args(["mount", "s3://data", "--worker", &worker.addr().to_string()])
+            .arg(&mnt)
+            .stdout(Stdio::null())
+            .stderr(Stdio::inherit()),
+        &mnt,
+    )?;
     let pid = mount.child.id();
     std::thread::sleep(Duration::from_millis(500));
     let rss_idle = rss_kib(pid)?;

@@ -17,6 +17,15 @@
 //! Ranks each read through their own cluster client, as separate nodes
 //! would; with 2 ranks there are 2 workers, each holding half the cache,
 //! and each rank's plan is split among the workers owning its ranges.
+//!
+//! `mounts` reads the same way through real `lakecache mount`s (kernel
+//! FUSE), one per rank, each at its own mount point, with plans published
+//! to the workers as above. The mount does not pass on a worker's
+//! hit/miss per read, so its epoch hit ratio is counted at the workers:
+//! the share of the bytes the mounts asked for that were cached when
+//! asked (a read that waited on S3 or a prefetch in flight is a miss). The
+//! kernel's page cache is dropped before each epoch, so epoch 2 measures
+//! the cache, not this machine's RAM.
 
 mod common;
 mod delay;
@@ -84,10 +93,16 @@ struct Args {
     #[arg(
         long,
         value_enum,
-        default_value = "local,no-cache,lru,plans",
+        default_value = "local,no-cache,lru,plans,mounts",
         value_delimiter = ','
     )]
     modes: Vec<Mode>,
+    /// The lakecache binary for `mounts` (default: beside this bench)
+    #[arg(long)]
+    lakecache: Option<PathBuf>,
+    /// An extra flag for each `lakecache mount` (repeatable)
+    #[arg(long, allow_hyphen_values = true)]
+    mount_arg: Vec<String>,
     /// Where the table (plan-epochs.md) and per-step series (.json) go
     #[arg(long, default_value = "benches/results")]
     out: PathBuf,
@@ -99,6 +114,7 @@ enum Mode {
     NoCache,
     Lru,
     Plans,
+    Mounts,
 }
 
 impl Mode {
@@ -108,6 +124,7 @@ impl Mode {
             Mode::NoCache => "no cache (S3)",
             Mode::Lru => "workers, LRU",
             Mode::Plans => "workers, plans",
+            Mode::Mounts => "mounts, plans",
         }
     }
     fn key(self) -> &'static str {
@@ -116,6 +133,7 @@ impl Mode {
             Mode::NoCache => "nocache",
             Mode::Lru => "lru",
             Mode::Plans => "plans",
+            Mode::Mounts => "mounts",
         }
     }
 }
@@ -125,6 +143,8 @@ enum Source {
     Local(PathBuf),
     Direct(Arc<dyn ObjectStore>, HashMap<u64, String>),
     Cluster(Arc<ClusterClient>, HashMap<String, WorkerClient>),
+    /// A `lakecache mount`'s view of the bucket.
+    Mount(PathBuf),
 }
 
 #[derive(Clone, Copy)]
@@ -158,7 +178,7 @@ impl Source {
         let (shard, offset) = layout.place(sample);
         let range = offset..offset + layout.sample;
         let (bytes, hit) = match self {
-            Source::Local(dir) => {
+            Source::Local(dir) | Source::Mount(dir) => {
                 let path = dir.join(format!("shard-{shard:04}.bin"));
                 let len = layout.sample as usize;
                 let bytes = tokio::task::spawn_blocking(move || {
@@ -289,6 +309,21 @@ async fn run_epoch(
     Ok(steps)
 }
 
+/// CPU seconds process `pid` used so far (from /proc).
+fn process_cpu_seconds(pid: u32) -> Result<f64> {
+    let stat = std::fs::read_to_string(format!("/proc/{pid}/stat"))?;
+    // Fields after the command name (which may hold spaces): utime and
+    // stime are the 12th and 13th.
+    let rest = stat.rsplit_once(')').context("unreadable /proc stat")?.1;
+    let fields: Vec<&str> = rest.split_whitespace().collect();
+    let ticks = |i: usize| -> Result<f64> {
+        Ok(fields.get(i).context("short /proc stat")?.parse::<f64>()?)
+    };
+    // SAFETY: sysconf has no preconditions.
+    let hz = unsafe { libc::sysconf(libc::_SC_CLK_TCK) } as f64;
+    Ok((ticks(11)? + ticks(12)?) / hz)
+}
+
 /// CPU seconds this process used so far (workers, endpoint, proxy and
 /// loaders all run in it).
 fn cpu_seconds() -> f64 {
@@ -309,10 +344,15 @@ struct Outcome {
     cpu_s: f64,
     bytes: u64,
     publish_s: f64,
+    /// Per epoch, where hits were counted at the workers (`mounts`).
+    worker_hit_ratio: Option<Vec<f64>>,
 }
 
 impl Outcome {
     fn hit_ratio(&self, epoch: usize) -> f64 {
+        if let Some(ratios) = &self.worker_hit_ratio {
+            return ratios[epoch];
+        }
         let (h, n) = self.epochs[epoch]
             .iter()
             .flatten()
@@ -360,7 +400,7 @@ impl Bench {
                 let direct = Arc::new(Source::Direct(store, self.etags.clone()));
                 sources = vec![direct; ranks];
             }
-            Mode::Lru | Mode::Plans => {
+            Mode::Lru | Mode::Plans | Mode::Mounts => {
                 // The cache holds half the data set, split among the workers.
                 let capacity = self.samples * self.layout.sample / 2 / ranks as u64;
                 for w in 0..ranks {
@@ -394,7 +434,41 @@ impl Bench {
                 }
             }
         }
-        let cpu_before = cpu_seconds();
+        let mut mounts = Vec::new();
+        if mode == Mode::Mounts {
+            let registry = format!(
+                "static:{}",
+                workers
+                    .iter()
+                    .map(|w| w.addr().to_string())
+                    .collect::<Vec<_>>()
+                    .join(",")
+            );
+            sources.clear();
+            for rank in 0..ranks {
+                let (mount, view) = self.mount(&dir, rank, &registry)?;
+                mounts.push(mount);
+                sources.push(Arc::new(Source::Mount(view)));
+            }
+        }
+        let traffic = || -> (u64, u64) {
+            workers.iter().fold((0, 0), |(h, m), w| {
+                let t = w.cache().traffic();
+                let b = t.get(BUCKET);
+                (
+                    h + b.map_or(0, |b| b.hit_bytes),
+                    m + b.map_or(0, |b| b.miss_bytes),
+                )
+            })
+        };
+        let mut worker_hit_ratio = Vec::new();
+        let mounts_cpu = |mounts: &[common::BenchMount]| -> Result<f64> {
+            mounts
+                .iter()
+                .map(|m| process_cpu_seconds(m.child.id()))
+                .sum()
+        };
+        let cpu_before = cpu_seconds() + mounts_cpu(&mounts)?;
         let mut epochs = Vec::new();
         let mut publish_s = 0.0;
         // The same seed for every mode: they read the same order.
@@ -405,10 +479,16 @@ impl Bench {
         for epoch in 0..EPOCHS {
             let this_epoch = order(epoch);
             let next_epoch = (epoch + 1 < EPOCHS).then(|| order(epoch + 1));
+            for source in sources.iter().take(mounts.len()) {
+                if let Source::Mount(view) = &**source {
+                    self.forget_pages(view)?;
+                }
+            }
+            let before = traffic();
             let mut tasks = Vec::new();
             for (rank, source) in sources.iter().enumerate() {
                 let mine = of_rank(&this_epoch, rank);
-                if mode == Mode::Plans {
+                if matches!(mode, Mode::Plans | Mode::Mounts) {
                     // The sampler's next epoch is known too (its seed is
                     // the epoch's): the plan runs on into it, so the
                     // epoch's end keeps and fetches what the next starts
@@ -444,8 +524,17 @@ impl Bench {
                 per_rank.push(t.await??);
             }
             epochs.push(per_rank);
+            if mode == Mode::Mounts {
+                let (hit, miss) = traffic();
+                let (hit, miss) = (hit - before.0, miss - before.1);
+                if hit + miss == 0 {
+                    bail!("the workers counted no bytes for the mounts' reads in epoch {epoch}");
+                }
+                worker_hit_ratio.push(hit as f64 / (hit + miss) as f64);
+            }
         }
-        let cpu_s = cpu_seconds() - cpu_before;
+        let cpu_s = cpu_seconds() + mounts_cpu(&mounts)? - cpu_before;
+        drop(mounts);
         if std::env::var_os("PLAN_EPOCHS_METRICS").is_some() {
             for m in &worker_metrics {
                 for line in m.render().lines() {
@@ -464,7 +553,60 @@ impl Bench {
             cpu_s,
             bytes: 2 * self.samples * self.layout.sample,
             publish_s,
+            worker_hit_ratio: (mode == Mode::Mounts).then_some(worker_hit_ratio),
         })
+    }
+
+    /// Rank `rank`'s `lakecache mount` of the bucket, reading through
+    /// `registry`'s workers; returns it and where the shards appear.
+    fn mount(
+        &self,
+        dir: &std::path::Path,
+        rank: usize,
+        registry: &str,
+    ) -> Result<(common::BenchMount, PathBuf)> {
+        let bin = match &self.args.lakecache {
+            Some(bin) => bin.clone(),
+            None => std::env::current_exe()?.with_file_name("lakecache"),
+        };
+        let path = dir.join(format!("mnt-{rank}"));
+        let log = dir.join(format!("mount-{rank}.log"));
+        let mut cmd = std::process::Command::new(&bin);
+        cmd.args(["mount", &format!("s3://{BUCKET}")])
+            .arg(&path)
+            .args(["--registry", registry, "--segment-size", "16MiB"])
+            .args(["--no-s3-fallback", "--read-only"])
+            .args(&self.args.mount_arg)
+            .stdin(std::process::Stdio::null())
+            .stdout(std::process::Stdio::null())
+            .stderr(std::fs::File::create(&log)?);
+        let mount = common::BenchMount::start(&mut cmd, &path).with_context(|| {
+            let text = std::fs::read_to_string(&log).unwrap_or_default();
+            format!(
+                "mounting with {} (log {}):\n{text}",
+                bin.display(),
+                log.display()
+            )
+        })?;
+        Ok((mount, path.join("plans")))
+    }
+
+    /// Drops the kernel's cached pages of every shard seen through a
+    /// mount, so an epoch reads from the cache, not from this host's RAM.
+    fn forget_pages(&self, view: &std::path::Path) -> Result<()> {
+        use std::os::fd::AsRawFd;
+        for shard in 0..self.args.shards {
+            let path = view.join(format!("shard-{shard:04}.bin"));
+            let file = std::fs::File::open(&path)
+                .with_context(|| format!("opening {}", path.display()))?;
+            // SAFETY: advice on a descriptor we hold open.
+            let rc =
+                unsafe { libc::posix_fadvise(file.as_raw_fd(), 0, 0, libc::POSIX_FADV_DONTNEED) };
+            if rc != 0 {
+                bail!("posix_fadvise on {}: errno {rc}", path.display());
+            }
+        }
+        Ok(())
     }
 }
 
@@ -600,7 +742,9 @@ async fn main() -> Result<()> {
                             let hits: u32 = at.iter().map(|x| x.hits).sum();
                             let n: u32 = at.iter().map(|x| x.samples).sum();
                             let wait = at.iter().map(|x| x.wait.as_secs_f64()).fold(0.0, f64::max);
-                            json!([hits as f64 / n.max(1) as f64, wait * 1000.0])
+                            // A mount's reads carry no per-read hit.
+                            let hit = (mode != Mode::Mounts).then(|| hits as f64 / n.max(1) as f64);
+                            json!([hit, wait * 1000.0])
                         })
                         .collect();
                     json!(per_step)
@@ -639,7 +783,7 @@ fn render(rows: &[serde_json::Value], args: &Args) -> String {
     ));
     out.push_str("| ranks | reader | epoch-1 hit ratio | epoch-2 hit ratio (runs) | epoch-1 data wait | epoch-2 data wait (runs) | CPU-s per GiB read | plan publish s |\n|---|---|---|---|---|---|---|---|\n");
     for r in rows {
-        let mode = [Mode::Local, Mode::NoCache, Mode::Lru, Mode::Plans]
+        let mode = <Mode as clap::ValueEnum>::value_variants()
             .iter()
             .find(|m| m.key() == r["mode"].as_str().unwrap_or(""))
             .copied()
@@ -673,6 +817,9 @@ fn render(rows: &[serde_json::Value], args: &Args) -> String {
             r["cpu_s_per_gib"].as_f64().unwrap_or(f64::NAN),
             r["publish_s"].as_f64().unwrap_or(f64::NAN),
         ));
+    }
+    if rows.iter().any(|r| r["mode"] == Mode::Mounts.key()) {
+        out.push_str("\n`mounts, plans`: each rank reads through its own `lakecache mount` (kernel FUSE); its hit ratio is counted at the workers, as the share of the bytes the mounts asked for that were cached when asked, and its CPU includes the mount processes.\n");
     }
     out
 }

@@ -1144,6 +1144,8 @@ mod local_tier;
 mod observability;
 #[path = "mount/posix.rs"]
 mod posix;
+#[path = "mount/sample_reads.rs"]
+mod sample_reads;
 #[path = "mount/snapshot.rs"]
 mod snapshot;
 #[path = "mount/tier_clients.rs"]

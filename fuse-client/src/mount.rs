@@ -96,12 +96,7 @@ pub fn abort_connection(path: &Path) -> std::io::Result<Aborted> {
         std::env::current_dir()?.join(path)
     };
     let want = path.to_string_lossy().trim_end_matches('/').to_string();
-    let info = std::fs::read_to_string("/proc/self/mountinfo")?;
-    // The last entry for the path is the one on top.
-    let entry = info
-        .lines()
-        .rfind(|l| l.split(' ').nth(4).map(unescape_mountinfo).as_deref() == Some(&want))
-        .ok_or_else(|| Error::new(ErrorKind::NotFound, format!("{want} is not a mount point")))?;
+    let entry = mount_entry(&path)?;
     let fstype = entry
         .split_once(" - ")
         .and_then(|(_, rest)| rest.split(' ').next())
@@ -112,17 +107,12 @@ pub fn abort_connection(path: &Path) -> std::io::Result<Aborted> {
             format!("{want} is a {fstype} mount, not a FUSE one"),
         ));
     }
-    let connection = entry
-        .split(' ')
-        .nth(2)
-        .and_then(|dev| dev.split_once(':'))
-        .and_then(|(_, minor)| minor.parse::<u32>().ok())
-        .ok_or_else(|| {
-            Error::new(
-                ErrorKind::InvalidData,
-                format!("unreadable mountinfo entry {entry:?}"),
-            )
-        })?;
+    let connection = device_of(&entry).map(|(_, minor)| minor).ok_or_else(|| {
+        Error::new(
+            ErrorKind::InvalidData,
+            format!("unreadable mountinfo entry {entry:?}"),
+        )
+    })?;
     let connections = Path::new("/sys/fs/fuse/connections");
     let abort = connections.join(connection.to_string()).join("abort");
     if !abort.exists() {
@@ -134,6 +124,61 @@ pub fn abort_connection(path: &Path) -> std::io::Result<Aborted> {
         connection,
         detached: force_unmount(&path).is_ok(),
     })
+}
+
+/// The top mountinfo entry for the absolute `path`.
+fn mount_entry(path: &Path) -> std::io::Result<String> {
+    let want = path.to_string_lossy().trim_end_matches('/').to_string();
+    let info = std::fs::read_to_string("/proc/self/mountinfo")?;
+    // The last entry for the path is the one on top.
+    info.lines()
+        .rfind(|l| l.split(' ').nth(4).map(unescape_mountinfo).as_deref() == Some(&want))
+        .map(str::to_string)
+        .ok_or_else(|| {
+            std::io::Error::new(
+                std::io::ErrorKind::NotFound,
+                format!("{want} is not a mount point"),
+            )
+        })
+}
+
+/// The device (major, minor) a mountinfo entry names.
+fn device_of(entry: &str) -> Option<(u32, u32)> {
+    let (major, minor) = entry.split(' ').nth(2)?.split_once(':')?;
+    Some((major.parse().ok()?, minor.parse().ok()?))
+}
+
+/// Lets the kernel send reads of up to `bytes` at once. A FUSE mount's
+/// read-ahead starts at the kernel's default (128 KiB), whatever the
+/// server asks at init, and buffered reads reach the server in pieces of
+/// that size: a loader's 1 MiB read of a sample came as nine 128 KiB
+/// reads (eight, and one ahead), which look like a stream starting and
+/// set the mount's own read-ahead going; it fetched about 7 times the
+/// sample. Raising it needs root; without, reads work as before.
+fn raise_read_ahead(path: &Path, bytes: u32) {
+    let knob = mount_entry(path).and_then(|entry| {
+        let (major, minor) = device_of(&entry).ok_or_else(|| {
+            std::io::Error::new(std::io::ErrorKind::InvalidData, "no device in mountinfo")
+        })?;
+        Ok(PathBuf::from(format!(
+            "/sys/class/bdi/{major}:{minor}/read_ahead_kb"
+        )))
+    });
+    let kib = bytes / 1024;
+    let raised = knob.and_then(|knob| {
+        let now: u32 = std::fs::read_to_string(&knob)?.trim().parse().unwrap_or(0);
+        if now < kib {
+            std::fs::write(&knob, format!("{kib}\n"))?;
+        }
+        Ok(knob)
+    });
+    match raised {
+        Ok(knob) => tracing::debug!(knob = %knob.display(), kib, "kernel read size raised"),
+        Err(e) => tracing::info!(
+            error = %e,
+            "could not raise the kernel's read-ahead for this mount (needs root); reads reach the mount in 128 KiB pieces"
+        ),
+    }
 }
 
 /// The kernel's FUSE control filesystem, where systemd has not mounted it.
@@ -302,6 +347,7 @@ pub fn mount(
         source: e,
     })?;
     kernel_cache.connect(Box::new(session.notifier()));
+    raise_read_ahead(&path, crate::adapter::MAX_IO_BYTES);
     let unmounter = session.unmount_callable();
     let (done_tx, ended) = tokio::sync::watch::channel(false);
     let thread = std::thread::Builder::new()

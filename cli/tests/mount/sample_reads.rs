@@ -1,0 +1,60 @@
+//! A data loader's pattern: each sample a fresh open and one read at a
+//! random offset inside a large shard (issue #35's bench found it slow).
+
+use std::os::fd::AsRawFd;
+
+use super::local_tier::{worker_metric, worker_metric_baseline};
+use super::*;
+
+/// The kernel's read-ahead for the FUSE mount at `path`, in KiB.
+fn read_ahead_kib(path: &Path) -> u32 {
+    let want = path.to_string_lossy().to_string();
+    let info = fs::read_to_string("/proc/self/mountinfo").unwrap();
+    let entry = info
+        .lines()
+        .rfind(|l| l.split(' ').nth(4) == Some(&want))
+        .unwrap_or_else(|| panic!("{want} is not in mountinfo"));
+    let dev = entry.split(' ').nth(2).unwrap();
+    fs::read_to_string(format!("/sys/class/bdi/{dev}/read_ahead_kb"))
+        .unwrap()
+        .trim()
+        .parse()
+        .unwrap()
+}
+
+#[test]
+fn one_mib_samples_read_at_random_offsets_cost_the_workers_their_own_bytes() {
+    let mut env = Env::start(1);
+    let shard = pattern(16 << 20, 35);
+    env.put("shards/s.bin", Bytes::from(shard.clone()));
+    // Over HTTP, so the worker's byte count is exactly what it sent.
+    env.mount_with(&["--no-local-reads"]);
+    let mnt = env.mountpoint().canonicalize().unwrap();
+    // The kernel sends a 1 MiB read whole, not in 128 KiB pieces.
+    assert_eq!(read_ahead_kib(&mnt), 1024);
+    let file = mnt.join("shards/s.bin");
+    let port = env.workers[0].0;
+    let metric = "lakecache_served_bytes_total";
+    let before = worker_metric_baseline(port, metric, "");
+    let offsets = [9u64, 2, 14, 5, 11, 0, 7, 12];
+    for &at in &offsets {
+        let f = File::open(&file).unwrap();
+        // Each sample new to the kernel's page cache too.
+        // SAFETY: advice on a descriptor held open.
+        unsafe { libc::posix_fadvise(f.as_raw_fd(), 0, 0, libc::POSIX_FADV_DONTNEED) };
+        let mut buf = vec![0u8; 1 << 20];
+        f.read_exact_at(&mut buf, at << 20).unwrap();
+        let want = &shard[(at << 20) as usize..((at + 1) << 20) as usize];
+        assert!(buf == want, "sample at {at} MiB");
+    }
+    let sent = worker_metric(port, metric, "") - before;
+    let asked = (offsets.len() as f64) * (1u64 << 20) as f64;
+    // Before the mount raised the kernel's read size, each sample came
+    // as nine 128 KiB reads that started the mount's read-ahead: about
+    // 7 times the bytes asked for.
+    assert!(
+        sent <= asked * 1.25,
+        "the workers sent {sent} bytes for {asked} asked\n{}",
+        env.log()
+    );
+}
