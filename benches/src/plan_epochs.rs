@@ -20,7 +20,8 @@
 //!
 //! `mounts` reads the same way through real `lakecache mount`s (kernel
 //! FUSE), one per rank, each at its own mount point, with plans published
-//! to the workers as above. The mount does not pass on a worker's
+//! to the workers as above; rank r's mount reads worker r's pages through
+//! its local socket (the same node) and the other workers' over HTTP. The mount does not pass on a worker's
 //! hit/miss per read, so its epoch hit ratio is counted at the workers:
 //! the share of the bytes the mounts asked for that were cached when
 //! asked (a read that waited on S3 or a prefetch in flight is a miss). The
@@ -409,6 +410,11 @@ impl Bench {
                     if let Some(mib) = self.args.plan_prefetch_mib {
                         options.cache.plan_prefetch.budget_bytes = mib * MIB;
                     }
+                    if mode == Mode::Mounts {
+                        // Rank w's node: its mount reads this worker's
+                        // pages from its page files, the others' over HTTP.
+                        options.local_socket = Some(local_socket(&dir, w));
+                    }
                     let metrics = Arc::new(Metrics::new().map_err(anyhow::Error::msg)?);
                     let store = lakecache_worker::s3_store(&self.proxied, metrics.clone()).await;
                     worker_metrics.push(metrics.clone());
@@ -575,6 +581,8 @@ impl Bench {
         cmd.args(["mount", &format!("s3://{BUCKET}")])
             .arg(&path)
             .args(["--registry", registry, "--segment-size", "16MiB"])
+            .arg("--local-worker-socket")
+            .arg(local_socket(dir, rank))
             .args(["--no-s3-fallback", "--read-only"])
             .args(&self.args.mount_arg)
             .stdin(std::process::Stdio::null())
@@ -608,6 +616,11 @@ impl Bench {
         }
         Ok(())
     }
+}
+
+/// Worker `w`'s socket for mounts on its host.
+fn local_socket(dir: &std::path::Path, w: usize) -> PathBuf {
+    dir.join(format!("cache-{w}")).join("local.sock")
 }
 
 fn median(mut v: Vec<f64>) -> f64 {
