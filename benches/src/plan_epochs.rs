@@ -485,7 +485,7 @@ impl Bench {
         for epoch in 0..EPOCHS {
             let this_epoch = order(epoch);
             let next_epoch = (epoch + 1 < EPOCHS).then(|| order(epoch + 1));
-            for source in sources.iter().take(mounts.len()) {
+            for source in &sources {
                 if let Source::Mount(view) = &**source {
                     self.forget_pages(view)?;
                 }
