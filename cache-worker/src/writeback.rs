@@ -25,7 +25,7 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
-use lakecache_protocol::{EntryState, WriteBackStatus};
+use lakecache_protocol::{EntryState, UriWrite, WriteBackStatus};
 use tokio::sync::Notify;
 
 use crate::journal::{Journal, JournalError, PendingObject, ReplicaOf};
@@ -59,6 +59,10 @@ pub struct WriteBackConfig {
     /// about them; a copy younger than this is not asked about (its
     /// primary may still be syncing its own pages).
     pub replica_check: Duration,
+    /// The worker joins a ring after it starts: uploads wait until it
+    /// knows its peers, or a restarted worker's first uploads would skip
+    /// the order checks against them.
+    pub await_ring: bool,
 }
 
 impl Default for WriteBackConfig {
@@ -71,6 +75,7 @@ impl Default for WriteBackConfig {
             peer_order_wait: Duration::from_secs(30),
             replica_progress: Duration::from_secs(10),
             replica_check: Duration::from_secs(2),
+            await_ring: false,
         }
     }
 }
@@ -98,6 +103,9 @@ struct Overlay {
     aliases: HashMap<(String, String), String>,
     /// uri → (S3 ETag, cache version) of its latest upload.
     written_as: HashMap<String, (String, String)>,
+    /// uri → the last write or delete of it this worker put in S3: a
+    /// peer holding an older version must not land it after this one.
+    landed: HashMap<String, UriWrite>,
 }
 
 /// Locks, when more than one is held, are taken in this order:
@@ -374,11 +382,59 @@ impl WriteBack {
             .is_some_and(|p| p.seq() > object.seq)
     }
 
-    /// S3 has the entry (`etag` empty for deletes and skipped entries).
-    /// Blocking.
-    pub(crate) fn finished(&self, object: &PendingObject, etag: &str) -> Result<(), JournalError> {
-        lock(&self.journal).mark_uploaded(object.seq, etag)?;
+    /// The writes of `uri` this worker uploads (pending) or last put in
+    /// S3, for a peer about to upload its own version of `uri`. Copies
+    /// held for a live primary are its primary's to report, and a copy
+    /// never confirmed was never acknowledged.
+    pub fn writes_of(&self, uri: &str) -> Vec<UriWrite> {
+        // Lock order (see `WriteBack`): taken_over, journal, overlay.
+        let taken_over = lock(&self.taken_over);
+        let journal = lock(&self.journal);
+        let mut writes: Vec<UriWrite> = journal
+            .pending()
+            .filter(|p| p.uri == uri && !held_for_primary(p, &taken_over))
+            .filter(|p| !(p.replica_of.is_some() && p.unconfirmed))
+            .map(|p| self.stamp(p, true))
+            .collect();
+        writes.extend(lock(&self.overlay).landed.get(uri).cloned());
+        writes
+    }
+
+    fn stamp(&self, p: &PendingObject, pending: bool) -> UriWrite {
+        UriWrite {
+            acked_ms: p.acked_ms,
+            journal_id: self.id.clone(),
+            version: p.version.clone(),
+            pending,
+        }
+    }
+
+    /// S3 has the entry (`etag` empty for deletes and skipped entries;
+    /// `landed`: this worker put it there, not skipped it). Blocking.
+    pub(crate) fn finished(
+        &self,
+        object: &PendingObject,
+        etag: &str,
+        landed: bool,
+    ) -> Result<(), JournalError> {
+        // The journal stays locked until the overlay says where the entry
+        // went: a peer asking in between would otherwise find neither.
+        let mut journal = lock(&self.journal);
+        journal.mark_uploaded(object.seq, etag)?;
         let mut overlay = lock(&self.overlay);
+        if landed {
+            if overlay.landed.len() >= MAX_ALIASES {
+                overlay.landed.clear();
+            }
+            let stamp = self.stamp(object, false);
+            let newest = overlay
+                .landed
+                .entry(object.uri.clone())
+                .or_insert_with(|| stamp.clone());
+            if stamp.stamp() > newest.stamp() {
+                *newest = stamp;
+            }
+        }
         if overlay
             .latest
             .get(&object.uri)
@@ -400,6 +456,7 @@ impl WriteBack {
                 .insert((object.uri.clone(), object.version.clone()), etag.into());
         }
         drop(overlay);
+        drop(journal);
         // A dropped copy is not an upload of this worker's.
         if !held_for_primary(object, &lock(&self.taken_over)) {
             self.uploaded.fetch_add(1, Ordering::Relaxed);
@@ -601,6 +658,40 @@ mod lock_order_tests {
             meta: Default::default(),
             tenant: None,
         }
+    }
+
+    /// What a peer about to upload its own version of an object hears:
+    /// this worker's own pending writes of it, then its last upload, and
+    /// never a copy held for a live primary (that primary reports it).
+    #[test]
+    fn writes_of_an_object_name_own_writes_and_the_last_upload_only() {
+        let dir = tempfile::tempdir().unwrap();
+        let wb = WriteBack::open(dir.path(), WriteBackConfig::default()).unwrap();
+        let primary = ReplicaOf {
+            journal_id: "elsewhere".into(),
+            addr: "127.0.0.1:1".into(),
+        };
+        let mut copy = entry("s3://b/k", Some(primary));
+        copy.version = format!("{VERSION_PREFIX}copy");
+        wb.record(copy).unwrap();
+        assert_eq!(wb.writes_of("s3://b/k"), Vec::new());
+        let mut own = entry("s3://b/k", None);
+        own.acked_ms = 7;
+        let seq = wb.record(own.clone()).unwrap();
+        own.seq = seq;
+        let pending = wb.writes_of("s3://b/k");
+        assert_eq!(pending.len(), 1);
+        assert!(pending[0].pending && pending[0].acked_ms == 7 && pending[0].journal_id == wb.id);
+        assert_eq!(wb.writes_of("s3://b/other"), Vec::new());
+        wb.finished(&own, "etag-1", true).unwrap();
+        let landed = wb.writes_of("s3://b/k");
+        assert_eq!(landed.len(), 1);
+        assert!(!landed[0].pending && landed[0].version == own.version);
+        // An entry skipped as superseded did not land: nothing to report.
+        let mut skipped = entry("s3://b/s", None);
+        skipped.seq = wb.record(skipped.clone()).unwrap();
+        wb.finished(&skipped, "", false).unwrap();
+        assert_eq!(wb.writes_of("s3://b/s"), Vec::new());
     }
 
     /// A peer's `GET /v1/writeback` (status) runs on one thread while the

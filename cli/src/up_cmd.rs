@@ -102,7 +102,9 @@ impl UpCmd {
                 insecure_http: Some(true),
                 ..Default::default()
             };
-            let (options, mut s3) = settings.resolve()?;
+            let (mut options, mut s3) = settings.resolve()?;
+            // The ring is set once every worker is up.
+            options.cache.writeback.await_ring = self.workers > 1;
             s3.static_credentials = Some((access_key.clone(), secret_key.clone()));
             let metrics = Arc::new(Metrics::new().map_err(anyhow::Error::msg)?);
             let store = lakecache_worker::s3_store(&s3, metrics.clone()).await;

@@ -27,7 +27,9 @@ impl WorkerCmd {
         };
         let settings = self.settings.over(file);
         let registration = settings.registration()?;
-        let (options, s3) = settings.resolve()?;
+        let (mut options, s3) = settings.resolve()?;
+        // The ring is set below, after the worker starts.
+        options.cache.writeback.await_ring = registration.is_some();
         let capacity = options.cache.capacity;
         let scheme = if options.tls.is_some() {
             "https"

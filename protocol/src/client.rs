@@ -1137,6 +1137,21 @@ impl WorkerClient {
         self.get_json(&path).await
     }
 
+    /// [`Self::writeback_status`] under `prefix`, with the writes of the
+    /// one object `uri` this worker uploads or last uploaded (a peer's
+    /// question before it uploads its own version of `uri`).
+    pub async fn writeback_status_of(
+        &self,
+        prefix: &str,
+        uri: &str,
+    ) -> Result<crate::WriteBackStatus, ClientError> {
+        let path = format!(
+            "/v1/writeback?{}",
+            form_urlencoded(&[("prefix", prefix), ("uri", uri)])
+        );
+        self.get_json(&path).await
+    }
+
     pub async fn put_bytes(&self, uri: &ObjectUri, data: Bytes) -> Result<ObjectStat, ClientError> {
         self.put_bytes_with(uri, data, &crate::UserMeta::new())
             .await

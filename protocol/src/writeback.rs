@@ -135,6 +135,32 @@ pub struct WriteBackStatus {
     /// acknowledged after it first.
     #[serde(default)]
     pub next_upload_acked_ms: Option<i64>,
+    /// Asked with `?uri=`: the writes of that one object this worker
+    /// uploads (pending) or last uploaded, so two workers holding
+    /// versions of one object land them in S3 in acknowledgement order.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub writes_of_uri: Vec<UriWrite>,
+}
+
+/// One acknowledged write (or delete) of an object, as a peer worker
+/// asks about it before uploading its own version.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct UriWrite {
+    pub acked_ms: i64,
+    /// The journal that acknowledged it: breaks ties of `acked_ms`.
+    pub journal_id: String,
+    /// The cache version: the same write held on two workers has one.
+    pub version: String,
+    /// Not yet in S3 (false: the last upload of the object here).
+    pub pending: bool,
+}
+
+impl UriWrite {
+    /// The order every worker computes alike: (acknowledgement time,
+    /// journal identity).
+    pub fn stamp(&self) -> (i64, &str) {
+        (self.acked_ms, self.journal_id.as_str())
+    }
 }
 
 /// What a primary knows of one pending version, as a replica asks

@@ -283,18 +283,31 @@ async fn health(state: &AppState) -> Response {
 }
 
 /// `?prefix=s3://bucket/prefix` narrows the backlog to one prefix.
+/// `&uri=s3://bucket/key` adds the writes of that object (a peer's
+/// question before it uploads its own version of it).
 async fn writeback_status(state: &AppState, access: &Access<'_>, query: &str) -> Response {
     let mut prefix = String::new();
+    let mut object = None;
     for pair in query.split('&').filter(|p| !p.is_empty()) {
+        let decoded = |v: &str| {
+            percent_encoding::percent_decode_str(v)
+                .decode_utf8()
+                .map(|v| v.into_owned())
+                .ok()
+        };
         match pair.split_once('=') {
-            Some(("prefix", v)) => match percent_encoding::percent_decode_str(v).decode_utf8() {
-                Ok(v) => prefix = v.into_owned(),
-                Err(_) => return error(ErrorCode::BadRequest, "prefix is not valid UTF-8"),
+            Some(("prefix", v)) => match decoded(v) {
+                Some(v) => prefix = v,
+                None => return error(ErrorCode::BadRequest, "prefix is not valid UTF-8"),
+            },
+            Some(("uri", v)) => match decoded(v) {
+                Some(v) => object = Some(v),
+                None => return error(ErrorCode::BadRequest, "uri is not valid UTF-8"),
             },
             _ => {
                 return error(
                     ErrorCode::BadRequest,
-                    format!("unknown query parameter in {pair:?}; only prefix=s3://bucket/prefix"),
+                    format!("unknown query parameter in {pair:?}; only prefix=s3://bucket/prefix and uri=s3://bucket/key"),
                 )
             }
         }
@@ -305,12 +318,31 @@ async fn writeback_status(state: &AppState, access: &Access<'_>, query: &str) ->
             "prefix must be an s3://bucket/prefix URI",
         );
     }
+    if let Some(uri) = &object {
+        if let Err(e) = uri.parse::<ObjectUri>() {
+            return error(ErrorCode::BadRequest, format!("uri: {e}"));
+        }
+        if !uri.starts_with(&prefix) {
+            return error(
+                ErrorCode::BadRequest,
+                format!("uri {uri:?} is not under prefix {prefix:?}"),
+            );
+        }
+        check!(access.writeback_status(uri));
+    }
     check!(access.writeback_status(&prefix));
     let Some(wb) = state.cache.writeback.clone() else {
         return json(StatusCode::OK, &WriteBackStatus::default());
     };
     // Off the runtime's threads: the journal lock is held across fsyncs.
-    match tokio::task::spawn_blocking(move || wb.status(&prefix)).await {
+    let status = move || {
+        let mut status = wb.status(&prefix);
+        if let Some(uri) = &object {
+            status.writes_of_uri = wb.writes_of(uri);
+        }
+        status
+    };
+    match tokio::task::spawn_blocking(status).await {
         Ok(status) => json(StatusCode::OK, &status),
         Err(e) => error(
             ErrorCode::Internal,

@@ -104,7 +104,7 @@ impl Cache {
         }
         let wb2 = wb.clone();
         tokio::task::spawn_blocking(move || {
-            wb2.finished(&copy, "")?;
+            wb2.finished(&copy, "", false)?;
             let pages = copy.size.div_ceil(copy.page_size.max(1));
             for index in 0..pages {
                 wb2.pages

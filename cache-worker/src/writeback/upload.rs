@@ -10,7 +10,7 @@ use std::time::{Duration, Instant};
 
 use bytes::{Bytes, BytesMut};
 use futures::StreamExt;
-use lakecache_protocol::ObjectUri;
+use lakecache_protocol::{ObjectUri, UriWrite};
 
 use super::{now_ms, WriteBack};
 use crate::cache::{join_failed, Cache, CacheError};
@@ -57,8 +57,9 @@ pub(crate) async fn uploader(cache: Weak<Cache>, wb: Arc<WriteBack>) {
         let mut closing = cache.closing.subscribe();
         let result = tokio::select! {
             r = async {
-                cache.wait_for_earlier_elsewhere(&wb, &next).await;
-                cache.upload_one(&wb, &next).await
+                cache.wait_for_ring(&wb).await;
+                let newer = cache.wait_for_earlier_elsewhere(&wb, &next).await;
+                cache.upload_one(&wb, &next, newer).await
             } => r,
             _ = closing.wait_for(|c| *c) => return,
         };
@@ -98,6 +99,18 @@ pub(crate) async fn uploader(cache: Weak<Cache>, wb: Arc<WriteBack>) {
 }
 
 impl Cache {
+    /// Until the worker knows its ring (when it is to join one).
+    async fn wait_for_ring(&self, wb: &WriteBack) {
+        let mut said = false;
+        while wb.config.await_ring && self.peers.placement().is_none() {
+            if !said {
+                tracing::info!("write-back uploads wait until this worker knows its ring");
+                said = true;
+            }
+            tokio::time::sleep(ORDER_POLL).await;
+        }
+    }
+
     /// Waits while another worker's next upload in the same bucket was
     /// acknowledged before `next`: S3 receives a bucket's objects in the
     /// order their writes were acknowledged across workers, not only
@@ -105,30 +118,42 @@ impl Cache {
     /// identity), which every worker computes alike, so two workers never
     /// wait for each other. A worker that does not answer holds uploads
     /// up for `peer_order_wait` (30 s) once per outage.
+    ///
+    /// Versions of the one object `next` names are kept in that order
+    /// however long the wait: an older version pending on a worker that
+    /// answers is waited for (the mount sent the newer one elsewhere
+    /// while its owner was away). Returns the worker that holds, or put
+    /// in S3, a version acknowledged after `next`'s: `next` is skipped.
     async fn wait_for_earlier_elsewhere(
         self: &Arc<Self>,
         wb: &Arc<WriteBack>,
         next: &PendingObject,
-    ) {
-        let Some(placement) = self.peers.placement() else {
-            return;
-        };
-        let Ok(uri) = super::visible::parse_uri(&next.uri) else {
-            return;
-        };
+    ) -> Option<String> {
+        let placement = self.peers.placement()?;
+        let uri = super::visible::parse_uri(&next.uri).ok()?;
         let bucket = format!("s3://{}/", uri.bucket());
         let mine = (next.acked_ms, wb.id.as_str());
+        let other = |w: &&UriWrite| w.version != next.version;
+        let mut newer_on = None;
         for addr in placement.replica_candidates(&uri) {
             let mut said = false;
             let waiting_since = Instant::now();
             loop {
                 let status = match self.peers.client(&addr) {
                     Ok(c) => c
-                        .writeback_status(Some(&bucket))
+                        .writeback_status_of(&bucket, &next.uri)
                         .await
                         .map_err(|e| e.to_string()),
                     Err(e) => Err(e.to_string()),
                 };
+                let writes = status.as_ref().map_or(&[][..], |s| &s.writes_of_uri[..]);
+                if newer_on.is_none() && writes.iter().filter(other).any(|w| w.stamp() > mine) {
+                    newer_on = Some(addr.clone());
+                }
+                let older_version_pending = writes
+                    .iter()
+                    .filter(other)
+                    .any(|w| w.pending && w.stamp() < mine);
                 // Silent since when: paid once per outage, not per upload.
                 let silent_for = match &status {
                     Ok(_) => {
@@ -156,13 +181,15 @@ impl Cache {
                         false
                     }
                 };
-                if !wait {
+                if !wait && !older_version_pending {
                     break;
                 }
                 // Two workers that took over a lost worker's copies can
                 // each hold the other's earlier write: bounded, not a
-                // deadlock.
-                if waiting_since.elapsed() >= wb.config.peer_order_wait {
+                // deadlock. Not so for an older version of this object:
+                // its holder skips it once it sees this one, so it never
+                // waits for this one.
+                if !older_version_pending && waiting_since.elapsed() >= wb.config.peer_order_wait {
                     tracing::warn!(%addr, uri = %next.uri, "an earlier write on another worker has not reached S3 in time; uploading without waiting for it");
                     break;
                 }
@@ -173,12 +200,14 @@ impl Cache {
                 tokio::time::sleep(ORDER_POLL).await;
             }
         }
+        newer_on
     }
 
     async fn upload_one(
         self: &Arc<Self>,
         wb: &Arc<WriteBack>,
         object: &PendingObject,
+        newer_on: Option<String>,
     ) -> Result<bool, CacheError> {
         let uri = super::visible::parse_uri(&object.uri)?;
         // A copy its lost primary never confirmed was never acknowledged:
@@ -188,7 +217,10 @@ impl Cache {
         if never_acked {
             tracing::warn!(uri = %object.uri, version = %object.version, "dropping a copy its lost primary never confirmed (the write was not acknowledged)");
         }
-        let superseded = wb.superseded(object) || never_acked;
+        if let Some(addr) = &newer_on {
+            tracing::info!(uri = %object.uri, version = %object.version, worker = %addr, "a newer version of this object was acknowledged on another worker; skipping this older one");
+        }
+        let superseded = wb.superseded(object) || never_acked || newer_on.is_some();
         let etag = if superseded {
             // A later write or delete of the same object replaces this
             // one; S3 ends the same without it.
@@ -202,7 +234,7 @@ impl Cache {
             self.upload_pending(wb, &uri, object).await?
         };
         let (wb2, record, tag) = (wb.clone(), object.clone(), etag.clone());
-        tokio::task::spawn_blocking(move || wb2.finished(&record, &tag))
+        tokio::task::spawn_blocking(move || wb2.finished(&record, &tag, !superseded))
             .await
             .map_err(join_failed)?
             .map_err(|e| CacheError::Local(e.to_string()))?;

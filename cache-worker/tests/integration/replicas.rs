@@ -9,7 +9,7 @@ use std::time::Duration;
 use bytes::Bytes;
 use lakecache_protocol::{ClientError, ErrorCode, ObjectUri, WorkerClient, WriteBackStatus};
 use lakecache_s3_endpoint::{Fault, S3Op};
-use lakecache_worker::{Placement, RunningWorker};
+use lakecache_worker::{Placement, RunningWorker, WorkerOptions};
 
 use crate::harness::*;
 
@@ -273,6 +273,159 @@ async fn a_later_write_on_another_worker_reaches_s3_after_an_earlier_one() {
             && h.s3_bytes("ord/latest").await.as_deref() == Some(&b"step9"[..])
     })
     .await;
+    b.shutdown().await;
+}
+
+/// The harness's worker A and a second worker B, each placing the
+/// other as its only peer.
+struct TwoWorkers {
+    b: RunningWorker,
+    b_client: WorkerClient,
+    a_addr: String,
+    b_addr: String,
+    _b_dir: tempfile::TempDir,
+}
+
+async fn two_workers(h: &Harness) -> TwoWorkers {
+    let b_dir = tempfile::tempdir().unwrap();
+    let b = h.start_another(b_dir.path(), None).await;
+    let (a_addr, b_addr) = (h.addr().to_string(), b.addr().to_string());
+    place(h.worker.as_ref().unwrap(), std::slice::from_ref(&b_addr));
+    place(&b, std::slice::from_ref(&a_addr));
+    TwoWorkers {
+        b_client: client(&b),
+        b,
+        a_addr,
+        b_addr,
+        _b_dir: b_dir,
+    }
+}
+
+/// One copy per write, and a peer that does not answer holds uploads up
+/// for 1 s.
+fn ordered_versions(o: &mut WorkerOptions) {
+    o.cache.writeback.replicas = Some(1);
+    o.cache.writeback.peer_order_wait = Duration::from_secs(1);
+}
+
+/// Two versions of one object on two workers (the mount sent the newer
+/// one to B while A, the owner, was away). A's upload of the older one
+/// is under way, its completion slow, when B acknowledges the newer one:
+/// B waits for it past the bounded order wait, so the newer one lands
+/// last. Before, B gave up after `peer_order_wait` and A's older version
+/// landed over it (seen in the six-writer stall test through the mount).
+#[tokio::test]
+async fn a_newer_version_waits_for_an_older_one_being_uploaded_elsewhere() {
+    let h = Harness::with(ordered_versions).await;
+    let TwoWorkers {
+        b,
+        b_client,
+        _b_dir,
+        ..
+    } = two_workers(&h).await;
+    h.faults()
+        .inject(S3Op::CompleteMultipartUpload, Fault::Delay { ms: 5_000 }, 1);
+    let older = data(12 * MIB as usize, 5);
+    let newer = data(MIB as usize, 6);
+    put_back(&h.client, "ver/model.bin", &older).await.unwrap();
+    eventually(Duration::from_secs(30), "A's upload completing", || async {
+        h.faults().count(S3Op::CompleteMultipartUpload) >= 1
+    })
+    .await;
+    put_back(&b_client, "ver/model.bin", &newer).await.unwrap();
+    eventually(Duration::from_secs(60), "both backlogs drain", || async {
+        status(&h.client).await.pending_objects == 0 && status(&b_client).await.pending_objects == 0
+    })
+    .await;
+    let landed = h.s3_bytes("ver/model.bin").await;
+    assert!(
+        landed.as_deref() == Some(&newer[..]),
+        "S3 ends with {:?} bytes, not the newer version's {}",
+        landed.map(|b| b.len()),
+        newer.len()
+    );
+    b.shutdown().await;
+}
+
+/// A's older version cannot reach S3 (its multipart completion fails)
+/// when B acknowledges a newer one: A, retrying, finds the newer version
+/// on B and drops its own, and the newer one lands; S3 never takes A's.
+#[tokio::test]
+async fn an_older_version_pending_elsewhere_is_skipped_for_a_newer_one() {
+    let h = Harness::with(ordered_versions).await;
+    let TwoWorkers {
+        b,
+        b_client,
+        _b_dir,
+        ..
+    } = two_workers(&h).await;
+    h.faults().inject(
+        S3Op::CompleteMultipartUpload,
+        Fault::InternalError,
+        1_000_000,
+    );
+    let older = data(12 * MIB as usize, 5);
+    let newer = data(MIB as usize, 6);
+    put_back(&h.client, "ver/model.bin", &older).await.unwrap();
+    eventually(Duration::from_secs(30), "A's upload fails", || async {
+        status(&h.client).await.last_error.is_some()
+    })
+    .await;
+    put_back(&b_client, "ver/model.bin", &newer).await.unwrap();
+    eventually(Duration::from_secs(60), "both backlogs drain", || async {
+        status(&h.client).await.pending_objects == 0 && status(&b_client).await.pending_objects == 0
+    })
+    .await;
+    assert!(h.s3_bytes("ver/model.bin").await.as_deref() == Some(&newer[..]));
+    b.shutdown().await;
+}
+
+/// The same, with A stopped (its journal kept) until after B's order
+/// wait: B uploads the newer version, and A, back at its address,
+/// learns from B that a newer version landed and skips its own.
+#[tokio::test]
+async fn a_worker_back_from_an_outage_skips_a_version_older_than_one_in_s3() {
+    let mut h = Harness::with(ordered_versions).await;
+    let TwoWorkers {
+        b,
+        b_client,
+        a_addr,
+        b_addr,
+        _b_dir,
+    } = two_workers(&h).await;
+    h.faults()
+        .inject(S3Op::PutObject, Fault::InternalError, 1_000_000);
+    let older = data(MIB as usize, 7);
+    let newer = data(MIB as usize / 2, 8);
+    put_back(&h.client, "ver/latest", &older).await.unwrap();
+    eventually(Duration::from_secs(30), "A's upload fails", || async {
+        status(&h.client).await.last_error.is_some()
+    })
+    .await;
+    h.worker.take().unwrap().shutdown().await;
+    h.faults().clear();
+    put_back(&b_client, "ver/latest", &newer).await.unwrap();
+    eventually(
+        Duration::from_secs(60),
+        "B uploads past the silent A",
+        || async { h.s3_bytes("ver/latest").await.as_deref() == Some(&newer[..]) },
+    )
+    .await;
+    // As `lakecache worker` does with a registry: no upload before the
+    // ring is known.
+    h.options.cache.writeback.await_ring = true;
+    let a2 = h.start_another(&h.options.cache_dir, Some(&a_addr)).await;
+    place(&a2, std::slice::from_ref(&b_addr));
+    let a_client = client(&a2);
+    eventually(Duration::from_secs(60), "A's backlog drains", || async {
+        status(&a_client).await.pending_objects == 0
+    })
+    .await;
+    assert!(
+        h.s3_bytes("ver/latest").await.as_deref() == Some(&newer[..]),
+        "A's older version landed over the newer one"
+    );
+    a2.shutdown().await;
     b.shutdown().await;
 }
 

@@ -268,6 +268,17 @@ async fn every_route_in_the_table_admits_exactly_the_callers_its_rule_names() {
         (Who::Tenant, "s3://data/team-a/", 200),
         (Who::OtherTenant, "s3://data/team-a/", 403),
         (Who::OtherTenant, "s3://data/team-b/", 200),
+        // One object's writes (a peer's question before an upload): the
+        // object must lie under the prefix, and be a valid URI.
+        (Who::Tenant, "s3://data/team-a/&uri=s3://data/team-a/x", 200),
+        (Who::Tenant, "s3://data/team-a/&uri=s3://data/team-b/x", 400),
+        (
+            Who::OtherTenant,
+            "s3://data/team-a/&uri=s3://data/team-a/x",
+            403,
+        ),
+        (Who::Tenant, "s3://data/team-a/&uri=s3://data/", 400),
+        (Who::Tenant, "s3://data/team-a/&uri=%FF", 400),
     ] {
         let sample = Sample {
             path: format!("/v1/writeback?prefix={prefix}"),
