@@ -274,6 +274,18 @@ def main() -> None:
         "cgroup's memory limit is this plus their own memory "
         f"({PROCESS_MEMORY / GIB:.2f} GiB per DLIO process)",
     )
+    ap.add_argument(
+        "--mount-arg",
+        action="append",
+        default=[],
+        help="an extra `lakecache mount` argument (repeat for more): --mount-arg=--attr-ttl=600",
+    )
+    ap.add_argument(
+        "--worker-arg",
+        action="append",
+        default=[],
+        help="an extra `lakecache worker` argument (repeat for more)",
+    )
     a = ap.parse_args()
     try:
         Bench(a).run()

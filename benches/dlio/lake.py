@@ -112,6 +112,7 @@ class Lake:
                 "--s3-endpoint",
                 self.url,
                 "--s3-path-style",
+                *getattr(self.a, "worker_arg", []),
             ],
             "worker",
         )
@@ -140,6 +141,7 @@ class Lake:
                 "--memory-limit",
                 str(MOUNT_BUDGET),
                 *flags,
+                *getattr(self.a, "mount_arg", []),
             ],
             "mount",
         )

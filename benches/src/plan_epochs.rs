@@ -89,6 +89,11 @@ struct Args {
     /// 0 turns prefetch off, leaving eviction by plan alone)
     #[arg(long)]
     plan_prefetch_mib: Option<u64>,
+    /// Publish the plan once, before epoch 1 (it already runs on into
+    /// epoch 2), instead of renewing it as each epoch starts, as a
+    /// sampler does: shows what a renewal costs
+    #[arg(long)]
+    publish_once: bool,
     /// Readers to run (a subset is for trying changes; the table of
     /// record has all four)
     #[arg(
@@ -494,7 +499,9 @@ impl Bench {
             let mut tasks = Vec::new();
             for (rank, source) in sources.iter().enumerate() {
                 let mine = of_rank(&this_epoch, rank);
-                if matches!(mode, Mode::Plans | Mode::Mounts) {
+                if matches!(mode, Mode::Plans | Mode::Mounts)
+                    && (epoch == 0 || !self.args.publish_once)
+                {
                     // The sampler's next epoch is known too (its seed is
                     // the epoch's): the plan runs on into it, so the
                     // epoch's end keeps and fetches what the next starts

@@ -66,7 +66,7 @@ struct Progress {
     /// Pages this plan fetched (or is fetching) for positions the reader
     /// has not reached: (position, bytes), in position order. They are
     /// what the budget counts; pages cached anyway are free.
-    ahead: VecDeque<(u64, u64)>,
+    ahead: VecDeque<(u64, u64, PageKey)>,
     ahead_bytes: u64,
     /// Positions before this one were fetched or found cached.
     scanned_to: u64,
@@ -92,6 +92,35 @@ impl PlanFetch {
     fn progress(&self) -> std::sync::MutexGuard<'_, Progress> {
         self.progress.lock().unwrap_or_else(|p| p.into_inner())
     }
+
+    /// A renewed plan (the next epoch's, published as it starts) takes
+    /// over the pages its predecessor fetched ahead of the reader that it
+    /// reads too: they still count against the job's budget. Otherwise
+    /// the renewal fetched a whole budget more at once, and the epoch's
+    /// first reads queued behind that burst of fetches and page writes
+    /// (plan-epochs bench, 1 rank: epoch-2 data wait 1.7-2.4% renewed,
+    /// 0.3-0.4% with the first plan left to run on).
+    fn carry_ahead(&mut self, old: &Progress) {
+        if old.ahead.is_empty() {
+            return;
+        }
+        let wanted: HashSet<PageKey> = old.ahead.iter().map(|&(_, _, key)| key).collect();
+        let mut first: HashMap<PageKey, u64> = HashMap::with_capacity(wanted.len());
+        for (pos, key) in self.keys.iter().enumerate() {
+            if wanted.contains(key) {
+                first.entry(*key).or_insert(pos as u64);
+            }
+        }
+        let mut ahead: Vec<(u64, u64, PageKey)> = old
+            .ahead
+            .iter()
+            .filter_map(|&(_, len, key)| first.remove(&key).map(|pos| (pos, len, key)))
+            .collect();
+        ahead.sort_unstable_by_key(|&(pos, _, _)| pos);
+        let progress = self.progress.get_mut().unwrap_or_else(|p| p.into_inner());
+        progress.ahead_bytes = ahead.iter().map(|&(_, len, _)| len).sum();
+        progress.ahead = ahead.into();
+    }
 }
 
 /// The installed plans' fetch lists, by plan name.
@@ -110,7 +139,11 @@ impl PlanFetches {
         plan.generation = self
             .installs
             .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
-        self.lock().insert(name.to_string(), Arc::new(plan));
+        let mut plans = self.lock();
+        if let Some(old) = plans.get(name) {
+            plan.carry_ahead(&old.progress());
+        }
+        plans.insert(name.to_string(), Arc::new(plan));
     }
 
     fn snapshot(&self) -> Vec<(String, Arc<PlanFetch>)> {
@@ -234,7 +267,7 @@ impl Cache {
         let end = cursor.saturating_add(lead).min(plan.keys.len() as u64);
         let mut progress = plan.progress();
         // Fetches the reader has passed no longer count.
-        while let Some(&(pos, len)) = progress.ahead.front() {
+        while let Some(&(pos, len, _)) = progress.ahead.front() {
             if pos >= cursor {
                 break;
             }
@@ -275,7 +308,7 @@ impl Cache {
                 }
             }
             progress.in_flight.insert(key);
-            progress.ahead.push_back((pos, len));
+            progress.ahead.push_back((pos, len, key));
             progress.ahead_bytes += len;
             pos += 1;
             let (this, plan, uri, meta) = (self.clone(), plan.clone(), uri.clone(), meta.clone());
@@ -334,6 +367,49 @@ impl Cache {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    fn plan(keys: &[PageKey]) -> PlanFetch {
+        PlanFetch::new(None, Vec::new(), keys.to_vec(), vec![(0, 0); keys.len()])
+    }
+
+    #[test]
+    fn a_renewed_plan_keeps_counting_the_pages_fetched_ahead_for_it() {
+        let key = |i: u64| PageKey::new("s3://b/shard", "etag", i);
+        let fetches = PlanFetches::default();
+        fetches.install("job/0", plan(&[key(0), key(1), key(2), key(3)]));
+        {
+            let old = fetches.snapshot()[0].1.clone();
+            let mut progress = old.progress();
+            // The reader is at 1; pages 2 and 3 were fetched ahead of it.
+            for (pos, k) in [(2, key(2)), (3, key(3))] {
+                progress.ahead.push_back((pos, 10, k));
+            }
+            progress.ahead_bytes = 20;
+            progress.scanned_to = 4;
+        }
+        // The next epoch reads 3 first, then 5, then 2 and 3 again; 3 is
+        // counted once, where it is first read.
+        fetches.install("job/0", plan(&[key(3), key(5), key(2), key(3)]));
+        let renewed = fetches.snapshot()[0].1.clone();
+        let progress = renewed.progress();
+        let carried: Vec<(u64, u64)> = progress.ahead.iter().map(|&(p, l, _)| (p, l)).collect();
+        assert_eq!(carried, vec![(0, 10), (2, 10)]);
+        assert_eq!(progress.ahead_bytes, 20);
+        assert_eq!(
+            progress.scanned_to, 0,
+            "the renewed plan is scanned from its start"
+        );
+        drop(progress);
+        // Another plan name takes nothing over.
+        fetches.install("job/1", plan(&[key(3)]));
+        let other = fetches
+            .snapshot()
+            .into_iter()
+            .find(|(n, _)| n == "job/1")
+            .unwrap()
+            .1;
+        assert_eq!(other.progress().ahead_bytes, 0);
+    }
 
     #[test]
     fn a_plan_name_belongs_to_its_job() {
