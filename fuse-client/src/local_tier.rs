@@ -674,6 +674,7 @@ impl TierObject {
         if self.lock().checked_as == Some(stamp) {
             return Ok(true);
         }
+        tracing::debug!(object = %self.id, "checking a tier object end to end before the kernel reads it");
         let ok = self.verify()?;
         // The check read the whole file; leave the page cache as it was
         // rather than filling it with an object nobody asked for yet.
