@@ -130,12 +130,12 @@ impl FsConfig {
         }
     }
 
-    /// The write mode of the object `key`.
     /// Whether the tier completes `key`'s object at its first open.
     pub fn tier_whole_for(&self, key: &str) -> bool {
         self.tier_whole_prefixes.iter().any(|p| key.starts_with(p))
     }
 
+    /// The write mode of the object `key`.
     pub fn write_mode_for(&self, key: &str) -> WriteMode {
         if self.write_back_prefixes.iter().any(|p| key.starts_with(p)) {
             WriteMode::Back
