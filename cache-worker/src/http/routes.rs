@@ -288,13 +288,13 @@ async fn health(state: &AppState) -> Response {
 async fn writeback_status(state: &AppState, access: &Access<'_>, query: &str) -> Response {
     let mut prefix = String::new();
     let mut object = None;
+    let decoded = |v: &str| {
+        percent_encoding::percent_decode_str(v)
+            .decode_utf8()
+            .map(|v| v.into_owned())
+            .ok()
+    };
     for pair in query.split('&').filter(|p| !p.is_empty()) {
-        let decoded = |v: &str| {
-            percent_encoding::percent_decode_str(v)
-                .decode_utf8()
-                .map(|v| v.into_owned())
-                .ok()
-        };
         match pair.split_once('=') {
             Some(("prefix", v)) => match decoded(v) {
                 Some(v) => prefix = v,

@@ -123,7 +123,8 @@ impl Cache {
     /// however long the wait: an older version pending on a worker that
     /// answers is waited for (the mount sent the newer one elsewhere
     /// while its owner was away). Returns the worker that holds, or put
-    /// in S3, a version acknowledged after `next`'s: `next` is skipped.
+    /// in S3, a version acknowledged after `next`'s, as soon as one is
+    /// seen: `next` is then skipped, so nothing needs ordering.
     async fn wait_for_earlier_elsewhere(
         self: &Arc<Self>,
         wb: &Arc<WriteBack>,
@@ -134,7 +135,6 @@ impl Cache {
         let bucket = format!("s3://{}/", uri.bucket());
         let mine = (next.acked_ms, wb.id.as_str());
         let other = |w: &&UriWrite| w.version != next.version;
-        let mut newer_on = None;
         for addr in placement.replica_candidates(&uri) {
             let mut said = false;
             let waiting_since = Instant::now();
@@ -147,8 +147,9 @@ impl Cache {
                     Err(e) => Err(e.to_string()),
                 };
                 let writes = status.as_ref().map_or(&[][..], |s| &s.writes_of_uri[..]);
-                if newer_on.is_none() && writes.iter().filter(other).any(|w| w.stamp() > mine) {
-                    newer_on = Some(addr.clone());
+                if writes.iter().filter(other).any(|w| w.stamp() > mine) {
+                    // `next` is skipped, not uploaded: nothing to order.
+                    return Some(addr);
                 }
                 let older_version_pending = writes
                     .iter()
@@ -200,7 +201,7 @@ impl Cache {
                 tokio::time::sleep(ORDER_POLL).await;
             }
         }
-        newer_on
+        None
     }
 
     async fn upload_one(
