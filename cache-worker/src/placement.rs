@@ -46,6 +46,11 @@ pub trait Placement: Send + Sync {
         let _ = copies;
         self.remote_owner(uri, segment).is_none()
     }
+
+    /// How many workers this worker's ring view holds now.
+    fn ring_workers(&self) -> usize {
+        1
+    }
 }
 
 /// The ring view and a pooled client per peer.

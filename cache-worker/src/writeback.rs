@@ -96,9 +96,21 @@ pub enum Pending {
     },
 }
 
+/// The entry [`WriteBack::pending`] shows for an object.
+#[derive(Debug, Clone)]
+struct Shown {
+    pending: Pending,
+    /// A copy of another worker's write (not this worker's own).
+    copy: bool,
+}
+
 #[derive(Default)]
 struct Overlay {
-    latest: HashMap<String, Pending>,
+    latest: HashMap<String, Shown>,
+    /// uri → how many journal entries of it are pending (own and copies):
+    /// when the shown one goes while others remain, the newest of those
+    /// is shown instead.
+    entries: HashMap<String, usize>,
     /// (uri, cache version) → S3 ETag, for uploaded objects.
     aliases: HashMap<(String, String), String>,
     /// uri → (S3 ETag, cache version) of its latest upload.
@@ -187,9 +199,7 @@ impl WriteBack {
         let mut overlay = Overlay::default();
         let mut dirty = 0;
         for p in journal.pending() {
-            overlay
-                .latest
-                .insert(p.uri.clone(), Pending::from_record(p));
+            overlay.show(p);
             dirty += p.size;
         }
         remove_orphans(&pages, &journal);
@@ -219,7 +229,10 @@ impl WriteBack {
 
     /// The pending state of `uri`, if S3 is behind what was acknowledged.
     pub fn pending(&self, uri: &str) -> Option<Pending> {
-        lock(&self.overlay).latest.get(uri).cloned()
+        lock(&self.overlay)
+            .latest
+            .get(uri)
+            .map(|s| s.pending.clone())
     }
 
     /// The S3 ETag an uploaded cache version became.
@@ -246,7 +259,7 @@ impl WriteBack {
             .latest
             .iter()
             .filter(|(uri, _)| uri.starts_with(prefix))
-            .map(|(u, p)| (u.clone(), p.clone()))
+            .map(|(u, s)| (u.clone(), s.pending.clone()))
             .collect()
     }
 
@@ -258,9 +271,8 @@ impl WriteBack {
         let seq = journal.add_pending(object.clone())?;
         let mut object = object;
         object.seq = seq;
-        lock(&self.overlay)
-            .latest
-            .insert(uri, Pending::from_record(&object));
+        debug_assert_eq!(object.uri, uri);
+        lock(&self.overlay).show(&object);
         drop(journal);
         self.wake.notify_one();
         Ok(seq)
@@ -355,14 +367,18 @@ impl WriteBack {
     /// of `uri`; false where no such copy is held. Blocking.
     pub(crate) fn confirm_copy(&self, uri: &str, version: &str) -> Result<bool, JournalError> {
         let mut journal = lock(&self.journal);
-        let seq = journal
+        let copy = journal
             .pending()
             .find(|p| p.uri == uri && p.version == version && p.replica_of.is_some())
-            .map(|p| p.seq);
-        match seq {
-            Some(seq) => journal.confirm(seq).map(|()| true),
-            None => Ok(false),
-        }
+            .cloned();
+        let Some(mut copy) = copy else {
+            return Ok(false);
+        };
+        journal.confirm(copy.seq)?;
+        // Acknowledged now: readers here may see it.
+        copy.unconfirmed = false;
+        lock(&self.overlay).show_if_newer(&copy);
+        Ok(true)
     }
 
     /// The replica entry for `version` of `uri`, if this worker holds one.
@@ -375,11 +391,13 @@ impl WriteBack {
 
     /// Whether a later acknowledged entry of the same object replaces
     /// this one (its upload can be skipped: S3 ends the same).
+    /// A copy of another worker's write never supersedes: it may never be
+    /// confirmed (its write failed), and its primary uploads it in order.
     pub(crate) fn superseded(&self, object: &PendingObject) -> bool {
         lock(&self.overlay)
             .latest
             .get(&object.uri)
-            .is_some_and(|p| p.seq() > object.seq)
+            .is_some_and(|s| !s.copy && s.pending.seq() > object.seq)
     }
 
     /// The writes of `uri` this worker uploads (pending) or last put in
@@ -435,12 +453,41 @@ impl WriteBack {
                 *newest = stamp;
             }
         }
+        let remaining = match overlay.entries.get_mut(&object.uri) {
+            Some(n) => {
+                *n = n.saturating_sub(1);
+                *n
+            }
+            None => 0,
+        };
+        if remaining == 0 {
+            overlay.entries.remove(&object.uri);
+        }
         if overlay
             .latest
             .get(&object.uri)
-            .is_some_and(|p| p.seq() == object.seq)
+            .is_some_and(|s| s.pending.seq() == object.seq)
         {
             overlay.latest.remove(&object.uri);
+            // Another entry of the object is still pending here (this
+            // worker's own write beside a copy that was just dropped):
+            // it is what readers see now.
+            if remaining > 0 {
+                let newest = journal
+                    .pending()
+                    .filter(|p| p.uri == object.uri && p.seq != object.seq)
+                    .max_by_key(|p| p.seq)
+                    .cloned();
+                if let Some(p) = newest {
+                    overlay.latest.insert(
+                        p.uri.clone(),
+                        Shown {
+                            pending: Pending::from_record(&p),
+                            copy: p.replica_of.is_some(),
+                        },
+                    );
+                }
+            }
         }
         if !object.delete && !etag.is_empty() {
             if overlay.aliases.len() >= MAX_ALIASES {
@@ -599,6 +646,40 @@ fn remove_orphans(pages: &PageStore, journal: &Journal) {
     }
 }
 
+impl Overlay {
+    /// Counts a newly pending entry and shows it, unless it is a copy of
+    /// another worker's write that must not hide the entry shown: one not
+    /// confirmed yet (its write may still fail, as one the client gave up
+    /// on and its primary then fenced), or one older than a write shown.
+    fn show(&mut self, p: &PendingObject) {
+        *self.entries.entry(p.uri.clone()).or_default() += 1;
+        self.show_if_newer(p);
+    }
+
+    /// [`Self::show`] without counting: for a copy now confirmed.
+    fn show_if_newer(&mut self, p: &PendingObject) {
+        let copy = p.replica_of.is_some();
+        if copy {
+            match self.latest.get(&p.uri) {
+                None => {}
+                Some(_) if p.unconfirmed => return,
+                Some(Shown {
+                    pending: Pending::Written { acked_ms, .. },
+                    ..
+                }) if *acked_ms > p.acked_ms => return,
+                Some(_) => {}
+            }
+        }
+        self.latest.insert(
+            p.uri.clone(),
+            Shown {
+                pending: Pending::from_record(p),
+                copy,
+            },
+        );
+    }
+}
+
 impl Pending {
     fn from_record(p: &PendingObject) -> Self {
         if p.delete {
@@ -692,6 +773,66 @@ mod lock_order_tests {
         skipped.seq = wb.record(skipped.clone()).unwrap();
         wb.finished(&skipped, "", false).unwrap();
         assert_eq!(wb.writes_of("s3://b/s"), Vec::new());
+    }
+
+    /// A copy of another worker's write of an object this worker also
+    /// holds its own acknowledged write of (the client gave up on the
+    /// other worker, which then sent its copy late, and will drop it):
+    /// an older copy never hides the own write, no copy makes the own
+    /// write count as superseded (it would never be uploaded once the
+    /// copy is dropped), and dropping a shown copy shows the own write
+    /// again rather than nothing.
+    #[test]
+    fn a_copy_never_hides_or_supersedes_this_workers_own_write() {
+        let dir = tempfile::tempdir().unwrap();
+        let wb = WriteBack::open(dir.path(), WriteBackConfig::default()).unwrap();
+        let primary = ReplicaOf {
+            journal_id: "elsewhere".into(),
+            addr: "127.0.0.1:1".into(),
+        };
+        let shown = |wb: &WriteBack| match wb.pending("s3://b/k") {
+            Some(Pending::Written { version, .. }) => Some(version),
+            _ => None,
+        };
+        let mut own = entry("s3://b/k", None);
+        own.version = format!("{VERSION_PREFIX}own");
+        own.acked_ms = 2_000;
+        own.seq = wb.record(own.clone()).unwrap();
+        for (acked_ms, name) in [(1_000, "older"), (3_000, "newer")] {
+            let mut copy = entry("s3://b/k", Some(primary.clone()));
+            copy.version = format!("{VERSION_PREFIX}{name}");
+            copy.acked_ms = acked_ms;
+            copy.unconfirmed = true;
+            copy.seq = wb.record(copy.clone()).unwrap();
+            // Not acknowledged yet: it hides nothing.
+            assert_eq!(
+                shown(&wb),
+                Some(own.version.clone()),
+                "{name} copy recorded"
+            );
+            assert!(wb.confirm_copy("s3://b/k", &copy.version).unwrap());
+            let want = if acked_ms > own.acked_ms {
+                &copy.version
+            } else {
+                &own.version
+            };
+            assert_eq!(shown(&wb).as_ref(), Some(want), "{name} copy confirmed");
+            assert!(!wb.superseded(&own), "{name} copy superseded the own write");
+            // What drop_replica does with a copy never confirmed.
+            wb.finished(&copy, "", false).unwrap();
+            assert_eq!(shown(&wb), Some(own.version.clone()), "{name} copy dropped");
+        }
+        // A newer own write does supersede, and once both are done
+        // nothing is shown.
+        let mut newer = entry("s3://b/k", None);
+        newer.version = format!("{VERSION_PREFIX}own-2");
+        newer.acked_ms = 4_000;
+        newer.seq = wb.record(newer.clone()).unwrap();
+        assert!(wb.superseded(&own));
+        wb.finished(&own, "", false).unwrap();
+        assert_eq!(shown(&wb), Some(newer.version.clone()));
+        wb.finished(&newer, "etag", true).unwrap();
+        assert_eq!(shown(&wb), None);
     }
 
     /// A peer's `GET /v1/writeback` (status) runs on one thread while the

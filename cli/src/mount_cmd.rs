@@ -320,6 +320,11 @@ impl MountCmd {
         }
         let cluster = self.cluster.connect().await?;
         check_bucket(&cluster, &bucket, &prefix).await?;
+        if config.write_mode == lakecache_protocol::WriteMode::Back
+            || !config.write_back_prefixes.is_empty()
+        {
+            tokio::spawn(warn_of_workers_without_ring(cluster.clone()));
+        }
         let data: Arc<dyn lakecache_fuse::DataPlane> = match &self.snapshot {
             None => cluster,
             Some(manifest) => {
@@ -412,6 +417,47 @@ impl MountCmd {
             "the mount did not appear within 60 s; see {}",
             log.display()
         )
+    }
+}
+
+/// Write-back versions of one file taken by different workers (the owner
+/// was slow, so the next worker took the newer one) reach S3 in order only
+/// when the workers know their ring. Says so at start when some do not;
+/// the mount serves either way.
+async fn warn_of_workers_without_ring(cluster: Arc<ClusterClient>) {
+    let members = cluster.member_clients();
+    if members.len() < 2 {
+        return;
+    }
+    let total = members.len();
+    let mut in_ring = 0;
+    for (member, client) in members {
+        match client.health().await {
+            Ok(h) => match h.ring_workers {
+                None => tracing::warn!(
+                    worker = %member.address,
+                    "this worker knows no ring (started without --registry): versions of one file \
+                     written back through different workers may reach S3 out of order; start every \
+                     worker with the same --registry as the mount"
+                ),
+                Some(n) if n != total as u64 => tracing::warn!(
+                    worker = %member.address,
+                    worker_sees = n,
+                    mount_sees = total,
+                    "this worker's ring differs from the mount's: give workers and mounts the same --registry"
+                ),
+                Some(_) => in_ring += 1,
+            },
+            Err(e) => {
+                tracing::info!(worker = %member.address, error = %e, "ring check skipped: the worker did not answer")
+            }
+        }
+    }
+    if in_ring == total {
+        tracing::info!(
+            workers = total,
+            "every worker knows the mount's ring: write-backs reach S3 in order"
+        );
     }
 }
 

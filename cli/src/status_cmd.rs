@@ -45,6 +45,8 @@ struct Row {
     /// The worker's write-path deadlines (older workers do not say).
     #[serde(skip_serializing_if = "Option::is_none")]
     deadlines: Option<lakecache_protocol::WorkerDeadlines>,
+    /// Workers in this worker's ring view; None when it knows no ring.
+    ring_workers: Option<u64>,
     error: Option<String>,
 }
 
@@ -123,6 +125,7 @@ impl StatusCmd {
                         buckets: h.buckets,
                         tenants: h.tenants,
                         deadlines: h.deadlines,
+                        ring_workers: h.ring_workers,
                         error: None,
                     }
                 }
@@ -137,6 +140,7 @@ impl StatusCmd {
                     buckets: Default::default(),
                     tenants: Default::default(),
                     deadlines: None,
+                    ring_workers: None,
                     error: Some(e),
                 },
             }
@@ -146,6 +150,14 @@ impl StatusCmd {
             (0.0..=100.0).contains(&self.egress_price_per_gb),
             "--egress-price-per-gb must be 0..=100 dollars"
         );
+        if rows.len() > 1 {
+            for r in rows.iter().filter(|r| r.live && r.ring_workers.is_none()) {
+                eprintln!(
+                    "{}: knows no ring (started without --registry): its write-backs are not ordered with other workers' versions of the same object",
+                    r.id
+                );
+            }
+        }
         let saved = savings(&rows, self.egress_price_per_gb);
         if self.json {
             println!(
@@ -165,7 +177,7 @@ impl StatusCmd {
             rows.len()
         );
         println!(
-            "{:<24} {:<22} {:<5} {:>10} {:>10} {:>6} {:>8} {:>10} {:>8} {:>7}",
+            "{:<24} {:<22} {:<5} {:>10} {:>10} {:>6} {:>8} {:>10} {:>8} {:>7} {:>5}",
             "ID",
             "ADDRESS",
             "LIVE",
@@ -175,13 +187,14 @@ impl StatusCmd {
             "PENDING",
             "PEND-SIZE",
             "OLDEST",
-            "COPIES"
+            "COPIES",
+            "RING"
         );
         let size = |v: Option<u64>| v.map_or("-".to_string(), |b| ByteSize(b).human());
         for r in &rows {
             let wb = r.writeback.as_ref();
             println!(
-                "{:<24} {:<22} {:<5} {:>10} {:>10} {:>6} {:>8} {:>10} {:>8} {:>7}",
+                "{:<24} {:<22} {:<5} {:>10} {:>10} {:>6} {:>8} {:>10} {:>8} {:>7} {:>5}",
                 r.id,
                 r.address,
                 if r.live { "yes" } else { "NO" },
@@ -197,6 +210,12 @@ impl StatusCmd {
                 )),
                 // Copies of other workers' pending writes held here.
                 wb.map_or("-".to_string(), |w| w.replica_objects.to_string()),
+                // How many workers it sees; "none": it knows no ring.
+                match (r.live, r.ring_workers) {
+                    (false, _) => "-".to_string(),
+                    (true, None) => "none".to_string(),
+                    (true, Some(n)) => n.to_string(),
+                },
             );
         }
         print_deadlines(&rows);

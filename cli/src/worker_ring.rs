@@ -79,6 +79,10 @@ impl Placement for RingPlacement {
         Some(self.me.clone())
     }
 
+    fn ring_workers(&self) -> usize {
+        self.cluster.members().len()
+    }
+
     fn holds(&self, uri: &ObjectUri, segment: u64, copies: usize) -> bool {
         self.cluster
             .replicas_of(uri, segment, copies.max(1))

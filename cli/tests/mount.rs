@@ -32,6 +32,11 @@ struct Env {
     s3_port: u16,
     _s3_proc: Proc,
     workers: Vec<(u16, Proc)>,
+    /// The `--registry` every worker is started with when the environment
+    /// has more than one: workers that know their ring, as deployed
+    /// (write-back copies, hand-offs and the order of versions across
+    /// workers all need it). None: standalone workers.
+    worker_ring: Option<String>,
     mount: Option<Proc>,
     /// Worker `i`'s log, appended across restarts.
     worker_log_paths: Vec<PathBuf>,
@@ -72,13 +77,34 @@ impl Env {
             s3_port,
             _s3_proc: s3_proc,
             workers: Vec::new(),
+            worker_ring: None,
             mount: None,
             worker_log_paths: Vec::new(),
             mount_log: PathBuf::new(),
         };
-        for i in 0..workers {
-            let (port, child) = env.start_worker(i, 0, worker_flags);
-            env.workers.push((port, child));
+        if workers > 1 {
+            // Workers that know their ring need every address before any
+            // starts, so here the test picks the ports. A port taken in
+            // between makes that worker exit, and the test fails with its
+            // log.
+            let mut ports: Vec<u16> = Vec::new();
+            while ports.len() < workers {
+                let port = common::unused_port();
+                if !ports.contains(&port) {
+                    ports.push(port);
+                }
+            }
+            let addrs: Vec<String> = ports.iter().map(|p| format!("127.0.0.1:{p}")).collect();
+            env.worker_ring = Some(format!("static:{}", addrs.join(",")));
+            for (i, port) in ports.into_iter().enumerate() {
+                let child = env.spawn_worker(i, port, worker_flags);
+                env.workers.push((port, child));
+            }
+        } else {
+            for i in 0..workers {
+                let (port, child) = env.start_worker(i, 0, worker_flags);
+                env.workers.push((port, child));
+            }
         }
         env
     }
@@ -117,6 +143,12 @@ impl Env {
             .args(["--s3-path-style", "--s3-endpoint"])
             .arg(format!("http://127.0.0.1:{}", self.s3_port))
             .args(worker_flags)
+            .args(match &self.worker_ring {
+                Some(ring) if !worker_flags.contains(&"--registry") => {
+                    vec!["--registry", ring.as_str(), "--segment-size", SEGMENT]
+                }
+                _ => Vec::new(),
+            })
             .envs(common::s3_env(ACCESS, SECRET, self.s3_port))
             // Each write-back record and upload in the log a failure prints.
             .env(

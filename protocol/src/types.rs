@@ -189,6 +189,11 @@ pub struct Health {
     /// The write path's deadlines (absent from older workers).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub deadlines: Option<WorkerDeadlines>,
+    /// How many workers this worker's ring view holds; absent when it
+    /// knows no ring (started without a registry). Such a worker cannot
+    /// order its write-backs with other workers' versions of an object.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub ring_workers: Option<u64>,
 }
 
 /// How long a worker waits on the write path before giving up.

@@ -111,6 +111,7 @@ pub struct ClusterClient {
     state: RwLock<Arc<State>>,
     options: ClusterOptions,
     suspects: Mutex<HashMap<String, Instant>>,
+    taken_elsewhere: crate::taken_elsewhere::TakenElsewhere,
     s3: Option<Arc<dyn ObjectStore>>,
     follower: Mutex<Option<tokio::task::JoinHandle<()>>>,
 }
@@ -179,6 +180,7 @@ impl ClusterClient {
             state: RwLock::new(Arc::new(initial)),
             options,
             suspects: Mutex::default(),
+            taken_elsewhere: Default::default(),
             s3,
             follower: Mutex::new(None),
         });
@@ -207,6 +209,17 @@ impl ClusterClient {
 
     pub fn members(&self) -> Vec<Member> {
         self.current().ring.members().to_vec()
+    }
+
+    /// Each member now, with this client's connection to it.
+    pub fn member_clients(&self) -> Vec<(Member, WorkerClient)> {
+        let state = self.current();
+        state
+            .ring
+            .members()
+            .iter()
+            .filter_map(|m| Some((m.clone(), state.clients.get(&m.id)?.clone())))
+            .collect()
     }
 
     pub fn segment_size(&self) -> u64 {
@@ -269,6 +282,18 @@ impl ClusterClient {
             return Err(ClusterError::NoWorkers(self.membership.describe()));
         };
         let mut order: Vec<Member> = vec![owner.clone()];
+        // A pending write-back taken by another worker lives there: that
+        // worker answers for the object first (stats and pending reads
+        // ask segment 0).
+        if segment == 0 {
+            if let Some(holder) = self.taken_elsewhere.holder(key) {
+                if let Some(m) = state.ring.members().iter().find(|m| m.id == holder) {
+                    if m.id != owner.id {
+                        order.insert(0, m.clone());
+                    }
+                }
+            }
+        }
         let mut last: Option<ClientError> = None;
         let mut expanded = false;
         let mut i = 0;
@@ -327,12 +352,42 @@ impl ClusterClient {
         self.s3.as_ref().filter(|_| self.options.s3_fallback)
     }
 
+    /// Records which worker acknowledged a write of `uri` (its base URL,
+    /// [`WorkerClient::base_url`]): a write-back pending on a worker other
+    /// than the owner is asked for there until it is in S3.
+    pub fn note_written(&self, uri: &ObjectUri, worker: &str, stat: &ObjectStat) {
+        let key = uri.to_string();
+        let state = self.current();
+        let owner = state.ring.owner(&key, 0).map(|m| m.id.clone());
+        let taker = state
+            .clients
+            .iter()
+            .find(|(_, c)| c.base_url() == worker)
+            .map(|(id, _)| id.clone());
+        match taker {
+            Some(id)
+                if lakecache_protocol::is_cache_version(&stat.etag)
+                    && Some(&id) != owner.as_ref() =>
+            {
+                tracing::debug!(%uri, worker = %id, "a write-back pending away from its owner: asking that worker for it");
+                self.taken_elsewhere.note(&key, &id);
+            }
+            _ => self.taken_elsewhere.forget(&key),
+        }
+    }
+
     pub async fn stat(&self, uri: &ObjectUri) -> Result<ObjectStat, ClusterError> {
         let key = uri.to_string();
-        match self
+        let answer = self
             .on_replicas(&key, 0, |c| async move { c.stat(uri).await })
-            .await
-        {
+            .await;
+        if let Ok(stat) = &answer {
+            // In S3 now: the owner can answer for it again.
+            if !lakecache_protocol::is_cache_version(&stat.etag) {
+                self.taken_elsewhere.forget(&key);
+            }
+        }
+        match answer {
             Err(ClusterError::Unavailable(last)) => match self.fallback() {
                 Some(s3) => {
                     tracing::warn!(%uri, last = %Chain(&last), "no worker answered stat; asking S3");

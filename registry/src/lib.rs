@@ -16,6 +16,7 @@ pub mod registry_url;
 pub mod ring;
 pub mod ring_settings;
 pub mod stable_hash;
+mod taken_elsewhere;
 
 pub use client::{ClusterClient, ClusterError, ClusterOptions};
 pub use etcd_access::EtcdAccess;

@@ -273,6 +273,7 @@ async fn health(state: &AppState) -> Response {
             buckets,
             tenants: cache.tenant_usage(),
             deadlines: Some(deadlines),
+            ring_workers: cache.peers.placement().map(|p| p.ring_workers() as u64),
         }
     })
     .await;

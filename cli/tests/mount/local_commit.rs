@@ -160,9 +160,12 @@ fn a_write_back_beside_its_worker_is_committed_from_a_staged_file() {
     );
 }
 
+// Three workers: with the owner gone, the next one takes the commit and
+// still finds a live worker for the second write-back copy (two workers
+// and one down fail the write by design: too few copies).
 #[test]
 fn a_stopped_local_worker_does_not_hold_up_a_staged_commit() {
-    let mut env = Env::start(2);
+    let mut env = Env::start(3);
     let port = mount_beside_worker_0(&mut env);
     let key = key_owned_by(&env, "hung", 0);
     let path = env.mountpoint().join(&key);
@@ -208,7 +211,7 @@ fn a_stopped_local_worker_does_not_hold_up_a_staged_commit() {
 
 #[test]
 fn a_killed_local_worker_does_not_lose_a_staged_commit() {
-    let mut env = Env::start(2);
+    let mut env = Env::start(3);
     let port = mount_beside_worker_0(&mut env);
     let key = key_owned_by(&env, "killed", 0);
     let path = env.mountpoint().join(&key);

@@ -415,3 +415,68 @@ fn with_two_copies_a_worker_that_loses_its_disk_loses_no_acknowledged_checkpoint
     );
     assert_eq!(verified, acked.len());
 }
+
+/// Workers started without a registry cannot order the write-back
+/// versions of one file that reached different workers. A write-back
+/// mount over two of them says so at start, naming each, and `lakecache
+/// status` shows them with no ring. Over workers that know their ring
+/// (the usual environment here), the mount says they all do.
+#[test]
+fn a_write_back_mount_names_workers_that_know_no_ring() {
+    let mut standalone = Env::start(0);
+    for i in 0..2 {
+        let (port, child) = standalone.start_worker(i, 0, &[]);
+        standalone.workers.push((port, child));
+    }
+    standalone.mount_with(&["--write-mode", "back"]);
+    for (port, _) in &standalone.workers {
+        let addr = format!("127.0.0.1:{port}");
+        common::wait_until(
+            "the mount's warning naming each worker",
+            common::scaled(Duration::from_secs(30)),
+            Duration::from_millis(50),
+            || {
+                standalone
+                    .log()
+                    .lines()
+                    .any(|l| l.contains("knows no ring") && l.contains(&addr))
+            },
+        );
+    }
+    let status = |env: &Env| -> (serde_json::Value, String) {
+        let out = Command::new(BIN)
+            .args(["status", "--json", "--registry", &env.registry()])
+            .output_bounded()
+            .unwrap();
+        assert!(
+            out.status.success(),
+            "{}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+        (
+            serde_json::from_slice(&out.stdout).unwrap(),
+            String::from_utf8_lossy(&out.stderr).into_owned(),
+        )
+    };
+    let (json, stderr) = status(&standalone);
+    for m in json["members"].as_array().unwrap() {
+        assert!(m["live"].as_bool().unwrap(), "{m}");
+        assert!(m["ring_workers"].is_null(), "{m}");
+    }
+    assert_eq!(stderr.matches("knows no ring").count(), 2, "{stderr}");
+
+    let mut ringed = Env::start(2);
+    ringed.mount_with(&["--write-mode", "back"]);
+    common::wait_until(
+        "the mount's word that every worker knows its ring",
+        common::scaled(Duration::from_secs(30)),
+        Duration::from_millis(50),
+        || ringed.log().contains("every worker knows the mount's ring"),
+    );
+    assert!(!ringed.log().contains("knows no ring"), "{}", ringed.log());
+    let (json, stderr) = status(&ringed);
+    for m in json["members"].as_array().unwrap() {
+        assert_eq!(m["ring_workers"].as_u64(), Some(2), "{m}");
+    }
+    assert!(!stderr.contains("knows no ring"), "{stderr}");
+}

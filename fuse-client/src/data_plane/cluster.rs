@@ -269,7 +269,9 @@ impl DataPlane for ClusterClient {
                 return Err(stalled());
             }
         };
-        write_answer(result, worker.base_url(), limits.progress)
+        let stat = write_answer(result, worker.base_url(), limits.progress)?;
+        self.note_written(uri, worker.base_url(), &stat);
+        Ok(stat)
     }
 
     fn commits_locally(&self, uri: &ObjectUri) -> bool {
@@ -286,7 +288,11 @@ impl DataPlane for ClusterClient {
     ) -> Option<Result<ObjectStat, DataError>> {
         let worker = self.writer_for(uri).ok()?;
         let answer = worker.commit_local(uri, file, size, meta, progress).await?;
-        Some(write_answer(answer, worker.base_url(), progress))
+        let stat = write_answer(answer, worker.base_url(), progress);
+        if let Ok(stat) = &stat {
+            self.note_written(uri, worker.base_url(), stat);
+        }
+        Some(stat)
     }
 
     async fn follow_local(
@@ -320,7 +326,11 @@ impl DataPlane for ClusterClient {
             .filter(|c| c.base_url() == worker)?;
         let progress = following.progress();
         let answer = client.seal_local(uri, following, size, meta).await?;
-        Some(write_answer(answer, &worker, progress))
+        let stat = write_answer(answer, &worker, progress);
+        if let Ok(stat) = &stat {
+            self.note_written(uri, &worker, stat);
+        }
+        Some(stat)
     }
 
     async fn delete(&self, uri: &ObjectUri) -> Result<(), DataError> {
