@@ -297,17 +297,24 @@ impl Env {
 
     /// `lakecache sync` of the whole bucket: what is written back is in S3.
     fn sync_bucket(&self, timeout_secs: u32) {
+        let timeout = timeout_secs.to_string();
+        let bucket = format!("s3://{BUCKET}/");
+        self.cli_ok(&["sync", &bucket, "--timeout", &timeout]);
+    }
+
+    /// `lakecache ARGS --registry <this cluster>`, which must succeed.
+    fn cli_ok(&self, args: &[&str]) -> std::process::Output {
         let out = Command::new(BIN)
-            .args(["sync", &format!("s3://{BUCKET}/"), "--timeout"])
-            .arg(timeout_secs.to_string())
+            .args(args)
             .args(["--registry", &self.registry()])
             .output_bounded()
             .unwrap();
         assert!(
             out.status.success(),
-            "{}",
+            "lakecache {args:?}: {}",
             String::from_utf8_lossy(&out.stderr)
         );
+        out
     }
 }
 

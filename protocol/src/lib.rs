@@ -49,7 +49,8 @@ pub use user_meta::{
     MAX_USER_META_BYTES, METADATA_DIRECTIVE_HEADER, META_HEADER_PREFIX,
 };
 pub use writeback::{
-    header_lists, is_cache_version, EntryState, UriWrite, WriteBackEntry, WriteBackStatus,
-    WriteMode, BODY_CRC32C_TRAILER, CACHE_VERSION_PREFIX, CONFIRM_HEADER, KEEPALIVE_HEADER,
-    LENGTH_HEADER, REPLICA_OF_HEADER, SENT_AT_HEADER, VERSION_HEADER, WRITE_MODE_HEADER,
+    header_lists, is_cache_version, parse_written_stamp, written_stamp, EntryState, UriWrite,
+    WriteBackEntry, WriteBackStatus, WriteMode, BODY_CRC32C_TRAILER, CACHE_VERSION_PREFIX,
+    CONFIRM_HEADER, KEEPALIVE_HEADER, LENGTH_HEADER, REPLICA_OF_HEADER, SENT_AT_HEADER,
+    VERSION_HEADER, WRITE_MODE_HEADER, WRITTEN_STAMP_META,
 };

@@ -163,6 +163,42 @@ impl UriWrite {
     }
 }
 
+/// User-metadata key (`x-amz-meta-lakecache-written`) a write-back upload
+/// stores its [`UriWrite::stamp`] under, as `ACKED_MS JOURNAL_ID`. S3 then
+/// remembers which acknowledged write it holds, past any worker's restart:
+/// a worker about to upload an older version of the object skips it.
+pub const WRITTEN_STAMP_META: &str = "lakecache-written";
+
+/// The [`WRITTEN_STAMP_META`] value of a write.
+pub fn written_stamp(acked_ms: i64, journal_id: &str) -> String {
+    format!("{acked_ms} {journal_id}")
+}
+
+/// A [`WRITTEN_STAMP_META`] value read back; None when absent or not one
+/// (an object written by another tool, or metadata edited by hand).
+pub fn parse_written_stamp(value: &str) -> Option<(i64, String)> {
+    let (ms, id) = value.trim().split_once(' ')?;
+    let ms = ms.parse::<i64>().ok()?;
+    (!id.is_empty() && !id.contains(' ')).then(|| (ms, id.to_string()))
+}
+
+#[cfg(test)]
+mod written_stamp_tests {
+    use super::*;
+
+    #[test]
+    fn stamps_read_back_and_anything_else_is_none() {
+        let v = written_stamp(1_764_000_000_123, "j-abc");
+        assert_eq!(
+            parse_written_stamp(&v),
+            Some((1_764_000_000_123, "j-abc".into()))
+        );
+        for bad in ["", "123", "x j", "123 ", "1 a b", " 5"] {
+            assert_eq!(parse_written_stamp(bad), None, "{bad:?}");
+        }
+    }
+}
+
 /// What a primary knows of one pending version, as a replica asks
 /// (`GET /v1/writeback/entry/<bucket>/<key>?version=`).
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]

@@ -550,10 +550,13 @@ async fn write(
         WriteRole::Primary => check!(access.write(&uri)),
         WriteRole::Replica { .. } => check!(access.peer_object(&uri)),
     }
-    let user = match user_meta_from_headers(req.headers()) {
+    let mut user = match user_meta_from_headers(req.headers()) {
         Ok(m) => m,
         Err(e) => return error(ErrorCode::BadRequest, e.to_string()),
     };
+    // Only a write-back upload sets its write stamp: one a client sends
+    // (copied from a stat, or forged) could make workers skip later writes.
+    user.remove(lakecache_protocol::WRITTEN_STAMP_META);
     if let Some(source) = req.headers().get(COPY_SOURCE_HEADER) {
         let replace = match req
             .headers()

@@ -331,6 +331,31 @@ async fn user_metadata_is_stored_returned_and_replaced_by_a_copy() {
     assert_eq!(h.direct.head(&through).await.unwrap().user, new);
 }
 
+/// Only a write-back upload stamps its write in S3: a stamp a client
+/// sends (copied from a stat, or forged to hold later writes back) is
+/// not stored.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_client_cannot_set_the_write_stamp() {
+    let h = Harness::start().await;
+    let sent: lakecache_protocol::UserMeta = [
+        ("mode".to_string(), "33188".to_string()),
+        (
+            lakecache_protocol::WRITTEN_STAMP_META.to_string(),
+            lakecache_protocol::written_stamp(i64::MAX / 2, "forged"),
+        ),
+    ]
+    .into();
+    let through = uri("meta/stamped");
+    let body = http_body_util::BodyExt::boxed(http_body_util::BodyExt::map_err(
+        http_body_util::Full::new(Bytes::from_static(b"stamp")),
+        |e| match e {},
+    ));
+    h.client.put(&through, body, &sent).await.unwrap();
+    let stored = h.direct.head(&through).await.unwrap().user;
+    let want: lakecache_protocol::UserMeta = [("mode".to_string(), "33188".to_string())].into();
+    assert_eq!(stored, want);
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn objects_above_the_copy_limit_are_copied_in_parts_with_their_metadata() {
     // The limit stands in for S3's 5 GiB: 12 MiB copies as 5 + 5 + 2 MiB.

@@ -429,6 +429,68 @@ async fn a_worker_back_from_an_outage_skips_a_version_older_than_one_in_s3() {
     b.shutdown().await;
 }
 
+/// The same, with B restarted over its directory (forgetting what it
+/// uploaded) before A comes back: B has nothing left to tell A, but S3
+/// keeps the newer version's write stamp, which A reads before uploading
+/// and so skips its older version. Before the stamp, A's older version
+/// landed over the newer one here.
+#[tokio::test]
+async fn an_older_version_is_skipped_after_the_newer_ones_worker_restarted() {
+    let mut h = Harness::with(ordered_versions).await;
+    let TwoWorkers {
+        b,
+        b_client,
+        a_addr,
+        b_addr,
+        _b_dir,
+    } = two_workers(&h).await;
+    h.faults()
+        .inject(S3Op::PutObject, Fault::InternalError, 1_000_000);
+    let older = data(MIB as usize, 7);
+    let newer = data(MIB as usize / 2, 8);
+    put_back(&h.client, "ver/restart", &older).await.unwrap();
+    eventually(Duration::from_secs(30), "A's upload fails", || async {
+        status(&h.client).await.last_error.is_some()
+    })
+    .await;
+    h.worker.take().unwrap().shutdown().await;
+    h.faults().clear();
+    put_back(&b_client, "ver/restart", &newer).await.unwrap();
+    eventually(
+        Duration::from_secs(60),
+        "B uploads past the silent A",
+        || async { h.s3_bytes("ver/restart").await.as_deref() == Some(&newer[..]) },
+    )
+    .await;
+    b.shutdown().await;
+    let b2 = h.start_another(_b_dir.path(), Some(&b_addr)).await;
+    place(&b2, std::slice::from_ref(&a_addr));
+    let object = uri("ver/restart");
+    let remembered = client(&b2)
+        .writeback_status_of(&format!("s3://{}/", object.bucket()), &object.to_string())
+        .await
+        .unwrap()
+        .writes_of_uri;
+    assert!(
+        remembered.is_empty(),
+        "B still knows its upload: {remembered:?}"
+    );
+    h.options.cache.writeback.await_ring = true;
+    let a2 = h.start_another(&h.options.cache_dir, Some(&a_addr)).await;
+    place(&a2, std::slice::from_ref(&b_addr));
+    let a_client = client(&a2);
+    eventually(Duration::from_secs(60), "A's backlog drains", || async {
+        status(&a_client).await.pending_objects == 0
+    })
+    .await;
+    assert!(
+        h.s3_bytes("ver/restart").await.as_deref() == Some(&newer[..]),
+        "A's older version landed over the newer one"
+    );
+    a2.shutdown().await;
+    b2.shutdown().await;
+}
+
 /// A rename through the mount is a copy sent to the owner of the new
 /// name, which need not hold the source: here `latest.tmp` is pending
 /// on A (its copy on B) and the copy goes to C. C finds the pending

@@ -444,15 +444,7 @@ fn a_write_back_mount_names_workers_that_know_no_ring() {
         );
     }
     let status = |env: &Env| -> (serde_json::Value, String) {
-        let out = Command::new(BIN)
-            .args(["status", "--json", "--registry", &env.registry()])
-            .output_bounded()
-            .unwrap();
-        assert!(
-            out.status.success(),
-            "{}",
-            String::from_utf8_lossy(&out.stderr)
-        );
+        let out = env.cli_ok(&["status", "--json"]);
         (
             serde_json::from_slice(&out.stdout).unwrap(),
             String::from_utf8_lossy(&out.stderr).into_owned(),
