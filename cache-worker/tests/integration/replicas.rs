@@ -380,53 +380,68 @@ async fn an_older_version_pending_elsewhere_is_skipped_for_a_newer_one() {
     b.shutdown().await;
 }
 
-/// The same, with A stopped (its journal kept) until after B's order
-/// wait: B uploads the newer version, and A, back at its address,
-/// learns from B that a newer version landed and skips its own.
-#[tokio::test]
-async fn a_worker_back_from_an_outage_skips_a_version_older_than_one_in_s3() {
-    let mut h = Harness::with(ordered_versions).await;
-    let TwoWorkers {
-        b,
-        b_client,
-        a_addr,
-        b_addr,
-        _b_dir,
-    } = two_workers(&h).await;
+/// A's upload of an older version of `key` fails, A stops (its journal
+/// kept), and B takes and uploads a newer version past the silent A.
+/// Returns the harness, the two workers and the newer bytes.
+async fn newer_landed_while_a_was_away(key: &str) -> (Harness, TwoWorkers, Vec<u8>) {
+    let h = Harness::with(ordered_versions).await;
+    let two = two_workers(&h).await;
     h.faults()
         .inject(S3Op::PutObject, Fault::InternalError, 1_000_000);
     let older = data(MIB as usize, 7);
     let newer = data(MIB as usize / 2, 8);
-    put_back(&h.client, "ver/latest", &older).await.unwrap();
+    put_back(&h.client, key, &older).await.unwrap();
     eventually(Duration::from_secs(30), "A's upload fails", || async {
         status(&h.client).await.last_error.is_some()
     })
     .await;
+    let mut h = h;
     h.worker.take().unwrap().shutdown().await;
     h.faults().clear();
-    put_back(&b_client, "ver/latest", &newer).await.unwrap();
+    put_back(&two.b_client, key, &newer).await.unwrap();
     eventually(
         Duration::from_secs(60),
         "B uploads past the silent A",
-        || async { h.s3_bytes("ver/latest").await.as_deref() == Some(&newer[..]) },
+        || async { h.s3_bytes(key).await.as_deref() == Some(&newer[..]) },
     )
     .await;
+    (h, two, newer)
+}
+
+/// A back at its address, with `peer` as its ring: its backlog drains
+/// and S3 still holds `newer` at `key`.
+async fn a_returns_and_s3_keeps_the_newer(
+    h: &mut Harness,
+    a_addr: &str,
+    peer: &str,
+    key: &str,
+    newer: &[u8],
+) {
     // As `lakecache worker` does with a registry: no upload before the
     // ring is known.
     h.options.cache.writeback.await_ring = true;
-    let a2 = h.start_another(&h.options.cache_dir, Some(&a_addr)).await;
-    place(&a2, std::slice::from_ref(&b_addr));
+    let a2 = h.start_another(&h.options.cache_dir, Some(a_addr)).await;
+    place(&a2, &[peer.to_string()]);
     let a_client = client(&a2);
     eventually(Duration::from_secs(60), "A's backlog drains", || async {
         status(&a_client).await.pending_objects == 0
     })
     .await;
     assert!(
-        h.s3_bytes("ver/latest").await.as_deref() == Some(&newer[..]),
+        h.s3_bytes(key).await.as_deref() == Some(newer),
         "A's older version landed over the newer one"
     );
     a2.shutdown().await;
-    b.shutdown().await;
+}
+
+/// The same, with A stopped (its journal kept) until after B's order
+/// wait: B uploads the newer version, and A, back at its address,
+/// learns from B that a newer version landed and skips its own.
+#[tokio::test]
+async fn a_worker_back_from_an_outage_skips_a_version_older_than_one_in_s3() {
+    let (mut h, two, newer) = newer_landed_while_a_was_away("ver/latest").await;
+    a_returns_and_s3_keeps_the_newer(&mut h, &two.a_addr, &two.b_addr, "ver/latest", &newer).await;
+    two.b.shutdown().await;
 }
 
 /// The same, with B restarted over its directory (forgetting what it
@@ -436,35 +451,10 @@ async fn a_worker_back_from_an_outage_skips_a_version_older_than_one_in_s3() {
 /// landed over the newer one here.
 #[tokio::test]
 async fn an_older_version_is_skipped_after_the_newer_ones_worker_restarted() {
-    let mut h = Harness::with(ordered_versions).await;
-    let TwoWorkers {
-        b,
-        b_client,
-        a_addr,
-        b_addr,
-        _b_dir,
-    } = two_workers(&h).await;
-    h.faults()
-        .inject(S3Op::PutObject, Fault::InternalError, 1_000_000);
-    let older = data(MIB as usize, 7);
-    let newer = data(MIB as usize / 2, 8);
-    put_back(&h.client, "ver/restart", &older).await.unwrap();
-    eventually(Duration::from_secs(30), "A's upload fails", || async {
-        status(&h.client).await.last_error.is_some()
-    })
-    .await;
-    h.worker.take().unwrap().shutdown().await;
-    h.faults().clear();
-    put_back(&b_client, "ver/restart", &newer).await.unwrap();
-    eventually(
-        Duration::from_secs(60),
-        "B uploads past the silent A",
-        || async { h.s3_bytes("ver/restart").await.as_deref() == Some(&newer[..]) },
-    )
-    .await;
-    b.shutdown().await;
-    let b2 = h.start_another(_b_dir.path(), Some(&b_addr)).await;
-    place(&b2, std::slice::from_ref(&a_addr));
+    let (mut h, two, newer) = newer_landed_while_a_was_away("ver/restart").await;
+    two.b.shutdown().await;
+    let b2 = h.start_another(two._b_dir.path(), Some(&two.b_addr)).await;
+    place(&b2, std::slice::from_ref(&two.a_addr));
     let object = uri("ver/restart");
     let remembered = client(&b2)
         .writeback_status_of(&format!("s3://{}/", object.bucket()), &object.to_string())
@@ -475,19 +465,7 @@ async fn an_older_version_is_skipped_after_the_newer_ones_worker_restarted() {
         remembered.is_empty(),
         "B still knows its upload: {remembered:?}"
     );
-    h.options.cache.writeback.await_ring = true;
-    let a2 = h.start_another(&h.options.cache_dir, Some(&a_addr)).await;
-    place(&a2, std::slice::from_ref(&b_addr));
-    let a_client = client(&a2);
-    eventually(Duration::from_secs(60), "A's backlog drains", || async {
-        status(&a_client).await.pending_objects == 0
-    })
-    .await;
-    assert!(
-        h.s3_bytes("ver/restart").await.as_deref() == Some(&newer[..]),
-        "A's older version landed over the newer one"
-    );
-    a2.shutdown().await;
+    a_returns_and_s3_keeps_the_newer(&mut h, &two.a_addr, &two.b_addr, "ver/restart", &newer).await;
     b2.shutdown().await;
 }
 
