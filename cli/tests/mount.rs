@@ -30,7 +30,7 @@ struct Env {
     rt: tokio::runtime::Runtime,
     s3: Arc<dyn ObjectStore>,
     s3_port: u16,
-    _s3_proc: Proc,
+    s3_proc: Proc,
     workers: Vec<(u16, Proc)>,
     /// The `--registry` every worker is started with when the environment
     /// has more than one: workers that know their ring, as deployed
@@ -75,7 +75,7 @@ impl Env {
             rt,
             s3,
             s3_port,
-            _s3_proc: s3_proc,
+            s3_proc: s3_proc,
             workers: Vec::new(),
             worker_ring: None,
             mount: None,
@@ -169,6 +169,35 @@ impl Env {
         for (i, path) in self.worker_log_paths.iter().enumerate() {
             let text = fs::read_to_string(path).unwrap_or_default();
             out += &format!("--- worker {i}\n{}\n", common::tail(&text, 40));
+        }
+        out
+    }
+
+    /// What a failure needs to be read: free space where the test keeps
+    /// its files, and the error and warning lines of the S3 endpoint and
+    /// of every worker (a 500 from the endpoint names its cause only in
+    /// the endpoint's own log).
+    fn trouble(&self) -> String {
+        let df = Command::new("df")
+            .args(["-h", "--output=avail,size,target"])
+            .arg(self.dir.path())
+            .output()
+            .map(|o| String::from_utf8_lossy(&o.stdout).into_owned())
+            .unwrap_or_else(|e| format!("df failed: {e}\n"));
+        let warnings = |text: &str| {
+            let lines: Vec<&str> = text
+                .lines()
+                .filter(|l| l.contains(" ERROR ") || l.contains(" WARN "))
+                .collect();
+            lines[lines.len().saturating_sub(20)..].join("\n")
+        };
+        let mut out = format!(
+            "--- free space\n{df}--- s3-server, errors and warnings\n{}\n",
+            warnings(&self.s3_proc.log_text())
+        );
+        for (i, path) in self.worker_log_paths.iter().enumerate() {
+            let text = fs::read_to_string(path).unwrap_or_default();
+            out += &format!("--- worker {i}, errors and warnings\n{}\n", warnings(&text));
         }
         out
     }

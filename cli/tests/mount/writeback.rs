@@ -91,7 +91,7 @@ fn writer(
 fn restart_s3(env: &mut Env, root: &Path) {
     let (proc, port) = common::start_s3_on(root, ACCESS, SECRET, BUCKET, &[], env.s3_port);
     assert_eq!(port, env.s3_port);
-    env._s3_proc = proc;
+    env.s3_proc = proc;
 }
 
 /// Waits until `acked` holds at least `n` files whose key contains `tag`:
@@ -176,7 +176,7 @@ fn acknowledged_checkpoints_survive_worker_kills_an_s3_outage_and_a_killed_mount
 
     // 4. S3 stopped for a while: writes keep being acknowledged.
     let s3_root = env.dir.path().join("s3");
-    env._s3_proc.kill9();
+    env.s3_proc.kill9();
     // The first S3 call after the outage began pays the SDK's retries;
     // after it the worker fails metadata calls fast (and answers from what
     // it knows), so this writer's lookups do not time out.
@@ -373,7 +373,7 @@ fn with_two_copies_a_worker_that_loses_its_disk_loses_no_acknowledged_checkpoint
     // With S3 up most writes would upload at once; stopping it first
     // keeps every write pending when the disk goes.
     let s3_root = env.dir.path().join("s3");
-    env._s3_proc.kill9();
+    env.s3_proc.kill9();
 
     let stop = Arc::new(AtomicBool::new(false));
     let w = writer(mnt.clone(), acked.clone(), stop.clone(), "disk");
