@@ -75,7 +75,7 @@ impl Env {
             rt,
             s3,
             s3_port,
-            s3_proc: s3_proc,
+            s3_proc,
             workers: Vec::new(),
             worker_ring: None,
             mount: None,
