@@ -12,7 +12,7 @@ use tokio::time::Instant;
 
 use bytes::Bytes;
 use lakecache_protocol::{ListResponse, ObjectUri, UserMeta};
-use lakecache_store::{CopyRange, ObjectMeta, ObjectStore, PartReceipt, StoreError};
+use lakecache_store::{CopyRange, ObjectMeta, ObjectStore, PartReceipt, StoreError, WriteIf};
 
 struct Bucket {
     rate: f64,
@@ -141,14 +141,15 @@ impl ObjectStore for TenantRateLimited {
             .await
     }
 
-    async fn put(
+    async fn put_if(
         &self,
         uri: &ObjectUri,
         data: Bytes,
         meta: &UserMeta,
+        condition: &WriteIf,
     ) -> Result<String, StoreError> {
         self.admit().await;
-        self.inner.put(uri, data, meta).await
+        self.inner.put_if(uri, data, meta, condition).await
     }
 
     async fn create_multipart(
@@ -173,14 +174,17 @@ impl ObjectStore for TenantRateLimited {
             .await
     }
 
-    async fn complete_multipart(
+    async fn complete_multipart_if(
         &self,
         uri: &ObjectUri,
         upload_id: &str,
         parts: Vec<(i32, PartReceipt)>,
+        condition: &WriteIf,
     ) -> Result<String, StoreError> {
         self.admit().await;
-        self.inner.complete_multipart(uri, upload_id, parts).await
+        self.inner
+            .complete_multipart_if(uri, upload_id, parts, condition)
+            .await
     }
 
     async fn abort_multipart(&self, uri: &ObjectUri, upload_id: &str) -> Result<(), StoreError> {

@@ -8,6 +8,7 @@
 //! by the S3 ETag, once their object is uploaded (`upload.rs`).
 
 mod copies;
+mod landing;
 mod replica;
 mod stage;
 mod upload;
@@ -136,6 +137,9 @@ pub struct WriteBack {
     taken_over: Mutex<HashSet<String>>,
     /// Peers that stopped answering the uploader's order checks, since when.
     silent_peers: Mutex<HashMap<String, std::time::Instant>>,
+    /// The store refused a conditional write as not implemented: uploads
+    /// go without conditions from then on (said once).
+    pub(crate) unconditional_only: std::sync::atomic::AtomicBool,
     pub(crate) pages: PageStore,
     journal: Mutex<Journal>,
     overlay: Mutex<Overlay>,
@@ -216,6 +220,7 @@ impl WriteBack {
             in_flight: Mutex::default(),
             taken_over: Mutex::default(),
             silent_peers: Mutex::default(),
+            unconditional_only: Default::default(),
             pages,
             journal: Mutex::new(journal),
             overlay: Mutex::new(overlay),

@@ -5,7 +5,7 @@ use std::sync::{Arc, Mutex};
 use bytes::Bytes;
 use lakecache_protocol::{ListResponse, ObjectUri, UserMeta};
 
-use crate::{CopyRange, ObjectMeta, ObjectStore, PartReceipt, StoreError};
+use crate::{CopyRange, ObjectMeta, ObjectStore, PartReceipt, StoreError, WriteIf};
 
 /// A fault the next matching call returns instead of reaching the store.
 #[derive(Debug, Clone)]
@@ -111,16 +111,17 @@ impl<S: ObjectStore> ObjectStore for FaultyStore<S> {
             .await
     }
 
-    async fn put(
+    async fn put_if(
         &self,
         uri: &ObjectUri,
         data: Bytes,
         meta: &UserMeta,
+        condition: &WriteIf,
     ) -> Result<String, StoreError> {
         if let Some(e) = self.take_write() {
             return Err(e);
         }
-        self.inner.put(uri, data, meta).await
+        self.inner.put_if(uri, data, meta, condition).await
     }
 
     async fn create_multipart(
@@ -146,16 +147,19 @@ impl<S: ObjectStore> ObjectStore for FaultyStore<S> {
             .await
     }
 
-    async fn complete_multipart(
+    async fn complete_multipart_if(
         &self,
         uri: &ObjectUri,
         upload_id: &str,
         parts: Vec<(i32, PartReceipt)>,
+        condition: &WriteIf,
     ) -> Result<String, StoreError> {
         if let Some(e) = self.take_write() {
             return Err(e);
         }
-        self.inner.complete_multipart(uri, upload_id, parts).await
+        self.inner
+            .complete_multipart_if(uri, upload_id, parts, condition)
+            .await
     }
 
     async fn abort_multipart(&self, uri: &ObjectUri, upload_id: &str) -> Result<(), StoreError> {

@@ -63,8 +63,23 @@ pub enum StoreError {
     AccessDenied(String),
     #[error("invalid response from object store: {0}")]
     InvalidResponse(String),
+    #[error("object store does not implement this request: {0}")]
+    Unsupported(String),
     #[error("object store error: {0}")]
     Other(String),
+}
+
+/// What the store must hold for a write to land: S3's conditional
+/// writes (`If-None-Match: *`, `If-Match`). A write that lands only over
+/// what its writer last saw cannot bury one that came in between.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub enum WriteIf {
+    #[default]
+    Always,
+    /// No object under the key.
+    Absent,
+    /// The object tagged with this ETag (unquoted).
+    Matches(String),
 }
 
 /// One call per S3 operation the cache needs. Implementations are real
@@ -139,6 +154,19 @@ pub trait ObjectStore: Send + Sync + 'static {
         uri: &ObjectUri,
         data: Bytes,
         meta: &UserMeta,
+    ) -> Result<String, StoreError> {
+        self.put_if(uri, data, meta, &WriteIf::Always).await
+    }
+
+    /// [`Self::put`] that lands only while `condition` holds in the store
+    /// ([`StoreError::PreconditionFailed`], or [`StoreError::NotFound`]
+    /// for [`WriteIf::Matches`] on a missing object, otherwise).
+    async fn put_if(
+        &self,
+        uri: &ObjectUri,
+        data: Bytes,
+        meta: &UserMeta,
+        condition: &WriteIf,
     ) -> Result<String, StoreError>;
 
     /// Starts an upload whose object gets `meta` as its user metadata.
@@ -163,6 +191,20 @@ pub trait ObjectStore: Send + Sync + 'static {
         uri: &ObjectUri,
         upload_id: &str,
         parts: Vec<(i32, PartReceipt)>,
+    ) -> Result<String, StoreError> {
+        self.complete_multipart_if(uri, upload_id, parts, &WriteIf::Always)
+            .await
+    }
+
+    /// [`Self::complete_multipart`] under `condition`, as [`Self::put_if`];
+    /// an upload whose condition failed is still open (complete it again
+    /// or abort it).
+    async fn complete_multipart_if(
+        &self,
+        uri: &ObjectUri,
+        upload_id: &str,
+        parts: Vec<(i32, PartReceipt)>,
+        condition: &WriteIf,
     ) -> Result<String, StoreError>;
 
     async fn abort_multipart(&self, uri: &ObjectUri, upload_id: &str) -> Result<(), StoreError>;

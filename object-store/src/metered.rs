@@ -6,7 +6,7 @@ use bytes::Bytes;
 use lakecache_protocol::{ListResponse, ObjectUri, UserMeta};
 use tracing::Instrument as _;
 
-use crate::{CopyRange, ObjectMeta, ObjectStore, PartReceipt, StoreError, StoreMetrics};
+use crate::{CopyRange, ObjectMeta, ObjectStore, PartReceipt, StoreError, StoreMetrics, WriteIf};
 
 /// Records requests, bytes and latency of every call to the inner store.
 pub struct MeteredStore<S> {
@@ -31,6 +31,7 @@ impl<S: ObjectStore> MeteredStore<S> {
             Err(StoreError::NotFound) => "not_found",
             Err(StoreError::PreconditionFailed) => "precondition_failed",
             Err(StoreError::Throttled(_)) => "throttled",
+            Err(StoreError::Unsupported(_)) => "unsupported",
             Err(_) => "error",
         };
         self.metrics
@@ -117,16 +118,17 @@ impl<S: ObjectStore> ObjectStore for MeteredStore<S> {
         r
     }
 
-    async fn put(
+    async fn put_if(
         &self,
         uri: &ObjectUri,
         data: Bytes,
         meta: &UserMeta,
+        condition: &WriteIf,
     ) -> Result<String, StoreError> {
         let (t, n) = (Instant::now(), data.len() as u64);
         let r = self
             .inner
-            .put(uri, data, meta)
+            .put_if(uri, data, meta, condition)
             .instrument(tracing::info_span!("s3", op = "put_object"))
             .await;
         self.record("put_object", t, n, &r);
@@ -164,16 +166,17 @@ impl<S: ObjectStore> ObjectStore for MeteredStore<S> {
         r
     }
 
-    async fn complete_multipart(
+    async fn complete_multipart_if(
         &self,
         uri: &ObjectUri,
         upload_id: &str,
         parts: Vec<(i32, PartReceipt)>,
+        condition: &WriteIf,
     ) -> Result<String, StoreError> {
         let t = Instant::now();
         let r = self
             .inner
-            .complete_multipart(uri, upload_id, parts)
+            .complete_multipart_if(uri, upload_id, parts, condition)
             .instrument(tracing::info_span!("s3", op = "complete_multipart_upload"))
             .await;
         self.record("complete_multipart_upload", t, 0, &r);

@@ -22,7 +22,7 @@ use lakecache_protocol::{ListEntry, ListResponse, ObjectUri, UserMeta};
 
 use crate::{
     crc32c_header, unquote_etag, CopyRange, ObjectMeta, ObjectStore, PartReceipt, StoreError,
-    StoreMetrics,
+    StoreMetrics, WriteIf,
 };
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Deserialize)]
@@ -261,6 +261,10 @@ where
     match (&err, status) {
         (_, Some(404)) => StoreError::NotFound,
         (_, Some(412)) => StoreError::PreconditionFailed,
+        // A conditional write that raced another write to the same key:
+        // S3 asks for it to be tried again, which means checking anew.
+        (_, Some(409)) if code == "ConditionalRequestConflict" => StoreError::PreconditionFailed,
+        (_, Some(501)) => StoreError::Unsupported(detail),
         (_, Some(403)) => StoreError::AccessDenied(code),
         (_, Some(503)) if code == "SlowDown" || code.is_empty() => StoreError::Throttled(detail),
         (_, Some(s)) if s >= 500 => StoreError::Unavailable(detail),
@@ -269,6 +273,15 @@ where
         }
         (SdkError::ResponseError(_), _) => StoreError::InvalidResponse(detail),
         _ => StoreError::Other(detail),
+    }
+}
+
+/// `If-Match` and `If-None-Match` for a write under `condition`.
+fn condition_headers(condition: &WriteIf) -> (Option<String>, Option<String>) {
+    match condition {
+        WriteIf::Always => (None, None),
+        WriteIf::Absent => (None, Some("*".into())),
+        WriteIf::Matches(etag) => (Some(quoted(etag)), None),
     }
 }
 
@@ -359,14 +372,16 @@ impl ObjectStore for S3Store {
         })
     }
 
-    async fn put(
+    async fn put_if(
         &self,
         uri: &ObjectUri,
         data: Bytes,
         meta: &UserMeta,
+        condition: &WriteIf,
     ) -> Result<String, StoreError> {
         let len = data.len() as i64;
         let crc = self.checksums.then(|| crc32c_header(&data));
+        let (if_match, if_none_match) = condition_headers(condition);
         let out = self
             .unstalled("PutObject", uri, data.len(), || {
                 self.client
@@ -376,6 +391,8 @@ impl ObjectStore for S3Store {
                     .set_metadata(sdk_meta(meta))
                     .content_length(len)
                     .set_checksum_crc32_c(crc.clone())
+                    .set_if_match(if_match.clone())
+                    .set_if_none_match(if_none_match.clone())
                     .body(ByteStream::from(data.clone()))
                     .send()
             })
@@ -437,11 +454,12 @@ impl ObjectStore for S3Store {
         Ok(PartReceipt { etag, crc32c: crc })
     }
 
-    async fn complete_multipart(
+    async fn complete_multipart_if(
         &self,
         uri: &ObjectUri,
         upload_id: &str,
         parts: Vec<(i32, PartReceipt)>,
+        condition: &WriteIf,
     ) -> Result<String, StoreError> {
         let parts = parts
             .into_iter()
@@ -453,6 +471,7 @@ impl ObjectStore for S3Store {
                     .build()
             })
             .collect();
+        let (if_match, if_none_match) = condition_headers(condition);
         let out = self
             .client
             .complete_multipart_upload()
@@ -464,6 +483,8 @@ impl ObjectStore for S3Store {
                     .set_parts(Some(parts))
                     .build(),
             )
+            .set_if_match(if_match)
+            .set_if_none_match(if_none_match)
             .send()
             .await
             .map_err(map_sdk_error)?;

@@ -28,6 +28,32 @@ pub enum DbError {
     },
     #[error("corrupt record for {0}")]
     Corrupt(String),
+    /// A conditional write found the key other than its condition says.
+    #[error("the object under {key} is not what the write's condition names")]
+    ConditionFailed { key: String, missing: bool },
+}
+
+/// What a write asks the key to hold for it to land (S3's If-Match and
+/// If-None-Match on PutObject and CompleteMultipartUpload).
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub enum WriteCondition {
+    #[default]
+    None,
+    /// `If-None-Match: *`: no object under the key.
+    Absent,
+    /// `If-Match: "etag"`: the object tagged so.
+    Matches(String),
+}
+
+impl WriteCondition {
+    fn holds(&self, current: Option<&ObjectRecord>) -> bool {
+        match (self, current) {
+            (Self::None, _) => true,
+            (Self::Absent, current) => current.is_none(),
+            (Self::Matches(tag), Some(record)) => *tag == record.etag,
+            (Self::Matches(_), None) => false,
+        }
+    }
 }
 
 fn io_err(path: &Path) -> impl FnOnce(std::io::Error) -> DbError + '_ {
@@ -215,6 +241,23 @@ impl ObjectDb {
         etag: String,
         attrs: Attrs,
     ) -> Result<ObjectRecord, DbError> {
+        self.commit_if(bucket, key, tmp, size, etag, attrs, &WriteCondition::None)
+    }
+
+    /// [`Self::commit`] when `condition` holds at the moment of the
+    /// commit (checked under the commit lock, so no other write comes
+    /// between); otherwise the temp file is removed and nothing changes.
+    #[allow(clippy::too_many_arguments)]
+    pub fn commit_if(
+        &self,
+        bucket: &str,
+        key: &str,
+        tmp: &Path,
+        size: u64,
+        etag: String,
+        attrs: Attrs,
+        condition: &WriteCondition,
+    ) -> Result<ObjectRecord, DbError> {
         let blob = uuid::Uuid::new_v4().simple().to_string();
         let dest = self.blob_path(&blob);
         if let Some(parent) = dest.parent() {
@@ -233,6 +276,13 @@ impl ObjectDb {
         let old = {
             let _guard = self.commit_lock.lock().unwrap_or_else(|p| p.into_inner());
             let old = self.get(bucket, key)?;
+            if !condition.holds(old.as_ref()) {
+                let _ = std::fs::remove_file(&dest);
+                return Err(DbError::ConditionFailed {
+                    key: key.to_string(),
+                    missing: old.is_none(),
+                });
+            }
             self.db.put_cf_opt(
                 self.cf(CF_OBJECTS),
                 object_key(bucket, key),

@@ -74,6 +74,10 @@ pub enum Fault {
     CorruptRequestBody,
     /// Answer normally after this many milliseconds (a far-away lake).
     Delay { ms: u64 },
+    /// Answer 501 NotImplemented to a write that carries `If-Match` or
+    /// `If-None-Match` (a store without conditional writes); serve the
+    /// request otherwise.
+    RefuseConditionalWrites,
     /// Serve the request at once and hold the answer this many
     /// milliseconds: the client gets the store as it was when the request
     /// arrived, late (a listing that describes a moment already past).

@@ -11,7 +11,9 @@ use s3s::{s3_error, S3Error, S3ErrorCode, S3Request, S3Response, S3Result, S3};
 use tokio::io::{AsyncReadExt, AsyncSeekExt, AsyncWriteExt};
 use tokio_util::io::ReaderStream;
 
-use crate::db::{cursor_is_valid, Attrs, DbError, ObjectDb, ObjectRecord, UploadRecord};
+use crate::db::{
+    cursor_is_valid, Attrs, DbError, ObjectDb, ObjectRecord, UploadRecord, WriteCondition,
+};
 use crate::faults::FaultInjector;
 use crate::part_copy;
 
@@ -113,6 +115,14 @@ impl EmbeddedS3 {
 }
 
 fn internal(e: DbError) -> S3Error {
+    // Not storage errors: a conditional write's answer, as S3 gives it.
+    if let DbError::ConditionFailed { missing, .. } = e {
+        return if missing {
+            s3_error!(NoSuchKey)
+        } else {
+            s3_error!(PreconditionFailed)
+        };
+    }
     tracing::error!(error = %e, "embedded s3 storage error");
     s3_error!(e, InternalError)
 }
@@ -120,6 +130,33 @@ fn internal(e: DbError) -> S3Error {
 fn io_internal(e: std::io::Error) -> S3Error {
     tracing::error!(error = %e, "embedded s3 i/o error");
     s3_error!(e, InternalError)
+}
+
+/// The condition of a write (PutObject, CompleteMultipartUpload), as S3
+/// takes it: `If-None-Match: *` or `If-Match` with an ETag, not both.
+fn write_condition(
+    if_match: Option<&IfMatch>,
+    if_none_match: Option<&IfNoneMatch>,
+) -> S3Result<WriteCondition> {
+    match (if_match, if_none_match) {
+        (None, None) => Ok(WriteCondition::None),
+        (Some(ETagCondition::ETag(tag)), None) => {
+            Ok(WriteCondition::Matches(tag.value().to_string()))
+        }
+        (None, Some(ETagCondition::Any)) => Ok(WriteCondition::Absent),
+        (Some(_), Some(_)) => Err(s3_error!(
+            InvalidRequest,
+            "a write takes If-Match or If-None-Match, not both"
+        )),
+        (Some(ETagCondition::Any), None) => Err(s3_error!(
+            NotImplemented,
+            "a write's If-Match takes an ETag, not *"
+        )),
+        (None, Some(ETagCondition::ETag(_))) => Err(s3_error!(
+            NotImplemented,
+            "a write's If-None-Match takes only *"
+        )),
+    }
 }
 
 fn check_if_match(cond: Option<&IfMatch>, record: &ObjectRecord) -> S3Result<()> {
@@ -347,6 +384,7 @@ impl S3 for EmbeddedS3 {
     ) -> S3Result<S3Response<PutObjectOutput>> {
         let input = req.input;
         self.require_bucket(&input.bucket).await?;
+        let condition = write_condition(input.if_match.as_ref(), input.if_none_match.as_ref())?;
         let tmp = self.db.tmp_path();
         let received = receive_body(
             &tmp,
@@ -364,7 +402,7 @@ impl S3 for EmbeddedS3 {
         };
         let (bucket, key, tag) = (input.bucket, input.key, etag.clone());
         let commit = self
-            .blocking(move |db| db.commit(&bucket, &key, &tmp, size, tag, attrs))
+            .blocking(move |db| db.commit_if(&bucket, &key, &tmp, size, tag, attrs, &condition))
             .await;
         let record = commit?;
         Ok(S3Response::new(PutObjectOutput {
@@ -661,6 +699,7 @@ impl S3 for EmbeddedS3 {
         req: S3Request<CompleteMultipartUploadInput>,
     ) -> S3Result<S3Response<CompleteMultipartUploadOutput>> {
         let input = req.input;
+        let condition = write_condition(input.if_match.as_ref(), input.if_none_match.as_ref())?;
         let upload = input.upload_id.clone();
         let record = self.blocking(move |db| db.get_upload(&upload)).await?;
         let record = match record {
@@ -709,8 +748,10 @@ impl S3 for EmbeddedS3 {
         };
         let (bucket, key, tag) = (record.bucket, record.key, etag.clone());
         let id = input.upload_id.clone();
+        // A failed condition leaves the upload to be completed or aborted
+        // again, as S3 does.
         self.blocking(move |db| {
-            db.commit(&bucket, &key, &tmp, size, tag, attrs)?;
+            db.commit_if(&bucket, &key, &tmp, size, tag, attrs, &condition)?;
             db.remove_upload(&id)
         })
         .await?;

@@ -173,6 +173,17 @@ async fn handle(
                 "We encountered an internal error. (injected)",
             ))
         }
+        Some(Fault::RefuseConditionalWrites)
+            if ["if-match", "if-none-match"]
+                .iter()
+                .any(|h| req.headers().contains_key(*h)) =>
+        {
+            return Ok(error_response(
+                http::StatusCode::NOT_IMPLEMENTED,
+                "NotImplemented",
+                "A header you provided implies functionality that is not implemented. (injected)",
+            ))
+        }
         _ => {}
     }
     let req = match fault {

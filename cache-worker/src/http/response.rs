@@ -59,9 +59,9 @@ pub fn cache_error_code(e: &CacheError) -> ErrorCode {
         CacheError::Store(StoreError::AccessDenied(_)) => ErrorCode::AccessDenied,
         CacheError::Store(StoreError::Throttled(_)) => ErrorCode::UpstreamThrottled,
         CacheError::Store(StoreError::Unavailable(_)) => ErrorCode::UpstreamUnavailable,
-        CacheError::Store(StoreError::InvalidResponse(_) | StoreError::Other(_)) => {
-            ErrorCode::UpstreamError
-        }
+        CacheError::Store(
+            StoreError::InvalidResponse(_) | StoreError::Unsupported(_) | StoreError::Other(_),
+        ) => ErrorCode::UpstreamError,
         CacheError::Local(_) => ErrorCode::Internal,
         CacheError::Body(_) | CacheError::Invalid(_) => ErrorCode::BadRequest,
         CacheError::BodyTooLarge(_) => ErrorCode::BodyTooLarge,

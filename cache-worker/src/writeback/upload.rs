@@ -9,11 +9,9 @@ use std::sync::{Arc, Weak};
 use std::time::{Duration, Instant};
 
 use bytes::{Bytes, BytesMut};
-use futures::StreamExt;
-use lakecache_protocol::{
-    parse_written_stamp, written_stamp, ObjectUri, UriWrite, WRITTEN_STAMP_META,
-};
+use lakecache_protocol::{ObjectUri, UriWrite};
 
+use super::landing::S3Holds;
 use super::{now_ms, WriteBack};
 use crate::cache::{join_failed, Cache, CacheError};
 use crate::index::PageEntry;
@@ -22,9 +20,6 @@ use crate::pages::{PageId, PageKey};
 use crate::store::{ObjectMeta, StoreError};
 
 const FIRST_RETRY: Duration = Duration::from_millis(200);
-/// How far ahead of this worker's clock an S3 write stamp may be and
-/// still be believed (the workers' clocks differ a little).
-const STAMP_CLOCK_SKEW_MS: i64 = 5 * 60 * 1000;
 /// How often a worker asks whether earlier writes elsewhere are in S3.
 const ORDER_POLL: Duration = Duration::from_millis(100);
 const LAST_RETRY: Duration = Duration::from_secs(30);
@@ -226,21 +221,28 @@ impl Cache {
         if let Some(addr) = &newer_on {
             tracing::info!(uri = %object.uri, version = %object.version, worker = %addr, "a newer version of this object was acknowledged on another worker; skipping this older one");
         }
-        let superseded = wb.superseded(object)
-            || never_acked
-            || newer_on.is_some()
-            || self.newer_in_s3(wb, &uri, object).await;
+        let mut superseded = wb.superseded(object) || never_acked || newer_on.is_some();
         let etag = if superseded {
             // A later write or delete of the same object replaces this
             // one; S3 ends the same without it.
             String::new()
         } else if object.delete {
-            match self.store.delete(&uri).await {
-                Ok(()) | Err(StoreError::NotFound) => String::new(),
-                Err(e) => return Err(e.into()),
+            superseded = matches!(self.s3_holds(wb, &uri, object).await, S3Holds::Newer);
+            match superseded {
+                true => String::new(),
+                false => match self.store.delete(&uri).await {
+                    Ok(()) | Err(StoreError::NotFound) => String::new(),
+                    Err(e) => return Err(e.into()),
+                },
             }
         } else {
-            self.upload_pending(wb, &uri, object).await?
+            match self.land(wb, &uri, object).await? {
+                Some(etag) => etag,
+                None => {
+                    superseded = true;
+                    String::new()
+                }
+            }
         };
         let (wb2, record, tag) = (wb.clone(), object.clone(), etag.clone());
         tokio::task::spawn_blocking(move || wb2.finished(&record, &tag, !superseded))
@@ -256,96 +258,6 @@ impl Cache {
         self.metrics.writeback_uploaded(object.size);
         tracing::debug!(uri = %object.uri, seq = object.seq, %etag, superseded, "write-back entry done");
         Ok(!superseded)
-    }
-
-    /// Whether S3 holds a version of `object`'s object that a write
-    /// acknowledged after it put there, by the stamp every write-back
-    /// upload stores ([`WRITTEN_STAMP_META`]). S3 remembers it past any
-    /// worker's restart, which the peers' answers do not. Uploads go on
-    /// when S3 cannot say (no object, no stamp, a failed HEAD).
-    async fn newer_in_s3(
-        self: &Arc<Self>,
-        wb: &Arc<WriteBack>,
-        uri: &ObjectUri,
-        object: &PendingObject,
-    ) -> bool {
-        let head = match self.store.head(uri).await {
-            Ok(head) => head,
-            Err(StoreError::NotFound) => return false,
-            Err(e) => {
-                tracing::debug!(%uri, error = %e, "no HEAD before the upload: uploading without S3's stamp check");
-                return false;
-            }
-        };
-        let Some((acked_ms, journal_id)) = head
-            .user
-            .get(WRITTEN_STAMP_META)
-            .and_then(|v| parse_written_stamp(v))
-        else {
-            return false;
-        };
-        // No write is acknowledged in the future: a stamp claiming one
-        // (set by hand, or a clock far off) must not hold later writes
-        // back, so it is not believed.
-        if acked_ms > now_ms().saturating_add(STAMP_CLOCK_SKEW_MS) {
-            tracing::warn!(%uri, s3_acked_ms = acked_ms, "S3's write stamp on this object lies in the future; ignoring it");
-            return false;
-        }
-        let newer = (acked_ms, journal_id.as_str()) > (object.acked_ms, wb.id.as_str());
-        if newer {
-            tracing::info!(%uri, version = %object.version, s3_acked_ms = acked_ms, s3_journal = %journal_id, "S3 holds a version of this object acknowledged after this one; skipping this older one");
-        }
-        newer
-    }
-
-    async fn upload_pending(
-        self: &Arc<Self>,
-        wb: &Arc<WriteBack>,
-        uri: &ObjectUri,
-        object: &PendingObject,
-    ) -> Result<String, CacheError> {
-        let mut meta = object.meta.clone();
-        meta.insert(
-            WRITTEN_STAMP_META.to_string(),
-            written_stamp(object.acked_ms, &wb.id),
-        );
-        // The user's metadata comes first: where the stamp would take it
-        // past S3's limit the object goes without one.
-        if lakecache_protocol::validate_user_meta(&meta).is_err() {
-            meta.remove(WRITTEN_STAMP_META);
-        }
-        let parts = object.part_crcs.len();
-        if parts <= 1 {
-            let data = self.read_part(wb, object, 0).await?;
-            return Ok(self.store.put(uri, data, &meta).await?);
-        }
-        let id = self.store.create_multipart(uri, &meta).await?;
-        let this = self.clone();
-        let sent = futures::stream::iter(0..parts)
-            .map(|i| {
-                let (this, wb, id) = (this.clone(), wb.clone(), id.clone());
-                async move {
-                    let data = this.read_part(&wb, object, i).await?;
-                    let receipt = this.store.upload_part(uri, &id, i as i32 + 1, data).await?;
-                    Ok::<_, CacheError>((i as i32 + 1, receipt))
-                }
-            })
-            .buffered(wb.config.parts_in_flight.max(1))
-            .collect::<Vec<_>>()
-            .await;
-        let mut receipts = Vec::with_capacity(parts);
-        for part in sent {
-            match part {
-                Ok(r) => receipts.push(r),
-                Err(e) => {
-                    if let Err(abort) = self.store.abort_multipart(uri, &id).await {
-                        tracing::warn!(%uri, error = %abort, "aborting write-back multipart upload failed");
-                    }
-                    return Err(e);
-                }
-            }
-        }
-        Ok(self.store.complete_multipart(uri, &id, receipts).await?)
     }
 
     /// Part `i` of a pending object from its dirty pages, checked against

@@ -5,6 +5,7 @@
 mod api;
 mod auth;
 mod cache_format;
+mod conditional;
 mod endpoint;
 mod faults;
 mod harness;
