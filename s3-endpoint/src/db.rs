@@ -231,24 +231,12 @@ impl ObjectDb {
             .join(uuid::Uuid::new_v4().simple().to_string())
     }
 
-    /// Makes a fully written, fsynced temp file the new content of `key`.
-    pub fn commit(
-        &self,
-        bucket: &str,
-        key: &str,
-        tmp: &Path,
-        size: u64,
-        etag: String,
-        attrs: Attrs,
-    ) -> Result<ObjectRecord, DbError> {
-        self.commit_if(bucket, key, tmp, size, etag, attrs, &WriteCondition::None)
-    }
-
-    /// [`Self::commit`] when `condition` holds at the moment of the
-    /// commit (checked under the commit lock, so no other write comes
-    /// between); otherwise the temp file is removed and nothing changes.
+    /// Makes a fully written, fsynced temp file the new content of `key`
+    /// when `condition` holds at the moment of the commit (checked under
+    /// the commit lock, so no other write comes between); otherwise the
+    /// temp file is removed and nothing changes.
     #[allow(clippy::too_many_arguments)]
-    pub fn commit_if(
+    pub fn commit(
         &self,
         bucket: &str,
         key: &str,

@@ -402,7 +402,7 @@ impl S3 for EmbeddedS3 {
         };
         let (bucket, key, tag) = (input.bucket, input.key, etag.clone());
         let commit = self
-            .blocking(move |db| db.commit_if(&bucket, &key, &tmp, size, tag, attrs, &condition))
+            .blocking(move |db| db.commit(&bucket, &key, &tmp, size, tag, attrs, &condition))
             .await;
         let record = commit?;
         Ok(S3Response::new(PutObjectOutput {
@@ -455,7 +455,17 @@ impl S3 for EmbeddedS3 {
         };
         let (size, etag) = (source.size, source.etag.clone());
         let record = self
-            .blocking(move |db| db.commit(&bucket, &key, &tmp, size, etag, attrs))
+            .blocking(move |db| {
+                db.commit(
+                    &bucket,
+                    &key,
+                    &tmp,
+                    size,
+                    etag,
+                    attrs,
+                    &WriteCondition::None,
+                )
+            })
             .await?;
         Ok(S3Response::new(CopyObjectOutput {
             copy_object_result: Some(CopyObjectResult {
@@ -751,7 +761,7 @@ impl S3 for EmbeddedS3 {
         // A failed condition leaves the upload to be completed or aborted
         // again, as S3 does.
         self.blocking(move |db| {
-            db.commit_if(&bucket, &key, &tmp, size, tag, attrs, &condition)?;
+            db.commit(&bucket, &key, &tmp, size, tag, attrs, &condition)?;
             db.remove_upload(&id)
         })
         .await?;
@@ -909,6 +919,7 @@ mod tests {
                 key.len() as u64,
                 key.into(),
                 Attrs::default(),
+                &WriteCondition::None,
             )
             .unwrap();
         }
