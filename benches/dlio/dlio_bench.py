@@ -257,6 +257,14 @@ def main() -> None:
     )
     ap.add_argument("--checkpoint-rounds", type=int, default=3)
     ap.add_argument(
+        "--rounds",
+        type=int,
+        default=1,
+        help="run every reader this many times, interleaved (the order reversed every other "
+        "round); the report gives each reader's median and its difference to local disk in "
+        "the same round, since one run's warm AU moves by several points here",
+    )
+    ap.add_argument(
         "--compute",
         default="",
         help="emulated compute per step, e.g. unet3d=0.08,resnet50=0.026: skips the search "
@@ -326,7 +334,10 @@ class Bench:
             raise BenchError("mpirun not found: install MPICH (benches/dlio/install.sh does)")
         if a.smoke:
             a.quick, a.workloads, a.readers, a.rtt_ms = True, "unet3d", "mount-workers", "0"
-            a.max_accelerators, a.epochs = 1, 1
+            a.max_accelerators, a.epochs, a.rounds = 1, 1, 1
+        if a.rounds < 1:
+            raise BenchError(f"--rounds {a.rounds}: want 1 or more")
+        self.round = 0
         if a.quick and a.workloads == "unet3d,resnet50":
             a.workloads = "unet3d"
             a.checkpoint_rounds = 1
@@ -442,9 +453,12 @@ class Bench:
         lake.stop_daemons()
         compute_s = self.calibrate(lake, w, local)
         rows = []
-        for reader in self.readers:
-            for rtt in [0] if reader == "local" else self.rtts:
-                rows += self.sweep(lake, w, reader, rtt, local, compute_s, sized)
+        for rnd in range(a.rounds):
+            self.round = rnd
+            readers = self.readers if rnd % 2 == 0 else self.readers[::-1]
+            for reader in readers:
+                for rtt in [0] if reader == "local" else self.rtts:
+                    rows += self.sweep(lake, w, reader, rtt, local, compute_s, sized)
         return rows
 
     def calibrate(self, lake: Lake, w: Workload, local: Path) -> float:
@@ -589,7 +603,7 @@ class Bench:
         daemons = lake.daemon_pids()
         before = {p: cpu.process_seconds(p) for p in daemons}
         counter = ReadCounter(self.reader_cg)
-        out = a.work / "out" / f"{w.name}-{reader}-{rtt}ms-{np_}"
+        out = a.work / "out" / f"{w.name}-{reader}-{rtt}ms-{np_}-r{self.round}"
         # The Python client's processes get twice the allowance: at 1x
         # their warm AU fell from 38-39% to 34-35% (reclaim inside the
         # cgroup), and before its reads made a single copy they were
@@ -628,6 +642,7 @@ class Bench:
             "reader": reader,
             "rtt": rtt,
             "np": np_,
+            "round": self.round,
             "cold_au": run.cold_au,
             "last_au": run.last_au,
             "epoch_au": run.au,

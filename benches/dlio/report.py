@@ -21,13 +21,75 @@ def _pct(v) -> str:
     return "-" if v is None else f"{v:.1f}%"
 
 
+def _au(r: dict) -> float:
+    return r["warm_au"] if r["warm_au"] is not None else r["cold_au"]
+
+
+def median_rows(rows: list[dict]) -> list[dict]:
+    """One row per (workload, reader, RTT, accelerators), whose AU is the
+    median over the rounds that ran it (rows of one round pass as they
+    are)."""
+    import statistics
+
+    groups: dict[tuple, list[dict]] = {}
+    for r in rows:
+        if "skipped" not in r:
+            groups.setdefault((r["workload"], r["reader"], r["rtt"], r["np"]), []).append(r)
+    out = []
+    for rs in groups.values():
+        if len(rs) == 1:
+            out.append(rs[0])
+            continue
+        out.append({**rs[0], "warm_au": statistics.median(_au(r) for r in rs), "cold_au": 0.0})
+    return out
+
+
+def rounds_lines(rows: list[dict]) -> list[str]:
+    """Warm AU round by round, each reader's median, and its difference
+    to local disk at the same accelerator count in the same round (the
+    machine's state shared by the pair cancels out of it)."""
+    import statistics
+
+    ran = [r for r in rows if "skipped" not in r]
+    if len({r.get("round", 0) for r in ran}) < 2:
+        return []
+    local = {(r.get("round", 0), r["np"]): _au(r) for r in ran if r["reader"] == "local"}
+    groups: dict[tuple, list[dict]] = {}
+    for r in ran:
+        groups.setdefault((r["reader"], r["rtt"], r["np"]), []).append(r)
+    lines = [
+        "Warm AU by round (the readers interleaved, their order reversed every other "
+        "round), the median, and the difference to local disk in the same round "
+        "(median, and each round's):",
+        "",
+        "| reader | RTT | accel. | warm AU by round | median | vs local (median) | "
+        "vs local by round |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    for (reader, rtt, np_), rs in groups.items():
+        rs.sort(key=lambda r: r.get("round", 0))
+        aus = [_au(r) for r in rs]
+        diffs = [
+            _au(r) - local[(r.get("round", 0), np_)]
+            for r in rs
+            if reader != "local" and (r.get("round", 0), np_) in local
+        ]
+        lines.append(
+            f"| {reader} | {rtt} ms | {np_} | {', '.join(f'{x:.1f}' for x in aus)} | "
+            f"{statistics.median(aus):.1f}% | "
+            + (f"{statistics.median(diffs):+.1f} | " if diffs else "- | ")
+            + (", ".join(f"{d:+.1f}" for d in diffs) if diffs else "-")
+            + " |"
+        )
+    return [*lines, ""]
+
+
 def best_count(rows: list[dict]) -> int | None:
     """The largest accelerator count whose warm AU (cold with one epoch)
     is 90% or more, among counts run in order from 1."""
     best = None
-    for r in sorted(rows, key=lambda r: r["np"]):
-        au = r["warm_au"] if r["warm_au"] is not None else r["cold_au"]
-        if au < 90:
+    for r in sorted(median_rows(rows), key=lambda r: r["np"]):
+        if _au(r) < 90:
             break
         best = r["np"]
     return best
@@ -92,8 +154,9 @@ def write(
                     "| | | | | | | | |"
                 )
                 continue
+            reader = r["reader"] + (f" (round {r['round'] + 1})" if a.rounds > 1 else "")
             lines.append(
-                f"| {r['reader']} | {r['rtt']} ms | {r['np']} | {_pct(r['cold_au'])} | "
+                f"| {reader} | {r['rtt']} ms | {r['np']} | {_pct(r['cold_au'])} | "
                 f"{_pct(r['warm_au'])} | {_pct(r.get('last_au'))} | {r['cold_samples_s']:.2f} | "
                 f"{_f(r['warm_samples_s'], '.2f')} | {r['mib_s']:.0f} | "
                 f"{r['cold_wait_s']:.3f} s | {_f(r['warm_wait_s'], '.3f')} s | "
@@ -101,7 +164,9 @@ def write(
             )
         lines += [
             "",
-            "Largest accelerator count with AU >= 90% (warm), within the sweep "
+            *rounds_lines([r for r in rows if r["workload"] == wl]),
+            "Largest accelerator count with AU >= 90% (warm; the median over rounds), "
+            "within the sweep "
             f"(1 to {a.max_accelerators}, stopping at the first count below 90%):",
             "",
         ]
@@ -112,7 +177,7 @@ def write(
         for (reader, rtt), rs in groups.items():
             lines.append(f"- {reader} at {rtt} ms: {best_count(rs) or 'none'}")
         lines.append("")
-        lines += epoch_lines([r for r in rows if r["workload"] == wl and "epoch_au" in r])
+        lines += epoch_lines([r for r in rows if r["workload"] == wl and "epoch_au" in r], a.rounds)
     lines += checkpoint_lines(ckpt)
     png = plot(a, rows)
     if png:
@@ -120,7 +185,7 @@ def write(
     provenance.write(a.out, lines)
 
 
-def epoch_lines(rows: list[dict]) -> list[str]:
+def epoch_lines(rows: list[dict], rounds: int = 1) -> list[str]:
     """AU epoch by epoch (one short stall moves an epoch's AU a lot here),
     and what the mount's tier held after the run."""
     if not rows:
@@ -128,7 +193,8 @@ def epoch_lines(rows: list[dict]) -> list[str]:
     lines = ["AU by epoch (the first is cold), and the node-local tier after the run:", ""]
     for r in rows:
         au = ", ".join(f"{x:.1f}" for x in r["epoch_au"])
-        line = f"- {r['reader']} {r['rtt']} ms x{r['np']}: {au}"
+        rnd = f" round {r['round'] + 1}" if rounds > 1 else ""
+        line = f"- {r['reader']} {r['rtt']} ms x{r['np']}{rnd}: {au}"
         t = r.get("tier")
         if t:
             mib = 1 << 20
@@ -158,11 +224,10 @@ def plot(a: argparse.Namespace, rows: list[dict]) -> Path | None:
     fig, axes = plt.subplots(1, len(workloads), figsize=(6 * len(workloads), 4), squeeze=False)
     for ax, wl in zip(axes[0], workloads, strict=True):
         series: dict[str, list[tuple[int, float]]] = {}
-        for r in rows:
-            if r["workload"] != wl or "skipped" in r:
+        for r in median_rows(rows):
+            if r["workload"] != wl:
                 continue
-            au = r["warm_au"] if r["warm_au"] is not None else r["cold_au"]
-            series.setdefault(f"{r['reader']} {r['rtt']} ms", []).append((r["np"], au))
+            series.setdefault(f"{r['reader']} {r['rtt']} ms", []).append((r["np"], _au(r)))
         for label, pts in sorted(series.items()):
             pts.sort()
             ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", label=label)

@@ -160,3 +160,39 @@ def test_a_failed_checkpoint_run_is_listed_and_the_rest_reported() -> None:
     assert "- failed: local round 1: DLIO failed (exit 1); its log: /x/run.log" in text, text
     only_failed = "\n".join(report.checkpoint_lines(rows[2:]))
     assert "- failed: local round 1" in only_failed, only_failed
+
+
+def test_rounds_give_medians_and_differences_to_local_disk_in_the_same_round() -> None:
+    import report
+
+    def row(reader: str, rtt: int, rnd: int, au: float, np_: int = 1) -> dict:
+        return {
+            "workload": "unet3d",
+            "reader": reader,
+            "rtt": rtt,
+            "np": np_,
+            "round": rnd,
+            "warm_au": au,
+            "cold_au": 30.0,
+        }
+
+    rows = [
+        row("local", 0, 0, 95.0),
+        row("mount-tier", 10, 0, 94.0),
+        row("mount-tier", 10, 1, 97.5),
+        row("local", 0, 1, 96.0),
+        row("local", 0, 2, 91.0),
+        row("mount-tier", 10, 2, 89.0),
+        {"workload": "unet3d", "reader": "s3fs", "rtt": 10, "np": 1, "skipped": "failed"},
+    ]
+    lines = report.rounds_lines(rows)
+    assert "| local | 0 ms | 1 | 95.0, 96.0, 91.0 | 95.0% | - | - |" in lines
+    # Differences -1.0, +1.5, -2.0: the median is -1.0.
+    want = "| mount-tier | 10 ms | 1 | 94.0, 97.5, 89.0 | 94.0% | -1.0 | -1.0, +1.5, -2.0 |"
+    assert want in lines
+    # The sweep's count uses the median: 94.0 is at or above 90.
+    assert report.best_count([r for r in rows if r["reader"] == "mount-tier"]) == 1
+    low = [row("mount-tier", 10, i, au) for i, au in enumerate((95.0, 80.0, 85.0))]
+    assert report.best_count(low) is None
+    # One round: nothing to add.
+    assert report.rounds_lines([row("local", 0, 0, 95.0), row("mount-tier", 10, 0, 94.0)]) == []
