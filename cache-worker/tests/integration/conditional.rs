@@ -111,7 +111,7 @@ fn now_ms() -> i64 {
 async fn a_late_upload_never_buries_a_newer_version(size: usize, op: S3Op) {
     let h = Harness::start().await;
     let key = format!("late/{size}");
-    let hold = scaled(Duration::from_secs(4));
+    let hold = scaled(Duration::from_secs(6));
     h.faults().inject(
         op,
         Fault::Delay {
@@ -156,6 +156,18 @@ async fn a_late_upload_never_buries_a_newer_version(size: usize, op: S3Op) {
         sha(&newer),
         "the older write-back version landed over the newer one"
     );
+    // S3 refused the held write: the newer version was there first (else
+    // this run showed nothing; the hold must outlast the direct PUT).
+    let name = match op {
+        S3Op::PutObject => "put_object",
+        _ => "complete_multipart_upload",
+    };
+    let metrics = h.client.metrics().await.unwrap();
+    let refused = metric_value(
+        &metrics,
+        &format!("lakecache_s3_requests_total{{op=\"{name}\",outcome=\"precondition_failed\""),
+    );
+    assert_eq!(refused, 1.0, "{metrics}");
 }
 
 #[tokio::test]
