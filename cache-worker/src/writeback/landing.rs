@@ -60,9 +60,10 @@ impl Cache {
         };
         // A store that answers HEAD without an ETag gives nothing to
         // match: the upload then goes unconditionally.
-        let over = S3Holds::Older(match head.etag.is_empty() {
-            true => WriteIf::Always,
-            false => WriteIf::Matches(head.etag.clone()),
+        let over = S3Holds::Older(if head.etag.is_empty() {
+            WriteIf::Always
+        } else {
+            WriteIf::Matches(head.etag.clone())
         });
         let Some((acked_ms, journal_id)) = head
             .user

@@ -228,13 +228,13 @@ impl Cache {
             String::new()
         } else if object.delete {
             superseded = matches!(self.s3_holds(wb, &uri, object).await, S3Holds::Newer);
-            match superseded {
-                true => String::new(),
-                false => match self.store.delete(&uri).await {
-                    Ok(()) | Err(StoreError::NotFound) => String::new(),
+            if !superseded {
+                match self.store.delete(&uri).await {
+                    Ok(()) | Err(StoreError::NotFound) => {}
                     Err(e) => return Err(e.into()),
-                },
+                }
             }
+            String::new()
         } else {
             match self.land(wb, &uri, object).await? {
                 Some(etag) => etag,
