@@ -221,6 +221,8 @@ class Lake:
                     p.kill()
                     p.wait()
         self.procs = []
+        # The next reader may be no lakecache mount: ask it for no tier report.
+        self.mount_metrics = None
         if mounted(self.mnt):
             subprocess.run(["umount", "-l", str(self.mnt)], check=False)
 

@@ -94,6 +94,9 @@ impl Passthrough {
             None => None,
         };
         match backing {
+            // No FOPEN_KEEP_CACHE here, even where the inode's pages are
+            // current: the kernel (6.18) fails such an open with EIO, and
+            // drops the pages served opens left instead.
             Some(id) => {
                 tracing::debug!(ino, "opened with passthrough");
                 reply.opened_passthrough(FileHandle(fh), FopenFlags::empty(), &id);
