@@ -1,5 +1,5 @@
-"""The DLIO bench's tables (markdown, printed and written) and its plot of
-AU against emulated accelerators."""
+"""The DLIO bench's tables (markdown, printed and written), its plot of
+AU against emulated accelerators, and its plot of AU epoch by epoch."""
 
 from __future__ import annotations
 
@@ -182,6 +182,12 @@ def write(
     png = plot(a, rows)
     if png:
         lines.append(f"Plot: `{png.name}` (warm AU against emulated accelerators).")
+    png = plot_epochs(a, rows)
+    if png:
+        lines.append(
+            f"Plot: `{png.name}` (AU epoch by epoch at the fewest accelerators run,"
+            " the median over rounds)."
+        )
     provenance.write(a.out, lines)
 
 
@@ -209,7 +215,30 @@ def epoch_lines(rows: list[dict], rounds: int = 1) -> list[str]:
     return lines
 
 
-def plot(a: argparse.Namespace, rows: list[dict]) -> Path | None:
+def epoch_medians(rows: list[dict]) -> dict[tuple[str, str], list[float]]:
+    """AU epoch by epoch for each (workload, "reader RTT"), at the fewest
+    accelerators that reader ran: the median over its rounds, epoch by
+    epoch (rounds of unequal length are cut to the shortest)."""
+    import statistics
+
+    ran = [r for r in rows if "skipped" not in r and r.get("epoch_au")]
+    fewest: dict[tuple, int] = {}
+    for r in ran:
+        key = (r["workload"], f"{r['reader']} {r['rtt']} ms")
+        fewest[key] = min(fewest.get(key, r["np"]), r["np"])
+    runs: dict[tuple, list[list[float]]] = {}
+    for r in ran:
+        key = (r["workload"], f"{r['reader']} {r['rtt']} ms")
+        if r["np"] == fewest[key]:
+            runs.setdefault(key, []).append(r["epoch_au"])
+    out = {}
+    for key, series in runs.items():
+        n = min(len(s) for s in series)
+        out[key] = [statistics.median(s[i] for s in series) for i in range(n)]
+    return out
+
+
+def _pyplot():
     try:
         import matplotlib
 
@@ -217,6 +246,36 @@ def plot(a: argparse.Namespace, rows: list[dict]) -> Path | None:
         import matplotlib.pyplot as plt
     except ImportError:
         print("matplotlib missing: no plot", flush=True)
+        return None
+    return plt
+
+
+def plot_epochs(a: argparse.Namespace, rows: list[dict]) -> Path | None:
+    medians = epoch_medians(rows)
+    plt = _pyplot() if medians else None
+    if plt is None:
+        return None
+    workloads = sorted({wl for wl, _ in medians})
+    fig, axes = plt.subplots(1, len(workloads), figsize=(7 * len(workloads), 4), squeeze=False)
+    for ax, wl in zip(axes[0], workloads, strict=True):
+        for (w, label), au in sorted(medians.items()):
+            if w == wl:
+                ax.plot(range(1, len(au) + 1), au, marker=".", label=label)
+        ax.axhline(90, color="grey", linestyle=":", linewidth=1)
+        ax.set_title(f"{wl}: AU by epoch (epoch 1 cold)")
+        ax.set_xlabel("epoch")
+        ax.set_ylabel("AU %")
+        ax.set_ylim(0, 102)
+        ax.legend(fontsize=7)
+    png = Path(a.out).with_name(Path(a.out).stem + "-epochs.png")
+    fig.tight_layout()
+    fig.savefig(png, dpi=110)
+    return png
+
+
+def plot(a: argparse.Namespace, rows: list[dict]) -> Path | None:
+    plt = _pyplot()
+    if plt is None:
         return None
     workloads = sorted({r["workload"] for r in rows if "skipped" not in r})
     if not workloads:

@@ -196,3 +196,29 @@ def test_rounds_give_medians_and_differences_to_local_disk_in_the_same_round() -
     assert report.best_count(low) is None
     # One round: nothing to add.
     assert report.rounds_lines([row("local", 0, 0, 95.0), row("mount-tier", 10, 0, 94.0)]) == []
+
+
+def test_epoch_medians_take_each_epoch_over_rounds_at_the_fewest_accelerators() -> None:
+    import report
+
+    def row(reader: str, np_: int, au: list[float], rnd: int = 0) -> dict:
+        return {
+            "workload": "unet3d",
+            "reader": reader,
+            "rtt": 10,
+            "np": np_,
+            "round": rnd,
+            "epoch_au": au,
+        }
+
+    rows = [
+        row("mount-tier", 1, [20.0, 60.0, 95.0], 0),
+        row("mount-tier", 1, [30.0, 80.0, 97.0, 99.0], 1),
+        row("mount-tier", 1, [25.0, 70.0, 90.0], 2),
+        row("mount-tier", 2, [10.0, 10.0, 10.0]),
+        {"workload": "unet3d", "reader": "s3fs", "rtt": 10, "np": 1, "skipped": "failed"},
+    ]
+    medians = report.epoch_medians(rows)
+    # Cut to the shortest round (3 epochs); the 2-accelerator run is left out.
+    assert medians == {("unet3d", "mount-tier 10 ms"): [25.0, 70.0, 95.0]}
+    assert report.epoch_medians([rows[-1]]) == {}
