@@ -108,6 +108,11 @@ pub enum CacheError {
     ShuttingDown,
     #[error("invalid request: {0}")]
     Invalid(String),
+    /// A file followed while it was written changed after the worker took
+    /// some of it (a writer that patches a header, as zip and HDF5
+    /// writers do); the mount then commits it whole.
+    #[error("invalid request: {0}")]
+    FollowedFileChanged(String),
     #[error("checksum mismatch: {0}")]
     ChecksumMismatch(String),
     /// The write outlived its client's patience (see `fence.rs`).

@@ -242,7 +242,11 @@ pub(super) fn answer(
             ..super::routes::stat_body(uri, &meta)
         }),
         Ok(Err(e)) => {
-            tracing::warn!(%uri, error = %e, "local commit failed; nothing was acknowledged");
+            if matches!(e, CacheError::FollowedFileChanged(_)) {
+                tracing::info!(%uri, error = %e, "local commit of a followed file refused; nothing was acknowledged");
+            } else {
+                tracing::warn!(%uri, error = %e, "local commit failed; nothing was acknowledged");
+            }
             refusal(super::response::cache_error_code(&e), e.to_string())
         }
         Err(e) => refusal(ErrorCode::Internal, format!("the commit task failed: {e}")),

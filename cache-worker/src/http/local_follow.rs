@@ -6,7 +6,8 @@
 //! early may be written again before the seal (a writer that seeks back
 //! to patch a header). Each early page's CRC32C is kept, and at the seal
 //! every early page is read again and compared: a file that changed
-//! after it was taken fails the commit, and the mount commits it whole.
+//! after it was taken fails the commit ([`CacheError::FollowedFileChanged`]),
+//! and the mount commits it whole.
 
 use std::os::unix::fs::FileExt;
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -138,7 +139,7 @@ impl Following {
                     CacheError::Invalid(format!("checking the followed file at {at}: {e}"))
                 })?;
                 if crc32c::crc32c(&buf) != want {
-                    return Err(CacheError::Invalid(format!(
+                    return Err(CacheError::FollowedFileChanged(format!(
                         "the followed file changed at bytes {at}..{} after they were taken; nothing was recorded",
                         at + page
                     )));

@@ -63,7 +63,9 @@ pub fn cache_error_code(e: &CacheError) -> ErrorCode {
             StoreError::InvalidResponse(_) | StoreError::Unsupported(_) | StoreError::Other(_),
         ) => ErrorCode::UpstreamError,
         CacheError::Local(_) => ErrorCode::Internal,
-        CacheError::Body(_) | CacheError::Invalid(_) => ErrorCode::BadRequest,
+        CacheError::Body(_) | CacheError::Invalid(_) | CacheError::FollowedFileChanged(_) => {
+            ErrorCode::BadRequest
+        }
         CacheError::BodyTooLarge(_) => ErrorCode::BodyTooLarge,
         CacheError::BodyIdle(_) => ErrorCode::BodyTimeout,
         CacheError::CopyTooLarge(_) => ErrorCode::CopyTooLarge,

@@ -197,7 +197,13 @@ impl Cache {
                 })
                 .await;
                 wb.release(taken.reserved);
-                tracing::warn!(%uri, error = %e, "write-back failed; nothing was acknowledged");
+                if matches!(e, CacheError::FollowedFileChanged(_)) {
+                    // Expected of header-patching writers; the mount
+                    // commits the file whole next.
+                    tracing::info!(%uri, error = %e, "write-back of a followed file refused; nothing was acknowledged");
+                } else {
+                    tracing::warn!(%uri, error = %e, "write-back failed; nothing was acknowledged");
+                }
                 Err(e)
             }
         }

@@ -3,7 +3,8 @@
 //! a staged file (FUSE passthrough) and the worker commit it from there
 //! through its local socket. The bytes arrive whole in S3; `stat` shows
 //! the size while the file is written; a file changed after an fsync is
-//! committed again; a stopped local worker does not hold the commit up.
+//! committed again; a file patched at its start after the worker took it
+//! is committed whole; a stopped local worker does not hold the commit up.
 
 use super::*;
 
@@ -250,5 +251,64 @@ fn a_killed_local_worker_does_not_lose_a_staged_commit() {
         env.s3_get(&key).as_deref() == Some(&data[..]),
         "S3 holds other bytes\n{}",
         env.worker_logs()
+    );
+}
+
+/// A writer that patches the start of its file after writing the rest
+/// (zip as `np.savez` writes it, HDF5's superblock): the pages the worker
+/// took early no longer match at the seal, the followed commit is refused,
+/// and the mount commits the file whole. S3 holds the patched bytes, and
+/// the worker logs the refusal as the expected event it is, not a warning.
+#[test]
+fn a_file_patched_at_its_start_after_it_was_taken_lands_whole() {
+    let mut env = Env::start(1);
+    let port = mount_beside_worker_0(&mut env);
+    let worker = env.workers[0].0;
+    let path = env.mountpoint().join("staged/archive.npz");
+    fs::create_dir_all(path.parent().unwrap()).unwrap();
+    let mut want = pattern((24 << 20) + 99, 71);
+    let f = File::create(&path).unwrap();
+    f.write_all_at(&want, 0).unwrap();
+    common::wait_until(
+        "the worker took the file's first pages",
+        Duration::from_secs(60),
+        Duration::from_millis(20),
+        || {
+            let scrape = reqwest_like_get(worker, "/metrics");
+            common::metric(&scrape, "lakecache_writeback_staging_used_bytes", &[])
+                .is_ok_and(|used| used >= (8 << 20) as f64)
+        },
+    );
+    let header = b"PK\x03\x04 the local header, with sizes and CRC";
+    f.write_all_at(header, 0).unwrap();
+    want[..header.len()].copy_from_slice(header);
+    drop(f);
+
+    assert!(
+        fs::read(&path).unwrap() == want,
+        "the mount reads back other bytes"
+    );
+    env.sync_bucket(120);
+    assert!(
+        env.s3_get("staged/archive.npz").as_deref() == Some(&want[..]),
+        "S3 holds other bytes\n{}",
+        env.worker_logs()
+    );
+    assert_eq!(
+        metric(port, "lakecache_fuse_followed_commits_total"),
+        0.0,
+        "the patched file counted as a followed commit\n{}",
+        env.log()
+    );
+    let logs = env.worker_logs();
+    assert!(
+        logs.contains("local commit of a followed file refused"),
+        "the follow was never refused, so this test shows nothing\n{logs}"
+    );
+    assert!(
+        !logs
+            .lines()
+            .any(|l| l.contains("WARN") && l.contains("archive.npz")),
+        "the expected refusal was logged as a warning\n{logs}"
     );
 }
