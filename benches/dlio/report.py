@@ -261,16 +261,8 @@ def plot_epochs(a: argparse.Namespace, rows: list[dict]) -> Path | None:
         for (w, label), au in sorted(medians.items()):
             if w == wl:
                 ax.plot(range(1, len(au) + 1), au, marker=".", label=label)
-        ax.axhline(90, color="grey", linestyle=":", linewidth=1)
-        ax.set_title(f"{wl}: AU by epoch (epoch 1 cold)")
-        ax.set_xlabel("epoch")
-        ax.set_ylabel("AU %")
-        ax.set_ylim(0, 102)
-        ax.legend(fontsize=7)
-    png = Path(a.out).with_name(Path(a.out).stem + "-epochs.png")
-    fig.tight_layout()
-    fig.savefig(png, dpi=110)
-    return png
+        _au_axes(ax, f"{wl}: AU by epoch (epoch 1 cold)", "epoch")
+    return _save(fig, a, "epochs")
 
 
 def plot(a: argparse.Namespace, rows: list[dict]) -> Path | None:
@@ -290,14 +282,24 @@ def plot(a: argparse.Namespace, rows: list[dict]) -> Path | None:
         for label, pts in sorted(series.items()):
             pts.sort()
             ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", label=label)
-        ax.axhline(90, color="grey", linestyle=":", linewidth=1)
         ax.set_xticks(range(1, a.max_accelerators + 1))
-        ax.set_title(f"{wl}: warm AU")
-        ax.set_xlabel("emulated accelerators")
-        ax.set_ylabel("AU %")
-        ax.set_ylim(0, 102)
-        ax.legend(fontsize=7)
-    png = Path(a.out).with_name(Path(a.out).stem + "-au.png")
+        _au_axes(ax, f"{wl}: warm AU", "emulated accelerators")
+    return _save(fig, a, "au")
+
+
+def _au_axes(ax, title: str, xlabel: str) -> None:
+    """An AU axis from 0 to 100% with the 90% line the targets use."""
+    ax.axhline(90, color="grey", linestyle=":", linewidth=1)
+    ax.set_title(title)
+    ax.set_xlabel(xlabel)
+    ax.set_ylabel("AU %")
+    ax.set_ylim(0, 102)
+    ax.legend(fontsize=7)
+
+
+def _save(fig, a: argparse.Namespace, suffix: str) -> Path:
+    """Writes `fig` beside the report, as <report>-<suffix>.png."""
+    png = Path(a.out).with_name(f"{Path(a.out).stem}-{suffix}.png")
     fig.tight_layout()
     fig.savefig(png, dpi=110)
     return png
