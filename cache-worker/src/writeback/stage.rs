@@ -197,11 +197,9 @@ impl Cache {
                 })
                 .await;
                 wb.release(taken.reserved);
-                if matches!(e, CacheError::FollowedFileChanged(_)) {
-                    // Expected of header-patching writers; the mount
-                    // commits the file whole next.
-                    tracing::info!(%uri, error = %e, "write-back of a followed file refused; nothing was acknowledged");
-                } else {
+                // A refused follow (expected of header-patching writers)
+                // is logged once, by the local commit that asked for it.
+                if !matches!(e, CacheError::FollowedFileChanged(_)) {
                     tracing::warn!(%uri, error = %e, "write-back failed; nothing was acknowledged");
                 }
                 Err(e)
