@@ -16,6 +16,7 @@ mod lru;
 pub mod metrics;
 mod outage;
 pub mod pages;
+mod peer_health;
 mod placement;
 pub mod plan_order;
 pub mod policy;

@@ -21,6 +21,7 @@ use lakecache_protocol::{Deadlines, ObjectUri, WorkerClient};
 
 use crate::cache::{Cache, CacheError};
 use crate::pages::{PageId, PageKey};
+use crate::peer_health::PeerHealth;
 use crate::store::{ObjectMeta, StoreError};
 
 /// Who owns what, as the worker's view of the ring tells it.
@@ -63,6 +64,8 @@ pub(crate) struct Peers {
     peer_key: OnceLock<SigningKey>,
     /// TLS towards peers when workers serve HTTPS.
     peer_tls: OnceLock<ClientTls>,
+    /// Peers that lately failed to answer: tried last for copies.
+    health: PeerHealth,
 }
 
 const HAND_OFF_DEADLINES: Deadlines = Deadlines {
@@ -79,6 +82,7 @@ impl Default for Peers {
             clients: Mutex::default(),
             peer_key: OnceLock::new(),
             peer_tls: OnceLock::new(),
+            health: PeerHealth::default(),
         }
     }
 }
@@ -86,6 +90,10 @@ impl Default for Peers {
 impl Peers {
     pub(crate) fn placement(&self) -> Option<&Arc<dyn Placement>> {
         self.placement.get()
+    }
+
+    pub(crate) fn health(&self) -> &PeerHealth {
+        &self.health
     }
 
     pub(crate) fn client(&self, addr: &str) -> Result<WorkerClient, CacheError> {

@@ -20,9 +20,14 @@ use tokio::task::JoinHandle;
 use super::WriteBack;
 use crate::cache::{Cache, CacheError};
 use crate::journal::PendingObject;
+use crate::peer_health::PeerHealth;
 
 /// Chunks buffered per replica stream before the primary waits for it.
 const STREAM_DEPTH: usize = 8;
+
+/// How often a copy waiting on its replica looks whether another path
+/// has found that replica silent.
+const SILENCE_CHECK: Duration = Duration::from_secs(1);
 
 struct Stream {
     addr: String,
@@ -63,34 +68,27 @@ impl Copies {
     /// Forwards a chunk of the body to every live stream. A stream whose
     /// replica failed is left behind; it is replaced at [`Cache::finish_copies`].
     /// So is one whose replica takes nothing for `progress` and then does
-    /// not answer a probe: a hung replica must not hold the write.
-    pub(super) async fn send(&mut self, chunk: &Bytes, progress: Duration) {
+    /// not answer a probe: a hung replica must not hold the write. One
+    /// that takes nothing while another path has found it silent is left
+    /// sooner, when another candidate can take the copy: the outage was
+    /// already paid for once.
+    pub(super) async fn send(&mut self, chunk: &Bytes, progress: Duration, health: &PeerHealth) {
         for stream in &mut self.streams {
-            let gone = {
+            let given_up = {
                 let Some(tx) = &stream.tx else { continue };
-                let slot = loop {
-                    match tokio::time::timeout(progress, tx.reserve()).await {
-                        Ok(Ok(slot)) => break Some(slot),
-                        Ok(Err(_)) => break None,
-                        Err(_) if stream.client.answers_within(progress).await => {}
-                        Err(_) => {
-                            tracing::warn!(replica = %stream.addr, ?progress, "a replica made no progress on a write-back copy; giving it up for the next candidate");
-                            stream.task.abort();
-                            break None;
-                        }
-                    }
-                };
-                match slot {
-                    Some(slot) => {
+                let another = || self.spare.iter().any(|a| !health.seems_silent(a));
+                match room(tx, stream, progress, health, another).await {
+                    Ok(slot) => {
                         slot.send(Ok(chunk.clone()));
-                        false
+                        continue;
                     }
-                    None => true,
+                    Err(given_up) => given_up,
                 }
             };
-            if gone {
-                stream.tx = None;
+            if given_up {
+                stream.task.abort();
             }
+            stream.tx = None;
         }
     }
 
@@ -103,6 +101,40 @@ impl Copies {
             }
             stream.task.abort();
         }
+    }
+}
+
+/// Room for one more chunk on `stream`'s copy, or `Err(true)` when its
+/// replica is given up here, `Err(false)` when its request ended by
+/// itself (its result says how).
+async fn room<'a>(
+    tx: &'a mpsc::Sender<Result<Bytes, BoxError>>,
+    stream: &Stream,
+    progress: Duration,
+    health: &PeerHealth,
+    another_candidate: impl Fn() -> bool,
+) -> Result<mpsc::Permit<'a, Result<Bytes, BoxError>>, bool> {
+    loop {
+        let mut waited = Duration::ZERO;
+        while waited < progress {
+            let slice = SILENCE_CHECK.min(progress - waited);
+            match tokio::time::timeout(slice, tx.reserve()).await {
+                Ok(Ok(slot)) => return Ok(slot),
+                Ok(Err(_)) => return Err(false),
+                Err(_) => waited += slice,
+            }
+            if health.seems_silent(&stream.addr) && another_candidate() {
+                tracing::warn!(replica = %stream.addr, "a replica found silent elsewhere is taking nothing; giving its write-back copy to the next candidate");
+                return Err(true);
+            }
+        }
+        if stream.client.answers_within(progress).await {
+            health.note_answered(&stream.addr);
+            continue;
+        }
+        health.note_silent(&stream.addr);
+        tracing::warn!(replica = %stream.addr, ?progress, "a replica made no progress on a write-back copy; giving it up for the next candidate");
+        return Err(true);
     }
 }
 
@@ -122,7 +154,14 @@ impl Cache {
         user: &lakecache_protocol::UserMeta,
     ) -> Result<Copies, CacheError> {
         let placement = self.peers.placement();
-        let candidates = placement.map_or_else(Vec::new, |p| p.replica_candidates(uri));
+        let mut candidates = placement.map_or_else(Vec::new, |p| p.replica_candidates(uri));
+        // Ring order, but not a peer that lately failed to answer first:
+        // it would hold the write for the replica deadline again.
+        let ring_order = candidates.clone();
+        self.peers.health().answering_first(&mut candidates);
+        if candidates != ring_order {
+            tracing::debug!(%uri, ?candidates, "replica candidates that lately failed to answer are tried last");
+        }
         let me = placement.and_then(|p| p.me()).unwrap_or_default();
         let members = candidates.len() + 1;
         let copies = wb
@@ -194,13 +233,20 @@ impl Cache {
         for stream in &mut copies.streams {
             stream.tx = None;
         }
+        let health = self.peers.health();
         for stream in copies.streams {
             match stream.task.await {
-                Ok(Ok(stat)) => match copy_answer_checks(&stat, object, &stream.addr) {
-                    Ok(()) => held.push(stream.addr),
-                    Err(e) => failures.push(e.to_string()),
-                },
-                Ok(Err(e)) => failures.push(format!("{}: {e}", stream.addr)),
+                Ok(Ok(stat)) => {
+                    health.note_answered(&stream.addr);
+                    match copy_answer_checks(&stat, object, &stream.addr) {
+                        Ok(()) => held.push(stream.addr),
+                        Err(e) => failures.push(e.to_string()),
+                    }
+                }
+                Ok(Err(e)) => {
+                    note_silence(health, &stream.addr, &e);
+                    failures.push(format!("{}: {e}", stream.addr));
+                }
                 Err(e) => failures.push(format!("{}: {e}", stream.addr)),
             }
         }
@@ -269,7 +315,11 @@ impl Cache {
             )
             .await;
         feed.abort();
-        let stat = sent.map_err(|e| CacheError::ReplicasUnavailable(e.to_string()))?;
+        let stat = sent.map_err(|e| {
+            note_silence(self.peers.health(), addr, &e);
+            CacheError::ReplicasUnavailable(e.to_string())
+        })?;
+        self.peers.health().note_answered(addr);
         copy_answer_checks(&stat, object, addr)
     }
 
@@ -470,6 +520,17 @@ impl Cache {
             return Ok(Some(written));
         }
         Ok(None)
+    }
+}
+
+/// A peer that timed out or could not be reached is noted silent; one
+/// that answered with a refusal (full, fenced) is not.
+pub(crate) fn note_silence(health: &PeerHealth, addr: &str, e: &ClientError) {
+    if matches!(
+        e,
+        ClientError::Timeout { .. } | ClientError::Transport { .. }
+    ) {
+        health.note_silent(addr);
     }
 }
 

@@ -65,12 +65,15 @@ impl Cache {
                 continue;
             };
             let answer = match self.peers.client(&primary.addr) {
-                Ok(c) => c
-                    .pending_entry(&uri, &copy.version)
-                    .await
-                    .map_err(|e| e.to_string()),
+                Ok(c) => c.pending_entry(&uri, &copy.version).await.map_err(|e| {
+                    super::copies::note_silence(self.peers.health(), &primary.addr, &e);
+                    e.to_string()
+                }),
                 Err(e) => Err(e.to_string()),
             };
+            if answer.is_ok() {
+                self.peers.health().note_answered(&primary.addr);
+            }
             match answer {
                 Err(e) => {
                     tracing::debug!(primary = %primary.addr, error = %e, "a primary did not answer about a held copy; keeping it");

@@ -245,7 +245,9 @@ impl Cache {
             } else {
                 taken.add_crcs(&chunk, part_size);
             }
-            copies.send(&chunk, wb.config.replica_progress).await;
+            copies
+                .send(&chunk, wb.config.replica_progress, self.peers.health())
+                .await;
             if taken.size.div_ceil(part_size) > MAX_PARTS {
                 return Err(CacheError::Invalid(format!(
                     "write-back holds objects up to {} bytes ({MAX_PARTS} parts of {part_size}); write larger ones through",

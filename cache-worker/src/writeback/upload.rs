@@ -143,7 +143,10 @@ impl Cache {
                     Ok(c) => c
                         .writeback_status_of(&bucket, &next.uri)
                         .await
-                        .map_err(|e| e.to_string()),
+                        .map_err(|e| {
+                            super::copies::note_silence(self.peers.health(), &addr, &e);
+                            e.to_string()
+                        }),
                     Err(e) => Err(e.to_string()),
                 };
                 let writes = status.as_ref().map_or(&[][..], |s| &s.writes_of_uri[..]);
@@ -159,6 +162,7 @@ impl Cache {
                 let silent_for = match &status {
                     Ok(_) => {
                         wb.silent_peers().remove(&addr);
+                        self.peers.health().note_answered(&addr);
                         Duration::ZERO
                     }
                     Err(_) => wb

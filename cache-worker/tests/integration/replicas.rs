@@ -210,6 +210,78 @@ async fn copies_are_dropped_once_the_primary_uploads_and_a_dead_candidate_is_ski
     assert!(h.s3_bytes("ckpt/d/refused").await.is_none());
 }
 
+/// A peer that is up but hung (a stopped process: its socket takes
+/// connections and then nothing): accepts connections, counts them and
+/// never reads or answers.
+struct HungPeer {
+    addr: String,
+    accepted: Arc<std::sync::atomic::AtomicUsize>,
+}
+
+impl HungPeer {
+    fn start() -> Self {
+        let listener = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+        let addr = listener.local_addr().unwrap().to_string();
+        let accepted = Arc::new(std::sync::atomic::AtomicUsize::new(0));
+        let count = accepted.clone();
+        std::thread::spawn(move || {
+            let mut held = Vec::new();
+            for conn in listener.incoming().flatten() {
+                count.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
+                held.push(conn);
+            }
+        });
+        Self { addr, accepted }
+    }
+
+    fn accepted(&self) -> usize {
+        self.accepted.load(std::sync::atomic::Ordering::SeqCst)
+    }
+}
+
+/// The first candidate for copies hangs: the first write-back gives its
+/// copy up after the replica deadline and the next candidate takes it.
+/// The next write-back does not wait on that peer again: it is tried
+/// last while it stays silent, so the copy goes to the live candidate
+/// from the start and the hung peer is not even connected to.
+#[tokio::test]
+async fn a_hung_candidate_is_waited_on_once_not_once_per_write() {
+    let h = Harness::with(|o| {
+        o.cache.writeback.replicas = Some(2);
+        o.cache.writeback.replica_progress = Duration::from_secs(1);
+    })
+    .await;
+    let c_dir = tempfile::tempdir().unwrap();
+    let c = h.start_another(c_dir.path(), None).await;
+    let hung = HungPeer::start();
+    let c_addr = c.addr().to_string();
+    place(h.worker.as_ref().unwrap(), &[hung.addr.clone(), c_addr]);
+    place(&c, &[h.addr().to_string()]);
+    let c_client = client(&c);
+    h.faults().inject(
+        S3Op::CompleteMultipartUpload,
+        Fault::InternalError,
+        1_000_000,
+    );
+    // More than the hung peer's socket buffers take.
+    let body = data(48 * MIB as usize, 21);
+    put_back(&h.client, "ckpt/h/first", &body).await.unwrap();
+    assert_eq!(status(&c_client).await.replica_objects, 1);
+    let after_first = hung.accepted();
+    assert!(
+        after_first >= 1,
+        "the first copy never went to the hung peer"
+    );
+
+    put_back(&h.client, "ckpt/h/second", &body).await.unwrap();
+    assert_eq!(status(&c_client).await.replica_objects, 2);
+    assert_eq!(
+        hung.accepted(),
+        after_first,
+        "the second write-back went to the hung peer again"
+    );
+}
+
 #[tokio::test]
 async fn a_worker_alone_refuses_two_copies_and_a_malformed_copy_header_is_refused() {
     let h = Harness::with(|o| o.cache.writeback.replicas = Some(2)).await;
