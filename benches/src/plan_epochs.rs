@@ -54,7 +54,6 @@ const COMPUTE: Duration = Duration::from_millis(40);
 /// Batches each loader worker keeps ready (PyTorch's `prefetch_factor`).
 const PREFETCH_FACTOR: usize = 2;
 const BUCKET: &str = "bench";
-const PAGE: u64 = 4 * MIB;
 const EPOCHS: u64 = 2;
 
 #[derive(Parser)]
@@ -67,9 +66,16 @@ struct Args {
     /// Size of each shard in MiB
     #[arg(long, default_value_t = 16)]
     shard_mib: u64,
-    /// Sample size in KiB (a divisor of the 4 MiB page)
+    /// Sample size in KiB (a divisor of the page)
     #[arg(long, default_value_t = 1024)]
     sample_kib: u64,
+    /// The workers' page size in KiB, as `lakecache worker --page-size`
+    /// sets it (1-64 MiB in steps of 256 KiB, a multiple of the sample).
+    /// A miss or prefetch fetches a whole page: pages the size of a
+    /// sample fetch what the loader reads, 4 MiB pages of 1 MiB samples
+    /// four times that (see benches/results/plan-epochs-1mib-pages.md)
+    #[arg(long, default_value_t = 4096)]
+    page_kib: u64,
     /// Samples per batch (per rank)
     #[arg(long, default_value_t = 8)]
     batch: usize,
@@ -412,6 +418,7 @@ impl Bench {
                 for w in 0..ranks {
                     let mut options =
                         common::worker_options(dir.join(format!("cache-{w}")), capacity)?;
+                    options.cache.page_size = self.args.page_kib * 1024;
                     if let Some(mib) = self.args.plan_prefetch_mib {
                         options.cache.plan_prefetch.budget_bytes = mib * MIB;
                     }
@@ -653,10 +660,17 @@ async fn write_data(args: &Args, s3: &common::BenchS3) -> Result<HashMap<u64, St
 }
 
 fn check_args(args: &Args) -> Result<()> {
-    let sample = args.sample_kib * 1024;
-    if sample == 0 || !PAGE.is_multiple_of(sample) {
+    let (sample, page) = (args.sample_kib * 1024, args.page_kib * 1024);
+    if !(MIB..=64 * MIB).contains(&page) || !page.is_multiple_of(256 * 1024) {
         bail!(
-            "--sample-kib must divide the 4 MiB page (got {})",
+            "--page-kib must be 1024 to 65536 in steps of 256, as the worker's --page-size (got {})",
+            args.page_kib
+        );
+    }
+    if sample == 0 || !page.is_multiple_of(sample) {
+        bail!(
+            "--sample-kib must divide the {} KiB page (got {})",
+            args.page_kib,
             args.sample_kib
         );
     }
@@ -702,10 +716,11 @@ async fn main() -> Result<()> {
     };
     let args = &bench.args;
     println!(
-        "# Two shuffled epochs, data set {} MiB ({samples} samples of {} KiB), cache {} MiB, {} ms RTT to S3",
+        "# Two shuffled epochs, data set {} MiB ({samples} samples of {} KiB), cache {} MiB in {} KiB pages, {} ms RTT to S3",
         samples * sample / MIB,
         args.sample_kib,
         samples * sample / 2 / MIB,
+        args.page_kib,
         args.rtt_ms
     );
     println!(
@@ -798,8 +813,8 @@ fn render(rows: &[serde_json::Value], args: &Args) -> String {
     let pct = |v: &serde_json::Value| format!("{:.2}%", v.as_f64().unwrap_or(f64::NAN) * 100.0);
     let ratio = |v: &serde_json::Value| format!("{:.3}", v.as_f64().unwrap_or(f64::NAN));
     out.push_str(&format!(
-        "Two shuffled epochs, cache half the data set, {} ms RTT, median of {} runs (`cargo run --release -p lakecache-bench --bin plan-epochs`).\n\n",
-        args.rtt_ms, args.runs
+        "Two shuffled epochs, {} KiB samples, cache half the data set in {} KiB pages, {} ms RTT, median of {} runs (`cargo run --release -p lakecache-bench --bin plan-epochs`).\n\n",
+        args.sample_kib, args.page_kib, args.rtt_ms, args.runs
     ));
     out.push_str("| ranks | reader | epoch-1 hit ratio | epoch-2 hit ratio (runs) | epoch-1 data wait | epoch-2 data wait (runs) | CPU-s per GiB read | plan publish s |\n|---|---|---|---|---|---|---|---|\n");
     for r in rows {
