@@ -57,6 +57,29 @@ async fn put_back(
         .await
 }
 
+/// Another worker C, with the harness's worker taking `first` as its
+/// first copy candidate and C as the next; S3 completes no multipart
+/// upload, so write-backs stay pending. Returns C and a client for it.
+async fn pending_with_candidates(
+    h: &Harness,
+    dir: &std::path::Path,
+    first: &str,
+) -> (RunningWorker, WorkerClient) {
+    let c = h.start_another(dir, None).await;
+    place(
+        h.worker.as_ref().unwrap(),
+        &[first.to_string(), c.addr().to_string()],
+    );
+    place(&c, &[h.addr().to_string()]);
+    h.faults().inject(
+        S3Op::CompleteMultipartUpload,
+        Fault::InternalError,
+        1_000_000,
+    );
+    let c_client = client(&c);
+    (c, c_client)
+}
+
 async fn status(client: &WorkerClient) -> WriteBackStatus {
     client.writeback_status(None).await.unwrap()
 }
@@ -157,23 +180,13 @@ async fn copies_are_dropped_once_the_primary_uploads_and_a_dead_candidate_is_ski
     })
     .await;
     let c_dir = tempfile::tempdir().unwrap();
-    let c = h.start_another(c_dir.path(), None).await;
     // The first candidate is a port nobody listens on: the copy goes to
     // the next one, fed from the primary's synced pages.
     let dead = {
         let l = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
         l.local_addr().unwrap().to_string()
     };
-    let c_addr = c.addr().to_string();
-    place(h.worker.as_ref().unwrap(), &[dead.clone(), c_addr.clone()]);
-    place(&c, &[h.addr().to_string()]);
-    let c_client = client(&c);
-
-    h.faults().inject(
-        S3Op::CompleteMultipartUpload,
-        Fault::InternalError,
-        1_000_000,
-    );
+    let (c, c_client) = pending_with_candidates(&h, c_dir.path(), &dead).await;
     let body = data(11 * MIB as usize, 9);
     put_back(&h.client, "ckpt/d/shard", &body).await.unwrap();
     assert_eq!(status(&c_client).await.replica_objects, 1);
@@ -252,17 +265,8 @@ async fn a_hung_candidate_is_waited_on_once_not_once_per_write() {
     })
     .await;
     let c_dir = tempfile::tempdir().unwrap();
-    let c = h.start_another(c_dir.path(), None).await;
     let hung = HungPeer::start();
-    let c_addr = c.addr().to_string();
-    place(h.worker.as_ref().unwrap(), &[hung.addr.clone(), c_addr]);
-    place(&c, &[h.addr().to_string()]);
-    let c_client = client(&c);
-    h.faults().inject(
-        S3Op::CompleteMultipartUpload,
-        Fault::InternalError,
-        1_000_000,
-    );
+    let (_c, c_client) = pending_with_candidates(&h, c_dir.path(), &hung.addr).await;
     // More than the hung peer's socket buffers take.
     let body = data(48 * MIB as usize, 21);
     put_back(&h.client, "ckpt/h/first", &body).await.unwrap();
