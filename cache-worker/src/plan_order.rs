@@ -24,6 +24,11 @@ pub const MAX_TOTAL_PAGES: usize = 4 << 20;
 /// a plan's own reader's, and how far behind it an entry not read yet is
 /// still waited for.
 pub const DEFAULT_WINDOW: u64 = 4096;
+/// Reads a plan remembers to tell where its reader is.
+const RECENT_READS: usize = 5;
+/// How far the furthest read may run ahead of the recent ones before it
+/// is taken for a stray read, not the reader's position.
+const STRAY_GAP: u64 = 64;
 
 #[derive(Debug, thiserror::Error, PartialEq, Eq)]
 pub enum PlanError {
@@ -59,6 +64,8 @@ struct Plan {
     /// The page read last: a reader reads a page in several pieces, and
     /// only the first is a read of the plan's.
     last: Option<PageKey>,
+    /// The positions of the last [`RECENT_READS`] reads, oldest first.
+    recent: VecDeque<u64>,
     expires: Instant,
     /// The tenant that published it: it ranks that tenant's pages only.
     tenant: Option<Arc<str>>,
@@ -89,8 +96,27 @@ impl Plan {
             read_at: HashMap::new(),
             len: pages.len(),
             last: None,
+            recent: VecDeque::with_capacity(RECENT_READS),
             expires,
             tenant,
+        }
+    }
+
+    /// Where the reader is, to fetch ahead of it: the furthest read,
+    /// unless the recent reads lie well behind it. Then that read was a
+    /// stray one (a mount's read-ahead into a page the plan reads much
+    /// later, at 1 MiB pages) and the reader is where most recent reads
+    /// are: one past their lower median. Fetching from the stray read
+    /// on left every page between unfetched (plan-epochs, mounts, 1 MiB
+    /// pages: prefetch ran about 600 positions ahead of the reader).
+    fn reader_at(&self) -> u64 {
+        let mut recent: Vec<u64> = self.recent.iter().copied().collect();
+        recent.sort_unstable();
+        match recent.get(recent.len().saturating_sub(1) / 2) {
+            Some(&median) if self.reached - (median + 1) > STRAY_GAP => {
+                (median + 1).max(self.cursor)
+            }
+            _ => self.reached,
         }
     }
 
@@ -123,6 +149,10 @@ impl Plan {
         self.last = Some(*key);
         self.read_at.insert(*key, at);
         self.reached = self.reached.max(at + 1);
+        if self.recent.len() == RECENT_READS {
+            self.recent.pop_front();
+        }
+        self.recent.push_back(at);
         self.advance(key);
         // Positions left this far behind the reader were skipped.
         let behind = self.reached.saturating_sub(window);
@@ -226,9 +256,10 @@ impl PlanOrder {
 
     /// Where plan `name`'s reader is: one past the furthest position
     /// (in its pages, a page listed again right after itself counted
-    /// once) read so far.
+    /// once) read so far, unless that read was a stray one far ahead of
+    /// the recent reads (see `Plan::reader_at`).
     pub fn cursor(&self, name: &str) -> Option<u64> {
-        self.plans.get(name).map(|p| p.reached)
+        self.plans.get(name).map(Plan::reader_at)
     }
 
     /// Whether `tenant` has published any plan.

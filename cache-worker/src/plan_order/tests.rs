@@ -245,6 +245,45 @@ fn a_read_far_ahead_of_the_cursor_is_not_the_plans_reader() {
 }
 
 #[test]
+fn a_stray_read_far_ahead_does_not_move_where_the_reader_is() {
+    let mut order = PlanOrder::default();
+    let far = Instant::now() + Duration::from_secs(600);
+    let plan: Vec<PageKey> = (0..=200).map(key).collect();
+    order.install("job/0", None, &plan, far).unwrap();
+    for p in 0..10 {
+        order.read(&key(p));
+    }
+    assert_eq!(order.cursor("job/0"), Some(10));
+    // A read-ahead into page 150, read by the plan much later.
+    order.read(&key(150));
+    for p in 10..13 {
+        order.read(&key(p));
+        assert_eq!(
+            order.cursor("job/0"),
+            Some(u64::from(p) + 1),
+            "the reader is at {p}, not past the stray read"
+        );
+    }
+    // Reads a little out of order are the reader's, as before.
+    order.read(&key(15));
+    assert_eq!(order.cursor("job/0"), Some(13), "the recent reads' median");
+    order.read(&key(16));
+    order.read(&key(17));
+    order.read(&key(14));
+    order.read(&key(13));
+    assert_eq!(
+        order.cursor("job/0"),
+        Some(18),
+        "never behind the first position not read"
+    );
+    // A reader that really jumps ahead is followed once its reads are there.
+    for p in 100..104 {
+        order.read(&key(p));
+    }
+    assert_eq!(order.cursor("job/0"), Some(151), "the furthest read again");
+}
+
+#[test]
 fn reads_out_of_order_each_take_their_own_position() {
     let mut order = PlanOrder::default();
     let far = Instant::now() + Duration::from_secs(600);
