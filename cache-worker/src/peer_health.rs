@@ -45,6 +45,18 @@ impl PeerHealth {
         self.lock().insert(addr.to_string(), Instant::now());
     }
 
+    /// A request to `addr` failed: a timeout or no connection counts as
+    /// silence; a refusal (full, fenced) is an answer and does not.
+    pub(crate) fn note_failure(&self, addr: &str, e: &lakecache_protocol::ClientError) {
+        use lakecache_protocol::ClientError;
+        if matches!(
+            e,
+            ClientError::Timeout { .. } | ClientError::Transport { .. }
+        ) {
+            self.note_silent(addr);
+        }
+    }
+
     /// `addr` answered: it is as good as any peer again.
     pub(crate) fn note_answered(&self, addr: &str) {
         self.lock().remove(addr);

@@ -244,7 +244,7 @@ impl Cache {
                     }
                 }
                 Ok(Err(e)) => {
-                    note_silence(health, &stream.addr, &e);
+                    health.note_failure(&stream.addr, &e);
                     failures.push(format!("{}: {e}", stream.addr));
                 }
                 Err(e) => failures.push(format!("{}: {e}", stream.addr)),
@@ -316,7 +316,7 @@ impl Cache {
             .await;
         feed.abort();
         let stat = sent.map_err(|e| {
-            note_silence(self.peers.health(), addr, &e);
+            self.peers.health().note_failure(addr, &e);
             CacheError::ReplicasUnavailable(e.to_string())
         })?;
         self.peers.health().note_answered(addr);
@@ -520,17 +520,6 @@ impl Cache {
             return Ok(Some(written));
         }
         Ok(None)
-    }
-}
-
-/// A peer that timed out or could not be reached is noted silent; one
-/// that answered with a refusal (full, fenced) is not.
-pub(crate) fn note_silence(health: &PeerHealth, addr: &str, e: &ClientError) {
-    if matches!(
-        e,
-        ClientError::Timeout { .. } | ClientError::Transport { .. }
-    ) {
-        health.note_silent(addr);
     }
 }
 

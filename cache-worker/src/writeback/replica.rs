@@ -66,7 +66,7 @@ impl Cache {
             };
             let answer = match self.peers.client(&primary.addr) {
                 Ok(c) => c.pending_entry(&uri, &copy.version).await.map_err(|e| {
-                    super::copies::note_silence(self.peers.health(), &primary.addr, &e);
+                    self.peers.health().note_failure(&primary.addr, &e);
                     e.to_string()
                 }),
                 Err(e) => Err(e.to_string()),

@@ -144,7 +144,7 @@ impl Cache {
                         .writeback_status_of(&bucket, &next.uri)
                         .await
                         .map_err(|e| {
-                            super::copies::note_silence(self.peers.health(), &addr, &e);
+                            self.peers.health().note_failure(&addr, &e);
                             e.to_string()
                         }),
                     Err(e) => Err(e.to_string()),
