@@ -148,8 +148,20 @@ pub struct WriteBack {
     pub(crate) wake: Notify,
     /// Signalled after every upload, for writers waiting for space.
     pub(crate) drained: Notify,
+    /// Bodies waiting for staging room now: the uploader stops holding
+    /// uploads for a silent peer's order while any wait.
+    room_waiters: std::sync::atomic::AtomicUsize,
     uploaded: AtomicU64,
     last_error: Mutex<Option<String>>,
+}
+
+/// A body counted as waiting for staging room (see [`WriteBack::wait_for_room`]).
+pub(crate) struct RoomWait<'a>(&'a std::sync::atomic::AtomicUsize);
+
+impl Drop for RoomWait<'_> {
+    fn drop(&mut self) {
+        self.0.fetch_sub(1, Ordering::AcqRel);
+    }
 }
 
 fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
@@ -225,6 +237,7 @@ impl WriteBack {
             journal: Mutex::new(journal),
             overlay: Mutex::new(overlay),
             dirty: AtomicU64::new(dirty),
+            room_waiters: Default::default(),
             wake: Notify::new(),
             drained: Notify::new(),
             uploaded: AtomicU64::new(0),
@@ -537,6 +550,17 @@ impl WriteBack {
                 Some(d.saturating_sub(len))
             });
         self.drained.notify_waiters();
+    }
+
+    /// Counts a body waiting for staging room until the guard drops.
+    pub(crate) fn wait_for_room(&self) -> RoomWait<'_> {
+        self.room_waiters.fetch_add(1, Ordering::AcqRel);
+        RoomWait(&self.room_waiters)
+    }
+
+    /// Whether some body is waiting for staging room now.
+    pub(crate) fn writers_wait_for_room(&self) -> bool {
+        self.room_waiters.load(Ordering::Acquire) > 0
     }
 
     pub fn dirty_bytes(&self) -> u64 {

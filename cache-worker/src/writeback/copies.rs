@@ -29,6 +29,10 @@ const STREAM_DEPTH: usize = 8;
 /// has found that replica silent.
 const SILENCE_CHECK: Duration = Duration::from_secs(1);
 
+/// When another candidate could take a copy: how long its replica may
+/// take nothing before it is probed, and how long it has to answer.
+const SPARE_PROBE: Duration = Duration::from_secs(2);
+
 struct Stream {
     addr: String,
     tx: Option<mpsc::Sender<Result<Bytes, BoxError>>>,
@@ -68,7 +72,8 @@ impl Copies {
     /// Forwards a chunk of the body to every live stream. A stream whose
     /// replica failed is left behind; it is replaced at [`Cache::finish_copies`].
     /// So is one whose replica takes nothing for `progress` and then does
-    /// not answer a probe: a hung replica must not hold the write. One
+    /// not answer a probe: a hung replica must not hold the write (with
+    /// another candidate to take the copy, the probe comes after 2 s). One
     /// that takes nothing while another path has found it silent is left
     /// sooner, when another candidate can take the copy: the outage was
     /// already paid for once.
@@ -116,6 +121,7 @@ async fn room<'a>(
 ) -> Result<mpsc::Permit<'a, Result<Bytes, BoxError>>, bool> {
     loop {
         let mut waited = Duration::ZERO;
+        let mut probed = false;
         while waited < progress {
             let slice = SILENCE_CHECK.min(progress - waited);
             match tokio::time::timeout(slice, tx.reserve()).await {
@@ -127,6 +133,19 @@ async fn room<'a>(
                 tracing::warn!(replica = %stream.addr, "a replica found silent elsewhere is taking nothing; giving its write-back copy to the next candidate");
                 return Err(true);
             }
+            // Another candidate could take the copy: ask a replica that
+            // has taken nothing for a while whether it runs at all. A
+            // busy one answers and keeps the copy; a stopped one is
+            // given up now, not after `progress`.
+            if !probed && waited >= SPARE_PROBE && another_candidate() {
+                probed = true;
+                if !stream.client.answers_within(SPARE_PROBE).await {
+                    health.note_silent(&stream.addr);
+                    tracing::warn!(replica = %stream.addr, ?waited, probe = ?SPARE_PROBE, "a replica takes nothing and did not answer a probe; giving its write-back copy to the next candidate");
+                    return Err(true);
+                }
+                health.note_answered(&stream.addr);
+            }
         }
         if stream.client.answers_within(progress).await {
             health.note_answered(&stream.addr);
@@ -135,6 +154,51 @@ async fn room<'a>(
         health.note_silent(&stream.addr);
         tracing::warn!(replica = %stream.addr, ?progress, "a replica made no progress on a write-back copy; giving it up for the next candidate");
         return Err(true);
+    }
+}
+
+/// The replica's answer to a copy whose body is all sent. With another
+/// candidate to take the copy, a replica that does not answer is probed
+/// after 2 s and every `progress` after, and given up (its task
+/// aborted) when silent here or elsewhere: a worker stopped after it
+/// took the body must not hold the write until the request's own
+/// deadline.
+async fn answer(
+    stream: &mut Stream,
+    progress: Duration,
+    health: &PeerHealth,
+    another_candidate: impl Fn() -> bool,
+) -> Result<Result<ObjectStat, ClientError>, tokio::task::JoinError> {
+    let (mut waited, mut probe_at) = (Duration::ZERO, SPARE_PROBE);
+    loop {
+        if let Ok(done) = tokio::time::timeout(SILENCE_CHECK, &mut stream.task).await {
+            return done;
+        }
+        waited += SILENCE_CHECK;
+        if !another_candidate() {
+            continue;
+        }
+        let silent = if health.seems_silent(&stream.addr) {
+            true
+        } else if waited >= probe_at {
+            probe_at = waited + progress;
+            let answered = stream.client.answers_within(SPARE_PROBE).await;
+            if answered {
+                health.note_answered(&stream.addr);
+            }
+            !answered
+        } else {
+            false
+        };
+        if silent {
+            health.note_silent(&stream.addr);
+            stream.task.abort();
+            tracing::warn!(replica = %stream.addr, ?waited, "a replica that took a whole write-back copy does not answer; giving the copy to the next candidate");
+            return Ok(Err(ClientError::Timeout {
+                addr: stream.addr.clone(),
+                timeout: waited,
+            }));
+        }
     }
 }
 
@@ -234,8 +298,10 @@ impl Cache {
             stream.tx = None;
         }
         let health = self.peers.health();
-        for stream in copies.streams {
-            match stream.task.await {
+        for mut stream in copies.streams {
+            let spare = &copies.spare;
+            let another = || spare.iter().any(|a| !health.seems_silent(a));
+            match answer(&mut stream, wb.config.replica_progress, health, another).await {
                 Ok(Ok(stat)) => {
                     health.note_answered(&stream.addr);
                     match copy_answer_checks(&stat, object, &stream.addr) {

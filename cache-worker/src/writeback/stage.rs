@@ -386,7 +386,9 @@ impl Cache {
         taken: &mut Taken,
     ) -> Result<(), CacheError> {
         let len = data.len() as u64;
+        let mut _counted = None;
         while !wb.try_reserve(len) {
+            _counted.get_or_insert_with(|| wb.wait_for_room());
             let waiting = wb.drained.notified();
             if wb.try_reserve(len) {
                 break;

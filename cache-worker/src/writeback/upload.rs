@@ -175,6 +175,12 @@ impl Cache {
                     Ok(s) => s
                         .next_upload_acked_ms
                         .is_some_and(|t| (t, s.journal_id.as_str()) < mine),
+                    // Writes here wait for staging room that this wait
+                    // holds: a silent peer's order gives way to them.
+                    Err(e) if wb.writers_wait_for_room() => {
+                        tracing::warn!(%addr, error = %e, uri = %next.uri, "writes on this worker are waiting for staging room; uploading without waiting for a worker that does not answer");
+                        false
+                    }
                     Err(e) if silent_for < wb.config.peer_order_wait => {
                         tracing::debug!(%addr, error = %e, "waiting for a worker to answer before uploading in order");
                         true

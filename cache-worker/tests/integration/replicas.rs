@@ -225,7 +225,8 @@ async fn copies_are_dropped_once_the_primary_uploads_and_a_dead_candidate_is_ski
 
 /// A peer that is up but hung (a stopped process: its socket takes
 /// connections and then nothing): accepts connections, counts them and
-/// never reads or answers.
+/// never answers. It reads nothing, or (`swallowing`) reads every byte
+/// sent, as a worker stopped after it took a body would have.
 struct HungPeer {
     addr: String,
     accepted: Arc<std::sync::atomic::AtomicUsize>,
@@ -233,15 +234,29 @@ struct HungPeer {
 
 impl HungPeer {
     fn start() -> Self {
+        Self::listen(false)
+    }
+
+    fn swallowing() -> Self {
+        Self::listen(true)
+    }
+
+    fn listen(reads: bool) -> Self {
         let listener = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
         let addr = listener.local_addr().unwrap().to_string();
         let accepted = Arc::new(std::sync::atomic::AtomicUsize::new(0));
         let count = accepted.clone();
         std::thread::spawn(move || {
             let mut held = Vec::new();
-            for conn in listener.incoming().flatten() {
+            for mut conn in listener.incoming().flatten() {
                 count.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
-                held.push(conn);
+                if reads {
+                    std::thread::spawn(move || {
+                        let _ = std::io::copy(&mut conn, &mut std::io::sink());
+                    });
+                } else {
+                    held.push(conn);
+                }
             }
         });
         Self { addr, accepted }
@@ -284,6 +299,99 @@ async fn a_hung_candidate_is_waited_on_once_not_once_per_write() {
         after_first,
         "the second write-back went to the hung peer again"
     );
+}
+/// A hung first candidate, with a live one to spare and a replica
+/// progress deadline far longer than the test: the stalled copy's
+/// replica is probed after 2 s, does not answer, and the live candidate
+/// takes the copy. Before, the copy waited out the whole deadline.
+#[tokio::test]
+async fn a_hung_candidate_with_a_spare_is_probed_not_waited_out() {
+    let progress = Duration::from_secs(600);
+    let h = Harness::with(|o| {
+        o.cache.writeback.replicas = Some(2);
+        o.cache.writeback.replica_progress = progress;
+    })
+    .await;
+    let c_dir = tempfile::tempdir().unwrap();
+    let hung = HungPeer::start();
+    let (_c, c_client) = pending_with_candidates(&h, c_dir.path(), &hung.addr).await;
+    // More than the hung peer's socket buffers take.
+    let body = data(48 * MIB as usize, 22);
+    let write = put_back(&h.client, "ckpt/p/first", &body);
+    // Within the test client's own 60 s timeout.
+    let stat = tokio::time::timeout(Duration::from_secs(50), write)
+        .await
+        .expect("the write waited out the replica progress deadline")
+        .unwrap();
+    assert_eq!(stat.size, body.len() as u64);
+    assert!(hung.accepted() >= 1, "the copy never went to the hung peer");
+    assert_eq!(status(&c_client).await.replica_objects, 1);
+}
+
+/// The first candidate takes the whole copy and never answers (stopped
+/// after it read the body): with a live candidate to spare, it is probed
+/// after 2 s, not waited on for the replica progress deadline.
+#[tokio::test]
+async fn a_candidate_that_takes_the_copy_and_never_answers_is_probed_not_waited_out() {
+    let h = Harness::with(|o| {
+        o.cache.writeback.replicas = Some(2);
+        o.cache.writeback.replica_progress = Duration::from_secs(600);
+    })
+    .await;
+    let c_dir = tempfile::tempdir().unwrap();
+    let silent = HungPeer::swallowing();
+    let (_c, c_client) = pending_with_candidates(&h, c_dir.path(), &silent.addr).await;
+    let body = data(8 * MIB as usize, 23);
+    let write = put_back(&h.client, "ckpt/s/first", &body);
+    // Within the test client's own 60 s timeout.
+    let stat = tokio::time::timeout(Duration::from_secs(50), write)
+        .await
+        .expect("the write waited for the silent replica's answer")
+        .unwrap();
+    assert_eq!(stat.size, body.len() as u64);
+    assert!(
+        silent.accepted() >= 1,
+        "the copy never went to the silent peer"
+    );
+    assert_eq!(status(&c_client).await.replica_objects, 1);
+}
+
+/// Staging is full of a write whose upload waits, for S3 order, on a
+/// peer that does not answer: the next write waits for room, and the
+/// upload stops waiting for the silent peer so the room comes. Before,
+/// the upload waited out `peer_order_wait` and the write failed as
+/// staging full after its stall timeout.
+#[tokio::test]
+async fn a_write_waiting_for_staging_room_ends_the_wait_for_a_silent_peers_order() {
+    let h = Harness::with(|o| {
+        o.cache.writeback.replicas = Some(1);
+        o.cache.writeback.staging_limit = 2 * MIB;
+        o.cache.writeback.stall_timeout = Duration::from_secs(30);
+        o.cache.writeback.peer_order_wait = Duration::from_secs(600);
+    })
+    .await;
+    let hung = HungPeer::start();
+    place(h.worker.as_ref().unwrap(), std::slice::from_ref(&hung.addr));
+    let first = data(2 * MIB as usize, 31);
+    put_back(&h.client, "room/first", &first).await.unwrap();
+    // The uploader is asking the silent peer about the order by now.
+    eventually(
+        Duration::from_secs(30),
+        "an order check on the peer",
+        || async { hung.accepted() >= 1 },
+    )
+    .await;
+    assert!(h.s3_bytes("room/first").await.is_none());
+    let second = data(MIB as usize, 32);
+    put_back(&h.client, "room/second", &second)
+        .await
+        .unwrap_or_else(|e| panic!("the write waiting for room failed: {e}"));
+    assert_eq!(h.s3_bytes("room/first").await.as_deref(), Some(&first[..]));
+    // With room to spare, the order is kept again: the second write's
+    // upload waits for the silent peer, acknowledged and pending.
+    let pending = status(&h.client).await;
+    assert_eq!(pending.pending_objects, 1, "{pending:?}");
+    assert!(h.s3_bytes("room/second").await.is_none());
 }
 
 #[tokio::test]
