@@ -22,9 +22,17 @@ def plot(doc: dict, out: Path) -> None:
     import matplotlib.pyplot as plt
 
     ranks = sorted({row["ranks"] for row in doc["rows"]})
-    fig, axes = plt.subplots(2, len(ranks), figsize=(6.5 * len(ranks), 7), squeeze=False)
+    # Mounts alone have no per-step hits (their ratio is per epoch, in
+    # the table): then the wait row alone.
+    with_hits = any(
+        s[0] is not None for epochs in doc["steps"].values() for epoch in epochs for s in epoch
+    )
+    rows = 2 if with_hits else 1
+    fig, axes = plt.subplots(
+        rows, len(ranks), figsize=(6.5 * len(ranks), 3.5 * rows + 0.5), squeeze=False
+    )
     for col, r in enumerate(ranks):
-        hit_ax, wait_ax = axes[0][col], axes[1][col]
+        hit_ax, wait_ax = (axes[0][col], axes[1][col]) if with_hits else (None, axes[0][col])
         for key, label in READERS.items():
             epochs = doc["steps"].get(f"{key}-{r}")
             if not epochs:
@@ -34,18 +42,24 @@ def plot(doc: dict, out: Path) -> None:
             # None: no per-read hit (a mount's reads; its epoch ratio is
             # in the table).
             hits = [float("nan") if s[0] is None else s[0] for s in steps]
-            hit_ax.plot(xs, hits, label=label, linewidth=1)
+            if hit_ax is not None:
+                hit_ax.plot(xs, hits, label=label, linewidth=1)
             wait_ax.plot(xs, [s[1] for s in steps], label=label, linewidth=1)
             boundary = len(epochs[0]) + 0.5
         for ax in (hit_ax, wait_ax):
+            if ax is None:
+                continue
             ax.axvline(boundary, color="grey", linestyle=":", linewidth=1)
             ax.set_xlabel("step (epoch 1, then epoch 2)")
-        hit_ax.set_title(f"{r} rank(s): hit ratio per step")
-        hit_ax.set_ylim(-0.02, 1.02)
+        if hit_ax is not None:
+            hit_ax.set_title(f"{r} rank(s): hit ratio per step")
+            hit_ax.set_ylim(-0.02, 1.02)
+            hit_ax.legend(loc="lower right", fontsize="small")
+        else:
+            wait_ax.legend(loc="upper right", fontsize="small")
         wait_ax.set_title(f"{r} rank(s): data wait per step (ms)")
         wait_ax.set_yscale("symlog", linthresh=1)
         wait_ax.set_ylim(bottom=0)
-        hit_ax.legend(loc="lower right", fontsize="small")
     fig.suptitle(
         f"Two shuffled epochs, cache half the data set, {doc['rtt_ms']} ms RTT, "
         f"{doc['compute_ms']} ms compute per step"

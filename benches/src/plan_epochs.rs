@@ -112,6 +112,13 @@ struct Args {
     /// The lakecache binary for `mounts` (default: beside this bench)
     #[arg(long)]
     lakecache: Option<PathBuf>,
+    /// Readers through a mount advise POSIX_FADV_RANDOM on each open, as
+    /// a loader can (`os.posix_fadvise`): the kernel then reads no more
+    /// than each sample, where its read-ahead otherwise fetches the next
+    /// sample of a shard along with the one at offset 0 (and cached
+    /// samples' read-ahead marks fetch more)
+    #[arg(long)]
+    fadvise_random: bool,
     /// An extra flag for each `lakecache mount` (repeatable)
     #[arg(long, allow_hyphen_values = true)]
     mount_arg: Vec<String>,
@@ -155,8 +162,9 @@ enum Source {
     Local(PathBuf),
     Direct(Arc<dyn ObjectStore>, HashMap<u64, String>),
     Cluster(Arc<ClusterClient>, HashMap<String, WorkerClient>),
-    /// A `lakecache mount`'s view of the bucket.
-    Mount(PathBuf),
+    /// A `lakecache mount`'s view of the bucket; whether each open is
+    /// advised POSIX_FADV_RANDOM.
+    Mount(PathBuf, bool),
 }
 
 #[derive(Clone, Copy)]
@@ -190,12 +198,23 @@ impl Source {
         let (shard, offset) = layout.place(sample);
         let range = offset..offset + layout.sample;
         let (bytes, hit) = match self {
-            Source::Local(dir) | Source::Mount(dir) => {
+            Source::Local(dir) | Source::Mount(dir, _) => {
                 let path = dir.join(format!("shard-{shard:04}.bin"));
                 let len = layout.sample as usize;
+                let random = matches!(self, Source::Mount(_, true));
                 let bytes = tokio::task::spawn_blocking(move || {
+                    use std::os::fd::AsRawFd;
                     use std::os::unix::fs::FileExt;
                     let file = std::fs::File::open(&path)?;
+                    if random {
+                        // SAFETY: advice on a descriptor held open.
+                        let rc = unsafe {
+                            libc::posix_fadvise(file.as_raw_fd(), 0, 0, libc::POSIX_FADV_RANDOM)
+                        };
+                        if rc != 0 {
+                            return Err(std::io::Error::from_raw_os_error(rc));
+                        }
+                    }
                     let mut buf = vec![0u8; len];
                     file.read_exact_at(&mut buf, offset)?;
                     std::io::Result::Ok(Bytes::from(buf))
@@ -466,7 +485,7 @@ impl Bench {
             for rank in 0..ranks {
                 let (mount, view) = self.mount(&dir, rank, &registry)?;
                 mounts.push(mount);
-                sources.push(Arc::new(Source::Mount(view)));
+                sources.push(Arc::new(Source::Mount(view, self.args.fadvise_random)));
             }
         }
         let traffic = || -> (u64, u64) {
@@ -498,7 +517,7 @@ impl Bench {
             let this_epoch = order(epoch);
             let next_epoch = (epoch + 1 < EPOCHS).then(|| order(epoch + 1));
             for source in &sources {
-                if let Source::Mount(view) = &**source {
+                if let Source::Mount(view, _) = &**source {
                     self.forget_pages(view)?;
                 }
             }
@@ -855,6 +874,11 @@ fn render(rows: &[serde_json::Value], args: &Args) -> String {
     }
     if rows.iter().any(|r| r["mode"] == Mode::Mounts.key()) {
         out.push_str("\n`mounts, plans`: each rank reads through its own `lakecache mount` (kernel FUSE); its hit ratio is counted at the workers, as the share of the bytes the mounts asked for that were cached when asked, and its CPU includes the mount processes.\n");
+        if args.fadvise_random {
+            out.push_str(
+                "Mount readers advised POSIX_FADV_RANDOM on each open (`--fadvise-random`).\n",
+            );
+        }
     }
     out
 }

@@ -58,3 +58,46 @@ fn one_mib_samples_read_at_random_offsets_cost_the_workers_their_own_bytes() {
         env.log()
     );
 }
+
+/// The recipe the README gives loaders that read samples out of large
+/// files through a mount: advise POSIX_FADV_RANDOM on each open, and the
+/// kernel asks the mount for the samples and nothing more. Without the
+/// advice (kernel 6.18) the read at offset 0 made the kernel read the
+/// next sample too: 6 MiB for these 5 (benches/results/plan-epochs-1mib-fadvise.md).
+#[test]
+fn samples_read_with_random_advice_reach_the_mount_as_asked() {
+    let mut env = Env::start(1);
+    let shard = pattern(16 << 20, 36);
+    env.put("shards/advised.bin", Bytes::from(shard.clone()));
+    // Read once first, so the counter exists before the baseline.
+    env.put("other.bin", Bytes::from_static(b"starts the read counter"));
+    env.mount_with(&["--metrics-listen", "127.0.0.1:0"]);
+    let port = env
+        .mount
+        .as_mut()
+        .expect("mounted")
+        .wait_for_port("mount metrics at http://", Duration::from_secs(30));
+    fs::read(env.mountpoint().join("other.bin")).unwrap();
+    let metric = "lakecache_fuse_read_bytes_total";
+    let before = super::tier_completion::mount_metric(port, metric, &[]);
+    let file = env.mountpoint().join("shards/advised.bin");
+    // The shard's first sample, one far off, then its second.
+    let offsets = [0u64, 7, 1, 12, 4];
+    for &at in &offsets {
+        let f = File::open(&file).unwrap();
+        // SAFETY: advice on a descriptor held open.
+        let rc = unsafe { libc::posix_fadvise(f.as_raw_fd(), 0, 0, libc::POSIX_FADV_RANDOM) };
+        assert_eq!(rc, 0, "posix_fadvise");
+        let mut buf = vec![0u8; 1 << 20];
+        f.read_exact_at(&mut buf, at << 20).unwrap();
+        let want = &shard[(at << 20) as usize..((at + 1) << 20) as usize];
+        assert!(buf == want, "sample at {at} MiB");
+    }
+    let read = super::tier_completion::mount_metric(port, metric, &[]) - before;
+    let asked = (offsets.len() as f64) * (1u64 << 20) as f64;
+    assert!(
+        read == asked,
+        "the kernel asked the mount for {read} bytes, the loader for {asked}\n{}",
+        env.log()
+    );
+}
