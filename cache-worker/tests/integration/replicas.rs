@@ -300,23 +300,19 @@ async fn a_hung_candidate_is_waited_on_once_not_once_per_write() {
         "the second write-back went to the hung peer again"
     );
 }
-/// A hung first candidate, with a live one to spare and a replica
-/// progress deadline far longer than the test: the stalled copy's
-/// replica is probed after 2 s, does not answer, and the live candidate
+
+/// A write whose first copy candidate is `silent` (never answers), with
+/// a live candidate to spare and a replica progress deadline far longer
+/// than the test: the silent one is probed after 2 s and the live one
 /// takes the copy. Before, the copy waited out the whole deadline.
-#[tokio::test]
-async fn a_hung_candidate_with_a_spare_is_probed_not_waited_out() {
-    let progress = Duration::from_secs(600);
+async fn a_silent_candidate_is_probed_not_waited_out(silent: HungPeer, body: Vec<u8>) {
     let h = Harness::with(|o| {
         o.cache.writeback.replicas = Some(2);
-        o.cache.writeback.replica_progress = progress;
+        o.cache.writeback.replica_progress = Duration::from_secs(600);
     })
     .await;
     let c_dir = tempfile::tempdir().unwrap();
-    let hung = HungPeer::start();
-    let (_c, c_client) = pending_with_candidates(&h, c_dir.path(), &hung.addr).await;
-    // More than the hung peer's socket buffers take.
-    let body = data(48 * MIB as usize, 22);
+    let (_c, c_client) = pending_with_candidates(&h, c_dir.path(), &silent.addr).await;
     let write = put_back(&h.client, "ckpt/p/first", &body);
     // Within the test client's own 60 s timeout.
     let stat = tokio::time::timeout(Duration::from_secs(50), write)
@@ -324,36 +320,27 @@ async fn a_hung_candidate_with_a_spare_is_probed_not_waited_out() {
         .expect("the write waited out the replica progress deadline")
         .unwrap();
     assert_eq!(stat.size, body.len() as u64);
-    assert!(hung.accepted() >= 1, "the copy never went to the hung peer");
-    assert_eq!(status(&c_client).await.replica_objects, 1);
-}
-
-/// The first candidate takes the whole copy and never answers (stopped
-/// after it read the body): with a live candidate to spare, it is probed
-/// after 2 s, not waited on for the replica progress deadline.
-#[tokio::test]
-async fn a_candidate_that_takes_the_copy_and_never_answers_is_probed_not_waited_out() {
-    let h = Harness::with(|o| {
-        o.cache.writeback.replicas = Some(2);
-        o.cache.writeback.replica_progress = Duration::from_secs(600);
-    })
-    .await;
-    let c_dir = tempfile::tempdir().unwrap();
-    let silent = HungPeer::swallowing();
-    let (_c, c_client) = pending_with_candidates(&h, c_dir.path(), &silent.addr).await;
-    let body = data(8 * MIB as usize, 23);
-    let write = put_back(&h.client, "ckpt/s/first", &body);
-    // Within the test client's own 60 s timeout.
-    let stat = tokio::time::timeout(Duration::from_secs(50), write)
-        .await
-        .expect("the write waited for the silent replica's answer")
-        .unwrap();
-    assert_eq!(stat.size, body.len() as u64);
     assert!(
         silent.accepted() >= 1,
         "the copy never went to the silent peer"
     );
     assert_eq!(status(&c_client).await.replica_objects, 1);
+}
+
+/// The first candidate hangs: the copy stalls once its socket buffers
+/// are full (the body is larger than they take).
+#[tokio::test]
+async fn a_hung_candidate_with_a_spare_is_probed_not_waited_out() {
+    a_silent_candidate_is_probed_not_waited_out(HungPeer::start(), data(48 * MIB as usize, 22))
+        .await;
+}
+
+/// The first candidate takes the whole copy and never answers (stopped
+/// after it read the body).
+#[tokio::test]
+async fn a_candidate_that_takes_the_copy_and_never_answers_is_probed_not_waited_out() {
+    a_silent_candidate_is_probed_not_waited_out(HungPeer::swallowing(), data(8 * MIB as usize, 23))
+        .await;
 }
 
 /// Staging is full of a write whose upload waits, for S3 order, on a
