@@ -151,6 +151,8 @@ pub struct WriteBack {
     /// Bodies waiting for staging room now: the uploader stops holding
     /// uploads for a silent peer's order while any wait.
     room_waiters: std::sync::atomic::AtomicUsize,
+    /// The uploader waits, for order, on a peer that does not answer.
+    pub(crate) waits_on_silent_peer: std::sync::atomic::AtomicBool,
     uploaded: AtomicU64,
     last_error: Mutex<Option<String>>,
 }
@@ -238,6 +240,7 @@ impl WriteBack {
             overlay: Mutex::new(overlay),
             dirty: AtomicU64::new(dirty),
             room_waiters: Default::default(),
+            waits_on_silent_peer: Default::default(),
             wake: Notify::new(),
             drained: Notify::new(),
             uploaded: AtomicU64::new(0),
@@ -581,6 +584,7 @@ impl WriteBack {
             ..Default::default()
         };
         status.journal_id = self.id.clone();
+        status.next_upload_waits_on_silent_peer = self.waits_on_silent_peer.load(Ordering::Acquire);
         for p in journal.pending().filter(|p| p.uri.starts_with(prefix)) {
             let held_for_primary = held_for_primary(p, &taken_over);
             if !held_for_primary && status.next_upload_acked_ms.is_none() {

@@ -135,6 +135,11 @@ pub struct WriteBackStatus {
     /// acknowledged after it first.
     #[serde(default)]
     pub next_upload_acked_ms: Option<i64>,
+    /// That next upload waits, for order, on a worker that does not
+    /// answer: a worker whose writes wait for staging room does not wait
+    /// for it in turn.
+    #[serde(default)]
+    pub next_upload_waits_on_silent_peer: bool,
     /// Asked with `?uri=`: the writes of that one object this worker
     /// uploads (pending) or last uploaded, so two workers holding
     /// versions of one object land them in S3 in acknowledgement order.

@@ -34,6 +34,18 @@ async fn next_pending(wb: &Arc<WriteBack>) -> Option<PendingObject> {
         .flatten()
 }
 
+/// Clears `WriteBack::waits_on_silent_peer` when an order wait ends,
+/// however it ends.
+struct SilentWait<'a>(&'a WriteBack);
+
+impl Drop for SilentWait<'_> {
+    fn drop(&mut self) {
+        self.0
+            .waits_on_silent_peer
+            .store(false, std::sync::atomic::Ordering::Release);
+    }
+}
+
 /// Runs until the cache is dropped or closes.
 pub(crate) async fn uploader(cache: Weak<Cache>, wb: Arc<WriteBack>) {
     let mut retry = FIRST_RETRY;
@@ -135,6 +147,8 @@ impl Cache {
         let bucket = format!("s3://{}/", uri.bucket());
         let mine = (next.acked_ms, wb.id.as_str());
         let other = |w: &&UriWrite| w.version != next.version;
+        // Cleared however this returns (the upload may also be dropped).
+        let _silent = SilentWait(wb);
         for addr in placement.replica_candidates(&uri) {
             let mut said = false;
             let waiting_since = Instant::now();
@@ -172,6 +186,17 @@ impl Cache {
                         .elapsed(),
                 };
                 let wait = match &status {
+                    // An earlier write there that itself waits on a
+                    // silent worker gives way as a silent worker does.
+                    Ok(s)
+                        if s.next_upload_waits_on_silent_peer
+                            && wb.writers_wait_for_room()
+                            && s.next_upload_acked_ms
+                                .is_some_and(|t| (t, s.journal_id.as_str()) < mine) =>
+                    {
+                        tracing::warn!(%addr, uri = %next.uri, "writes on this worker are waiting for staging room; uploading before an earlier write there that waits on a worker that does not answer");
+                        false
+                    }
                     Ok(s) => s
                         .next_upload_acked_ms
                         .is_some_and(|t| (t, s.journal_id.as_str()) < mine),
@@ -192,6 +217,10 @@ impl Cache {
                         false
                     }
                 };
+                wb.waits_on_silent_peer.store(
+                    wait && status.is_err(),
+                    std::sync::atomic::Ordering::Release,
+                );
                 if !wait && !older_version_pending {
                     break;
                 }

@@ -381,6 +381,47 @@ async fn a_write_waiting_for_staging_room_ends_the_wait_for_a_silent_peers_order
     assert!(h.s3_bytes("room/second").await.is_none());
 }
 
+/// A chain: this worker's staging is full of a write whose upload waits,
+/// for S3 order, on worker B's earlier write, and B's upload waits on a
+/// peer that does not answer. B says so in its status, and this worker,
+/// its next write waiting for room, stops waiting for B's write. Before,
+/// it waited out `peer_order_wait` and the write failed as staging full.
+#[tokio::test]
+async fn a_write_waiting_for_room_ends_the_wait_for_a_peer_held_by_a_silent_one() {
+    let h = Harness::with(|o| {
+        o.cache.writeback.replicas = Some(1);
+        o.cache.writeback.staging_limit = 2 * MIB;
+        o.cache.writeback.stall_timeout = Duration::from_secs(30);
+        o.cache.writeback.peer_order_wait = Duration::from_secs(600);
+    })
+    .await;
+    let hung = HungPeer::start();
+    let b_dir = tempfile::tempdir().unwrap();
+    let b = h.start_another(b_dir.path(), None).await;
+    place(&b, std::slice::from_ref(&hung.addr));
+    place(h.worker.as_ref().unwrap(), &[b.addr().to_string()]);
+    let b_client = client(&b);
+    let earlier = data(MIB as usize, 41);
+    put_back(&b_client, "chain/earlier", &earlier)
+        .await
+        .unwrap();
+    eventually(
+        Duration::from_secs(30),
+        "B waiting on the silent peer",
+        || async { status(&b_client).await.next_upload_waits_on_silent_peer },
+    )
+    .await;
+    let first = data(2 * MIB as usize, 42);
+    put_back(&h.client, "chain/first", &first).await.unwrap();
+    let second = data(MIB as usize, 43);
+    put_back(&h.client, "chain/second", &second)
+        .await
+        .unwrap_or_else(|e| panic!("the write waiting for room failed: {e}"));
+    assert_eq!(h.s3_bytes("chain/first").await.as_deref(), Some(&first[..]));
+    // B still keeps its write for the silent peer's order.
+    assert!(h.s3_bytes("chain/earlier").await.is_none());
+}
+
 #[tokio::test]
 async fn a_worker_alone_refuses_two_copies_and_a_malformed_copy_header_is_refused() {
     let h = Harness::with(|o| o.cache.writeback.replicas = Some(2)).await;
