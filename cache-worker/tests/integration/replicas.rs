@@ -343,6 +343,18 @@ async fn a_candidate_that_takes_the_copy_and_never_answers_is_probed_not_waited_
         .await;
 }
 
+/// One copy per write, staging for one 2 MiB write, a 30 s stall timeout
+/// and S3 order kept for a silent peer far longer than the test.
+async fn room_for_one_write() -> Harness {
+    Harness::with(|o| {
+        o.cache.writeback.replicas = Some(1);
+        o.cache.writeback.staging_limit = 2 * MIB;
+        o.cache.writeback.stall_timeout = Duration::from_secs(30);
+        o.cache.writeback.peer_order_wait = Duration::from_secs(600);
+    })
+    .await
+}
+
 /// Staging is full of a write whose upload waits, for S3 order, on a
 /// peer that does not answer: the next write waits for room, and the
 /// upload stops waiting for the silent peer so the room comes. Before,
@@ -350,13 +362,7 @@ async fn a_candidate_that_takes_the_copy_and_never_answers_is_probed_not_waited_
 /// staging full after its stall timeout.
 #[tokio::test]
 async fn a_write_waiting_for_staging_room_ends_the_wait_for_a_silent_peers_order() {
-    let h = Harness::with(|o| {
-        o.cache.writeback.replicas = Some(1);
-        o.cache.writeback.staging_limit = 2 * MIB;
-        o.cache.writeback.stall_timeout = Duration::from_secs(30);
-        o.cache.writeback.peer_order_wait = Duration::from_secs(600);
-    })
-    .await;
+    let h = room_for_one_write().await;
     let hung = HungPeer::start();
     place(h.worker.as_ref().unwrap(), std::slice::from_ref(&hung.addr));
     let first = data(2 * MIB as usize, 31);
@@ -388,13 +394,7 @@ async fn a_write_waiting_for_staging_room_ends_the_wait_for_a_silent_peers_order
 /// it waited out `peer_order_wait` and the write failed as staging full.
 #[tokio::test]
 async fn a_write_waiting_for_room_ends_the_wait_for_a_peer_held_by_a_silent_one() {
-    let h = Harness::with(|o| {
-        o.cache.writeback.replicas = Some(1);
-        o.cache.writeback.staging_limit = 2 * MIB;
-        o.cache.writeback.stall_timeout = Duration::from_secs(30);
-        o.cache.writeback.peer_order_wait = Duration::from_secs(600);
-    })
-    .await;
+    let h = room_for_one_write().await;
     let hung = HungPeer::start();
     let b_dir = tempfile::tempdir().unwrap();
     let b = h.start_another(b_dir.path(), None).await;
