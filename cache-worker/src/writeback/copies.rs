@@ -52,6 +52,20 @@ pub(super) struct Copies {
     replica_of: String,
 }
 
+impl Stream {
+    /// Whether the replica answers a probe within `within`, recorded in
+    /// `health` either way.
+    async fn probe(&self, within: Duration, health: &PeerHealth) -> bool {
+        let answered = self.client.answers_within(within).await;
+        if answered {
+            health.note_answered(&self.addr);
+        } else {
+            health.note_silent(&self.addr);
+        }
+        answered
+    }
+}
+
 impl Copies {
     /// No copies (a replica's own body, or a one-copy setting).
     pub(super) fn none() -> Self {
@@ -139,19 +153,15 @@ async fn room<'a>(
             // given up now, not after `progress`.
             if !probed && waited >= SPARE_PROBE && another_candidate() {
                 probed = true;
-                if !stream.client.answers_within(SPARE_PROBE).await {
-                    health.note_silent(&stream.addr);
+                if !stream.probe(SPARE_PROBE, health).await {
                     tracing::warn!(replica = %stream.addr, ?waited, probe = ?SPARE_PROBE, "a replica takes nothing and did not answer a probe; giving its write-back copy to the next candidate");
                     return Err(true);
                 }
-                health.note_answered(&stream.addr);
             }
         }
-        if stream.client.answers_within(progress).await {
-            health.note_answered(&stream.addr);
+        if stream.probe(progress, health).await {
             continue;
         }
-        health.note_silent(&stream.addr);
         tracing::warn!(replica = %stream.addr, ?progress, "a replica made no progress on a write-back copy; giving it up for the next candidate");
         return Err(true);
     }
@@ -182,16 +192,11 @@ async fn answer(
             true
         } else if waited >= probe_at {
             probe_at = waited + progress;
-            let answered = stream.client.answers_within(SPARE_PROBE).await;
-            if answered {
-                health.note_answered(&stream.addr);
-            }
-            !answered
+            !stream.probe(SPARE_PROBE, health).await
         } else {
             false
         };
         if silent {
-            health.note_silent(&stream.addr);
             stream.task.abort();
             tracing::warn!(replica = %stream.addr, ?waited, "a replica that took a whole write-back copy does not answer; giving the copy to the next candidate");
             return Ok(Err(ClientError::Timeout {

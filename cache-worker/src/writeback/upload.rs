@@ -186,20 +186,20 @@ impl Cache {
                         .elapsed(),
                 };
                 let wait = match &status {
-                    // An earlier write there that itself waits on a
-                    // silent worker gives way as a silent worker does.
-                    Ok(s)
-                        if s.next_upload_waits_on_silent_peer
-                            && wb.writers_wait_for_room()
-                            && s.next_upload_acked_ms
-                                .is_some_and(|t| (t, s.journal_id.as_str()) < mine) =>
-                    {
-                        tracing::warn!(%addr, uri = %next.uri, "writes on this worker are waiting for staging room; uploading before an earlier write there that waits on a worker that does not answer");
-                        false
+                    Ok(s) => {
+                        let earlier = s
+                            .next_upload_acked_ms
+                            .is_some_and(|t| (t, s.journal_id.as_str()) < mine);
+                        // An earlier write there that itself waits on a
+                        // silent worker gives way as a silent worker does.
+                        let gives_way = earlier
+                            && s.next_upload_waits_on_silent_peer
+                            && wb.writers_wait_for_room();
+                        if gives_way {
+                            tracing::warn!(%addr, uri = %next.uri, "writes on this worker are waiting for staging room; uploading before an earlier write there that waits on a worker that does not answer");
+                        }
+                        earlier && !gives_way
                     }
-                    Ok(s) => s
-                        .next_upload_acked_ms
-                        .is_some_and(|t| (t, s.journal_id.as_str()) < mine),
                     // Writes here wait for staging room that this wait
                     // holds: a silent peer's order gives way to them.
                     Err(e) if wb.writers_wait_for_room() => {
