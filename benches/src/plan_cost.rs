@@ -63,7 +63,7 @@ fn main() {
 
     let (cpu0, t0) = (cpu(), Instant::now());
     for key in &pages {
-        order.read(key);
+        order.read(key, lakecache_worker::plan_order::ReadKind::Demand);
     }
     let follow = (t0.elapsed(), cpu() - cpu0);
     assert!(

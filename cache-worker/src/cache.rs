@@ -9,7 +9,7 @@ use std::time::Duration;
 
 use bytes::Bytes;
 use futures::Stream;
-use lakecache_protocol::{BucketTraffic, ListResponse, ObjectUri};
+use lakecache_protocol::{BucketTraffic, ListResponse, ObjectUri, ReadKind};
 use tokio::sync::{Notify, Semaphore};
 
 use crate::cache_dir::CacheDir;
@@ -520,6 +520,7 @@ impl Cache {
         uri: &ObjectUri,
         meta: &ObjectMeta,
         range: Range<u64>,
+        kind: ReadKind,
     ) -> Result<
         (
             impl Stream<Item = Result<Bytes, CacheError>> + Send + 'static,
@@ -536,7 +537,7 @@ impl Cache {
             let (piece, waited) = WAITED
                 .scope(std::cell::Cell::new(false), async {
                     let piece = self
-                        .next_piece(uri, meta, range.start, range.end, seq, true)
+                        .next_piece(uri, meta, range.start, range.end, seq, Some(kind))
                         .await;
                     (piece, WAITED.with(|w| w.get()))
                 })
@@ -559,7 +560,7 @@ impl Cache {
                     Some(p) => Ok(p),
                     None => {
                         // A later piece starting a page is a read of it.
-                        let new_page = range.start % cache.config.page_size == 0;
+                        let new_page = (range.start % cache.config.page_size == 0).then_some(kind);
                         crate::tenant::scope(
                             tenant,
                             cache.next_piece(&uri, &meta, range.start, range.end, seq, new_page),
@@ -593,7 +594,7 @@ impl Cache {
         pos: u64,
         end: u64,
         sequential: bool,
-        new_page: bool,
+        new_page: Option<ReadKind>,
     ) -> Result<Bytes, CacheError> {
         if crate::writeback::is_cache_version(&meta.etag) {
             return self.dirty_piece(uri, meta, pos, end).await;
@@ -603,7 +604,8 @@ impl Cache {
     }
 
     /// Bytes of a version S3 has (from pages or S3). `new_page`: the
-    /// first piece of a read in its page, which plans count as a read.
+    /// first piece of a read in its page, which plans count as a read of
+    /// that kind.
     pub(crate) async fn clean_piece_of(
         self: &Arc<Self>,
         uri: &ObjectUri,
@@ -611,7 +613,7 @@ impl Cache {
         pos: u64,
         end: u64,
         sequential: bool,
-        new_page: bool,
+        new_page: Option<ReadKind>,
     ) -> Result<Bytes, CacheError> {
         let ps = self.config.page_size;
         let idx = pos / ps;
@@ -630,7 +632,9 @@ impl Cache {
         // A page a plan reads again is fetched whole on a miss, and a
         // partly filled one completed: the plan's later reads of it hit,
         // and plan eviction keeps whole pages, not a block per sample.
-        let fetch = if new_page && self.note_planned_read(uri, &meta.etag, idx) {
+        let planned =
+            new_page.is_some_and(|kind| self.note_planned_read(uri, &meta.etag, idx, kind));
+        let fetch = if planned {
             Fetch::WholePage
         } else if sequential || whole_page {
             Fetch::Sequential
@@ -768,6 +772,7 @@ impl Cache {
         meta: &ObjectMeta,
         pos: u64,
         end: u64,
+        kind: ReadKind,
     ) -> Result<Option<CheckedFile>, CacheError> {
         let uri_s = uri.to_string();
         if crate::writeback::is_cache_version(&meta.etag)
@@ -809,7 +814,7 @@ impl Cache {
             .map_err(join_failed)?;
             match opened {
                 Ok(file) => {
-                    self.note_planned_read(uri, &meta.etag, idx);
+                    self.note_planned_read(uri, &meta.etag, idx, kind);
                     // Recorded once granted, and as far as the grant goes:
                     // a refused page is read by `Self::read` instead,
                     // which records the same read itself.

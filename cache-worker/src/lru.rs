@@ -7,7 +7,7 @@ use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 
 use crate::pages::PageKey;
-use crate::plan_order::{PlanError, PlanOrder};
+use crate::plan_order::{PlanError, PlanOrder, ReadKind};
 
 /// Least recent pages [`Lru::prefetch_horizon`] looks among for one no
 /// plan reads again, and furthest planned pages it looks at for a cached
@@ -328,9 +328,9 @@ impl Lru {
 
     /// A client read `key` (a hit or a miss): the plans move on. Returns
     /// whether some plan reads it again after this read.
-    pub fn planned_read(&self, key: &PageKey) -> bool {
+    pub fn planned_read(&self, key: &PageKey, kind: ReadKind) -> bool {
         let mut inner = self.lock();
-        inner.plans.read(key);
+        inner.plans.read(key, kind);
         inner.plans.distance(key).is_some()
     }
 

@@ -15,6 +15,7 @@ use std::sync::Arc;
 use std::time::Instant;
 
 use crate::pages::PageKey;
+pub use lakecache_protocol::ReadKind;
 
 /// Pages a plan may list at most, and all plans together: the index costs
 /// about 220 bytes per entry (benches/results/plan-cost.md).
@@ -284,8 +285,18 @@ impl PlanOrder {
     }
 
     /// A reader read `key`: the plan (or plans) it was nearest for moves
-    /// on, the read being that plan's reader's; the others stay.
-    pub fn read(&mut self, key: &PageKey) {
+    /// on, the read being that plan's reader's; the others stay. A
+    /// read-ahead ([`ReadKind::Ahead`]) moves a plan on only where the
+    /// page is among the next [`STRAY_GAP`] positions past the furthest
+    /// read: a mount streaming ahead reads what its plan reads next, but
+    /// its guess past a sample lands in a page the plan reads much later,
+    /// and taking that for the plan's read would leave the page unplanned
+    /// (evicted first) until the plan's reader reads it.
+    pub fn read(&mut self, key: &PageKey, kind: ReadKind) {
+        let window = match kind {
+            ReadKind::Demand => self.window,
+            ReadKind::Ahead => STRAY_GAP.min(self.window),
+        };
         let nearest = self
             .plans
             .values()
@@ -297,7 +308,7 @@ impl PlanOrder {
         };
         for plan in self.plans.values_mut() {
             if plan.distance(key) == Some(nearest) {
-                plan.read(key, self.window);
+                plan.read(key, window);
             }
         }
     }

@@ -6,11 +6,11 @@ use std::ops::Range;
 use std::sync::Arc;
 
 use bytes::{Bytes, BytesMut};
-use lakecache_protocol::ObjectUri;
+use lakecache_protocol::{ObjectUri, ReadKind};
 use tokio::task::JoinHandle;
 
 use crate::complete::{Completer, DemandRead, COMPLETE_AFTER};
-use crate::data_plane::{read_exact, DataPlane};
+use crate::data_plane::{read_exact, read_exact_as, DataPlane};
 use crate::error::FsError;
 use crate::local_tier::{CheckedBlocks, TierObject};
 use crate::memory::{MemoryBudget, Reservation};
@@ -24,8 +24,16 @@ const REORDER_SLACK: u64 = 2 << 20;
 const RANDOM_JUMPS_BEFORE_WHOLE: u32 = 3;
 /// A first read at least this large starts read-ahead at once: the
 /// kernel asks this much only for a reader that streams (a 64 KiB header
-/// read reaches the mount as 128 KiB).
+/// read reaches the mount as 128 KiB)...
 const LARGE_FIRST_READ: u64 = 512 << 10;
+/// ...and smaller than the largest read the kernel sends. A read of that
+/// size from offset 0 is either a stream's, whose next read the kernel
+/// sends at once itself (its first window is all marked for read-ahead),
+/// or a sample reader's that advised random access and reads nothing
+/// more: fetching ahead of it fetched a sample nobody asked for, once per
+/// shard and epoch (plan-epochs, 2 ranks through mounts: epoch-2 hits
+/// 0.82-0.86 with it, 0.97-0.99 without).
+const KERNEL_MAX_READ: u64 = crate::adapter::MAX_IO_BYTES as u64;
 
 #[derive(Debug, Clone, Copy)]
 pub struct ReadaheadPolicy {
@@ -539,11 +547,12 @@ impl FileReader {
     /// chunks the reader passed and schedules fetches ahead of it.
     fn advance_stream(&mut self, offset: u64, end: u64) {
         let starting = self.window == 0;
-        let first_ahead = if offset == 0 && end - offset >= LARGE_FIRST_READ {
-            (end - offset).min(self.policy.initial)
-        } else {
-            0
-        };
+        let first_ahead =
+            if offset == 0 && (LARGE_FIRST_READ..KERNEL_MAX_READ).contains(&(end - offset)) {
+                (end - offset).min(self.policy.initial)
+            } else {
+                0
+            };
         self.window = if starting {
             self.policy.initial
         } else {
@@ -616,10 +625,19 @@ impl FileReader {
             let r = range.clone();
             let tier = self.tier.clone();
             let budget = self.budget.clone();
+            // Bytes past what the reader asked are a guess: the workers'
+            // plans must not take them for the reader's own read (a
+            // sample reader's first read would move its plan past a
+            // sample it reads much later, and plan eviction drop it).
+            let kind = if range.start >= demand {
+                ReadKind::Ahead
+            } else {
+                ReadKind::Demand
+            };
             // read_exact: a chunk is whole or an error, never short.
             let work = async move {
                 let _demand = DemandRead::start();
-                let bytes = read_exact(data.as_ref(), &uri, r.clone(), &etag)
+                let bytes = read_exact_as(data.as_ref(), &uri, r.clone(), &etag, kind)
                     .await
                     .map_err(FsError::from)?;
                 if let Some(object) = tier {
@@ -904,11 +922,17 @@ mod tests {
         let (rec, mut r, body) = setup(64 * MIB);
         let got = r.read(0, 512 * KIB).await.unwrap();
         assert_eq!(&got[..], expect(&body, 0, 512 * KIB));
-        // Requests in parallel, split at chunk boundaries.
+        // Requests in parallel, split at chunk boundaries; the bytes past
+        // what was asked go to the workers as a read-ahead, which their
+        // plans do not take for the reader's read (a sample reader's
+        // first read at offset 0 looks the same).
         let first = rec.read_ranges();
         assert_eq!(
-            first,
-            vec![0..512 * KIB, 512 * KIB..768 * KIB],
+            rec.read_requests(),
+            vec![
+                (0..512 * KIB, ReadKind::Demand),
+                (512 * KIB..768 * KIB, ReadKind::Ahead)
+            ],
             "asked + the initial window"
         );
         let got = r.read(512 * KIB, 256 * KIB).await.unwrap();
@@ -923,6 +947,22 @@ mod tests {
         let (rec, mut r, _) = setup(64 * MIB);
         r.read(MIB, 512 * KIB).await.unwrap();
         assert_eq!(rec.read_ranges(), vec![MIB..MIB + 512 * KIB]);
+        // The kernel's largest read: a stream's next read comes from the
+        // kernel at once, and a sample reader's never does.
+        let (rec, mut r, _) = setup(64 * MIB);
+        r.read(0, KERNEL_MAX_READ).await.unwrap();
+        let asked = rec.read_requests();
+        assert_eq!(
+            asked.iter().map(|(r, _)| r.end - r.start).sum::<u64>(),
+            KERNEL_MAX_READ,
+            "{asked:?}"
+        );
+        assert!(
+            asked
+                .iter()
+                .all(|(r, kind)| r.end <= KERNEL_MAX_READ && *kind == ReadKind::Demand),
+            "only what it asked: {asked:?}"
+        );
     }
 
     #[tokio::test]

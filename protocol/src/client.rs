@@ -98,6 +98,21 @@ pub const FROM_HEADER: &str = "x-lakecache-from";
 /// waited on S3 or on a fetch in flight. Reads within one page are
 /// described whole.
 pub const CACHE_HEADER: &str = "x-lakecache-cache";
+/// On a read: `1` when the reader asks ahead of what it was asked for
+/// (a mount's read-ahead), which plans take for their reader's read only
+/// near where that reader is (see [`ReadKind`]).
+pub const READ_AHEAD_HEADER: &str = "x-lakecache-read-ahead";
+
+/// Whether a read is one a reader asked for, or a guess ahead of it. A
+/// worker moves a plan on by a demand read wherever the plan lists it
+/// next, but by a read-ahead only near where its reader is: a mount's
+/// guess past a sample is not the plan's read of the page it lands in.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum ReadKind {
+    #[default]
+    Demand,
+    Ahead,
+}
 
 /// Largest response body buffer allocated up front from Content-Length.
 const MAX_PRESIZE: u64 = 256 << 20;
@@ -290,6 +305,7 @@ impl WorkerClient {
         uri: &ObjectUri,
         range: &Range<u64>,
         etag: &str,
+        kind: ReadKind,
     ) -> Option<Result<Bytes, ClientError>> {
         let local = self.local.as_ref()?;
         if range.is_empty() || !local.worth_asking(self.member()) {
@@ -297,9 +313,10 @@ impl WorkerClient {
         }
         let (local, member) = (local.clone(), self.member().to_string());
         let (uri_c, range_c, etag_c) = (uri.clone(), range.clone(), etag.to_string());
-        let got =
-            tokio::task::spawn_blocking(move || local.read(&member, &uri_c, &etag_c, range_c))
-                .await;
+        let got = tokio::task::spawn_blocking(move || {
+            local.read(&member, &uri_c, &etag_c, range_c, kind)
+        })
+        .await;
         self.local_outcome(uri, "read", got)
     }
 
@@ -739,7 +756,8 @@ impl WorkerClient {
         range: Option<Range<u64>>,
         etag: Option<&str>,
     ) -> Result<http::Response<Incoming>, ClientError> {
-        self.get_object(uri, range, etag, false).await
+        self.get_object(uri, range, etag, false, ReadKind::Demand)
+            .await
     }
 
     /// A GET of the object; with `crc_trailer`, the worker sends the
@@ -751,10 +769,14 @@ impl WorkerClient {
         range: Option<Range<u64>>,
         etag: Option<&str>,
         crc_trailer: bool,
+        kind: ReadKind,
     ) -> Result<http::Response<Incoming>, ClientError> {
         let mut builder = self.request(http::Method::GET, &uri.api_path("objects"));
         if crc_trailer {
             builder = builder.header(http::header::TE, "trailers");
+        }
+        if kind == ReadKind::Ahead {
+            builder = builder.header(READ_AHEAD_HEADER, "1");
         }
         if let Some(tag) = etag {
             builder = builder.header(http::header::IF_MATCH, format!("\"{tag}\""));
@@ -793,17 +815,30 @@ impl WorkerClient {
         range: Option<Range<u64>>,
         etag: Option<&str>,
     ) -> Result<(Bytes, Option<String>), ClientError> {
+        self.read_checked_as(uri, range, etag, ReadKind::Demand)
+            .await
+    }
+
+    /// [`Self::read_checked`], saying whether the reader asked for these
+    /// bytes or reads ahead of what it was asked.
+    pub async fn read_checked_as(
+        &self,
+        uri: &ObjectUri,
+        range: Option<Range<u64>>,
+        etag: Option<&str>,
+        kind: ReadKind,
+    ) -> Result<(Bytes, Option<String>), ClientError> {
         if let (Some(r), Some(e)) = (&range, etag) {
-            if let Some(local) = self.read_local(uri, r, e).await {
+            if let Some(local) = self.read_local(uri, r, e, kind).await {
                 return local.map(|bytes| (bytes, Some(e.to_string())));
             }
         }
         // Damage on the way is read again once from this worker; a second
         // damaged answer goes back to the caller, which asks a replica.
-        match self.read_over_http(uri, range.clone(), etag).await {
+        match self.read_over_http(uri, range.clone(), etag, kind).await {
             Err(ClientError::Damaged { sent, arrived, .. }) => {
                 tracing::warn!(worker = %self.base, %uri, ?range, sent, arrived, "a read arrived damaged (CRC32C mismatch); reading it again");
-                self.read_over_http(uri, range, etag).await
+                self.read_over_http(uri, range, etag, kind).await
             }
             other => other,
         }
@@ -816,8 +851,9 @@ impl WorkerClient {
         uri: &ObjectUri,
         range: Option<Range<u64>>,
         etag: Option<&str>,
+        kind: ReadKind,
     ) -> Result<(Bytes, Option<String>), ClientError> {
-        let resp = self.get_object(uri, range, etag, true).await?;
+        let resp = self.get_object(uri, range, etag, true, kind).await?;
         let header = |name: &str| {
             resp.headers()
                 .get(name)

@@ -28,8 +28,8 @@ mod writeback;
 
 pub use chain::Chain;
 pub use client::{
-    BoxError, ClientError, Deadlines, RequestBody, WorkerClient, CACHE_HEADER, COPY_SOURCE_HEADER,
-    FROM_HEADER, OFFSET_HEADER,
+    BoxError, ClientError, Deadlines, ReadKind, RequestBody, WorkerClient, CACHE_HEADER,
+    COPY_SOURCE_HEADER, FROM_HEADER, OFFSET_HEADER, READ_AHEAD_HEADER,
 };
 pub use load::{
     validate_load_id, FreeResult, FreeSpec, LoadFailure, LoadProgress, LoadSpec, LoadState,

@@ -74,6 +74,10 @@ pub enum LocalRequest {
         /// do not send it, and get `Unavailable` instead).
         #[serde(default, skip_serializing_if = "std::ops::Not::not")]
         inline: bool,
+        /// The caller reads ahead of what its reader asked (see
+        /// [`crate::ReadKind`]); older mounts do not send it.
+        #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+        read_ahead: bool,
     },
     /// Take the file whose descriptor rides on this request as the new
     /// content of a URI, written back: the co-located write path (see
@@ -547,6 +551,7 @@ impl LocalChannel {
         uri: &ObjectUri,
         etag: &str,
         range: Range<u64>,
+        kind: crate::ReadKind,
     ) -> Result<Bytes, LocalError> {
         let mut failed_at = self.failed_at.lock().unwrap_or_else(|p| p.into_inner());
         if failed_at.is_some_and(|t| t.elapsed() < BACKOFF) {
@@ -562,7 +567,7 @@ impl LocalChannel {
                     "{member} is another worker"
                 )))
             }
-            Ok(_) => self.read_pages(uri, etag, range),
+            Ok(_) => self.read_pages(uri, etag, range, kind),
             Err(e) => Err(e),
         };
         if let Err(e @ (LocalError::Io(_) | LocalError::Protocol(_))) = &got {
@@ -670,6 +675,7 @@ impl LocalChannel {
         uri: &ObjectUri,
         etag: &str,
         range: Range<u64>,
+        kind: crate::ReadKind,
     ) -> Result<Bytes, LocalError> {
         let want = range.end.saturating_sub(range.start) as usize;
         let mut pieces: Vec<Bytes> = Vec::new();
@@ -682,6 +688,7 @@ impl LocalChannel {
                 offset: pos,
                 len: range.end - pos,
                 inline: true,
+                read_ahead: kind == crate::ReadKind::Ahead,
             };
             let c = self.connection()?;
             let grant = match call_on(&c, &request)? {
@@ -1012,7 +1019,13 @@ mod tests {
         let channel = LocalChannel::new(&path, None);
         let uri: ObjectUri = "s3://bucket/k".parse().unwrap();
         let got = channel
-            .read("127.0.0.1:7000", &uri, "e", 10..2_500_000)
+            .read(
+                "127.0.0.1:7000",
+                &uri,
+                "e",
+                10..2_500_000,
+                crate::ReadKind::Demand,
+            )
             .unwrap();
         assert_eq!(&got[..], &object[10..2_500_000]);
 
@@ -1023,7 +1036,7 @@ mod tests {
         });
         let channel = LocalChannel::new(&path, None);
         let e = channel
-            .read("127.0.0.1:7000", &uri, "e", 0..100)
+            .read("127.0.0.1:7000", &uri, "e", 0..100, crate::ReadKind::Demand)
             .unwrap_err();
         // Refused, then HTTP for a while: never bytes past the request.
         assert!(matches!(e, LocalError::Unavailable(_)), "{e:?}");
@@ -1041,15 +1054,41 @@ mod tests {
         let channel = LocalChannel::new(&path, None);
         let uri: ObjectUri = "s3://bucket/k".parse().unwrap();
         let e = channel
-            .read("127.0.0.1:7000", &uri, "e", 0..100)
+            .read("127.0.0.1:7000", &uri, "e", 0..100, crate::ReadKind::Demand)
             .unwrap_err();
         assert!(
             matches!(&e, LocalError::Unavailable(why) if why.contains("broke off")),
             "{e:?}"
         );
         assert!(channel.worth_asking("127.0.0.1:7000"), "no back-off");
-        let got = channel.read("127.0.0.1:7000", &uri, "e", 0..100).unwrap();
+        let got = channel
+            .read("127.0.0.1:7000", &uri, "e", 0..100, crate::ReadKind::Demand)
+            .unwrap();
         assert_eq!(&got[..], &[5u8; 100][..]);
+    }
+
+    #[test]
+    fn a_read_ahead_is_said_on_the_wire_and_older_requests_are_demand_reads() {
+        let page = |read_ahead| LocalRequest::Page {
+            token: None,
+            uri: "s3://bucket/k".into(),
+            etag: "e".into(),
+            offset: 0,
+            len: 10,
+            inline: true,
+            read_ahead,
+        };
+        let sent = serde_json::to_string(&page(true)).unwrap();
+        assert!(sent.contains("\"read_ahead\":true"), "{sent}");
+        let demand = serde_json::to_string(&page(false)).unwrap();
+        assert!(!demand.contains("read_ahead"), "{demand}");
+        // What a mount before read-ahead marking sends.
+        let older =
+            r#"{"op":"page","uri":"s3://bucket/k","etag":"e","offset":0,"len":10,"inline":true}"#;
+        assert_eq!(
+            serde_json::from_str::<LocalRequest>(older).unwrap(),
+            page(false)
+        );
     }
 
     #[test]

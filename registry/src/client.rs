@@ -8,8 +8,8 @@ use std::time::{Duration, Instant};
 
 use bytes::{Bytes, BytesMut};
 use lakecache_protocol::{
-    Chain, ClientError, Deadlines, ListResponse, ObjectStat, ObjectUri, ObjectVersion, UserMeta,
-    WorkerClient,
+    Chain, ClientError, Deadlines, ListResponse, ObjectStat, ObjectUri, ObjectVersion, ReadKind,
+    UserMeta, WorkerClient,
 };
 use lakecache_store::{ObjectStore, StoreError};
 
@@ -525,6 +525,19 @@ impl ClusterClient {
         range: Range<u64>,
         etag: Option<&str>,
     ) -> Result<Bytes, ClusterError> {
+        self.read_as(uri, range, etag, ReadKind::Demand).await
+    }
+
+    /// [`Self::read`], saying whether the reader asked for these bytes or
+    /// reads ahead of what it was asked (plans on the workers count the
+    /// two apart).
+    pub async fn read_as(
+        &self,
+        uri: &ObjectUri,
+        range: Range<u64>,
+        etag: Option<&str>,
+        kind: ReadKind,
+    ) -> Result<Bytes, ClusterError> {
         if range.is_empty() {
             return Ok(Bytes::new());
         }
@@ -542,7 +555,7 @@ impl ClusterClient {
         let pending = etag.is_some_and(lakecache_protocol::is_cache_version);
         let reads = pieces.into_iter().map(|(seg, r)| {
             let seg = if pending { 0 } else { seg };
-            self.read_segment(uri, seg, r, etag)
+            self.read_segment(uri, seg, r, etag, kind)
         });
         let mut parts = futures::future::try_join_all(reads).await?;
         let expected = etag.map(str::to_string).or_else(|| parts[0].1.clone());
@@ -573,12 +586,13 @@ impl ClusterClient {
         segment: u64,
         range: Range<u64>,
         etag: Option<&str>,
+        kind: ReadKind,
     ) -> Result<(Bytes, Option<String>), ClusterError> {
         let key = uri.to_string();
         let attempt = self
             .on_replicas(&key, segment, |c| {
                 let range = range.clone();
-                async move { c.read_checked(uri, Some(range), etag).await }
+                async move { c.read_checked_as(uri, Some(range), etag, kind).await }
             })
             .await;
         match attempt {

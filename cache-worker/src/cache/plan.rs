@@ -9,7 +9,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use futures::StreamExt as _;
-use lakecache_protocol::ObjectUri;
+use lakecache_protocol::{ObjectUri, ReadKind};
 
 use super::{Cache, CacheError};
 use crate::pages::PageKey;
@@ -143,10 +143,16 @@ impl Cache {
     /// A client read `page`: the plans it was next for move on (nothing
     /// to do, and no hashing, while no plan is installed). Returns whether
     /// some plan reads the page again: then a miss fetches it whole.
-    pub(crate) fn note_planned_read(&self, uri: &ObjectUri, etag: &str, idx: u64) -> bool {
+    pub(crate) fn note_planned_read(
+        &self,
+        uri: &ObjectUri,
+        etag: &str,
+        idx: u64,
+        kind: ReadKind,
+    ) -> bool {
         self.lru.has_plans()
             && self
                 .lru
-                .planned_read(&PageKey::new(&uri.to_string(), etag, idx))
+                .planned_read(&PageKey::new(&uri.to_string(), etag, idx), kind)
     }
 }

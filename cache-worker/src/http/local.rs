@@ -13,7 +13,7 @@ use lakecache_protocol::local_read::{
     frame, sendmsg_with_fd, LocalAnswer, LocalRequest, PageGrant, LOCAL_PROTOCOL, MAX_INLINE,
     MAX_MESSAGE,
 };
-use lakecache_protocol::{ErrorCode, ObjectUri};
+use lakecache_protocol::{ErrorCode, ObjectUri, ReadKind};
 use tokio::io::{AsyncWriteExt, Interest};
 use tokio::net::{UnixListener, UnixStream};
 
@@ -87,6 +87,7 @@ async fn connection(mut stream: UnixStream, state: &AppState, listen: &str) -> i
                 offset,
                 len,
                 inline,
+                read_ahead,
             }) => {
                 let asked = Asked {
                     uri: &uri,
@@ -94,6 +95,11 @@ async fn connection(mut stream: UnixStream, state: &AppState, listen: &str) -> i
                     offset,
                     len,
                     inline,
+                    kind: if read_ahead {
+                        ReadKind::Ahead
+                    } else {
+                        ReadKind::Demand
+                    },
                 };
                 page(state, token.as_deref(), asked).await
             }
@@ -271,6 +277,7 @@ struct Asked<'a> {
     len: u64,
     /// The caller takes inline bytes.
     inline: bool,
+    kind: ReadKind,
 }
 
 /// How a granted request is served.
@@ -329,7 +336,10 @@ async fn page(state: &AppState, token: Option<&str>, asked: Asked<'_>) -> (Local
             // answers ranges past the end.
             return Ok(Found::Elsewhere);
         }
-        if let Some(file) = cache.local_page(&uri, &meta, offset, end).await? {
+        if let Some(file) = cache
+            .local_page(&uri, &meta, offset, end, asked.kind)
+            .await?
+        {
             return Ok(Found::File(file));
         }
         if !asked.inline {
@@ -338,7 +348,7 @@ async fn page(state: &AppState, token: Option<&str>, asked: Asked<'_>) -> (Local
         // One read of the whole range, as one HTTP request would be: the
         // worker's read-ahead follows a reader by where its reads start.
         let end = end.min(offset.saturating_add(MAX_INLINE));
-        let (pieces, _) = cache.read(&uri, &meta, offset..end).await?;
+        let (pieces, _) = cache.read(&uri, &meta, offset..end, asked.kind).await?;
         Ok(Found::Stream(Box::pin(pieces), end - offset))
     })
     .await;

@@ -10,9 +10,10 @@ use http_body_util::{BodyExt, BodyStream, StreamBody};
 use hyper::body::Incoming;
 use lakecache_protocol::{
     header_lists, user_meta_from_headers, validate_bucket, ErrorBody, ErrorCode, Health,
-    ListResponse, ObjectStat, ObjectUri, UserMeta, WriteBackStatus, WriteMode, WriteOutcome,
-    BODY_CRC32C_TRAILER, COPY_SOURCE_HEADER, FROM_HEADER, KEEPALIVE_HEADER, MAX_KEY_BYTES,
-    METADATA_DIRECTIVE_HEADER, OFFSET_HEADER, SENT_AT_HEADER, WRITE_MODE_HEADER,
+    ListResponse, ObjectStat, ObjectUri, ReadKind, UserMeta, WriteBackStatus, WriteMode,
+    WriteOutcome, BODY_CRC32C_TRAILER, COPY_SOURCE_HEADER, FROM_HEADER, KEEPALIVE_HEADER,
+    MAX_KEY_BYTES, METADATA_DIRECTIVE_HEADER, OFFSET_HEADER, READ_AHEAD_HEADER, SENT_AT_HEADER,
+    WRITE_MODE_HEADER,
 };
 
 use super::auth::{Access, AccessPolicy};
@@ -404,6 +405,21 @@ async fn read(
             }
         },
     };
+    let kind = match req
+        .headers()
+        .get(READ_AHEAD_HEADER)
+        .map(HeaderValue::as_bytes)
+    {
+        None => ReadKind::Demand,
+        Some(b"1") => ReadKind::Ahead,
+        Some(v) => {
+            let raw = String::from_utf8_lossy(v).into_owned();
+            return error(
+                ErrorCode::BadRequest,
+                format!("{READ_AHEAD_HEADER} is {raw:?}; send 1 for a read-ahead, or leave it out"),
+            );
+        }
+    };
     let if_match = if_match(req);
     // A read that finds the object changed under its cached ETag starts
     // over once against the new version.
@@ -457,7 +473,7 @@ async fn read(
         };
         let mut served = None;
         let mut resp = if with_body {
-            match state.cache.read(&uri, &meta, range.clone()).await {
+            match state.cache.read(&uri, &meta, range.clone(), kind).await {
                 Ok((stream, first)) => {
                     served = Some(first);
                     let frames =

@@ -5,6 +5,7 @@ use proptest::prelude::*;
 
 use super::*;
 use crate::lru::{Lru, Retention};
+use ReadKind::Demand;
 
 const PAGE: u64 = 10;
 
@@ -27,7 +28,7 @@ fn evicted(lru: &Lru) -> Vec<u8> {
 /// it hit, and the page evicted.
 fn read(lru: &Lru, page: u8) -> (bool, Option<u8>) {
     let hit = lru.contains(&key(page));
-    lru.planned_read(&key(page));
+    lru.planned_read(&key(page), Demand);
     if !hit {
         lru.insert(key(page), PAGE);
     }
@@ -203,7 +204,7 @@ fn two_ranks_plans_rank_a_page_by_its_nearest_use() {
     nearest.sort();
     assert_eq!(nearest, vec![1, 2], "{ranked:?}");
     // The read was rank 1's (2 was next for it): rank 0 stays where it was.
-    order.read(&key(2));
+    order.read(&key(2), Demand);
     assert_eq!(
         order.distance(&key(2)),
         Some(3),
@@ -230,12 +231,12 @@ fn a_read_far_ahead_of_the_cursor_is_not_the_plans_reader() {
     let far = Instant::now() + Duration::from_secs(600);
     let plan: Vec<PageKey> = (0..10).map(key).collect();
     order.install("job/0", None, &plan, far).unwrap();
-    order.read(&key(8));
+    order.read(&key(8), Demand);
     assert_eq!(order.distance(&key(0)), Some(0), "another job read 8");
-    order.read(&key(1));
+    order.read(&key(1), Demand);
     assert_eq!(order.distance(&key(0)), Some(0), "0 may still be read late");
     assert_eq!(order.distance(&key(2)), Some(2));
-    order.read(&key(3));
+    order.read(&key(3), Demand);
     assert_eq!(
         order.distance(&key(0)),
         None,
@@ -251,13 +252,13 @@ fn a_stray_read_far_ahead_does_not_move_where_the_reader_is() {
     let plan: Vec<PageKey> = (0..=200).map(key).collect();
     order.install("job/0", None, &plan, far).unwrap();
     for p in 0..10 {
-        order.read(&key(p));
+        order.read(&key(p), Demand);
     }
     assert_eq!(order.cursor("job/0"), Some(10));
     // A read-ahead into page 150, read by the plan much later.
-    order.read(&key(150));
+    order.read(&key(150), Demand);
     for p in 10..13 {
-        order.read(&key(p));
+        order.read(&key(p), Demand);
         assert_eq!(
             order.cursor("job/0"),
             Some(u64::from(p) + 1),
@@ -265,12 +266,12 @@ fn a_stray_read_far_ahead_does_not_move_where_the_reader_is() {
         );
     }
     // Reads a little out of order are the reader's, as before.
-    order.read(&key(15));
+    order.read(&key(15), Demand);
     assert_eq!(order.cursor("job/0"), Some(13), "the recent reads' median");
-    order.read(&key(16));
-    order.read(&key(17));
-    order.read(&key(14));
-    order.read(&key(13));
+    order.read(&key(16), Demand);
+    order.read(&key(17), Demand);
+    order.read(&key(14), Demand);
+    order.read(&key(13), Demand);
     assert_eq!(
         order.cursor("job/0"),
         Some(18),
@@ -278,9 +279,45 @@ fn a_stray_read_far_ahead_does_not_move_where_the_reader_is() {
     );
     // A reader that really jumps ahead is followed once its reads are there.
     for p in 100..104 {
-        order.read(&key(p));
+        order.read(&key(p), Demand);
     }
     assert_eq!(order.cursor("job/0"), Some(151), "the furthest read again");
+}
+
+#[test]
+fn a_read_ahead_far_past_the_reader_leaves_the_page_planned() {
+    let far = Instant::now() + Duration::from_secs(600);
+    // Two epochs of one order: page 150 is read at positions 150 and 351.
+    let plan: Vec<PageKey> = (0..=200).chain(0..=200).map(key).collect();
+    let started = || {
+        let mut order = PlanOrder::default();
+        order.install("job/0", None, &plan, far).unwrap();
+        for p in 0..10 {
+            order.read(&key(p), Demand);
+        }
+        order
+    };
+    // A mount's guess past a sample lands in page 150.
+    let mut order = started();
+    order.read(&key(150), ReadKind::Ahead);
+    assert_eq!(
+        order.distance(&key(150)),
+        Some(140),
+        "still read at 150 this epoch"
+    );
+    assert_eq!(order.cursor("job/0"), Some(10));
+    // The same read made on demand is the plan's read of it (the plan
+    // then reads it next epoch only, and evicts it before that).
+    let mut order = started();
+    order.read(&key(150), Demand);
+    assert_eq!(order.distance(&key(150)), Some(341));
+    // A stream's read-ahead reads what the plan reads next: it moves on.
+    let mut order = started();
+    for p in 10..20 {
+        order.read(&key(p), ReadKind::Ahead);
+    }
+    assert_eq!(order.cursor("job/0"), Some(20));
+    assert_eq!(order.distance(&key(15)), Some(201 + 15 - 20));
 }
 
 #[test]
@@ -290,18 +327,18 @@ fn reads_out_of_order_each_take_their_own_position() {
     // Two loader workers: one reads 2 before the other reads 1.
     let plan = [key(1), key(2), key(3), key(1), key(4)];
     order.install("job/0", None, &plan, far).unwrap();
-    order.read(&key(2));
+    order.read(&key(2), Demand);
     assert_eq!(order.distance(&key(1)), Some(0), "1 is still to be read");
     assert_eq!(order.distance(&key(3)), Some(2));
-    order.read(&key(1));
+    order.read(&key(1), Demand);
     assert_eq!(order.distance(&key(3)), Some(0));
     assert_eq!(
         order.distance(&key(1)),
         Some(1),
         "its second read is next but one"
     );
-    order.read(&key(3));
-    order.read(&key(1));
+    order.read(&key(3), Demand);
+    order.read(&key(1), Demand);
     assert_eq!(order.distance(&key(1)), None);
     assert_eq!(order.distance(&key(4)), Some(0));
 }
@@ -312,16 +349,16 @@ fn a_page_read_again_at_once_is_not_its_next_planned_read() {
     let far = Instant::now() + Duration::from_secs(600);
     let plan: Vec<PageKey> = [1, 2, 3, 4, 5, 6, 7, 8, 1].map(key).to_vec();
     order.install("job/0", None, &plan, far).unwrap();
-    order.read(&key(1));
-    order.read(&key(2));
+    order.read(&key(1), Demand);
+    order.read(&key(2), Demand);
     // A second sample of page 1 (listed once), read after 2 by another
     // loader worker: not the read of page 1 at position 8.
-    order.read(&key(1));
+    order.read(&key(1), Demand);
     assert_eq!(order.distance(&key(1)), Some(6));
     for p in 3..=8 {
-        order.read(&key(p));
+        order.read(&key(p), Demand);
     }
-    order.read(&key(1));
+    order.read(&key(1), Demand);
     assert_eq!(order.distance(&key(1)), None);
 }
 
@@ -333,7 +370,7 @@ fn a_page_read_in_pieces_moves_the_plan_once() {
     let plan = [key(1), key(1), key(2), key(1), key(3)];
     order.install("job/0", None, &plan, far).unwrap();
     for _ in 0..4 {
-        order.read(&key(1));
+        order.read(&key(1), Demand);
     }
     assert_eq!(
         order.distance(&key(2)),
@@ -341,8 +378,8 @@ fn a_page_read_in_pieces_moves_the_plan_once() {
         "page 1's pieces moved it once"
     );
     assert_eq!(order.distance(&key(1)), Some(1));
-    order.read(&key(2));
-    order.read(&key(1));
+    order.read(&key(2), Demand);
+    order.read(&key(1), Demand);
     assert_eq!(order.distance(&key(1)), None);
     assert_eq!(order.distance(&key(3)), Some(0));
 }

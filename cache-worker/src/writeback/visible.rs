@@ -4,7 +4,7 @@
 use std::sync::{Arc, OnceLock};
 
 use bytes::Bytes;
-use lakecache_protocol::{ListEntry, ListResponse, ObjectUri};
+use lakecache_protocol::{ListEntry, ListResponse, ObjectUri, ReadKind};
 
 use super::upload::read_dirty_range;
 use super::{now_ms, Pending};
@@ -99,8 +99,7 @@ impl Cache {
             etag,
             ..meta.clone()
         };
-        self.clean_piece_of(uri, &clean, pos, end, true, false)
-            .await
+        self.clean_piece_of(uri, &clean, pos, end, true, None).await
     }
 
     /// Pending writes and deletes under `prefix` of `bucket`, by URI.
@@ -258,7 +257,9 @@ impl Cache {
         to: &ObjectUri,
         user: Option<&lakecache_protocol::UserMeta>,
     ) -> Result<ObjectMeta, CacheError> {
-        let (body, _) = self.read(from, source, 0..source.size).await?;
+        let (body, _) = self
+            .read(from, source, 0..source.size, ReadKind::Demand)
+            .await?;
         self.write_back(
             to,
             Box::pin(body),

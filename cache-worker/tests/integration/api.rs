@@ -37,6 +37,30 @@ async fn unsatisfiable_ranges_get_416_and_malformed_ones_400() {
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_read_ahead_header_takes_1_and_nothing_else() {
+    let h = Harness::start().await;
+    h.put_direct("r.bin", &data(1000, 81)).await;
+    let (status, text) = get_status(
+        &h,
+        "/v1/objects/data/r.bin",
+        "x-lakecache-read-ahead: 1\r\n",
+    )
+    .await;
+    assert_eq!(status, 200, "{text}");
+    for value in ["yes", "0", "2"] {
+        let (status, text) = get_status(
+            &h,
+            "/v1/objects/data/r.bin",
+            &format!("x-lakecache-read-ahead: {value}\r\n"),
+        )
+        .await;
+        assert_eq!(status, 400, "{value}: {text}");
+        assert!(text.contains("\"bad_request\""), "{text}");
+        assert!(text.contains("send 1 for a read-ahead"), "{text}");
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn traversal_and_invalid_paths_get_400() {
     let h = Harness::start().await;
     for path in [

@@ -428,3 +428,45 @@ async fn a_planned_read_at_an_objects_start_fetches_no_pages_by_guess() {
     tokio::time::sleep(scaled(Duration::from_millis(300))).await;
     assert_eq!(planned.gets(), before + 1, "only the page read");
 }
+
+/// Whether object 31, read once by `kind` while its plan reads it only
+/// much later, is still cached after 20 MiB of other reads through a
+/// 16 MiB cache.
+async fn kept_for_the_plan_after(kind: lakecache_protocol::ReadKind) -> String {
+    let h = Harness::with(|o| {
+        o.cache.capacity = 16 * MIB;
+        o.cache.high_watermark = 1.0;
+        o.cache.low_watermark = 0.97;
+        // Four pages an object: the plan's 32 objects are 128 positions.
+        o.cache.page_size = MIB / 4;
+        o.cache.plan_prefetch.budget_bytes = 0;
+    })
+    .await;
+    for i in 0..52 {
+        h.put_direct(&name(i), &data(MIB as usize, i)).await;
+    }
+    install(&h, &plan_of(&(0..32).collect::<Vec<_>>())).await;
+    read(&h, 0).await;
+    let (got, _) = h
+        .client
+        .read_checked_as(&uri(&name(31)), Some(0..MIB), None, kind)
+        .await
+        .unwrap();
+    assert_eq!(got[..], data(MIB as usize, 31)[..]);
+    // Objects no plan reads: eviction takes those first.
+    for i in 32..52 {
+        read(&h, i).await;
+    }
+    read_range_says(&h, 31, 0..MIB).await
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_read_ahead_far_past_the_reader_keeps_the_page_for_the_plans_own_read() {
+    use lakecache_protocol::ReadKind;
+    // A mount's guess past a sample (the read-ahead header) is not the
+    // plan's read: the plan still reads the page, and keeps it.
+    assert_eq!(kept_for_the_plan_after(ReadKind::Ahead).await, "hit");
+    // The same read on demand is the plan's read of it: the page is then
+    // one no plan reads again, and goes first.
+    assert_eq!(kept_for_the_plan_after(ReadKind::Demand).await, "miss");
+}

@@ -8,7 +8,8 @@ use std::time::{Duration, Instant};
 use bytes::Bytes;
 use futures::StreamExt;
 use lakecache_protocol::{
-    BoxError, ClientError, ErrorCode, ListResponse, ObjectStat, ObjectUri, UserMeta, WriteMode,
+    BoxError, ClientError, ErrorCode, ListResponse, ObjectStat, ObjectUri, ReadKind, UserMeta,
+    WriteMode,
 };
 use lakecache_registry::{ClusterClient, ClusterError};
 use lakecache_store::StoreError;
@@ -113,6 +114,16 @@ impl DataPlane for ClusterClient {
         etag: &str,
     ) -> Result<Bytes, DataError> {
         Ok(ClusterClient::read(self, uri, range, Some(etag)).await?)
+    }
+
+    async fn read_as(
+        &self,
+        uri: &ObjectUri,
+        range: Range<u64>,
+        etag: &str,
+        kind: ReadKind,
+    ) -> Result<Bytes, DataError> {
+        Ok(ClusterClient::read_as(self, uri, range, Some(etag), kind).await?)
     }
 
     async fn read_version(

@@ -7,7 +7,7 @@ use std::time::Duration;
 
 use bytes::Bytes;
 use futures::StreamExt;
-use lakecache_protocol::{ListResponse, ObjectStat, ObjectUri, UserMeta};
+use lakecache_protocol::{ListResponse, ObjectStat, ObjectUri, ReadKind, UserMeta};
 
 use super::{ByteStream, DataError, DataPlane};
 
@@ -55,8 +55,9 @@ pub struct FaultyDataPlane<D> {
     inner: D,
     rules: Mutex<Vec<Rule>>,
     calls: Mutex<[u64; OPS]>,
-    /// Every range `read` was asked for, to see what a caller requested.
-    read_log: Mutex<Vec<Range<u64>>>,
+    /// Every range `read` was asked for, and whether as a read-ahead, to
+    /// see what a caller requested.
+    read_log: Mutex<Vec<(Range<u64>, ReadKind)>>,
 }
 
 impl<D: DataPlane> FaultyDataPlane<D> {
@@ -99,6 +100,11 @@ impl<D: DataPlane> FaultyDataPlane<D> {
 
     /// The ranges read so far, in call order.
     pub fn read_ranges(&self) -> Vec<Range<u64>> {
+        self.read_requests().into_iter().map(|(r, _)| r).collect()
+    }
+
+    /// The ranges read so far with how each was asked, in call order.
+    pub fn read_requests(&self) -> Vec<(Range<u64>, ReadKind)> {
         self.read_log
             .lock()
             .unwrap_or_else(|p| p.into_inner())
@@ -160,12 +166,22 @@ impl<D: DataPlane> DataPlane for FaultyDataPlane<D> {
         range: Range<u64>,
         etag: &str,
     ) -> Result<Bytes, DataError> {
+        self.read_as(uri, range, etag, ReadKind::Demand).await
+    }
+
+    async fn read_as(
+        &self,
+        uri: &ObjectUri,
+        range: Range<u64>,
+        etag: &str,
+        kind: ReadKind,
+    ) -> Result<Bytes, DataError> {
         self.read_log
             .lock()
             .unwrap_or_else(|p| p.into_inner())
-            .push(range.clone());
+            .push((range.clone(), kind));
         let cut = self.before(DataOp::Read).await?;
-        let bytes = self.inner.read(uri, range, etag).await?;
+        let bytes = self.inner.read_as(uri, range, etag, kind).await?;
         Ok(match cut {
             Some(keep) if keep < bytes.len() => bytes.slice(..keep),
             _ => bytes,

@@ -16,7 +16,7 @@ use std::time::Duration;
 
 use bytes::Bytes;
 use futures::Stream;
-use lakecache_protocol::{ListResponse, ObjectStat, ObjectUri, UserMeta, WriteMode};
+use lakecache_protocol::{ListResponse, ObjectStat, ObjectUri, ReadKind, UserMeta, WriteMode};
 
 pub use faulty::{DataFault, DataOp, FaultyDataPlane};
 pub use memory::{MemoryDataPlane, Quirks};
@@ -122,6 +122,20 @@ pub trait DataPlane: Send + Sync + 'static {
         range: Range<u64>,
         etag: &str,
     ) -> Result<Bytes, DataError>;
+
+    /// [`Self::read`] of bytes the mount reads ahead of what a reader
+    /// asked (`ReadKind::Ahead`), which the workers' plans count apart
+    /// from demand reads; planes without plans read them alike.
+    async fn read_as(
+        &self,
+        uri: &ObjectUri,
+        range: Range<u64>,
+        etag: &str,
+        kind: ReadKind,
+    ) -> Result<Bytes, DataError> {
+        let _ = kind;
+        self.read(uri, range, etag).await
+    }
 
     /// Exactly `range` of S3 version `version_id`, which must carry
     /// `etag`: an object version that is no longer the current one.
@@ -263,8 +277,19 @@ pub async fn read_exact(
     range: Range<u64>,
     etag: &str,
 ) -> Result<Bytes, DataError> {
+    read_exact_as(data, uri, range, etag, ReadKind::Demand).await
+}
+
+/// [`read_exact`] of a demand read or a read-ahead.
+pub async fn read_exact_as(
+    data: &dyn DataPlane,
+    uri: &ObjectUri,
+    range: Range<u64>,
+    etag: &str,
+    kind: ReadKind,
+) -> Result<Bytes, DataError> {
     let want = range.end - range.start;
-    let bytes = data.read(uri, range, etag).await?;
+    let bytes = data.read_as(uri, range, etag, kind).await?;
     if bytes.len() as u64 != want {
         return Err(DataError::ShortBody {
             expected: want,
