@@ -601,9 +601,7 @@ impl FileReader {
     /// memory budget allows. While the window is smaller than a chunk,
     /// chunks stop at `until`, so the early reads of a stream fetch what
     /// they asked plus the window, not a whole chunk; after that chunks
-    /// end on chunk multiples so that a stream's requests line up. A
-    /// chunk never runs from what was asked into what was not: the
-    /// workers are told which bytes are a read-ahead.
+    /// end on chunk multiples so that a stream's requests line up.
     fn schedule(&mut self, from: u64, demand: u64, until: u64) {
         let mut pos = self.chunks.back().map_or(from, |c| c.range.end);
         let chunk = self.policy.chunk.max(1);
@@ -611,9 +609,6 @@ impl FileReader {
             let mut end = ((pos / chunk + 1) * chunk).min(self.size);
             if self.window < chunk {
                 end = end.min(until);
-            }
-            if pos < demand {
-                end = end.min(demand);
             }
             let memory = match self.budget.try_reserve(end - pos) {
                 Some(r) => r,
@@ -967,24 +962,6 @@ mod tests {
                 .iter()
                 .all(|(r, kind)| r.end <= KERNEL_MAX_READ && *kind == ReadKind::Demand),
             "only what it asked: {asked:?}"
-        );
-    }
-
-    #[tokio::test]
-    async fn no_request_runs_from_what_was_asked_into_a_read_ahead() {
-        // 640 KiB from the start: asked up to 640 KiB, then the initial
-        // window (256 KiB) ahead; the chunk boundary (512 KiB) falls inside
-        // what was asked.
-        let (rec, mut r, body) = setup(64 * MIB);
-        let got = r.read(0, 640 * KIB).await.unwrap();
-        assert_eq!(&got[..], expect(&body, 0, 640 * KIB));
-        assert_eq!(
-            rec.read_requests(),
-            vec![
-                (0..512 * KIB, ReadKind::Demand),
-                (512 * KIB..640 * KIB, ReadKind::Demand),
-                (640 * KIB..896 * KIB, ReadKind::Ahead)
-            ]
         );
     }
 
