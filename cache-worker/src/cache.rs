@@ -250,7 +250,8 @@ impl Cache {
         let fresh_bytes = (u64::from(config.readahead_pages) + 1)
             .saturating_mul(config.page_size)
             .saturating_mul(8)
-            .min(config.memory_limit / 8);
+            .min(config.memory_limit / 8)
+            + plan_fetch::stage_room(config.page_size, config.memory_limit);
         let writeback = crate::writeback::WriteBack::open(dir, config.writeback.clone())
             .map_err(|e| CacheError::Local(e.to_string()))?;
         let writeback = Some(Arc::new(writeback));
@@ -724,11 +725,13 @@ impl Cache {
             let range = id.offset + sub.start..id.offset + sub.end;
             self.get_exact(uri, meta, range).await.map(|(data, _)| data)
         } else if fetch == Fetch::WholePage || (fetch == Fetch::Sequential && !partly_filled) {
-            self.fetch_page(uri, meta, idx, key, id).await.map(|page| {
-                self.fresh
-                    .serve(&key, &sub)
-                    .unwrap_or_else(|| slice_within(&page, &sub))
-            })
+            self.fetch_page(uri, meta, idx, key, id, true)
+                .await
+                .map(|page| {
+                    self.fresh
+                        .serve(&key, &sub)
+                        .unwrap_or_else(|| slice_within(&page, &sub))
+                })
         } else if fetch == Fetch::Random
             && !self.random_admission.admit(key, &sub, CHECK_BLOCK, id.len)
         {
@@ -873,7 +876,8 @@ impl Cache {
         .await;
     }
 
-    /// The whole page from S3, once for all concurrent callers, then kept.
+    /// The whole page from S3, once for all concurrent callers, then kept
+    /// (in memory too while its reader is near: `keep_fresh`).
     async fn fetch_page(
         self: &Arc<Self>,
         uri: &ObjectUri,
@@ -881,13 +885,16 @@ impl Cache {
         idx: u64,
         key: PageKey,
         id: PageId,
+        keep_fresh: bool,
     ) -> Result<Bytes, CacheError> {
         let this = self.clone();
         self.page_flights
             .run(key, || async move {
                 let range = id.offset..id.offset + id.len;
                 let (data, held) = this.get_exact(uri, meta, range).await?;
-                this.fresh.keep(key, data.clone(), &this.memory);
+                if keep_fresh {
+                    this.fresh.keep(key, data.clone(), &this.memory);
+                }
                 // Readers get the page now; its file is written behind
                 // them (an O_DIRECT write of a page took about a quarter
                 // of a cold page's latency). Until indexed, the page is
@@ -1163,7 +1170,7 @@ impl Cache {
             let tenant = crate::tenant::current();
             tokio::spawn(crate::tenant::scope(tenant, async move {
                 let _permit = permit;
-                if let Err(e) = this.fetch_page(&uri, &meta, idx, page_key, id).await {
+                if let Err(e) = this.fetch_page(&uri, &meta, idx, page_key, id, true).await {
                     tracing::debug!(%uri, page = idx, error = %e, "read-ahead failed");
                 }
             }));

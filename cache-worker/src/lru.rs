@@ -322,6 +322,11 @@ impl Lru {
         self.lock().plans.cursor(name)
     }
 
+    /// See [`crate::plan_order::PlanOrder::upcoming`].
+    pub fn plan_upcoming(&self, name: &str, lead: u64, limit: usize) -> Vec<(u64, PageKey)> {
+        self.lock().plans.upcoming(name, lead, limit)
+    }
+
     pub fn has_plans(&self) -> bool {
         self.planned.load(Ordering::Relaxed)
     }

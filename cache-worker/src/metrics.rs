@@ -33,6 +33,7 @@ pub struct Metrics {
     evicted_bytes: Counter<u64>,
     corrupt_pages: Counter<u64>,
     plan_prefetched_bytes: Counter<u64>,
+    plan_staged_bytes: Counter<u64>,
     discarded_pages: Counter<u64>,
     handed_off_pages: Counter<u64>,
     writeback_uploaded_objects: Counter<u64>,
@@ -276,6 +277,12 @@ impl Metrics {
                 "By",
                 "Bytes fetched ahead of readers in the order their published plans give",
             ),
+            plan_staged_bytes: counter(
+                &meter,
+                "lakecache_plan_staged",
+                "By",
+                "Cached bytes read from page files into memory just ahead of the readers whose plans read them",
+            ),
             corrupt_pages: counter(
                 &meter,
                 "lakecache_corrupt_pages",
@@ -411,6 +418,10 @@ impl Metrics {
 
     pub fn plan_prefetched(&self, bytes: u64) {
         self.plan_prefetched_bytes.add(bytes, &[]);
+    }
+
+    pub fn plan_staged(&self, bytes: u64) {
+        self.plan_staged_bytes.add(bytes, &[]);
     }
 
     pub fn corrupt_page(&self) {

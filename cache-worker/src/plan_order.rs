@@ -263,6 +263,24 @@ impl PlanOrder {
         self.plans.get(name).map(Plan::reader_at)
     }
 
+    /// Plan `name`'s entries not read yet, from its first unread one to
+    /// `lead` past where its reader is, in order and at most `limit`:
+    /// each page at its next position only.
+    pub fn upcoming(&self, name: &str, lead: u64, limit: usize) -> Vec<(u64, PageKey)> {
+        let Some(plan) = self.plans.get(name) else {
+            return Vec::new();
+        };
+        let end = plan.reader_at().saturating_add(lead);
+        if end <= plan.cursor {
+            return Vec::new();
+        }
+        plan.next
+            .range(plan.cursor..end)
+            .take(limit)
+            .map(|(at, key)| (*at, *key))
+            .collect()
+    }
+
     /// Whether `tenant` has published any plan.
     pub fn has_tenant(&self, tenant: Option<&str>) -> bool {
         self.plans.values().any(|p| p.tenant.as_deref() == tenant)

@@ -58,6 +58,8 @@ impl Cache {
         let mut objects: Vec<(ObjectUri, ObjectMeta)> = Vec::new();
         let mut object_at: HashMap<String, u32> = HashMap::new();
         let mut at: Vec<(u32, u64)> = Vec::new();
+        // Per position, the bytes of its page the plan reads there.
+        let mut reads: Vec<u64> = Vec::new();
         for entry in entries {
             let key = entry.uri.to_string();
             let meta = match metas.get(&key) {
@@ -86,9 +88,13 @@ impl Cache {
             };
             for idx in entry.range.start / ps..=(end - 1) / ps {
                 let page = PageKey::new(&key, &meta.etag, idx);
+                let read = end.min((idx + 1) * ps) - entry.range.start.max(idx * ps);
                 if pages.last() != Some(&page) {
                     pages.push(page);
                     at.push((obj, idx));
+                    reads.push(read);
+                } else if let Some(last) = reads.last_mut() {
+                    *last += read;
                 }
             }
             if pages.len() > MAX_PLAN_PAGES {
@@ -108,7 +114,7 @@ impl Cache {
         report.pages = pages.len();
         self.plan_fetches.install(
             name,
-            super::plan_fetch::PlanFetch::new(tenant, objects, pages, at),
+            super::plan_fetch::PlanFetch::new(tenant, objects, pages, at, reads),
         );
         Ok(report)
     }

@@ -468,3 +468,32 @@ fn a_plan_never_makes_another_tenant_give_up_pages() {
         .collect();
     assert_eq!(victims, vec![5, 6], "a's plan reads 7 first, 5 last");
 }
+
+#[test]
+fn upcoming_lists_the_unread_entries_from_the_first_one_to_the_lead() {
+    let mut order = PlanOrder::default();
+    let far = Instant::now() + Duration::from_secs(600);
+    // Page 2 is read at positions 1 and 5.
+    let plan = [key(1), key(2), key(3), key(4), key(5), key(2), key(6)];
+    order.install("job/0", None, &plan, far).unwrap();
+    assert_eq!(
+        order.upcoming("job/0", 3, 10),
+        vec![(0, key(1)), (1, key(2)), (2, key(3))]
+    );
+    // Two loader workers: 3 is read before 2. The reader is past 3; 2 is
+    // still to come, then 4 and 5 within a lead of 2.
+    order.read(&key(1), Demand);
+    order.read(&key(3), Demand);
+    assert_eq!(
+        order.upcoming("job/0", 2, 10),
+        vec![(1, key(2)), (3, key(4)), (4, key(5))]
+    );
+    // Once read, a page is listed at its next position.
+    order.read(&key(2), Demand);
+    assert_eq!(
+        order.upcoming("job/0", 3, 10),
+        vec![(3, key(4)), (4, key(5)), (5, key(2))]
+    );
+    assert_eq!(order.upcoming("job/0", 3, 1), vec![(3, key(4))]);
+    assert!(order.upcoming("job/1", 3, 10).is_empty());
+}

@@ -470,3 +470,62 @@ async fn a_read_ahead_far_past_the_reader_keeps_the_page_for_the_plans_own_read(
     // one no plan reads again, and goes first.
     assert_eq!(kept_for_the_plan_after(ReadKind::Demand).await, "miss");
 }
+
+/// The worker's count `name` (a Prometheus counter).
+async fn counter(h: &Harness, name: &str) -> f64 {
+    metric_value(&h.client.metrics().await.unwrap(), name)
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_plans_cached_pages_are_staged_in_memory_before_it_reads_them() {
+    const STAGED: &str = "lakecache_plan_staged_bytes_total";
+    const FROM_MEMORY: &str = "lakecache_fresh_served_bytes_total";
+    let h = Harness::with(|o| o.cache.capacity = 64 * MIB).await;
+    for i in 0..8 {
+        h.put_direct(&name(i), &data(MIB as usize, i)).await;
+        // Cached on disk; its first reader had it from memory, whole.
+        assert_eq!(read_says(&h, i).await, "miss");
+    }
+    let order = [5, 1, 7, 3];
+    install(&h, &plan_of(&order)).await;
+    // Before any read: the reader is at the plan's start, so its first
+    // pages are read from their files now.
+    eventually(Duration::from_secs(10), "4 pages staged", || {
+        let h = &h;
+        async move {
+            // Counted from the first page staged on.
+            let m = h.client.metrics().await.unwrap();
+            m.contains(STAGED) && metric_value(&m, STAGED) >= 4.0 * MIB as f64
+        }
+    })
+    .await;
+    for i in order {
+        assert_eq!(read_says(&h, i).await, "hit", "object {i}");
+    }
+    // (Cold reads are not counted there: the count is the plan's reads.)
+    assert_eq!(
+        counter(&h, FROM_MEMORY).await,
+        4.0 * MIB as f64,
+        "the plan's reads were served from memory"
+    );
+    // Read whole, each page left memory, and none was staged again.
+    tokio::time::sleep(scaled(Duration::from_millis(200))).await;
+    assert_eq!(counter(&h, STAGED).await, 4.0 * MIB as f64);
+    // An object outside the plan is read from its file.
+    assert_eq!(read_says(&h, 6).await, "hit");
+    assert_eq!(counter(&h, FROM_MEMORY).await, 4.0 * MIB as f64);
+    // A page the plan reads only part of is left on disk (staging it
+    // would read the whole page for a sample); the page after it, read
+    // whole, is staged.
+    install(
+        &h,
+        &sample_plan(&[(0, 0..MIB / 2), (2, MIB / 2..MIB), (4, 0..MIB)]),
+    )
+    .await;
+    eventually(Duration::from_secs(10), "object 4 staged", || {
+        let h = &h;
+        async move { counter(h, STAGED).await >= 5.0 * MIB as f64 }
+    })
+    .await;
+    assert_eq!(counter(&h, STAGED).await, 5.0 * MIB as f64);
+}
