@@ -390,8 +390,22 @@ impl Cache {
         };
         // Positions before the first unread one were read (or skipped).
         progress.staged.retain(|_, at| *at >= first);
+        let ps = self.config.page_size;
         for (pos, key) in upcoming {
-            if progress.staged.get(&key) == Some(&pos)
+            let Some(&(obj, idx)) = plan.at.get(pos as usize) else {
+                continue;
+            };
+            let Some((uri, meta)) = plan.objects.get(obj as usize) else {
+                continue;
+            };
+            // Only a page read whole there: staging a 4 MiB page for one
+            // 1 MiB sample reads four times its bytes from disk, and the
+            // page then waits in memory for samples read much later
+            // (plan-epochs at 4 MiB pages cost 7.0-7.7 CPU-s per GiB so).
+            // Checked first: such positions come back every tick.
+            let len = ps.min(meta.size.saturating_sub(idx * ps));
+            if plan.reads.get(pos as usize).is_none_or(|r| *r < len)
+                || progress.staged.get(&key) == Some(&pos)
                 || progress.in_flight.contains(&key)
                 || !self.lru.holds_whole(&key)
                 || self.fresh.holds(&key)
@@ -399,21 +413,7 @@ impl Cache {
             {
                 continue;
             }
-            let Some(&(obj, idx)) = plan.at.get(pos as usize) else {
-                continue;
-            };
-            let Some((uri, meta)) = plan.objects.get(obj as usize) else {
-                continue;
-            };
-            let ps = self.config.page_size;
             let id = PageId::new(&uri.to_string(), &meta.etag, idx, ps, meta.size);
-            // Only a page read whole there: staging a 4 MiB page for one
-            // 1 MiB sample reads four times its bytes from disk, and the
-            // page then waits in memory for samples read much later
-            // (plan-epochs at 4 MiB pages cost 7.0-7.7 CPU-s per GiB so).
-            if plan.reads.get(pos as usize).is_none_or(|r| *r < id.len) {
-                continue;
-            }
             progress.staged.insert(key, pos);
             let this = self.clone();
             tokio::spawn(async move {
