@@ -28,6 +28,7 @@
 //! kernel's page cache is dropped before each epoch, so epoch 2 measures
 //! the cache, not this machine's RAM.
 
+mod belady;
 mod common;
 mod delay;
 
@@ -55,6 +56,7 @@ const COMPUTE: Duration = Duration::from_millis(40);
 const PREFETCH_FACTOR: usize = 2;
 const BUCKET: &str = "bench";
 const EPOCHS: u64 = 2;
+const GIB: f64 = (1u64 << 30) as f64;
 
 #[derive(Parser)]
 struct Args {
@@ -375,6 +377,8 @@ struct Outcome {
     cpu_s: f64,
     bytes: u64,
     publish_s: f64,
+    /// Bytes fetched from S3 by the workers (or the uncached reader).
+    s3_bytes: Option<u64>,
     /// Per epoch, where hits were counted at the workers (`mounts`).
     worker_hit_ratio: Option<Vec<f64>>,
 }
@@ -427,6 +431,7 @@ impl Bench {
             }
             Mode::NoCache => {
                 let metrics = Arc::new(Metrics::new().map_err(anyhow::Error::msg)?);
+                worker_metrics.push(metrics.clone());
                 let store = lakecache_worker::s3_store(&self.proxied, metrics).await;
                 let direct = Arc::new(Source::Direct(store, self.etags.clone()));
                 sources = vec![direct; ranks];
@@ -509,7 +514,7 @@ impl Bench {
         let mut epochs = Vec::new();
         let mut publish_s = 0.0;
         // The same seed for every mode: they read the same order.
-        let order = |epoch: u64| shuffled(self.samples, 0x1a4e_cac4e + run as u64 * 1000 + epoch);
+        let order = |epoch: u64| shuffled(self.samples, run_seed(run, epoch));
         let of_rank = |order: &[u64], rank: usize| -> Vec<u64> {
             order.iter().skip(rank).step_by(ranks).copied().collect()
         };
@@ -574,6 +579,10 @@ impl Bench {
         }
         let cpu_s = cpu_seconds() + mounts_cpu(&mounts)? - cpu_before;
         drop(mounts);
+        let s3_bytes = match mode {
+            Mode::Local => None,
+            _ => Some(s3_fetched(&worker_metrics)?),
+        };
         if std::env::var_os("PLAN_EPOCHS_METRICS").is_some() {
             for m in &worker_metrics {
                 for line in m.render().lines() {
@@ -592,6 +601,7 @@ impl Bench {
             cpu_s,
             bytes: 2 * self.samples * self.layout.sample,
             publish_s,
+            s3_bytes,
             worker_hit_ratio: (mode == Mode::Mounts).then_some(worker_hit_ratio),
         })
     }
@@ -649,6 +659,47 @@ impl Bench {
         }
         Ok(())
     }
+}
+
+/// Bytes the stores behind `metrics` fetched from S3. Each fetched in
+/// epoch 1 (every run starts cold), so a missing count is an error, not 0.
+fn s3_fetched(metrics: &[Arc<Metrics>]) -> Result<u64> {
+    const NAME: &str = "lakecache_s3_transferred_bytes_total{op=\"get_object\"}";
+    let mut total = 0u64;
+    for m in metrics {
+        let text = m.render();
+        let line = text
+            .lines()
+            .find(|l| l.starts_with(NAME))
+            .with_context(|| format!("no {NAME} in a worker's metrics"))?;
+        let value = line.rsplit(' ').next().unwrap_or_default();
+        total += value
+            .parse::<f64>()
+            .with_context(|| format!("unreadable metric line {line:?}"))? as u64;
+    }
+    Ok(total)
+}
+
+/// The fewest bytes any eviction could fetch from S3 for run `run`'s two
+/// epochs with the bench's cache (half the data set, all workers
+/// together: a split cache does no better), fetching `unit` bytes at a
+/// time (a page, or a sample).
+fn least_fetched(bench: &Bench, run: usize, unit: u64) -> u64 {
+    let seq: Vec<u64> = (0..EPOCHS)
+        .flat_map(|e| shuffled(bench.samples, run_seed(run, e)))
+        .map(|s| {
+            let (shard, off) = bench.layout.place(s);
+            shard * (bench.args.shard_mib * MIB).div_ceil(unit) + off / unit
+        })
+        .collect();
+    let capacity = (bench.samples * bench.layout.sample / 2 / unit) as usize;
+    let misses: usize = belady::min_misses(&seq, capacity, seq.len()).iter().sum();
+    misses as u64 * unit
+}
+
+/// The shuffle seed of epoch `epoch` in run `run` (the same in every mode).
+fn run_seed(run: usize, epoch: u64) -> u64 {
+    0x1a4e_cac4e + run as u64 * 1000 + epoch
 }
 
 /// Worker `w`'s socket for mounts on its host.
@@ -786,6 +837,9 @@ async fn main() -> Result<()> {
                 "wait_share_epoch2_runs": outcomes.iter().map(|o| o.wait_share(1)).collect::<Vec<_>>(),
                 "cpu_s_per_gib": median(outcomes.iter().map(|o| o.cpu_s / gib).collect()),
                 "publish_s": median(outcomes.iter().map(|o| o.publish_s).collect()),
+                "s3_gib": (mode != Mode::Local).then(|| {
+                    median(outcomes.iter().map(|o| o.s3_bytes.unwrap_or(0) as f64 / GIB).collect())
+                }),
             });
             let steps: Vec<serde_json::Value> = (0..2)
                 .map(|e| {
@@ -808,7 +862,16 @@ async fn main() -> Result<()> {
             rows.push(row);
         }
     }
-    let table = render(&rows, args);
+    // Every run's order is its own; the median run's bound is shown.
+    let least = |unit: u64| {
+        median(
+            (0..args.runs)
+                .map(|run| least_fetched(&bench, run, unit) as f64 / GIB)
+                .collect(),
+        )
+    };
+    let bounds = (least(args.page_kib * 1024), least(bench.layout.sample));
+    let table = render(&rows, args, bounds);
     print!("{table}");
     std::fs::create_dir_all(&args.out)?;
     std::fs::write(args.out.join("plan-epochs.md"), &table)?;
@@ -816,6 +879,7 @@ async fn main() -> Result<()> {
         "compute_ms": COMPUTE.as_millis() as u64,
         "rtt_ms": args.rtt_ms,
         "rows": rows,
+        "least_s3_gib": {"whole_pages": bounds.0, "samples": bounds.1},
         "steps": series,
     });
     std::fs::write(
@@ -827,7 +891,9 @@ async fn main() -> Result<()> {
     Ok(())
 }
 
-fn render(rows: &[serde_json::Value], args: &Args) -> String {
+/// The table; `bounds`: the least GiB any eviction could fetch from S3,
+/// fetching whole pages and fetching samples.
+fn render(rows: &[serde_json::Value], args: &Args, bounds: (f64, f64)) -> String {
     let mut out = String::new();
     let pct = |v: &serde_json::Value| format!("{:.2}%", v.as_f64().unwrap_or(f64::NAN) * 100.0);
     let ratio = |v: &serde_json::Value| format!("{:.3}", v.as_f64().unwrap_or(f64::NAN));
@@ -835,7 +901,7 @@ fn render(rows: &[serde_json::Value], args: &Args) -> String {
         "Two shuffled epochs, {} KiB samples, cache half the data set in {} KiB pages, {} ms RTT, median of {} runs (`cargo run --release -p lakecache-bench --bin plan-epochs`).\n\n",
         args.sample_kib, args.page_kib, args.rtt_ms, args.runs
     ));
-    out.push_str("| ranks | reader | epoch-1 hit ratio | epoch-2 hit ratio (runs) | epoch-1 data wait | epoch-2 data wait (runs) | CPU-s per GiB read | plan publish s |\n|---|---|---|---|---|---|---|---|\n");
+    out.push_str("| ranks | reader | epoch-1 hit ratio | epoch-2 hit ratio (runs) | epoch-1 data wait | epoch-2 data wait (runs) | CPU-s per GiB read | S3 GiB fetched | plan publish s |\n|---|---|---|---|---|---|---|---|---|\n");
     for r in rows {
         let mode = <Mode as clap::ValueEnum>::value_variants()
             .iter()
@@ -855,7 +921,7 @@ fn render(rows: &[serde_json::Value], args: &Args) -> String {
                 .unwrap_or_default()
         };
         out.push_str(&format!(
-            "| {} | {} | {} | {} ({}) | {} | {} ({}) | {:.2} | {:.3} |\n",
+            "| {} | {} | {} | {} ({}) | {} | {} ({}) | {:.2} | {} | {:.3} |\n",
             r["ranks"],
             mode.name(),
             hit_cell(&r["hit_ratio_epoch1"]),
@@ -869,9 +935,19 @@ fn render(rows: &[serde_json::Value], args: &Args) -> String {
             pct(&r["wait_share_epoch2"]),
             runs(&r["wait_share_epoch2_runs"], &pct),
             r["cpu_s_per_gib"].as_f64().unwrap_or(f64::NAN),
+            r["s3_gib"]
+                .as_f64()
+                .map_or("n/a".to_string(), |g| format!("{g:.2}")),
             r["publish_s"].as_f64().unwrap_or(f64::NAN),
         ));
     }
+    out.push_str(&format!(
+        "\nS3 GiB fetched: over both epochs (the data set is {:.2} GiB, read twice). The least any eviction could fetch for these orders and this cache (Belady's rule, computed by the bench; median of the runs' orders): **{:.2} GiB** fetching whole {} KiB pages, **{:.2} GiB** fetching only the samples read. Workers fetch only the part of a page a plan reads there.\n",
+        args.shards as f64 * args.shard_mib as f64 / 1024.0,
+        bounds.0,
+        args.page_kib,
+        bounds.1
+    ));
     if rows.iter().any(|r| r["mode"] == Mode::Mounts.key()) {
         out.push_str("\n`mounts, plans`: each rank reads through its own `lakecache mount` (kernel FUSE); its hit ratio is counted at the workers, as the share of the bytes the mounts asked for that were cached when asked, and its CPU includes the mount processes.\n");
         if args.fadvise_random {

@@ -3,10 +3,11 @@
 //! reads of other pages.
 
 use std::collections::{BTreeMap, HashMap, HashSet};
+use std::ops::Range;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 
-use crate::pages::PageKey;
+use crate::pages::{FilledBlocks, PageKey};
 use crate::plan_order::{PlanError, PlanOrder, ReadKind};
 
 /// Least recent pages [`Lru::prefetch_horizon`] looks among for one no
@@ -35,9 +36,10 @@ struct Inner {
     /// they read again (see `plan_order`).
     plans: PlanOrder,
     /// Pages some of whose blocks are not filled yet (a random reader's
-    /// misses fill only what they touch). Not known after a restart until
-    /// a read finds a hole.
-    partly_filled: HashSet<PageKey>,
+    /// misses, and a plan's reads of part of a page, fill only what they
+    /// touch), with the blocks known filled. Not known after a restart
+    /// until a read finds a hole (then no block is known filled).
+    partly_filled: HashMap<PageKey, FilledBlocks>,
 }
 
 /// One tenant's pages: bytes, and the evictable ones in access order.
@@ -157,6 +159,20 @@ impl Inner {
             .furthest_first(tenant)
             .filter(|k| self.by_key.contains_key(k) && !self.pinned.contains(k) && mine(k));
         unplanned.chain(planned).collect()
+    }
+
+    /// Counts `key` as `len` bytes from now on.
+    fn resize(&mut self, key: &PageKey, len: u64) {
+        let Some((_, old)) = self.by_key.get_mut(key) else {
+            return;
+        };
+        let old = std::mem::replace(old, len);
+        self.used = self.used - old + len;
+        if let Some(tenant) = self.tenant_of.get(key) {
+            if let Some(t) = self.tenants.get_mut(tenant) {
+                t.used = t.used - old + len;
+            }
+        }
     }
 
     fn add(
@@ -431,18 +447,45 @@ impl Lru {
     /// worker knows: see `Inner::partly_filled`).
     pub fn holds_whole(&self, key: &PageKey) -> bool {
         let inner = self.lock();
-        inner.by_key.contains_key(key) && !inner.partly_filled.contains(key)
+        inner.by_key.contains_key(key) && !inner.partly_filled.contains_key(key)
     }
 
-    /// Records whether a tracked page lacks some blocks; an untracked
-    /// page is left alone (it was evicted meanwhile).
-    pub fn set_partly_filled(&self, key: &PageKey, partly: bool) {
+    /// Whether `key` is on disk with `blocks` filled, as far as this
+    /// worker knows.
+    pub fn holds_blocks(&self, key: &PageKey, blocks: Range<usize>) -> bool {
+        let inner = self.lock();
+        inner.by_key.contains_key(key)
+            && inner
+                .partly_filled
+                .get(key)
+                .is_none_or(|filled| filled.covers(blocks))
+    }
+
+    /// Records that a tracked page lacks blocks a read wanted, without
+    /// knowing which it holds (its bytes stay counted as they were); an
+    /// untracked page is left alone (it was evicted meanwhile).
+    pub fn set_partly_filled(&self, key: &PageKey) {
         let mut inner = self.lock();
-        if !partly {
-            inner.partly_filled.remove(key);
-        } else if inner.by_key.contains_key(key) {
-            inner.partly_filled.insert(*key);
+        if inner.by_key.contains_key(key) {
+            inner.partly_filled.entry(*key).or_default();
         }
+    }
+
+    /// Records which blocks of a tracked page are filled after a fill, and
+    /// counts only their `bytes`: a page filled a sample at a time takes
+    /// the room of what it holds, not of the whole page.
+    pub fn set_filled(&self, key: &PageKey, filled: FilledBlocks, whole: bool, bytes: u64) {
+        let mut inner = self.lock();
+        if !inner.by_key.contains_key(key) {
+            return;
+        }
+        if whole {
+            inner.partly_filled.remove(key);
+        } else {
+            inner.partly_filled.insert(*key, filled);
+        }
+        inner.resize(key, bytes);
+        self.used_gauge.store(inner.used, Ordering::Relaxed);
     }
 
     pub fn used(&self) -> u64 {
@@ -534,21 +577,49 @@ mod tests {
     fn a_partly_filled_page_is_not_held_whole_until_refilled_or_rewritten() {
         let lru = Lru::new(100, 0.9, 0.5, Arc::default());
         // Not tracked: nothing to mark.
-        lru.set_partly_filled(&key(1), true);
+        lru.set_partly_filled(&key(1));
         lru.insert(key(1), 10);
         assert!(lru.holds_whole(&key(1)));
-        lru.set_partly_filled(&key(1), true);
+        lru.set_partly_filled(&key(1));
         assert!(lru.contains(&key(1)) && !lru.holds_whole(&key(1)));
-        lru.set_partly_filled(&key(1), false);
-        assert!(lru.holds_whole(&key(1)));
+        assert!(!lru.holds_blocks(&key(1), 0..1), "no block is known");
+        lru.set_filled(&key(1), FilledBlocks::default(), true, 10);
+        assert!(lru.holds_whole(&key(1)) && lru.holds_blocks(&key(1), 0..4));
         // Written whole again (re-added), or evicted: the mark goes.
-        lru.set_partly_filled(&key(1), true);
+        lru.set_partly_filled(&key(1));
         lru.insert(key(1), 10);
         assert!(lru.holds_whole(&key(1)));
-        lru.set_partly_filled(&key(1), true);
+        lru.set_partly_filled(&key(1));
         lru.remove(&key(1));
         lru.insert(key(1), 10);
         assert!(lru.holds_whole(&key(1)));
+    }
+
+    #[test]
+    fn a_partly_filled_page_counts_the_bytes_it_holds() {
+        let used = Arc::new(AtomicU64::new(0));
+        let lru = Lru::new(100, 0.9, 0.5, used.clone());
+        lru.insert_kept(key(1), 40, Retention::Lru, Some("t".into()));
+        lru.insert(key(2), 40);
+        assert_eq!(lru.used(), 80);
+        // Two of page 1's four blocks.
+        lru.set_filled(&key(1), FilledBlocks::of_range(1..3), false, 20);
+        assert_eq!((lru.used(), used.load(Ordering::Relaxed)), (60, 60));
+        assert_eq!(lru.tenant_used("t"), 20);
+        assert!(lru.holds_blocks(&key(1), 1..3) && !lru.holds_blocks(&key(1), 0..2));
+        assert!(!lru.holds_whole(&key(1)));
+        // Filled whole: its whole length again.
+        lru.set_filled(&key(1), FilledBlocks::of_range(0..4), true, 40);
+        assert_eq!((lru.used(), lru.tenant_used("t")), (80, 40));
+        assert!(lru.holds_whole(&key(1)));
+        // Eviction frees what a page is counted as.
+        lru.set_filled(&key(2), FilledBlocks::of_range(0..1), false, 10);
+        assert_eq!(lru.remove(&key(2)), Some(10));
+        assert_eq!(lru.used(), 40);
+        // A page evicted meanwhile is not brought back by its fill.
+        lru.set_filled(&key(2), FilledBlocks::of_range(0..2), false, 20);
+        assert!(!lru.contains(&key(2)));
+        assert_eq!(lru.used(), 40);
     }
 
     #[test]

@@ -80,6 +80,56 @@ impl PageId {
     }
 }
 
+/// Which blocks of a page file hold their bytes.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub struct FilledBlocks([u64; MAX_BLOCKS / 64]);
+
+impl FilledBlocks {
+    fn of(valid: &[bool]) -> Self {
+        let mut set = Self::default();
+        for (b, _) in valid.iter().enumerate().filter(|(_, v)| **v) {
+            set.0[b / 64] |= 1 << (b % 64);
+        }
+        set
+    }
+
+    /// The blocks in `blocks` (those below [`MAX_BLOCKS`]).
+    pub fn of_range(blocks: Range<usize>) -> Self {
+        let mut set = Self::default();
+        for b in blocks.take_while(|b| *b < MAX_BLOCKS) {
+            set.0[b / 64] |= 1 << (b % 64);
+        }
+        set
+    }
+
+    fn has(&self, block: usize) -> bool {
+        block < MAX_BLOCKS && self.0[block / 64] & (1 << (block % 64)) != 0
+    }
+
+    /// Whether every block in `blocks` is filled.
+    pub fn covers(&self, blocks: Range<usize>) -> bool {
+        blocks.into_iter().all(|b| self.has(b))
+    }
+
+    /// Whether page `id` is filled whole.
+    pub fn whole(&self, id: &PageId) -> bool {
+        self.covers(0..id.blocks())
+    }
+
+    /// Bytes of page `id` its filled blocks hold.
+    pub fn bytes(&self, id: &PageId) -> u64 {
+        (0..id.blocks())
+            .filter(|b| self.has(*b))
+            .map(|b| CHECK_BLOCK.min(id.len - b as u64 * CHECK_BLOCK))
+            .sum()
+    }
+}
+
+/// The blocks of a page that `range` (page-relative) touches.
+pub fn blocks_of(range: &Range<u64>) -> Range<usize> {
+    (range.start / CHECK_BLOCK) as usize..range.end.div_ceil(CHECK_BLOCK) as usize
+}
+
 #[derive(Debug, thiserror::Error)]
 pub enum PageReadError {
     #[error("page file missing")]
@@ -514,7 +564,16 @@ impl PageStore {
     /// Fills whole blocks starting at block `first` of a page that may be
     /// partly filled (or not exist yet). `data` ends on a block boundary
     /// or at the end of the page. Returns true when the page is complete.
-    pub fn fill(&self, key: &PageKey, id: &PageId, first: usize, data: &[u8]) -> io::Result<bool> {
+    /// Writes `data` as the blocks from `first` on of page `id`'s file
+    /// (created partly filled if absent); returns which blocks the file
+    /// holds now.
+    pub fn fill(
+        &self,
+        key: &PageKey,
+        id: &PageId,
+        first: usize,
+        data: &[u8],
+    ) -> io::Result<FilledBlocks> {
         let start = first as u64 * CHECK_BLOCK;
         let end = start + data.len() as u64;
         if id.blocks() > MAX_BLOCKS
@@ -554,7 +613,7 @@ impl PageStore {
             header.valid[first + i] = true;
         }
         file.write_all_at(&header.encode(), 0)?;
-        Ok(header.valid.iter().all(|v| *v))
+        Ok(FilledBlocks::of(&header.valid))
     }
 
     /// Reads `range` (page-relative) of the page `id`, checking the header
@@ -815,7 +874,9 @@ mod tests {
         );
         assert_eq!(id.len, data.len() as u64);
         let b = CHECK_BLOCK as usize;
-        assert!(!store.fill(&key, &id, 2, &data[2 * b..3 * b]).unwrap());
+        let filled = store.fill(&key, &id, 2, &data[2 * b..3 * b]).unwrap();
+        assert!(!filled.whole(&id) && filled.covers(2..3) && !filled.covers(1..3));
+        assert_eq!(filled.bytes(&id), CHECK_BLOCK);
         let got = store
             .read(&key, &id, 2 * CHECK_BLOCK + 5..2 * CHECK_BLOCK + 9)
             .unwrap();
@@ -830,8 +891,11 @@ mod tests {
         ));
         // Misaligned fills are refused.
         assert!(store.fill(&key, &id, 0, &data[..10]).is_err());
-        assert!(!store.fill(&key, &id, 0, &data[..2 * b]).unwrap());
-        assert!(store.fill(&key, &id, 3, &data[3 * b..]).unwrap());
+        assert!(!store.fill(&key, &id, 0, &data[..2 * b]).unwrap().whole(&id));
+        // The last block is short: the page's bytes, not four blocks'.
+        let filled = store.fill(&key, &id, 3, &data[3 * b..]).unwrap();
+        assert!(filled.whole(&id));
+        assert_eq!(filled.bytes(&id), id.len);
         let all = store.read(&key, &id, 0..data.len() as u64).unwrap();
         assert_eq!(&all[..], &data[..]);
     }

@@ -11,6 +11,7 @@ use std::time::Duration;
 use futures::StreamExt as _;
 use lakecache_protocol::{ObjectUri, ReadKind};
 
+use super::plan_fetch::PlannedRead;
 use super::{Cache, CacheError};
 use crate::pages::PageKey;
 use crate::plan_order::MAX_PLAN_PAGES;
@@ -58,8 +59,8 @@ impl Cache {
         let mut objects: Vec<(ObjectUri, ObjectMeta)> = Vec::new();
         let mut object_at: HashMap<String, u32> = HashMap::new();
         let mut at: Vec<(u32, u64)> = Vec::new();
-        // Per position, the bytes of its page the plan reads there.
-        let mut reads: Vec<u64> = Vec::new();
+        // Per position, the part of its page the plan reads there.
+        let mut reads: Vec<PlannedRead> = Vec::new();
         for entry in entries {
             let key = entry.uri.to_string();
             let meta = match metas.get(&key) {
@@ -88,13 +89,13 @@ impl Cache {
             };
             for idx in entry.range.start / ps..=(end - 1) / ps {
                 let page = PageKey::new(&key, &meta.etag, idx);
-                let read = end.min((idx + 1) * ps) - entry.range.start.max(idx * ps);
+                let read = PlannedRead::of(idx * ps, entry.range.start, end, ps);
                 if pages.last() != Some(&page) {
                     pages.push(page);
                     at.push((obj, idx));
                     reads.push(read);
                 } else if let Some(last) = reads.last_mut() {
-                    *last += read;
+                    *last = last.joined(read);
                 }
             }
             if pages.len() > MAX_PLAN_PAGES {

@@ -10,13 +10,14 @@
 //! as a miss ([`super::Served`]).
 
 use std::collections::{HashMap, HashSet, VecDeque};
+use std::ops::Range;
 use std::sync::{Arc, Mutex, Weak};
 use std::time::{Duration, Instant};
 
 use lakecache_protocol::ObjectUri;
 
 use super::{Cache, CacheError};
-use crate::pages::{PageId, PageKey};
+use crate::pages::{blocks_of, PageId, PageKey, CHECK_BLOCK};
 use crate::store::ObjectMeta;
 
 /// How far ahead of each job's readers a worker fetches.
@@ -66,23 +67,60 @@ pub(crate) fn stage_room(page_size: u64, memory_limit: u64) -> u64 {
     STAGE_ROOM.max(4 * page_size).min(memory_limit / 8)
 }
 
+/// What a plan reads of one page at one position: from `start` to `end`
+/// (page-relative; pages are at most 64 MiB), the span of its entries
+/// there.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) struct PlannedRead {
+    start: u32,
+    end: u32,
+}
+
+impl PlannedRead {
+    /// The part of the page at `page_start` (of `page_size` bytes) that
+    /// the object range `start..end` reads.
+    pub(crate) fn of(page_start: u64, start: u64, end: u64, page_size: u64) -> Self {
+        let to_page = |at: u64| (at.clamp(page_start, page_start + page_size) - page_start) as u32;
+        Self {
+            start: to_page(start),
+            end: to_page(end),
+        }
+    }
+
+    /// This read and `next` (of the same page, at the same position).
+    pub(crate) fn joined(self, next: Self) -> Self {
+        Self {
+            start: self.start.min(next.start),
+            end: self.end.max(next.end),
+        }
+    }
+
+    /// The part of a page of `len` bytes read; `None`: all of it.
+    fn part(self, len: u64) -> Option<Range<u64>> {
+        let range = u64::from(self.start)..u64::from(self.end).min(len);
+        (range.start > 0 || range.end < len).then_some(range)
+    }
+}
+
 /// One plan's pages, resolved for fetching: position `i` is page
 /// `keys[i]`, page `at[i].1` of object `objects[at[i].0]`, of which the
-/// plan reads `reads[i]` bytes there.
+/// plan reads `reads[i]` there.
 pub(crate) struct PlanFetch {
     generation: u64,
     tenant: Option<Arc<str>>,
     objects: Vec<(ObjectUri, ObjectMeta)>,
     keys: Vec<PageKey>,
     at: Vec<(u32, u64)>,
-    reads: Vec<u64>,
+    reads: Vec<PlannedRead>,
     progress: Mutex<Progress>,
 }
 
 /// How far a plan's prefetch got.
 #[derive(Default)]
 struct Progress {
-    in_flight: HashSet<PageKey>,
+    /// Fetches in flight: each page's block ranges (a whole page's are
+    /// all of its blocks).
+    in_flight: HashMap<PageKey, Vec<Range<usize>>>,
     /// Pages this plan fetched (or is fetching) for positions the reader
     /// has not reached: (position, bytes), in position order. They are
     /// what the budget counts; pages cached anyway are free.
@@ -94,13 +132,40 @@ struct Progress {
     staged: HashMap<PageKey, u64>,
 }
 
+impl Progress {
+    /// Whether a fetch in flight for `key` takes in all of `blocks`.
+    fn in_flight_covers(&self, key: &PageKey, blocks: &Range<usize>) -> bool {
+        self.in_flight.get(key).is_some_and(|ranges| {
+            ranges
+                .iter()
+                .any(|r| r.start <= blocks.start && blocks.end <= r.end)
+        })
+    }
+
+    fn fetches_in_flight(&self) -> usize {
+        self.in_flight.values().map(Vec::len).sum()
+    }
+
+    /// A fetch of `blocks` of `key` ended.
+    fn fetched(&mut self, key: &PageKey, blocks: &Range<usize>) {
+        if let Some(ranges) = self.in_flight.get_mut(key) {
+            if let Some(i) = ranges.iter().position(|r| r == blocks) {
+                ranges.swap_remove(i);
+            }
+            if ranges.is_empty() {
+                self.in_flight.remove(key);
+            }
+        }
+    }
+}
+
 impl PlanFetch {
     pub(crate) fn new(
         tenant: Option<Arc<str>>,
         objects: Vec<(ObjectUri, ObjectMeta)>,
         keys: Vec<PageKey>,
         at: Vec<(u32, u64)>,
-        reads: Vec<u64>,
+        reads: Vec<PlannedRead>,
     ) -> Self {
         Self {
             generation: 0,
@@ -331,16 +396,32 @@ impl Cache {
                 pos += 1;
                 continue;
             };
-            if progress.in_flight.contains(&key)
-                || self.lru.holds_whole(&key)
+            let page_len = ps.min(meta.size.saturating_sub(idx * ps));
+            // Only the part of the page the plan reads here, where that is
+            // a part (see `Cache::clean_piece_of`).
+            let part = plan
+                .reads
+                .get(pos as usize)
+                .and_then(|read| read.part(page_len));
+            let sub = part.clone().unwrap_or(0..page_len);
+            let blocks = blocks_of(&sub);
+            if progress.in_flight_covers(&key, &blocks)
                 || self.fresh.holds(&key)
                 || self.writing.holds(&key)
+                || match part {
+                    None => self.lru.holds_whole(&key),
+                    Some(_) => self.lru.holds_blocks(&key, blocks.clone()),
+                }
             {
                 pos += 1;
                 continue;
             }
-            let len = ps.min(meta.size.saturating_sub(idx * ps));
-            if progress.ahead_bytes + len > budget || progress.in_flight.len() >= IN_FLIGHT_PER_PLAN
+            let len = match part {
+                None => page_len,
+                Some(_) => (blocks.len() as u64 * CHECK_BLOCK).min(page_len),
+            };
+            if progress.ahead_bytes + len > budget
+                || progress.fetches_in_flight() >= IN_FLIGHT_PER_PLAN
             {
                 break;
             }
@@ -351,7 +432,11 @@ impl Cache {
                     break;
                 }
             }
-            progress.in_flight.insert(key);
+            progress
+                .in_flight
+                .entry(key)
+                .or_default()
+                .push(blocks.clone());
             progress.ahead.push_back((pos, len, key));
             progress.ahead_bytes += len;
             // A page read soon stays in memory; one read seconds from now
@@ -362,8 +447,10 @@ impl Cache {
             let (this, plan, uri, meta) = (self.clone(), plan.clone(), uri.clone(), meta.clone());
             let tenant = plan.tenant.clone();
             tokio::spawn(crate::tenant::scope(tenant, async move {
-                let fetched = this.prefetch_page(&uri, &meta, idx, key, keep_fresh).await;
-                plan.progress().in_flight.remove(&key);
+                let fetched = this
+                    .prefetch_page(&uri, &meta, (idx, key), part, keep_fresh)
+                    .await;
+                plan.progress().fetched(&key, &blocks);
                 match fetched {
                     Ok(true) => this.metrics.plan_prefetched(len),
                     Ok(false) => {}
@@ -404,9 +491,12 @@ impl Cache {
             // (plan-epochs at 4 MiB pages cost 7.0-7.7 CPU-s per GiB so).
             // Checked first: such positions come back every tick.
             let len = ps.min(meta.size.saturating_sub(idx * ps));
-            if plan.reads.get(pos as usize).is_none_or(|r| *r < len)
+            if plan
+                .reads
+                .get(pos as usize)
+                .is_none_or(|r| r.part(len).is_some())
                 || progress.staged.get(&key) == Some(&pos)
-                || progress.in_flight.contains(&key)
+                || progress.in_flight.contains_key(&key)
                 || !self.lru.holds_whole(&key)
                 || self.fresh.holds(&key)
                 || self.writing.holds(&key)
@@ -443,17 +533,22 @@ impl Cache {
         self.lru.holds_whole(&key) || self.fresh.holds(&key) || self.writing.holds(&key)
     }
 
-    /// Fetches page `idx` whole unless cached; `Ok(true)` once its file
-    /// is written (the budget counts pages until then).
+    /// Fetches page `idx` unless cached: whole, or where `part` is given
+    /// (page-relative), the blocks it touches. `Ok(true)` once written
+    /// (the budget counts pages until then).
     async fn prefetch_page(
         self: &Arc<Self>,
         uri: &ObjectUri,
         meta: &ObjectMeta,
-        idx: u64,
-        key: PageKey,
+        (idx, key): (u64, PageKey),
+        part: Option<Range<u64>>,
         keep_fresh: bool,
     ) -> Result<bool, CacheError> {
-        if self.lru.holds_whole(&key) {
+        let cached = match &part {
+            None => self.lru.holds_whole(&key),
+            Some(sub) => self.lru.holds_blocks(&key, blocks_of(sub)),
+        };
+        if cached {
             return Ok(false);
         }
         let id = PageId::new(
@@ -463,8 +558,16 @@ impl Cache {
             self.config.page_size,
             meta.size,
         );
-        self.fetch_page(uri, meta, idx, key, id, keep_fresh).await?;
-        self.writing.written(&key).await;
+        match part {
+            None => {
+                self.fetch_page(uri, meta, idx, key, id, keep_fresh).await?;
+                self.writing.written(&key).await;
+            }
+            // Filled before the fetch returns.
+            Some(sub) => {
+                self.fetch_blocks(uri, meta, key, id, &sub).await?;
+            }
+        }
         Ok(true)
     }
 }
@@ -479,7 +582,7 @@ mod tests {
             Vec::new(),
             keys.to_vec(),
             vec![(0, 0); keys.len()],
-            vec![0; keys.len()],
+            vec![PlannedRead::of(0, 0, 1, 1); keys.len()],
         )
     }
 
@@ -520,6 +623,32 @@ mod tests {
             .unwrap()
             .1;
         assert_eq!(other.progress().ahead_bytes, 0);
+    }
+
+    #[test]
+    fn a_planned_read_is_the_part_of_its_page_the_entries_there_read() {
+        const PS: u64 = 4 << 20;
+        const MIB: u64 = 1 << 20;
+        // Page 1 of an object: bytes 4-8 MiB.
+        let sample = PlannedRead::of(PS, 5 * MIB, 6 * MIB, PS);
+        assert_eq!(sample.part(PS), Some(MIB..2 * MIB));
+        // An entry running over the page from before it to after it.
+        assert_eq!(PlannedRead::of(PS, 0, 20 * MIB, PS).part(PS), None);
+        // Entries read one after another at one position join.
+        let rest = PlannedRead::of(PS, 6 * MIB, 8 * MIB, PS);
+        assert_eq!(sample.joined(rest).part(PS), Some(MIB..4 * MIB));
+        assert_eq!(
+            PlannedRead::of(PS, 4 * MIB, 5 * MIB, PS)
+                .joined(sample.joined(rest))
+                .part(PS),
+            None
+        );
+        // A short last page is whole once read to its end.
+        assert_eq!(PlannedRead::of(PS, 4 * MIB, 5 * MIB, PS).part(MIB), None);
+        assert_eq!(
+            PlannedRead::of(PS, 4 * MIB + 1, 5 * MIB, PS).part(MIB),
+            Some(1..MIB)
+        );
     }
 
     #[test]

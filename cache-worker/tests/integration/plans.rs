@@ -344,36 +344,71 @@ fn sample_plan(samples: &[(u64, std::ops::Range<u64>)]) -> Vec<PlanEntry> {
         .collect()
 }
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
-async fn a_page_a_plan_reads_again_is_fetched_whole_on_a_miss() {
-    // Prefetch off: the reader's own misses are under test.
-    let h = Harness::with(|o| o.cache.plan_prefetch.budget_bytes = 0).await;
-    for i in 0..2 {
-        h.put_direct(&name(i), &data(MIB as usize, i)).await;
-    }
-    const Q: u64 = MIB / 4;
-    // Two samples of object 0's page, one of object 1's between them;
-    // none at an object's start (a read there counts as sequential).
-    let samples = [(0, Q..2 * Q), (1, Q..2 * Q), (0, 3 * Q..MIB)];
-    install(&h, &sample_plan(&samples)).await;
-    let before = h.gets();
-    assert_eq!(read_range_says(&h, 0, Q..2 * Q).await, "miss");
-    assert_eq!(read_range_says(&h, 1, Q..2 * Q).await, "miss");
-    // Object 0's page came whole with its first sample: its second
-    // sample hits.
-    assert_eq!(read_range_says(&h, 0, 3 * Q..MIB).await, "hit");
-    assert_eq!(h.gets(), before + 2, "one GET per page");
+const S3_BYTES: &str = "lakecache_s3_transferred_bytes_total{op=\"get_object\"}";
 
-    // Without a plan, a random sample fetches only its blocks: the
-    // page's other samples miss.
-    let plain = Harness::start().await;
-    plain.put_direct(&name(0), &data(MIB as usize, 0)).await;
-    assert_eq!(read_range_says(&plain, 0, Q..2 * Q).await, "miss");
-    assert_eq!(read_range_says(&plain, 0, 3 * Q..MIB).await, "miss");
+/// Bytes the worker fetched from S3 so far (the counter appears with the
+/// first fetch; absent, it fails the test rather than read as 0).
+async fn s3_bytes(h: &Harness) -> u64 {
+    counter(h, S3_BYTES).await as u64
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
-async fn prefetch_completes_a_partly_filled_page_a_plan_reads() {
+async fn a_plans_samples_of_a_page_fetch_only_their_blocks_and_count_only_them() {
+    // Prefetch off: the reader's own misses are under test.
+    let h = Harness::with(|o| o.cache.plan_prefetch.budget_bytes = 0).await;
+    for i in 0..4 {
+        h.put_direct(&name(i), &data(MIB as usize, i)).await;
+    }
+    let cache = h.worker.as_ref().unwrap().cache().clone();
+    const Q: u64 = MIB / 4;
+    // Two samples of object 0's page with one of object 1's between
+    // them (none at an object's start: a read there counts as
+    // sequential), then object 2 whole.
+    let samples = [(0, Q..2 * Q), (1, Q..2 * Q), (0, 3 * Q..MIB), (2, 0..MIB)];
+    install(&h, &sample_plan(&samples)).await;
+    assert_eq!(read_range_says(&h, 0, Q..2 * Q).await, "miss");
+    assert_eq!(s3_bytes(&h).await, Q, "only the sample's block came");
+    assert_eq!(cache.used_bytes(), Q, "the page counts the bytes it holds");
+    assert_eq!(read_range_says(&h, 1, Q..2 * Q).await, "miss");
+    // The page's second sample was not fetched with its first: its own
+    // block comes now.
+    assert_eq!(read_range_says(&h, 0, 3 * Q..MIB).await, "miss");
+    assert_eq!((s3_bytes(&h).await, cache.used_bytes()), (3 * Q, 3 * Q));
+    // What came stays: both samples of object 0 hit now.
+    assert_eq!(read_range_says(&h, 0, Q..2 * Q).await, "hit");
+    assert_eq!(read_range_says(&h, 0, 3 * Q..MIB).await, "hit");
+    // A page the plan reads whole comes whole, in one GET.
+    let gets = h.gets();
+    assert_eq!(read_range_says(&h, 2, 0..MIB).await, "miss");
+    assert_eq!(h.gets(), gets + 1);
+    assert_eq!(s3_bytes(&h).await, 3 * Q + MIB);
+    // (Counted once its file is written, beside the read.)
+    eventually(Duration::from_secs(10), "object 2 counted whole", || {
+        let used = cache.used_bytes();
+        async move { used == 3 * Q + MIB }
+    })
+    .await;
+    // A read carrying on from a planned sample (the kernel reading ahead
+    // through a mount) fetches the rest of the page, which it reads next.
+    // (Object 0's samples between keep page 3's reads apart: a plan
+    // takes consecutive reads of one page as one read of it.)
+    let samples = [
+        (3, Q..2 * Q),
+        (0, Q..2 * Q),
+        (3, 3 * Q..MIB),
+        (0, 3 * Q..MIB),
+        (3, 2 * Q..3 * Q),
+    ];
+    install(&h, &sample_plan(&samples)).await;
+    let before = s3_bytes(&h).await;
+    assert_eq!(read_range_says(&h, 3, Q..2 * Q).await, "miss");
+    assert_eq!(read_range_says(&h, 3, 2 * Q..3 * Q).await, "miss");
+    assert_eq!(read_range_says(&h, 3, 3 * Q..MIB).await, "hit");
+    assert_eq!(s3_bytes(&h).await - before, 3 * Q, "block 0 never came");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn prefetch_fetches_the_blocks_a_plan_reads_of_a_partly_filled_page() {
     let h = Harness::start().await;
     h.put_direct(&name(0), &data(MIB as usize, 0)).await;
     const Q: u64 = MIB / 4;
@@ -385,13 +420,18 @@ async fn prefetch_completes_a_partly_filled_page_a_plan_reads() {
         !read_is_cached(&h, 0).await,
         "the page is only partly filled"
     );
+    assert_eq!(s3_bytes(&h).await, Q);
     install(&h, &sample_plan(&[(0, 3 * Q..MIB)])).await;
-    eventually(Duration::from_secs(10), "the page completed", || {
+    eventually(Duration::from_secs(10), "the planned block fetched", || {
         let h = &h;
-        async move { read_is_cached(h, 0).await }
+        async move { s3_bytes(h).await >= 2 * Q }
     })
     .await;
     assert_eq!(read_range_says(&h, 0, 3 * Q..MIB).await, "hit");
+    // Nothing else of the page came.
+    assert_eq!(s3_bytes(&h).await, 2 * Q);
+    let cache = h.worker.as_ref().unwrap().cache().clone();
+    assert_eq!(cache.used_bytes(), 2 * Q);
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
