@@ -133,6 +133,20 @@ struct Progress {
 }
 
 impl Progress {
+    /// Fetches the reader has passed (`cursor`) no longer count. Not
+    /// only from the front: after a renewal the fetches carried over sit
+    /// before new ones for nearer positions (the scan starts again at the
+    /// reader). Popping from the front only, one carried fetch far ahead
+    /// held the whole budget while the reader passed everything behind it
+    /// and prefetch stopped (plan-epochs through a mount: 0.4 s of epoch 2
+    /// fetched nothing, then 8-10% data wait against 1%).
+    fn passed(&mut self, cursor: u64) {
+        if self.ahead.iter().any(|&(pos, _, _)| pos < cursor) {
+            self.ahead.retain(|&(pos, _, _)| pos >= cursor);
+            self.ahead_bytes = self.ahead.iter().map(|&(_, len, _)| len).sum();
+        }
+    }
+
     /// Whether a fetch in flight for `key` takes in all of `blocks`.
     fn in_flight_covers(&self, key: &PageKey, blocks: &Range<usize>) -> bool {
         self.in_flight.get(key).is_some_and(|ranges| {
@@ -375,14 +389,7 @@ impl Cache {
         let ps = self.config.page_size;
         let end = cursor.saturating_add(lead).min(plan.keys.len() as u64);
         let mut progress = plan.progress();
-        // Fetches the reader has passed no longer count.
-        while let Some(&(pos, len, _)) = progress.ahead.front() {
-            if pos >= cursor {
-                break;
-            }
-            progress.ahead.pop_front();
-            progress.ahead_bytes -= len;
-        }
+        progress.passed(cursor);
         let tenant = plan.tenant.as_deref();
         // Fetching a page that is read after what it would evict only
         // moves a miss: Belady's rule applies to fetches ahead too.
@@ -649,6 +656,24 @@ mod tests {
             PlannedRead::of(PS, 4 * MIB + 1, 5 * MIB, PS).part(MIB),
             Some(1..MIB)
         );
+    }
+
+    #[test]
+    fn fetches_the_reader_passed_stop_counting_wherever_they_sit() {
+        let key = |i: u64| PageKey::new("s3://b/shard", "etag", i);
+        let mut progress = Progress::default();
+        // Carried over by a renewal (far ahead), then new fetches near
+        // the reader, pushed after it.
+        for (pos, k) in [(400, key(0)), (5, key(1)), (6, key(2)), (120, key(3))] {
+            progress.ahead.push_back((pos, 10, k));
+        }
+        progress.ahead_bytes = 40;
+        progress.passed(7);
+        let left: Vec<u64> = progress.ahead.iter().map(|&(p, _, _)| p).collect();
+        assert_eq!(left, vec![400, 120]);
+        assert_eq!(progress.ahead_bytes, 20);
+        progress.passed(7);
+        assert_eq!(progress.ahead_bytes, 20);
     }
 
     #[test]
