@@ -138,8 +138,9 @@ impl Progress {
     /// before new ones for nearer positions (the scan starts again at the
     /// reader). Popping from the front only, one carried fetch far ahead
     /// held the whole budget while the reader passed everything behind it
-    /// and prefetch stopped (plan-epochs through a mount: 0.4 s of epoch 2
-    /// fetched nothing, then 8-10% data wait against 1%).
+    /// and prefetch stopped (plan-epochs through a mount: for about 1 s
+    /// of epoch 2 it fetched nothing, and the epoch waited 8-10% against
+    /// 1%).
     fn passed(&mut self, cursor: u64) {
         if self.ahead.iter().any(|&(pos, _, _)| pos < cursor) {
             self.ahead.retain(|&(pos, _, _)| pos >= cursor);
