@@ -980,8 +980,8 @@ impl Cache {
         id: PageId,
         sub: &Range<u64>,
     ) -> Result<Bytes, CacheError> {
-        let first = sub.start / CHECK_BLOCK;
-        let last = sub.end.div_ceil(CHECK_BLOCK);
+        let blocks = crate::pages::blocks_of(sub);
+        let (first, last) = (blocks.start as u64, blocks.end as u64);
         let this = self.clone();
         let blocks = self
             .block_flights

@@ -86,15 +86,21 @@ pub struct FilledBlocks([u64; MAX_BLOCKS / 64]);
 
 impl FilledBlocks {
     fn of(valid: &[bool]) -> Self {
-        let mut set = Self::default();
-        for (b, _) in valid.iter().enumerate().filter(|(_, v)| **v) {
-            set.0[b / 64] |= 1 << (b % 64);
-        }
-        set
+        Self::of_blocks(
+            valid
+                .iter()
+                .enumerate()
+                .filter(|(_, v)| **v)
+                .map(|(b, _)| b),
+        )
     }
 
     /// The blocks in `blocks` (those below [`MAX_BLOCKS`]).
     pub fn of_range(blocks: Range<usize>) -> Self {
+        Self::of_blocks(blocks)
+    }
+
+    fn of_blocks(blocks: impl Iterator<Item = usize>) -> Self {
         let mut set = Self::default();
         for b in blocks.take_while(|b| *b < MAX_BLOCKS) {
             set.0[b / 64] |= 1 << (b % 64);
