@@ -321,6 +321,14 @@ class Bench:
             raise BenchError("run as root: FUSE mounts, cgroups and drop_caches need it")
         if not Path(a.bin).is_file():
             raise BenchError(f"{a.bin}: no lakecache binary there (cargo build --release)")
+        # Checked first: a run takes up to an hour, and its report is
+        # written at the end.
+        out_dir = Path(a.out).parent
+        if not out_dir.is_dir() or not os.access(out_dir, os.W_OK):
+            raise BenchError(
+                f"--out {a.out}: {out_dir} is not a writable directory (the report and its "
+                "plots go there); create it first"
+            )
         # Run with another python, MPI reports only an execvp error in a
         # DLIO log after the bench has started its daemons.
         if not dlio_entry().is_file():

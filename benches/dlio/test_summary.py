@@ -112,6 +112,35 @@ def test_a_python_without_dlio_is_refused_before_anything_starts(tmp_path: Path)
     assert not work.exists(), "the bench created its work directory before refusing"
 
 
+@pytest.mark.skipif(os.geteuid() != 0, reason="the bench's first check asks for root")
+def test_an_out_path_in_a_missing_directory_is_refused_before_anything_starts(
+    tmp_path: Path,
+) -> None:
+    """A report path whose directory does not exist is refused at once, not
+    after the run (whose report and plots are written at its end)."""
+    work = tmp_path / "work"
+    report = tmp_path / "missing" / "dlio.md"
+    out = subprocess.run(
+        [
+            sys.executable,
+            str(HERE / "dlio_bench.py"),
+            "--bin",
+            sys.executable,
+            "--work",
+            str(work),
+            "--out",
+            str(report),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+    )
+    assert out.returncode != 0, out.stdout + out.stderr
+    assert f"{report.parent} is not a writable directory" in out.stderr, out.stderr
+    assert not work.exists(), "the bench created its work directory before refusing"
+
+
 @pytest.mark.skipif(
     os.environ.get("LAKECACHE_DLIO") != "1",
     reason="opt-in: LAKECACHE_DLIO=1 installs DLIO (several GB) and runs it through a mount",
