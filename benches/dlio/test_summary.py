@@ -94,18 +94,24 @@ def test_the_report_lists_au_by_epoch_and_the_tier_after_the_run() -> None:
     assert report.epoch_lines([]) == []
 
 
-@pytest.mark.skipif(os.geteuid() != 0, reason="the bench's first check asks for root")
-def test_a_python_without_dlio_is_refused_before_anything_starts(tmp_path: Path) -> None:
-    """Run with a python that has no DLIO beside it (the test venv's), the
-    bench says so and how to run it, and starts nothing."""
-    work = tmp_path / "work"
-    out = subprocess.run(
-        [sys.executable, str(HERE / "dlio_bench.py"), "--bin", sys.executable, "--work", str(work)],
+def run_bench_refusal(*args: str) -> subprocess.CompletedProcess[str]:
+    """The bench run by the test venv's python (no DLIO beside it), with
+    that python standing in for the lakecache binary: it must refuse."""
+    return subprocess.run(
+        [sys.executable, str(HERE / "dlio_bench.py"), "--bin", sys.executable, *args],
         capture_output=True,
         text=True,
         timeout=60,
         check=False,
     )
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="the bench's first check asks for root")
+def test_a_python_without_dlio_is_refused_before_anything_starts(tmp_path: Path) -> None:
+    """Run with a python that has no DLIO beside it (the test venv's), the
+    bench says so and how to run it, and starts nothing."""
+    work = tmp_path / "work"
+    out = run_bench_refusal("--work", str(work))
     assert out.returncode != 0, out.stdout + out.stderr
     assert "DLIO is not installed beside this python" in out.stderr, out.stderr
     assert "benches/dlio/run.sh" in out.stderr, out.stderr
@@ -120,22 +126,7 @@ def test_an_out_path_in_a_missing_directory_is_refused_before_anything_starts(
     after the run (whose report and plots are written at its end)."""
     work = tmp_path / "work"
     report = tmp_path / "missing" / "dlio.md"
-    out = subprocess.run(
-        [
-            sys.executable,
-            str(HERE / "dlio_bench.py"),
-            "--bin",
-            sys.executable,
-            "--work",
-            str(work),
-            "--out",
-            str(report),
-        ],
-        capture_output=True,
-        text=True,
-        timeout=60,
-        check=False,
-    )
+    out = run_bench_refusal("--work", str(work), "--out", str(report))
     assert out.returncode != 0, out.stdout + out.stderr
     assert f"{report.parent} is not a writable directory" in out.stderr, out.stderr
     assert not work.exists(), "the bench created its work directory before refusing"
