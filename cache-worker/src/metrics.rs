@@ -39,6 +39,7 @@ pub struct Metrics {
     writeback_uploaded_objects: Counter<u64>,
     writeback_uploaded_bytes: Counter<u64>,
     writeback_failures: Counter<u64>,
+    writeback_gave_way_ms: Counter<u64>,
     /// The write-back state the backlog gauges read, once the cache opened.
     pub writeback: Arc<std::sync::OnceLock<std::sync::Weak<crate::writeback::WriteBack>>>,
     /// The cache the per-tenant gauges read, once it opened.
@@ -198,6 +199,12 @@ impl Metrics {
                 "lakecache_writeback_upload_failures",
                 "",
                 "Write-back upload attempts that failed (each is retried)",
+            ),
+            writeback_gave_way_ms: counter(
+                &meter,
+                "lakecache_writeback_upload_gave_way",
+                "ms",
+                "Time upload parts waited for write-back writes being taken on this worker",
             ),
             requests: counter(
                 &meter,
@@ -405,6 +412,11 @@ impl Metrics {
 
     pub fn handed_off_pages(&self, pages: u64) {
         self.handed_off_pages.add(pages, &[]);
+    }
+
+    pub fn upload_gave_way(&self, waited: std::time::Duration) {
+        self.writeback_gave_way_ms
+            .add(waited.as_millis() as u64, &[]);
     }
 
     pub fn writeback_uploaded(&self, bytes: u64) {

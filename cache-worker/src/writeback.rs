@@ -8,6 +8,7 @@
 //! by the S3 ETag, once their object is uploaded (`upload.rs`).
 
 mod copies;
+mod give_way;
 mod landing;
 mod replica;
 mod stage;
@@ -64,6 +65,11 @@ pub struct WriteBackConfig {
     /// knows its peers, or a restarted worker's first uploads would skip
     /// the order checks against them.
     pub await_ring: bool,
+    /// How long an upload part may wait while write-back bodies are being
+    /// taken (see `give_way.rs`); zero: uploads never wait for writes.
+    pub upload_give_way: Duration,
+    /// How long bodies must have made no progress for uploads to go.
+    pub upload_quiet: Duration,
 }
 
 impl Default for WriteBackConfig {
@@ -77,6 +83,8 @@ impl Default for WriteBackConfig {
             replica_progress: Duration::from_secs(10),
             replica_check: Duration::from_secs(2),
             await_ring: false,
+            upload_give_way: give_way::DEFAULT_MOST,
+            upload_quiet: give_way::QUIET,
         }
     }
 }
@@ -155,6 +163,8 @@ pub struct WriteBack {
     pub(crate) waits_on_silent_peer: std::sync::atomic::AtomicBool,
     uploaded: AtomicU64,
     last_error: Mutex<Option<String>>,
+    /// When a body being taken last started, staged a page or ended.
+    take_activity: give_way::TakeActivity,
 }
 
 /// A body counted as waiting for staging room (see [`WriteBack::wait_for_room`]).
@@ -245,6 +255,7 @@ impl WriteBack {
             drained: Notify::new(),
             uploaded: AtomicU64::new(0),
             last_error: Mutex::new(None),
+            take_activity: Default::default(),
         })
     }
 
@@ -361,6 +372,7 @@ impl WriteBack {
     pub(crate) fn taking(self: &Arc<Self>, uri: &str, version: &str) -> InFlight {
         let key = (uri.to_string(), version.to_string());
         lock(&self.in_flight).insert(key.clone());
+        self.take_activity.note();
         InFlight {
             wb: self.clone(),
             key,
@@ -745,6 +757,7 @@ pub(crate) struct InFlight {
 impl Drop for InFlight {
     fn drop(&mut self) {
         lock(&self.wb.in_flight).remove(&self.key);
+        self.wb.take_activity.note();
     }
 }
 

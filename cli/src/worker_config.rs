@@ -74,6 +74,13 @@ pub struct WorkerSettings {
     /// next worker on the ring [default: 10s]
     #[arg(long, env = "LAKECACHE_REPLICA_PROGRESS_TIMEOUT")]
     pub replica_progress_timeout: Option<Seconds>,
+    /// An upload part waits up to this long while write-back writes are
+    /// being taken on this worker (until they pause for 200ms), so a
+    /// checkpoint burst gets the disk and CPU first; never while writers
+    /// wait for staging room or staging is over half full; 0s: uploads
+    /// never wait [default: 2s]
+    #[arg(long, env = "LAKECACHE_UPLOAD_GIVE_WAY")]
+    pub upload_give_way: Option<Seconds>,
     /// An upload to S3 (a part, or a small object) not done within this
     /// plus a second per MiB is taken for stalled and sent again on a new
     /// connection, twice at most [default: 10s]
@@ -357,6 +364,7 @@ impl WorkerSettings {
                 write_staging_limit,
                 write_stall_timeout,
                 replica_progress_timeout,
+                upload_give_way,
                 s3_stall_timeout,
                 write_replicas,
                 max_body_size,
@@ -545,6 +553,11 @@ impl WorkerSettings {
                 bail!("--replica-progress-timeout must be 1s to 1h, got {:?}", t.0);
             }
         }
+        if let Some(t) = self.upload_give_way {
+            if t.0 > std::time::Duration::from_secs(60) {
+                bail!("--upload-give-way must be 0s to 60s, got {:?}", t.0);
+            }
+        }
         let s3_stall_timeout = self
             .s3_stall_timeout
             .map_or(S3Config::default().stall_timeout, |t| t.0);
@@ -632,6 +645,10 @@ impl WorkerSettings {
                     replica_progress: self
                         .replica_progress_timeout
                         .map_or(std::time::Duration::from_secs(10), |s| s.0),
+                    upload_give_way: self.upload_give_way.map_or(
+                        lakecache_worker::writeback::WriteBackConfig::default().upload_give_way,
+                        |s| s.0,
+                    ),
                     ..Default::default()
                 },
             },

@@ -406,6 +406,7 @@ impl Cache {
                 tokio::time::timeout(left.min(std::time::Duration::from_secs(1)), waiting).await;
         }
         taken.reserved += len;
+        wb.note_take_progress();
         if taken.staging.len() >= STAGING_IN_FLIGHT {
             taken.settle_oldest().await?;
         }

@@ -309,6 +309,10 @@ impl Cache {
     ) -> Result<Bytes, CacheError> {
         let start = i as u64 * object.part_size;
         let end = (start + object.part_size).min(object.size);
+        let waited = wb.give_way_to_writes(&self.closing).await;
+        if !waited.is_zero() {
+            self.metrics.upload_gave_way(waited);
+        }
         let memory = self.memory.reserve(end - start).await;
         let (wb2, record) = (wb.clone(), object.clone());
         let data = tokio::task::spawn_blocking(move || read_dirty_range(&wb2, &record, start..end))

@@ -511,3 +511,76 @@ async fn two_mounts_writing_one_object_at_once_leave_one_whole_body() {
         assert_eq!(in_s3, sha(&read), "{mode:?}: S3 and readers disagree");
     }
 }
+
+/// Uploads give way to a body being taken (a checkpoint burst): an
+/// object acknowledged while another body streams in stays out of S3
+/// until that body pauses, then lands; the wait is counted.
+#[tokio::test]
+async fn uploads_give_way_while_a_body_streams_in_and_go_once_it_pauses() {
+    let quiet = scaled(Duration::from_secs(2));
+    let h = Harness::with(|o| {
+        o.cache.writeback.upload_give_way = Duration::ZERO;
+        o.cache.writeback.upload_quiet = quiet;
+    })
+    .await;
+    // A body fed a page (1 MiB) every 100 ms until the feeder stops.
+    let (mut feed, body) = futures::channel::mpsc::channel::<Bytes>(1);
+    let streaming = {
+        let client = h.client.clone();
+        tokio::spawn(async move {
+            client
+                .put_back(&uri("ckpt/step1/model.bin"), body, &Default::default())
+                .await
+        })
+    };
+    let stop = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
+    let feeder = {
+        let stop = stop.clone();
+        tokio::spawn(async move {
+            use futures::SinkExt;
+            let mut pages = 0u64;
+            while !stop.load(std::sync::atomic::Ordering::Relaxed) {
+                let page = Bytes::from(data(MIB as usize, pages));
+                feed.send(page).await.expect("the body takes pages");
+                pages += 1;
+                tokio::time::sleep(Duration::from_millis(100)).await;
+            }
+            pages
+        })
+    };
+    eventually(
+        Duration::from_secs(30),
+        "the body's pages staged",
+        || async {
+            let m = h.client.metrics().await.unwrap();
+            metric_value(&m, "lakecache_writeback_staging_used_bytes") >= (2 * MIB) as f64
+        },
+    )
+    .await;
+    put_back(&h.client, "ckpt/latest", b"step-1").await;
+    // While pages keep arriving, the small object waits (it would take
+    // milliseconds to upload).
+    let held = std::time::Instant::now();
+    while held.elapsed() < Duration::from_secs(1) {
+        assert_eq!(
+            h.s3_bytes("ckpt/latest").await,
+            None,
+            "an upload went while a body streamed in"
+        );
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    stop.store(true, std::sync::atomic::Ordering::Relaxed);
+    let pages = feeder.await.unwrap();
+    let stat = streaming.await.unwrap().unwrap();
+    assert_eq!(stat.size, pages * MIB);
+    eventually(quiet + Duration::from_secs(30), "latest in S3", || async {
+        h.s3_bytes("ckpt/latest").await.as_deref() == Some(&b"step-1"[..])
+    })
+    .await;
+    drained(&h.client, Duration::from_secs(60)).await;
+    let m = h.client.metrics().await.unwrap();
+    assert!(
+        metric_value(&m, "lakecache_writeback_upload_gave_way_milliseconds_total") >= 1000.0,
+        "the wait is counted:\n{m}"
+    );
+}
