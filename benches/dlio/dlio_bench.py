@@ -124,6 +124,18 @@ READERS = (
     "pyclient-tier",
     "s3fs",
 )
+# `--quick`: one figure for each of issue #34's targets (warm AU through
+# the tier against local disk, cold at 10 ms against s3fs) and no more:
+# a DLIO run costs about 20 s of start-up (TensorFlow, torch, MPI) before
+# its first epoch, so the number of runs is the quick form's length.
+QUICK_READERS = ("local", "mount-tier", "s3fs")
+QUICK_RTT_MS = 10
+# The compute search: runs with no compute (the fastest is kept) and runs
+# halving the interval around 90% AU, in the full form and in --quick.
+CALIBRATION_RUNS = {False: (2, 5), True: (1, 2)}
+# `--quick` leaves write-through out of its checkpoint round (its runs
+# are the longest, and no target names it).
+QUICK_CHECKPOINT_TARGETS = ("local", "mount-back")
 
 
 def dlio(
@@ -155,6 +167,7 @@ def dlio(
         *extra,
     ]
     log = out / "run.log"
+    started = time.monotonic()
     with open(log, "w") as f:
         p = subprocess.Popen(
             args,
@@ -172,6 +185,8 @@ def dlio(
             if counter:
                 counter.poll()
             time.sleep(0.25)
+    # Where a run's time goes (a DLIO start alone is about 20 s here).
+    print(f"  DLIO {out.name}: {time.monotonic() - started:.0f} s", flush=True)
     if p.returncode != 0:
         raise BenchError(f"DLIO failed (exit {p.returncode}); its log: {log}")
 
@@ -235,15 +250,25 @@ def main() -> None:
     ap.add_argument("--proxy", help="the delay-proxy binary (needed for --rtt-ms other than 0)")
     ap.add_argument("--work", type=Path, default=Path("/var/tmp/lakecache-dlio"))
     ap.add_argument("--out", type=Path, default=HERE.parent / "results" / "dlio.md")
-    ap.add_argument("--quick", action="store_true", help="UNet3D only, fewer files (~10 min)")
+    ap.add_argument(
+        "--quick",
+        action="store_true",
+        help="UNet3D only, fewer files, one accelerator; unless named, the readers "
+        f"{','.join(QUICK_READERS)} at {QUICK_RTT_MS} ms (local disk at 0 ms), a shorter "
+        "compute search and one checkpoint round (under 10 min)",
+    )
     ap.add_argument(
         "--smoke",
         action="store_true",
         help="the smallest configuration through a mount: the opt-in test",
     )
-    ap.add_argument("--workloads", default="unet3d,resnet50")
-    ap.add_argument("--readers", default=",".join(READERS))
-    ap.add_argument("--rtt-ms", default="0,10")
+    ap.add_argument(
+        "--workloads",
+        default="unet3d,resnet50",
+        help="training workloads to run, or none for the checkpoints alone",
+    )
+    ap.add_argument("--readers", help=f"default: {','.join(READERS)}")
+    ap.add_argument("--rtt-ms", help="default: 0,10")
     ap.add_argument("--max-accelerators", type=int, default=4)
     ap.add_argument(
         "--epochs",
@@ -256,6 +281,11 @@ def main() -> None:
         "--no-checkpoints", action="store_true", help="skip the megatron_deepspeed checkpoints"
     )
     ap.add_argument("--checkpoint-rounds", type=int, default=3)
+    ap.add_argument(
+        "--checkpoint-targets",
+        help="where the checkpoints go, of " + ", ".join(CHECKPOINT_TARGETS) + " (default: all; "
+        f"{','.join(QUICK_CHECKPOINT_TARGETS)} with --quick)",
+    )
     ap.add_argument(
         "--rounds",
         type=int,
@@ -321,7 +351,9 @@ class Bench:
             raise BenchError("run as root: FUSE mounts, cgroups and drop_caches need it")
         if not Path(a.bin).is_file():
             raise BenchError(f"{a.bin}: no lakecache binary there (cargo build --release)")
-        # Checked first: a run takes up to an hour, and its report is
+        # The options before anything is looked for or started.
+        self.choose(a)
+        # Checked early: a run takes up to an hour, and its report is
         # written at the end.
         out_dir = Path(a.out).parent
         if not out_dir.is_dir() or not os.access(out_dir, os.W_OK):
@@ -340,31 +372,17 @@ class Bench:
         a.mpirun = shutil.which("mpirun")
         if not a.mpirun:
             raise BenchError("mpirun not found: install MPICH (benches/dlio/install.sh does)")
-        if a.smoke:
-            a.quick, a.workloads, a.readers, a.rtt_ms = True, "unet3d", "mount-workers", "0"
-            a.max_accelerators, a.epochs, a.rounds = 1, 1, 1
-        if a.rounds < 1:
-            raise BenchError(f"--rounds {a.rounds}: want 1 or more")
-        self.round = 0
-        if a.quick and a.workloads == "unet3d,resnet50":
-            a.workloads = "unet3d"
-            a.checkpoint_rounds = 1
-            a.max_accelerators = 1
-        self.workloads = [WORKLOADS[n] for n in a.workloads.split(",")]
-        self.readers = a.readers.split(",")
-        unknown = set(self.readers) - set(READERS)
-        if unknown:
-            raise BenchError(f"unknown readers {sorted(unknown)}; known: {', '.join(READERS)}")
-        self.rtts = [int(r) for r in a.rtt_ms.split(",")]
         if any(self.rtts) and not (a.proxy and Path(a.proxy).is_file()):
             raise BenchError("--proxy must name the delay-proxy binary for an RTT above 0")
-        if "s3fs" in self.readers:
+        if "s3fs" in self.readers and self.workloads:
             self.s3fs_version = install_s3fs()
         a.files = {
             w.name: (4 if a.smoke else w.files_quick if a.quick else w.files)
             for w in self.workloads
         }
+        # On `a` too: the report says which figures were given.
         self.fixed_compute: dict[str, float] = {}
+        a.fixed_compute = self.fixed_compute
         for item in filter(None, a.compute.split(",")):
             name, _, value = item.partition("=")
             try:
@@ -378,13 +396,61 @@ class Bench:
                 )
         self.check_space()
 
+    def choose(self, a: argparse.Namespace) -> None:
+        """What to run, from the options and --quick's defaults; a name
+        the bench does not know is refused."""
+        if a.smoke:
+            a.quick, a.workloads, a.readers, a.rtt_ms = True, "unet3d", "mount-workers", "0"
+            a.max_accelerators, a.epochs, a.rounds = 1, 1, 1
+        if a.rounds < 1:
+            raise BenchError(f"--rounds {a.rounds}: want 1 or more")
+        self.round = 0
+        if a.quick and a.workloads == "unet3d,resnet50":
+            a.workloads = "unet3d"
+            a.checkpoint_rounds = 1
+            a.max_accelerators = 1
+        a.no_compute_runs, a.search_runs = CALIBRATION_RUNS[bool(a.quick)]
+        if a.quick and a.checkpoint_targets is None:
+            a.checkpoint_targets = ",".join(QUICK_CHECKPOINT_TARGETS)
+        if a.checkpoint_targets is None:
+            a.checkpoint_targets = ",".join(CHECKPOINT_TARGETS)
+        if a.readers is None:
+            a.readers = ",".join(QUICK_READERS if a.quick else READERS)
+        if a.rtt_ms is None:
+            a.rtt_ms = str(QUICK_RTT_MS) if a.quick else "0,10"
+        a.checkpoint_targets = a.checkpoint_targets.split(",")
+        unknown = set(a.checkpoint_targets) - set(CHECKPOINT_TARGETS)
+        if unknown:
+            raise BenchError(
+                f"--checkpoint-targets: unknown {', '.join(sorted(unknown))}; known: "
+                f"{', '.join(CHECKPOINT_TARGETS)}"
+            )
+        names = [] if a.workloads == "none" else a.workloads.split(",")
+        unknown = [n for n in names if n not in WORKLOADS]
+        if unknown:
+            raise BenchError(
+                f"--workloads: unknown {', '.join(unknown)}; known: {', '.join(WORKLOADS)} "
+                "(or none: the checkpoints alone)"
+            )
+        if not names and a.no_checkpoints:
+            raise BenchError("--workloads none with --no-checkpoints leaves nothing to run")
+        self.workloads = [WORKLOADS[n] for n in names]
+        self.readers = a.readers.split(",")
+        unknown = set(self.readers) - set(READERS)
+        if unknown:
+            raise BenchError(f"unknown readers {sorted(unknown)}; known: {', '.join(READERS)}")
+        try:
+            self.rtts = [int(r) for r in a.rtt_ms.split(",")]
+        except ValueError:
+            raise BenchError(f"--rtt-ms {a.rtt_ms!r}: want milliseconds, e.g. 0,10") from None
+
     def check_space(self) -> None:
         a = self.a
         a.work.mkdir(parents=True, exist_ok=True)
         sizes = [a.files[w.name] * w.mean_file_bytes for w in self.workloads]
         # Every dataset on local disk and in the bucket; one at a time in
         # the worker's cache and the tier (or s3fs's cache); 10% spare.
-        need = int((2 * sum(sizes) + 2 * max(sizes)) * 1.1)
+        need = int((2 * sum(sizes) + 2 * max(sizes, default=0)) * 1.1)
         if not (a.smoke or a.no_checkpoints):
             # One run's checkpoints in the bucket, the worker's cache and
             # its write-back staging (each run's are removed after it).
@@ -405,6 +471,7 @@ class Bench:
 
     def run(self) -> None:
         a = self.a
+        started = time.monotonic()
         for stale in (a.work / "mnt",):
             if mounted(stale):
                 subprocess.run(["umount", "-l", str(stale)], check=False)
@@ -428,6 +495,7 @@ class Bench:
             self.reader_cg.remove()
             self.daemons_cg.remove()
         self.report(rows)
+        print(f"the bench ran {(time.monotonic() - started) / 60:.1f} min", flush=True)
         if self.failures:
             raise BenchError(
                 f"{len(self.failures)} DLIO run(s) failed (the report shows the rest):\n"
@@ -472,21 +540,24 @@ class Bench:
     def calibrate(self, lake: Lake, w: Workload, local: Path) -> float:
         """The compute time per step at which local disk reaches about 90%
         AU with one accelerator (warm epochs, page cache capped). Starts
-        from 0.9 of a step's length with no compute (the fastest of two
-        cold runs), then halves the interval around 90% for at most five
-        runs, keeping the closest."""
+        from 0.9 of a warm step's length with no compute (the fastest of
+        two runs of two epochs; one with --quick: with the loader
+        prefetching, AU is about compute over that length once the
+        storage is the limit), then halves the interval around 90% for
+        at most five runs (two with --quick), keeping the closest."""
         a = self.a
         if a.smoke:
             return w.compute_s
         fixed = self.fixed_compute.get(w.name)
         fastest = 0.0
-        for attempt in range(1 if fixed is not None else 2):
+        for attempt in range(1 if fixed is not None else a.no_compute_runs):
             drop_caches()
             out = a.work / "out" / f"calibrate-{w.name}-{attempt}"
             peak = AnonPeak(self.reader_cg)
             self.reader_cg.set_limit(PROCESS_MEMORY + parse_size(a.page_cache))
-            dlio(a, w, local, out, 1, self.reader_cg, train_flags(a, w, 0.0, 1), counter=peak)
-            fastest = max(fastest, summary.load(out / "summary.json").cold_samples_s)
+            dlio(a, w, local, out, 1, self.reader_cg, train_flags(a, w, 0.0, 2), counter=peak)
+            run = summary.load(out / "summary.json")
+            fastest = max(fastest, run.warm_samples_s or run.cold_samples_s)
         # The readers' own memory, with a margin: their cgroup's limit is
         # this per process plus the page cache allowed.
         self.process_memory = max(int(peak.peak * 1.5), 512 << 20)
@@ -497,7 +568,7 @@ class Bench:
         tried: list[tuple[float, float]] = []
         if fixed is not None:
             tried.append((fixed, float("nan")))
-        for attempt in range(0 if fixed is not None else 5):
+        for attempt in range(0 if fixed is not None else a.search_runs):
             compute = round(compute, 3)
             drop_caches()
             out = a.work / "out" / f"calibrate-{w.name}-au-{attempt}"
@@ -520,9 +591,9 @@ class Bench:
         factor = w.per_sample_factor(compute)
         self.scale[w.name] = (compute, factor, w.batch, w.dlio_batch)
         print(
-            f"{w.name}: a step of {w.batch} samples with no compute lasts {step_io_s:.3f} s "
-            f"on local disk; emulated compute {compute} s per step ({factor:.2f}x DLIO's "
-            "H100 figure per sample)",
+            f"{w.name}: a warm step of {w.batch} samples with no compute lasts "
+            f"{step_io_s:.3f} s on local disk; emulated compute {compute} s per step "
+            f"({factor:.2f}x DLIO's H100 figure per sample)",
             flush=True,
         )
         return compute
@@ -714,7 +785,7 @@ class Bench:
         self.reader_cg.set_limit(CHECKPOINT_MEMORY)
         rows = []
         for rnd in range(a.checkpoint_rounds):
-            targets = CHECKPOINT_TARGETS if rnd % 2 == 0 else CHECKPOINT_TARGETS[::-1]
+            targets = a.checkpoint_targets[:: 1 if rnd % 2 == 0 else -1]
             for target in targets:
                 ckpt = a.work / "ckpt-local"
                 shutil.rmtree(ckpt, ignore_errors=True)

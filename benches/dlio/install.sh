@@ -20,10 +20,23 @@ setup_venv >/dev/null
 DLIO_VENV="${LAKECACHE_DLIO_VENV:-$(dirname "$LAKECACHE_VENV")/venv-dlio}"
 export DLIO_VENV
 
-# The Python client, a release build in this venv itself (the trainer's
-# venv holds a debug one), for the DLIO reader plugin.
+# The Python client for the DLIO reader plugin: a release wheel installed
+# into this venv itself. The trainer's venv holds an editable debug build
+# whose native module lives in the checkout (pyclient/python/lakecache/);
+# `maturin develop` here would overwrite that file, and the two venvs
+# would rebuild over each other on every run. Built on every run: cargo
+# rebuilds only what changed, so an unchanged client costs a few seconds.
 install_pyclient() {
-  (cd pyclient && VIRTUAL_ENV="$DLIO_VENV" "$LAKECACHE_VENV/bin/maturin" develop -q --release --strip >&2)
+  local wheels="$DLIO_VENV/lakecache-wheel"
+  rm -rf "$wheels"
+  (cd pyclient && "$LAKECACHE_VENV/bin/maturin" build -q --release --strip \
+    --compatibility linux -i "$DLIO_VENV/bin/python" -o "$wheels" >&2)
+  "$DLIO_VENV/bin/pip" install -q --disable-pip-version-check --no-deps --force-reinstall \
+    "$wheels"/lakecache-*.whl >&2
+  pyclient_here || {
+    echo "error: the Python client installed into $DLIO_VENV is not the one it imports" >&2
+    exit 1
+  }
 }
 # DLIO's TFRecord generator (ResNet-50) runs DALI's `tfrecord2idx` to
 # index each file; DALI is CUDA-only. The index is one "offset length"
@@ -50,7 +63,7 @@ pyclient_here() {
 }
 
 if [ -x "$DLIO_VENV/bin/python" ] && "$DLIO_VENV/bin/python" -c 'import dlio_benchmark, mpi4py.MPI, tensorflow, torch, matplotlib' 2>/dev/null; then
-  pyclient_here || install_pyclient
+  install_pyclient
   [ -x "$DLIO_VENV/bin/tfrecord2idx" ] || install_tfrecord2idx
   echo "$DLIO_VENV"
   exit 0

@@ -131,8 +131,13 @@ def write(
         lines.append(
             f"- {name}: steps of {batch} samples (DLIO's config: {dlio_batch}), emulated "
             f"compute {compute} s per step, **{factor:.2f}x** DLIO's H100 figure per sample, "
-            "chosen so local disk reaches about 90% AU with one accelerator here (searched "
-            "from 0.9 of a cold step's length with no compute, at most five local runs)."
+            "chosen so local disk reaches about 90% AU with one accelerator here "
+            + (
+                "(given with --compute)."
+                if name in getattr(a, "fixed_compute", {})
+                else "(searched from 0.9 of a warm step's length with no compute, at most "
+                f"{a.search_runs} local runs)."
+            )
         )
     lines.append("")
     workloads = sorted({r["workload"] for r in rows})

@@ -132,6 +132,30 @@ def test_an_out_path_in_a_missing_directory_is_refused_before_anything_starts(
     assert not work.exists(), "the bench created its work directory before refusing"
 
 
+@pytest.mark.skipif(os.geteuid() != 0, reason="the bench's first check asks for root")
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["--workloads", "unet3d,bert"], "--workloads: unknown bert; known: unet3d, resnet50"),
+        (["--workloads", "none", "--no-checkpoints"], "leaves nothing to run"),
+        (["--checkpoint-targets", "local,s3"], "--checkpoint-targets: unknown s3; known: local"),
+        (["--readers", "local,nfs"], "unknown readers ['nfs']"),
+        (["--rtt-ms", "0,ten"], "--rtt-ms '0,ten': want milliseconds"),
+    ],
+)
+def test_unknown_choices_are_refused_naming_what_is_known(
+    tmp_path: Path, args: list[str], message: str
+) -> None:
+    """A workload, checkpoint target, reader or RTT the bench does not know
+    is refused before anything is looked for or started."""
+    work = tmp_path / "work"
+    out = run_bench_refusal("--work", str(work), *args)
+    assert out.returncode != 0, out.stdout + out.stderr
+    assert message in out.stderr, out.stderr
+    assert "DLIO is not installed" not in out.stderr, out.stderr
+    assert not work.exists(), "the bench created its work directory before refusing"
+
+
 @pytest.mark.skipif(
     os.environ.get("LAKECACHE_DLIO") != "1",
     reason="opt-in: LAKECACHE_DLIO=1 installs DLIO (several GB) and runs it through a mount",
