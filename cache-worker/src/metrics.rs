@@ -179,7 +179,7 @@ impl Metrics {
                 }
             })
             .build();
-        Ok(Self {
+        let metrics = Self {
             cache,
             writeback,
             writeback_uploaded_objects: counter(
@@ -324,7 +324,18 @@ impl Metrics {
             cache_used_bytes,
             cache_capacity_bytes,
             registry,
-        })
+        };
+        // Present from the start, at 0: a scrape before the first upload
+        // finds the write-back counters instead of missing them.
+        for c in [
+            &metrics.writeback_uploaded_objects,
+            &metrics.writeback_uploaded_bytes,
+            &metrics.writeback_failures,
+            &metrics.writeback_gave_way_ms,
+        ] {
+            c.add(0, &[]);
+        }
+        Ok(metrics)
     }
 
     pub fn request(&self, op: &'static str, status: u16, elapsed: Duration) {

@@ -12,7 +12,8 @@
 //! while a writer waits for staging room, staging is more than half
 //! full, or the worker is closing (the backlog drains before it stops).
 
-use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
+use std::sync::Arc;
 use std::time::Duration;
 
 // tokio's clock, so tests can drive the waits with paused time.
@@ -27,14 +28,16 @@ pub(crate) const DEFAULT_MOST: Duration = Duration::from_secs(2);
 /// writer opens its next file within milliseconds of closing the last.
 pub(crate) const QUIET: Duration = Duration::from_millis(200);
 
-/// When a body being taken last started, staged a page or ended: a
-/// body that is open but idle (a log file held open for hours) stops
-/// counting once it has been quiet.
+/// When a body being taken last started, staged a page or ended, and
+/// how many of its pages are being written now: a body that is open but
+/// idle (a log file held open for hours) stops counting once it has been
+/// quiet, one whose pages wait on a busy disk does not.
 #[derive(Debug)]
 pub(crate) struct TakeActivity {
     epoch: Instant,
     /// Milliseconds since `epoch`, plus one; zero: never.
     last_ms: AtomicU64,
+    pages_writing: AtomicUsize,
 }
 
 impl Default for TakeActivity {
@@ -42,7 +45,19 @@ impl Default for TakeActivity {
         Self {
             epoch: Instant::now(),
             last_ms: AtomicU64::new(0),
+            pages_writing: AtomicUsize::new(0),
         }
+    }
+}
+
+/// A body's page being written to disk (see [`WriteBack::page_writing`]).
+pub(crate) struct PageWriting(Arc<WriteBack>);
+
+impl Drop for PageWriting {
+    fn drop(&mut self) {
+        let activity = &self.0.take_activity;
+        activity.note();
+        activity.pages_writing.fetch_sub(1, Ordering::AcqRel);
     }
 }
 
@@ -71,6 +86,14 @@ impl WriteBack {
         self.take_activity.note();
     }
 
+    /// Counts a body's page as being written until the guard drops.
+    pub(crate) fn page_writing(self: &Arc<Self>) -> PageWriting {
+        self.take_activity
+            .pages_writing
+            .fetch_add(1, Ordering::AcqRel);
+        PageWriting(self.clone())
+    }
+
     /// Waits (see the module docs) until bodies being taken have been
     /// quiet for `upload_quiet`, at most `upload_give_way`. Returns how
     /// long it waited.
@@ -85,10 +108,15 @@ impl WriteBack {
             if waited >= most || *closing.borrow() || self.must_not_wait() {
                 return waited;
             }
-            let Some(since) = self.take_activity.since().filter(|s| *s < quiet) else {
-                return waited;
+            let writing = self.take_activity.pages_writing.load(Ordering::Acquire) > 0;
+            let since = self.take_activity.since();
+            let left = match since.filter(|s| *s < quiet) {
+                Some(since) => quiet - since,
+                // A page still on its way to disk: look again shortly.
+                None if writing => quiet.min(Duration::from_millis(50)),
+                None => return waited,
             };
-            tokio::time::sleep((quiet - since).min(most - waited)).await;
+            tokio::time::sleep(left.min(most - waited)).await;
         }
     }
 
@@ -161,6 +189,22 @@ mod tests {
         tokio::task::yield_now().await;
         assert_eq!(wb.give_way_to_writes(&closing).await, MOST);
         writer.abort();
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn a_page_on_its_way_to_a_slow_disk_keeps_its_body_active() {
+        let (_dir, wb, closing) = open();
+        let wb = std::sync::Arc::new(wb);
+        wb.note_take_progress();
+        let page = wb.page_writing();
+        // The page takes 1 s to reach the disk, far past the quiet time.
+        let slow = tokio::spawn(async move {
+            tokio::time::sleep(Duration::from_secs(1)).await;
+            drop(page);
+        });
+        let waited = wb.give_way_to_writes(&closing).await;
+        assert_eq!(waited, Duration::from_secs(1) + QUIET, "{waited:?}");
+        slow.await.expect("the page write ends");
     }
 
     #[tokio::test(start_paused = true)]

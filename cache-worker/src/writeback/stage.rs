@@ -411,11 +411,15 @@ impl Cache {
             taken.settle_oldest().await?;
         }
         let (wb2, io) = (wb.clone(), taken.io);
+        let writing = wb.page_writing();
         taken
             .staging
-            .push_back(tokio::task::spawn_blocking(move || match io {
-                Staging::Direct => wb2.pages.stage_for_sync(&data),
-                Staging::Buffered => wb2.pages.stage_buffered_for_sync(&data),
+            .push_back(tokio::task::spawn_blocking(move || {
+                let _writing = writing;
+                match io {
+                    Staging::Direct => wb2.pages.stage_for_sync(&data),
+                    Staging::Buffered => wb2.pages.stage_buffered_for_sync(&data),
+                }
             }));
         Ok(())
     }
