@@ -265,7 +265,7 @@ def plot_epochs(a: argparse.Namespace, rows: list[dict]) -> Path | None:
     for ax, wl in zip(axes[0], workloads, strict=True):
         for (w, label), au in sorted(medians.items()):
             if w == wl:
-                ax.plot(range(1, len(au) + 1), au, marker=".", label=label)
+                ax.plot(range(1, len(au) + 1), au, label=label, **series_style(label))
         _au_axes(ax, f"{wl}: AU by epoch (epoch 1 cold)", "epoch")
     return _save(fig, a, "epochs")
 
@@ -286,10 +286,37 @@ def plot(a: argparse.Namespace, rows: list[dict]) -> Path | None:
             series.setdefault(f"{r['reader']} {r['rtt']} ms", []).append((r["np"], _au(r)))
         for label, pts in sorted(series.items()):
             pts.sort()
-            ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", label=label)
+            xs, ys = [p[0] for p in pts], [p[1] for p in pts]
+            ax.plot(xs, ys, label=label, **series_style(label))
         ax.set_xticks(range(1, a.max_accelerators + 1))
         _au_axes(ax, f"{wl}: warm AU", "emulated accelerators")
     return _save(fig, a, "au")
+
+
+# Matplotlib's default cycle has 10 colours and the full matrix has 13
+# series, so colours repeated (local 0 ms and pyclient-tier 10 ms looked
+# alike): each reader keeps one colour, each RTT its line and marker.
+READER_COLOURS = {
+    "local": "black",
+    "mount-workers": "tab:brown",
+    "mount-tier": "tab:blue",
+    "mount-tier-whole": "tab:purple",
+    "pyclient": "tab:olive",
+    "pyclient-tier": "tab:green",
+    "s3fs": "tab:red",
+}
+RTT_STYLES = {"0": ("-", "o"), "10": ("--", "s")}
+
+
+def series_style(label: str) -> dict:
+    """Plot style for a series labelled "reader RTT ms": colour by reader,
+    line and marker by RTT (unknown ones get matplotlib's defaults)."""
+    reader, _, rest = label.partition(" ")
+    linestyle, marker = RTT_STYLES.get(rest.split(" ")[0], (":", "^"))
+    style = {"linestyle": linestyle, "marker": marker}
+    if reader in READER_COLOURS:
+        style["color"] = READER_COLOURS[reader]
+    return style
 
 
 def _au_axes(ax, title: str, xlabel: str) -> None:

@@ -266,3 +266,17 @@ def test_epoch_medians_take_each_epoch_over_rounds_at_the_fewest_accelerators() 
     # Cut to the shortest round (3 epochs); the 2-accelerator run is left out.
     assert medians == {("unet3d", "mount-tier 10 ms"): [25.0, 70.0, 95.0]}
     assert report.epoch_medians([rows[-1]]) == {}
+
+
+def test_every_reader_and_rtt_of_the_matrix_plots_in_a_style_of_its_own() -> None:
+    import dlio_bench
+    import report
+
+    styles = [
+        tuple(sorted(report.series_style(f"{reader} {rtt} ms").items()))
+        for reader in dlio_bench.READERS
+        for rtt in (0, 10)
+    ]
+    assert len(set(styles)) == len(styles)
+    # The epoch plot's labels name the same series.
+    assert report.series_style("s3fs 10 ms") == report.series_style("s3fs 10 ms x2")
