@@ -97,6 +97,19 @@ def write_dataset(lake: Lake, local: Path, files: int, size: int) -> None:
     lake.stop_daemons()
 
 
+def extents(files: list[Path]) -> str:
+    """The files' extent counts (filefrag): median and range."""
+    counts = []
+    for f in files:
+        out = subprocess.run(["filefrag", "-s", str(f)], capture_output=True, text=True, check=True)
+        # "PATH: N extents found" (or "1 extent found")
+        counts.append(int(out.stdout.rsplit(":", 1)[1].split()[0]))
+    if not counts:
+        return "n/a"
+    counts.sort()
+    return f"{counts[len(counts) // 2]} ({counts[0]}-{counts[-1]})"
+
+
 def mib_text(mib: float | None) -> str:
     return "n/a" if mib is None else f"{mib:.0f} MiB"
 
@@ -149,6 +162,12 @@ def main() -> None:
                         root = local
                     drop_caches()
                     passes = [read_pass(readers, root, want)]
+                    files = (
+                        sorted((a.work / "tier").glob("*.data"))
+                        if reader == "mount-tier"
+                        else sorted(local.iterdir())
+                    )
+                    frag = extents(files)
                     before = reported_mib()
                     if pretouch:
                         touch_memory(a.pretouch)
@@ -158,12 +177,20 @@ def main() -> None:
                     handed = None if before is None or after is None else after - before
                     if reader == "mount-tier":
                         lake.stop_daemons()
-                    row = (reader, f"{a.pretouch} GiB" if pretouch else "no", run, passes, handed)
+                    row = (
+                        reader,
+                        f"{a.pretouch} GiB" if pretouch else "no",
+                        run,
+                        passes,
+                        handed,
+                        frag,
+                    )
                     rows.append(row)
                     print(
                         f"{reader} run {run} pretouch {row[1]}: "
                         + ", ".join(f"{w:.2f} s ({s:.2f} sys)" for w, s in passes)
-                        + f"; handed to the host around pass 1: {mib_text(handed)}",
+                        + f"; handed to the host around pass 1: {mib_text(handed)}"
+                        + f"; extents per file {frag}",
                         flush=True,
                     )
     finally:
@@ -185,15 +212,19 @@ def main() -> None:
         " the tier). `pretouch`: that much memory written and freed by another process"
         " between pass 0 and pass 1. Seconds of wall time, system CPU in brackets."
         " Handed to the host: free memory the guest reported to its host from the end"
-        " of pass 0 to the end of pass 1 (`reported_kib`).",
+        " of pass 0 to the end of pass 1 (`reported_kib`). Extents: each data file's"
+        " extent count after pass 0 (`filefrag`; the tier's files, or local disk's),"
+        " median and range.",
         "",
         "| reader | pretouch | run | pass 0 (cold) | pass 1 (first warm) | pass 2"
-        " | handed to the host |",
-        "|---|---|---|---|---|---|---|",
+        " | handed to the host | extents per file |",
+        "|---|---|---|---|---|---|---|---|",
     ]
-    for reader, pretouch, run, passes, handed in rows:
+    for reader, pretouch, run, passes, handed, frag in rows:
         cells = " | ".join(f"{w:.2f} s ({s:.2f})" for w, s in passes)
-        lines.append(f"| {reader} | {pretouch} | {run} | {cells} | {mib_text(handed)} |")
+        lines.append(
+            f"| {reader} | {pretouch} | {run} | {cells} | {mib_text(handed)} | {frag} |"
+        )
     provenance.write(a.out, lines)
 
 

@@ -193,6 +193,31 @@ fn clock_ms() -> u64 {
         .as_millis() as u64
 }
 
+/// Gives a new data file its length with its blocks allocated up front.
+/// Fills arrive out of order from concurrent segment fetches, and direct
+/// writes into a sparse file allocate as they land: 146 MiB objects
+/// ended in 12-19 extents each (2-3 when preallocated; local disk's
+/// copies 3-13), read back later as one sequential scan. Allocating first keeps it contiguous
+/// where the disk allows, and a full disk fails the creation (the reader
+/// is then served by the workers) rather than a fill half-way. A
+/// filesystem that cannot preallocate gets a sparse file, as before.
+fn reserve(file: &File, size: u64) -> std::io::Result<()> {
+    use std::os::fd::AsRawFd;
+    let len = libc::off_t::try_from(size).map_err(|_| std::io::ErrorKind::InvalidInput)?;
+    if len == 0 {
+        return Ok(());
+    }
+    // SAFETY: fallocate on our own open fd; no memory is passed.
+    if unsafe { libc::fallocate(file.as_raw_fd(), 0, 0, len) } == 0 {
+        return Ok(());
+    }
+    let e = std::io::Error::last_os_error();
+    match e.raw_os_error() {
+        Some(libc::EOPNOTSUPP | libc::ENOSYS) => file.set_len(size),
+        _ => Err(e),
+    }
+}
+
 /// An object's data file, opened for reads and buffered writes, and with
 /// `O_DIRECT` for the aligned middle of fills where allowed.
 struct OpenFiles {
@@ -972,8 +997,8 @@ impl LocalTier {
         }
     }
 
-    /// The object for this version, created empty (a sparse file of its
-    /// size) when absent. Older versions of the same URI are dropped, and
+    /// The object for this version, created empty (its size reserved on
+    /// disk, see [`reserve`]) when absent. Older versions of the same URI are dropped, and
     /// least recently used objects make room.
     pub fn get_or_create(
         &self,
@@ -1004,7 +1029,11 @@ impl LocalTier {
             .truncate(true)
             .open(&data_path)
             .map_err(io(&data_path))?;
-        file.set_len(size).map_err(io(&data_path))?;
+        if let Err(e) = reserve(&file, size) {
+            drop(file);
+            let _ = std::fs::remove_file(&data_path);
+            return Err(io(&data_path)(e));
+        }
         drop(file);
         let object = Arc::new(TierObject {
             files: Mutex::new(None),

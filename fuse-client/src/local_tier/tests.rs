@@ -43,6 +43,24 @@ fn filled_blocks_read_back_and_missing_ones_say_so() {
 }
 
 #[test]
+fn a_new_object_has_its_blocks_allocated_before_any_fill() {
+    use std::os::unix::fs::MetadataExt;
+    let dir = tempfile::tempdir().unwrap();
+    let tier = LocalTier::open(dir.path(), 64 << 20).unwrap();
+    let size = 8 * MIB as u64 + 123;
+    let o = tier.get_or_create("s3://b/k", "e1", size).unwrap();
+    let meta = std::fs::metadata(o.backing_path()).unwrap();
+    assert_eq!(meta.len(), size);
+    // A sparse file would hold no blocks; st_blocks counts 512-byte units.
+    assert!(
+        meta.blocks() * 512 >= size,
+        "{} bytes allocated for a {size}-byte object",
+        meta.blocks() * 512
+    );
+    assert_eq!(o.read(0, 10).unwrap(), None, "allocated is not filled");
+}
+
+#[test]
 fn pieces_complete_a_block_once_they_cover_it() {
     let dir = tempfile::tempdir().unwrap();
     let tier = LocalTier::open(dir.path(), 64 << 20).unwrap();
