@@ -197,10 +197,11 @@ fn clock_ms() -> u64 {
 /// Fills arrive out of order from concurrent segment fetches, and direct
 /// writes into a sparse file allocate as they land: 146 MiB objects
 /// ended in 12-19 extents each (2-3 when preallocated; local disk's
-/// copies 3-13), read back later as one sequential scan. Allocating first keeps it contiguous
-/// where the disk allows, and a full disk fails the creation (the reader
-/// is then served by the workers) rather than a fill half-way. A
-/// filesystem that cannot preallocate gets a sparse file, as before.
+/// copies 3-13), though they are read back as one sequential scan.
+/// Allocating first keeps a file contiguous where the disk allows, and a
+/// full disk fails the creation (the reader is then served by the
+/// workers) rather than a fill half-way. A filesystem that cannot
+/// preallocate gets a sparse file.
 fn reserve(file: &File, size: u64) -> std::io::Result<()> {
     use std::os::fd::AsRawFd;
     let len = libc::off_t::try_from(size).map_err(|_| std::io::ErrorKind::InvalidInput)?;
@@ -998,8 +999,8 @@ impl LocalTier {
     }
 
     /// The object for this version, created empty (its size reserved on
-    /// disk, see [`reserve`]) when absent. Older versions of the same URI are dropped, and
-    /// least recently used objects make room.
+    /// disk, see [`reserve`]) when absent. Older versions of the same URI
+    /// are dropped, and least recently used objects make room.
     pub fn get_or_create(
         &self,
         uri: &str,
