@@ -222,9 +222,7 @@ def main() -> None:
     ]
     for reader, pretouch, run, passes, handed, frag in rows:
         cells = " | ".join(f"{w:.2f} s ({s:.2f})" for w, s in passes)
-        lines.append(
-            f"| {reader} | {pretouch} | {run} | {cells} | {mib_text(handed)} | {frag} |"
-        )
+        lines.append(f"| {reader} | {pretouch} | {run} | {cells} | {mib_text(handed)} | {frag} |")
     provenance.write(a.out, lines)
 
 
