@@ -104,6 +104,48 @@ fn a_file_whole_in_the_local_tier_is_read_by_the_kernel_through_passthrough() {
     assert!(before > 0, "the first read went through the mount");
 }
 
+/// FLUSH calls the mount answered so far (a missing metric fails).
+fn mount_flushes(port: u16) -> f64 {
+    super::tier_completion::mount_metric(
+        port,
+        "lakecache_fuse_op_duration_seconds_count",
+        &[("op", "flush")],
+    )
+}
+
+#[test]
+fn closing_a_read_handle_waits_on_no_flush_and_closing_a_written_file_commits_it() {
+    let mut env = Env::start(1);
+    let data = pattern((6 << 20) + 99, 41);
+    let want = Sha256::digest(&data).to_vec();
+    env.put("read-only.bin", Bytes::from(data));
+    let (tier, port) = super::tier_completion::mount_with_tier_and_metrics(
+        &mut env,
+        &[("LAKECACHE_LOG", "lakecache_fuse=trace,info")],
+    );
+    let file = env.mountpoint().join("read-only.bin");
+    // Closed after a read the mount served, then after one by passthrough.
+    assert_eq!(sha_file(&file).unwrap().1, want, "read by the mount");
+    wait_for_tier(&tier);
+    read_by_passthrough(&env, &file, &want, "read by passthrough");
+    // A written file's close is where it is committed: its FLUSH still
+    // comes, and is the only one the mount has seen.
+    let body = pattern(300_000, 42);
+    fs::write(env.mountpoint().join("written.bin"), &body).unwrap();
+    assert_eq!(
+        env.s3_get("written.bin").as_deref(),
+        Some(&body[..]),
+        "the written file reached S3 when it was closed; mount log:\n{}",
+        env.log()
+    );
+    assert_eq!(
+        mount_flushes(port),
+        1.0,
+        "read-only closes sent FLUSH; mount log:\n{}",
+        env.log()
+    );
+}
+
 /// Once the first handle's RELEASE arrived (an inode the mount still
 /// serves gets no passthrough handle beside it), reads `file` with the
 /// page cache dropped: right bytes, a passthrough open, and no READ

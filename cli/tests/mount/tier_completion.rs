@@ -48,7 +48,10 @@ fn completion_requests(port: u16) -> f64 {
 
 /// Mounts with a tier and a metrics listener, with `env_vars` set for
 /// the mount; returns the tier and the metrics port.
-fn mount_with_tier_and_metrics(env: &mut Env, env_vars: &[(&str, &str)]) -> (PathBuf, u16) {
+pub(super) fn mount_with_tier_and_metrics(
+    env: &mut Env,
+    env_vars: &[(&str, &str)],
+) -> (PathBuf, u16) {
     let tier = env.dir.path().join("local-tier");
     let mut cmd = env.mount_command();
     cmd.arg("--local-cache")
