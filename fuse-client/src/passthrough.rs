@@ -61,7 +61,9 @@ impl Passthrough {
 
     /// Answers an open of `ino` (handle `fh`): passthrough when the inode
     /// is already in that mode, or when `file` is given and no handle of
-    /// the inode is served by the mount; a normal open otherwise.
+    /// the inode is served by the mount; a normal open otherwise. `flags`
+    /// go with either answer, but for `FOPEN_KEEP_CACHE`, which a
+    /// passthrough open may not carry.
     pub fn reply_open(
         &self,
         reply: ReplyOpen,
@@ -70,12 +72,13 @@ impl Passthrough {
         flags: FopenFlags,
         file: Option<std::fs::File>,
     ) {
+        let passthrough_flags = flags & FopenFlags::FOPEN_NOFLUSH;
         let mut modes = self.modes.lock().unwrap_or_else(|e| e.into_inner());
         modes.handles.insert(fh, ino);
         match modes.inodes.get_mut(&ino) {
             Some(Mode::Passthrough { id, open }) => {
                 *open += 1;
-                return reply.opened_passthrough(FileHandle(fh), FopenFlags::empty(), id);
+                return reply.opened_passthrough(FileHandle(fh), passthrough_flags, id);
             }
             Some(Mode::Served { open }) => {
                 *open += 1;
@@ -99,7 +102,7 @@ impl Passthrough {
             // drops the pages served opens left instead.
             Some(id) => {
                 tracing::debug!(ino, "opened with passthrough");
-                reply.opened_passthrough(FileHandle(fh), FopenFlags::empty(), &id);
+                reply.opened_passthrough(FileHandle(fh), passthrough_flags, &id);
                 modes.inodes.insert(ino, Mode::Passthrough { id, open: 1 });
                 self.pin(ino, true);
             }

@@ -104,15 +104,6 @@ fn a_file_whole_in_the_local_tier_is_read_by_the_kernel_through_passthrough() {
     assert!(before > 0, "the first read went through the mount");
 }
 
-/// FLUSH calls the mount answered so far (a missing metric fails).
-fn mount_flushes(port: u16) -> f64 {
-    super::tier_completion::mount_metric(
-        port,
-        "lakecache_fuse_op_duration_seconds_count",
-        &[("op", "flush")],
-    )
-}
-
 #[test]
 fn closing_a_read_handle_waits_on_no_flush_and_closing_a_written_file_commits_it() {
     let mut env = Env::start(1);
@@ -139,7 +130,7 @@ fn closing_a_read_handle_waits_on_no_flush_and_closing_a_written_file_commits_it
         env.log()
     );
     assert_eq!(
-        mount_flushes(port),
+        super::tier_completion::mount_ops(port, "flush"),
         1.0,
         "read-only closes sent FLUSH; mount log:\n{}",
         env.log()

@@ -414,12 +414,12 @@ fn without_a_tier_a_random_reader_gets_the_object_fetched_whole_into_the_worker(
     );
 }
 
-/// FUSE reads the mount has answered (a missing metric fails).
-fn mount_reads(port: u16) -> f64 {
+/// FUSE `op` calls the mount has answered (a missing metric fails).
+pub(super) fn mount_ops(port: u16, op: &str) -> f64 {
     mount_metric(
         port,
         "lakecache_fuse_op_duration_seconds_count",
-        &[("op", "read")],
+        &[("op", op)],
     )
 }
 
@@ -445,9 +445,9 @@ fn a_random_readers_whole_object_reaches_the_page_cache_and_is_then_read_without
     });
     // 2,000 more random 4 KiB reads through the same handle: the kernel
     // answers them from the pages pushed, right bytes every one.
-    let before = mount_reads(port);
+    let before = mount_ops(port, "read");
     read_randomly_through(&file, &data, 2000, 0x2545_f491_4f6c_dd1d);
-    let asked = mount_reads(port) - before;
+    let asked = mount_ops(port, "read") - before;
     println!("{asked} of 2000 reads reached the mount after the push");
     // Without the push about 1,900 would (the pages not read before).
     assert!(asked <= 20.0, "{asked} of 2000 reads reached the mount");
@@ -473,10 +473,10 @@ fn with_the_push_off_a_random_reader_still_gets_the_tier_and_every_read_asks_the
     wait_until("the object whole in the tier", 60, || {
         tier_has_whole_object(&tier)
     });
-    let before = mount_reads(port);
+    let before = mount_ops(port, "read");
     read_randomly_through(&file, &data, 200, 0x2545_f491_4f6c_dd1d);
     assert!(
-        mount_reads(port) - before >= 150.0,
+        mount_ops(port, "read") - before >= 150.0,
         "reads were answered without the mount"
     );
     assert_eq!(
