@@ -1,11 +1,13 @@
 //! Whole pages just fetched from S3, kept in memory until their reader
 //! has had them. Page files are written with `O_DIRECT` (no page-cache
 //! copy), so without this a sequential reader's next request for a page
-//! the read-ahead fetched a moment ago would read it back from disk.
+//! the read-ahead fetched a moment ago would read it back from disk. A
+//! plan's staged read of part of a page (one sample of it) is kept the
+//! same way: one part per page, served where a read falls within it.
 //!
 //! Bounded in bytes, each page holding its share of the process's memory
 //! budget (a page that does not fit is simply not kept). A page leaves
-//! once every byte of it was served, when it is dropped from the cache,
+//! once every byte kept of it was served, when it is dropped from the cache,
 //! when newer pages push it out, or after [`MAX_AGE`] unread (a reader
 //! that stopped must not hold budget that uploads wait for).
 
@@ -23,6 +25,8 @@ use crate::pages::PageKey;
 pub(crate) const MAX_AGE: Duration = Duration::from_secs(20);
 
 struct Kept {
+    /// Where `bytes` start in the page.
+    start: u64,
     bytes: Bytes,
     kept_at: Instant,
     /// Bytes of the page served from here so far.
@@ -36,6 +40,14 @@ struct Inner {
     /// Insertion order; may name pages already gone.
     order: VecDeque<PageKey>,
     bytes: u64,
+}
+
+impl Kept {
+    fn covers(&self, range: &Range<u64>) -> bool {
+        range.start < range.end
+            && self.start <= range.start
+            && range.end <= self.start + self.bytes.len() as u64
+    }
 }
 
 impl Inner {
@@ -75,6 +87,12 @@ impl FreshPages {
 
     /// Keeps `bytes` (a whole page) if the budget has room for it now.
     pub(crate) fn keep(&self, key: PageKey, bytes: Bytes, budget: &MemoryBudget) {
+        self.keep_part(key, 0, bytes, budget);
+    }
+
+    /// Keeps `bytes`, the page's bytes from `start` on, in place of what
+    /// was kept of it, if the budget has room for them now.
+    pub(crate) fn keep_part(&self, key: PageKey, start: u64, bytes: Bytes, budget: &MemoryBudget) {
         let len = bytes.len() as u64;
         if len == 0 || len > self.capacity {
             return;
@@ -93,6 +111,7 @@ impl FreshPages {
             }
         }
         let kept = Kept {
+            start,
             bytes,
             kept_at: Instant::now(),
             served: 0,
@@ -110,17 +129,18 @@ impl FreshPages {
         }
     }
 
-    /// `range` (page-relative) of a kept page; the page leaves once all
-    /// of it was served.
+    /// `range` (page-relative) of a kept page, where what is kept of it
+    /// holds the range; the page leaves once all of that was served.
     pub(crate) fn serve(&self, key: &PageKey, range: &Range<u64>) -> Option<Bytes> {
         let mut inner = self.lock();
         inner.expire(Instant::now());
         let kept = inner.pages.get_mut(key)?;
         let len = kept.bytes.len() as u64;
-        if range.start >= range.end || range.end > len {
+        if !kept.covers(range) {
             return None;
         }
-        let out = kept.bytes.slice(range.start as usize..range.end as usize);
+        let at = (range.start - kept.start) as usize..(range.end - kept.start) as usize;
+        let out = kept.bytes.slice(at);
         kept.served += range.end - range.start;
         if kept.served >= len {
             inner.pages.remove(key);
@@ -129,9 +149,15 @@ impl FreshPages {
         Some(out)
     }
 
-    /// Whether `key` is held (a page just fetched, not yet read whole).
+    /// Whether some of `key` is held (a page just fetched, or a part of
+    /// one staged, not yet read whole).
     pub(crate) fn holds(&self, key: &PageKey) -> bool {
         self.lock().pages.contains_key(key)
+    }
+
+    /// Whether what is held of `key` holds `range` (page-relative).
+    pub(crate) fn covers(&self, key: &PageKey, range: &Range<u64>) -> bool {
+        self.lock().pages.get(key).is_some_and(|k| k.covers(range))
     }
 
     pub(crate) fn forget(&self, key: &PageKey) {
@@ -259,6 +285,29 @@ mod tests {
         let _all = tight.try_reserve(1 << 20).unwrap();
         fresh.keep(key(9), page.clone(), &tight);
         assert!(fresh.serve(&key(9), &(0..1)).is_none());
+    }
+
+    #[test]
+    fn a_part_of_a_page_is_served_where_reads_fall_within_it() {
+        const MIB: u64 = 1 << 20;
+        let budget = MemoryBudget::new(1 << 30);
+        let fresh = FreshPages::new(8 * MIB);
+        // Bytes 1-2 MiB of a 4 MiB page: byte i of the part is i % 251.
+        let part: Vec<u8> = (0..MIB).map(|i| (i % 251) as u8).collect();
+        fresh.keep_part(key(1), MIB, Bytes::from(part.clone()), &budget);
+        assert_eq!(fresh.bytes(), MIB);
+        assert!(fresh.holds(&key(1)));
+        assert!(fresh.covers(&key(1), &(MIB..2 * MIB)));
+        assert!(!fresh.covers(&key(1), &(0..4 * MIB)), "not the whole page");
+        assert!(fresh.serve(&key(1), &(0..10)).is_none(), "before the part");
+        assert!(fresh.serve(&key(1), &(2 * MIB - 1..2 * MIB + 1)).is_none());
+        // Offsets are the page's: 100 bytes at 1 MiB + 7 are the part's 7..107.
+        let got = fresh.serve(&key(1), &(MIB + 7..MIB + 107)).unwrap();
+        assert_eq!(&got[..], &part[7..107]);
+        // Gone once every byte of the part went out.
+        assert!(fresh.serve(&key(1), &(MIB..2 * MIB)).is_some());
+        assert!(!fresh.holds(&key(1)));
+        assert_eq!(fresh.bytes(), 0);
     }
 
     #[tokio::test]

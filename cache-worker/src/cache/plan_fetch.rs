@@ -414,7 +414,7 @@ impl Cache {
             let sub = part.clone().unwrap_or(0..page_len);
             let blocks = blocks_of(&sub);
             if progress.in_flight_covers(&key, &blocks)
-                || self.fresh.holds(&key)
+                || self.fresh.covers(&key, &sub)
                 || self.writing.holds(&key)
                 || match part {
                     None => self.lru.holds_whole(&key),
@@ -493,32 +493,38 @@ impl Cache {
             let Some((uri, meta)) = plan.objects.get(obj as usize) else {
                 continue;
             };
-            // Only a page read whole there: staging a 4 MiB page for one
-            // 1 MiB sample reads four times its bytes from disk, and the
-            // page then waits in memory for samples read much later
-            // (plan-epochs at 4 MiB pages cost 7.0-7.7 CPU-s per GiB so).
-            // Checked first: such positions come back every tick.
+            // Only the part of the page the plan reads there: staging a
+            // 4 MiB page for one 1 MiB sample read four times its bytes
+            // from disk, and the page then waited in memory for samples
+            // read much later (plan-epochs at 4 MiB pages cost 7.0-7.7
+            // CPU-s per GiB so). One part per page: a page held in memory
+            // (another sample of it, read sooner) is left until read.
             let len = ps.min(meta.size.saturating_sub(idx * ps));
-            if plan
-                .reads
-                .get(pos as usize)
-                .is_none_or(|r| r.part(len).is_some())
-                || progress.staged.get(&key) == Some(&pos)
+            let Some(read) = plan.reads.get(pos as usize) else {
+                continue;
+            };
+            let part = read.part(len);
+            if progress.staged.get(&key) == Some(&pos)
                 || progress.in_flight.contains_key(&key)
-                || !self.lru.holds_whole(&key)
+                || !match &part {
+                    None => self.lru.holds_whole(&key),
+                    Some(sub) => self.lru.holds_blocks(&key, blocks_of(sub)),
+                }
                 || self.fresh.holds(&key)
                 || self.writing.holds(&key)
             {
                 continue;
             }
+            let sub = part.unwrap_or(0..len);
             let id = PageId::new(&uri.to_string(), &meta.etag, idx, ps, meta.size);
             progress.staged.insert(key, pos);
             let this = self.clone();
             tokio::spawn(async move {
-                match this.read_local(key, id, 0..id.len).await {
+                let start = sub.start;
+                match this.read_local(key, id, sub).await {
                     Ok(bytes) => {
                         let len = bytes.len() as u64;
-                        this.fresh.keep(key, bytes, &this.memory);
+                        this.fresh.keep_part(key, start, bytes, &this.memory);
                         this.metrics.plan_staged(len);
                     }
                     // The reader's own read settles the page.
@@ -537,8 +543,10 @@ impl Cache {
         let Ok(meta) = self.stat(uri).await else {
             return false;
         };
-        let key = PageKey::new(&uri.to_string(), &meta.etag, offset / self.config.page_size);
-        self.lru.holds_whole(&key) || self.fresh.holds(&key) || self.writing.holds(&key)
+        let ps = self.config.page_size;
+        let key = PageKey::new(&uri.to_string(), &meta.etag, offset / ps);
+        let whole = 0..ps.min(meta.size.saturating_sub(offset / ps * ps));
+        self.lru.holds_whole(&key) || self.fresh.covers(&key, &whole) || self.writing.holds(&key)
     }
 
     /// Fetches page `idx` unless cached: whole, or where `part` is given
