@@ -567,12 +567,10 @@ impl PageStore {
         self.commit(staged, key, id)
     }
 
-    /// Fills whole blocks starting at block `first` of a page that may be
-    /// partly filled (or not exist yet). `data` ends on a block boundary
-    /// or at the end of the page. Returns true when the page is complete.
     /// Writes `data` as the blocks from `first` on of page `id`'s file
-    /// (created partly filled if absent); returns which blocks the file
-    /// holds now.
+    /// (created partly filled if absent; `data` ends on a block boundary
+    /// or at the end of the page); returns which blocks the file holds
+    /// now.
     pub fn fill(
         &self,
         key: &PageKey,
@@ -580,6 +578,21 @@ impl PageStore {
         first: usize,
         data: &[u8],
     ) -> io::Result<FilledBlocks> {
+        self.fill_then(key, id, first, data, |filled| filled)
+    }
+
+    /// [`Self::fill`], handing which blocks the file holds to `then`
+    /// before another fill of the page can start: fills of one page that
+    /// record what they left in order, so an earlier fill's view (fewer
+    /// blocks) never lands after a later one's.
+    pub fn fill_then<T>(
+        &self,
+        key: &PageKey,
+        id: &PageId,
+        first: usize,
+        data: &[u8],
+        then: impl FnOnce(FilledBlocks) -> T,
+    ) -> io::Result<T> {
         let start = first as u64 * CHECK_BLOCK;
         let end = start + data.len() as u64;
         if id.blocks() > MAX_BLOCKS
@@ -619,7 +632,7 @@ impl PageStore {
             header.valid[first + i] = true;
         }
         file.write_all_at(&header.encode(), 0)?;
-        Ok(FilledBlocks::of(&header.valid))
+        Ok(then(FilledBlocks::of(&header.valid)))
     }
 
     /// Reads `range` (page-relative) of the page `id`, checking the header
@@ -904,6 +917,46 @@ mod tests {
         assert_eq!(filled.bytes(&id), id.len);
         let all = store.read(&key, &id, 0..data.len() as u64).unwrap();
         assert_eq!(&all[..], &data[..]);
+    }
+
+    #[test]
+    fn concurrent_fills_of_a_page_record_what_they_left_in_order() {
+        let dir = tempfile::tempdir().unwrap();
+        let store = std::sync::Arc::new(PageStore::open(dir.path()).unwrap());
+        const BLOCKS: u64 = 16;
+        let key = PageKey::new("s3://b/p", "e", 0);
+        let id = PageId::new(
+            "s3://b/p",
+            "e",
+            0,
+            CHECK_BLOCK * BLOCKS,
+            CHECK_BLOCK * BLOCKS,
+        );
+        let data = std::sync::Arc::new(sample(CHECK_BLOCK * BLOCKS));
+        // What each fill recorded, in the order recorded (as the cache
+        // records it for its accounting).
+        let recorded = std::sync::Arc::new(Mutex::new(Vec::new()));
+        let fills: Vec<_> = (0..BLOCKS as usize)
+            .map(|b| {
+                let (store, data, recorded) = (store.clone(), data.clone(), recorded.clone());
+                std::thread::spawn(move || {
+                    let c = CHECK_BLOCK as usize;
+                    store
+                        .fill_then(&key, &id, b, &data[b * c..(b + 1) * c], |filled| {
+                            recorded.lock().unwrap().push(filled.bytes(&id));
+                        })
+                        .unwrap();
+                })
+            })
+            .collect();
+        for f in fills {
+            f.join().unwrap();
+        }
+        let recorded = recorded.lock().unwrap().clone();
+        // Each fill adds a block: recorded in order, each view holds one
+        // block more than the one before, and the last is the whole page.
+        let want: Vec<u64> = (1..=BLOCKS).map(|n| n * CHECK_BLOCK).collect();
+        assert_eq!(recorded, want);
     }
 
     #[test]
