@@ -22,8 +22,17 @@ use crate::posix::FileType as PosixType;
 
 /// Largest single read or write the kernel sends.
 pub const MAX_IO_BYTES: u32 = 1 << 20;
-/// Reported as `st_blksize`: stdio and Python buffer this much per write.
-const BLOCK_SIZE: u32 = 1 << 20;
+/// `st_blksize` while a writer has the file open: stdio and Python then
+/// buffer this much per write, and each write is one FUSE request.
+const WRITE_BLOCK_SIZE: u32 = 1 << 20;
+/// `st_blksize` otherwise. Reads are cheap at any size here (the kernel's
+/// page cache and read-ahead, or passthrough from the tier), but a user
+/// buffer larger than the reads a program asks for costs a second copy of
+/// every byte: Python's BufferedReader sizes itself by `st_blksize`, and
+/// NumPy's NPZ reader asks for 256 KiB at a time (DLIO's UNet3D). At
+/// 128 KiB (Python 3.14's own default buffer), reads that large go
+/// straight into the caller's buffer.
+const READ_BLOCK_SIZE: u32 = 128 << 10;
 
 #[derive(Clone)]
 pub struct KernelAdapter {
@@ -89,7 +98,11 @@ impl KernelAdapter {
             uid: a.uid,
             gid: a.gid,
             rdev: a.rdev,
-            blksize: BLOCK_SIZE,
+            blksize: if node.writer.is_some() {
+                WRITE_BLOCK_SIZE
+            } else {
+                READ_BLOCK_SIZE
+            },
             flags: 0,
         }
     }

@@ -384,3 +384,29 @@ fn s3_requests(port: u16, op: &str) -> u64 {
         })
         .sum::<f64>() as u64
 }
+
+/// `st_blksize` is the buffer stdio and Python size themselves by: large
+/// while a file is being written (each write is a FUSE request), small
+/// otherwise, so a program reading in pieces smaller than the buffer
+/// (NumPy's NPZ reader asks for 256 KiB) is not copied twice.
+#[test]
+fn io_size_hint_is_large_while_writing_and_small_for_reads() {
+    use std::os::unix::fs::MetadataExt;
+    const WRITING: u64 = 1 << 20;
+    const READING: u64 = 128 << 10;
+    let mut env = Env::start(1);
+    env.put("stored.bin", Bytes::from(vec![7u8; 300_000]));
+    mount_for_posix(&mut env);
+    let mnt = env.mountpoint();
+    let stored = mnt.join("stored.bin");
+    assert_eq!(fs::metadata(&stored).unwrap().blksize(), READING);
+    let reader = fs::File::open(&stored).unwrap();
+    assert_eq!(reader.metadata().unwrap().blksize(), READING);
+    drop(reader);
+    // Replacing it: the truncating open makes the kernel ask again.
+    let writer = fs::File::create(&stored).unwrap();
+    assert_eq!(writer.metadata().unwrap().blksize(), WRITING);
+    drop(writer);
+    let created = fs::File::create(mnt.join("new.bin")).unwrap();
+    assert_eq!(created.metadata().unwrap().blksize(), WRITING);
+}
