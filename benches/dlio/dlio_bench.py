@@ -714,8 +714,9 @@ class Bench:
         read = counter.total()
         if reader.startswith("pyclient"):
             read = pyclient_bytes(a.work / "out" / "counts")
-        epochs = json.loads((out / "per_epoch_stats.json").read_text())
-        train_s = sum(float(e["duration"]) for e in epochs.values())
+        stats = out / "per_epoch_stats.json"
+        epoch_s = summary.epoch_seconds(stats.read_text(), str(stats))
+        train_s = sum(epoch_s)
         row = {
             "workload": w.name,
             "reader": reader,
@@ -728,6 +729,7 @@ class Bench:
             "warm_au": run.warm_au,
             "cold_samples_s": run.cold_samples_s,
             "warm_samples_s": run.warm_samples_s,
+            "epoch_s": epoch_s,
             "mib_s": read / 2**20 / train_s if train_s else 0.0,
             "cold_wait_s": summary.data_wait_s(run.cold_au, compute_s),
             "warm_wait_s": (

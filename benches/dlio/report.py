@@ -84,6 +84,66 @@ def rounds_lines(rows: list[dict]) -> list[str]:
     return [*lines, ""]
 
 
+def epoch_time_lines(rows: list[dict]) -> list[str]:
+    """Warm epochs' wall time round by round, and how much longer than
+    local disk's in the same round. DLIO's AU leaves out each epoch's
+    first step, where the loader fills its queue, so two readers whose
+    epochs last alike can differ by many AU points (the one whose waits
+    fall after the first step looks worse); this table counts every
+    wait. Also from the third epoch on, past the first warm epoch (slow
+    through the tier on this VM for reasons of its own: see
+    `first-warm-pass-1206.md`)."""
+    import statistics
+
+    def mean_from(r: dict, first: int) -> float | None:
+        secs = r.get("epoch_s") or []
+        return statistics.fmean(secs[first:]) if len(secs) > first else None
+
+    ran = [r for r in rows if "skipped" not in r and mean_from(r, 1)]
+    if len({r.get("round", 0) for r in ran}) < 2:
+        return []
+    local = {(r.get("round", 0), r["np"]): r for r in ran if r["reader"] == "local"}
+    groups: dict[tuple, list[dict]] = {}
+    for r in ran:
+        groups.setdefault((r["reader"], r["rtt"], r["np"]), []).append(r)
+
+    def longer(rs: list[dict], first: int) -> list[float]:
+        out = []
+        for r in rs:
+            base = local.get((r.get("round", 0), r["np"]))
+            mine, theirs = mean_from(r, first), base and mean_from(base, first)
+            if r["reader"] != "local" and mine and theirs:
+                out.append(100.0 * (mine / theirs - 1.0))
+        return out
+
+    lines = [
+        "Warm epochs' wall time (every step's wait counted) by round, and how much"
+        " longer than local disk's in the same round (median, and each round's): the"
+        " mean of epochs 2 on, and of epochs 3 on:",
+        "",
+        "| reader | RTT | accel. | warm epoch s by round | median | vs local (median) |"
+        " epochs 3 on: s by round | vs local (median) | vs local by round |",
+        "|---|---|---|---|---|---|---|---|---|",
+    ]
+
+    def pct(v: list[float]) -> str:
+        return f"{statistics.median(v):+.1f}%" if v else "-"
+
+    for (reader, rtt, np_), rs in groups.items():
+        rs.sort(key=lambda r: r.get("round", 0))
+        warm = [mean_from(r, 1) or 0.0 for r in rs]
+        steady = [s for s in (mean_from(r, 2) for r in rs) if s is not None]
+        later = longer(rs, 2)
+        lines.append(
+            f"| {reader} | {rtt} ms | {np_} | {', '.join(f'{x:.2f}' for x in warm)} | "
+            f"{statistics.median(warm):.2f} s | {pct(longer(rs, 1))} | "
+            f"{', '.join(f'{x:.2f}' for x in steady) or '-'} | {pct(later)} | "
+            + (", ".join(f"{d:+.1f}%" for d in later) if later else "-")
+            + " |"
+        )
+    return [*lines, ""]
+
+
 def best_count(rows: list[dict]) -> int | None:
     """The largest accelerator count whose warm AU (cold with one epoch)
     is 90% or more, among counts run in order from 1."""
@@ -170,6 +230,7 @@ def write(
         lines += [
             "",
             *rounds_lines([r for r in rows if r["workload"] == wl]),
+            *epoch_time_lines([r for r in rows if r["workload"] == wl]),
             "Largest accelerator count with AU >= 90% (warm; the median over rounds), "
             "within the sweep "
             f"(1 to {a.max_accelerators}, stopping at the first count below 90%):",

@@ -86,6 +86,31 @@ def load(path: Path) -> Epochs:
     return parse(text, str(path))
 
 
+def epoch_seconds(text: str, source: str = "per_epoch_stats.json") -> list[float]:
+    """Each training epoch's wall time in seconds, in epoch order, from
+    DLIO's `per_epoch_stats.json`. Unlike AU, which leaves out each
+    epoch's first step, it counts every wait, the first batch's too."""
+    try:
+        doc = json.loads(text)
+    except ValueError as e:
+        raise SummaryError(f"{source}: not JSON: {e}") from e
+    if not isinstance(doc, dict) or not doc:
+        raise SummaryError(f"{source}: no epochs")
+    out = []
+    for n in range(1, len(doc) + 1):
+        epoch = doc.get(str(n))
+        if not isinstance(epoch, dict) or "duration" not in epoch:
+            raise SummaryError(f"{source}: epoch {n} has no duration")
+        try:
+            seconds = float(epoch["duration"])
+        except (TypeError, ValueError):
+            raise SummaryError(f"{source}: epoch {n} lasted {epoch['duration']!r}") from None
+        if not seconds > 0:
+            raise SummaryError(f"{source}: epoch {n} lasted {seconds} s")
+        out.append(seconds)
+    return out
+
+
 def _numbers(value: object, name: str, source: str) -> list[float]:
     if not isinstance(value, list) or not value:
         raise SummaryError(f"{source}: {name} is {value!r}, not a list of numbers")

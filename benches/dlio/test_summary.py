@@ -242,6 +242,46 @@ def test_rounds_give_medians_and_differences_to_local_disk_in_the_same_round() -
     assert report.rounds_lines([row("local", 0, 0, 95.0), row("mount-tier", 10, 0, 94.0)]) == []
 
 
+def test_epoch_times_come_from_per_epoch_stats_and_a_broken_one_is_named() -> None:
+    stats = (HERE / "testdata" / "per-epoch-stats-unet3d-local.json").read_text()
+    secs = summary.epoch_seconds(stats)
+    assert len(secs) == 8
+    assert secs[:3] == pytest.approx([3.84, 1.64, 2.05])
+    doc = json.loads(stats)
+    del doc["3"]["duration"]
+    with pytest.raises(summary.SummaryError, match="epoch 3 has no duration"):
+        summary.epoch_seconds(json.dumps(doc))
+    doc["3"]["duration"] = "soon"
+    with pytest.raises(summary.SummaryError, match="epoch 3 lasted 'soon'"):
+        summary.epoch_seconds(json.dumps(doc))
+    with pytest.raises(summary.SummaryError, match="no epochs"):
+        summary.epoch_seconds("{}")
+
+
+def test_epoch_times_by_round_give_how_much_longer_than_local_disk() -> None:
+    import report
+
+    def row(reader: str, rnd: int, secs: list[float]) -> dict:
+        return {"reader": reader, "rtt": 0, "np": 1, "round": rnd, "epoch_s": secs}
+
+    rows = [row("local", 0, [9.0, 2.0, 2.0]), row("mount-tier", 0, [20.0, 3.0, 2.2])]
+    rows += [row("local", 1, [9.0, 1.5, 1.7]), row("mount-tier", 1, [20.0, 1.6, 1.6])]
+    rows += [row("mount-tier", 2, [20.0, 3.0, 3.0])]
+    lines = report.epoch_time_lines(rows)
+    assert "| local | 0 ms | 1 | 2.00, 1.60 | 1.80 s | - | 2.00, 1.70 | - | - |" in lines, lines
+    # Epochs 2 on: 2.6 against 2.0 (+30%) and 1.6 against 1.6; epochs 3 on:
+    # 2.2 against 2.0 (+10%) and 1.6 against 1.7 (-5.9%). Round 2 has no
+    # local run to compare with.
+    want = (
+        "| mount-tier | 0 ms | 1 | 2.60, 1.60, 3.00 | 2.60 s | +15.0% | 2.20, 1.60, 3.00 |"
+        " +2.1% | +10.0%, -5.9% |"
+    )
+    assert want in lines, lines
+    # Rows without epoch times (kept from before), or one round: no table.
+    assert report.epoch_time_lines([row("local", 0, []), row("local", 1, [])]) == []
+    assert report.epoch_time_lines(rows[:2]) == []
+
+
 def test_epoch_medians_take_each_epoch_over_rounds_at_the_fewest_accelerators() -> None:
     import report
 
