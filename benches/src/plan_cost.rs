@@ -48,12 +48,17 @@ fn main() {
             )
         })
         .collect();
+    // Each entry a 1 MiB sample of its 8 MiB page, as workers keep them.
+    let spans: Vec<(u32, u32)> = (0..n)
+        .map(|i| ((i % 8) as u32) << 20)
+        .map(|s| (s, s + (1 << 20)))
+        .collect();
     let mut order = PlanOrder::default();
     let far = Instant::now() + Duration::from_secs(3600);
 
     let (rss0, cpu0, t0) = (rss_bytes(), cpu(), Instant::now());
     order
-        .install("job/0", None, &pages, far)
+        .install("job/0", None, &pages, &spans, far)
         .expect("within the limits");
     let install = (t0.elapsed(), cpu() - cpu0, rss_bytes().saturating_sub(rss0));
 
@@ -62,8 +67,9 @@ fn main() {
     let pass = (t0.elapsed(), cpu() - cpu0);
 
     let (cpu0, t0) = (cpu(), Instant::now());
-    for key in &pages {
-        order.read(key, lakecache_worker::plan_order::ReadKind::Demand);
+    for (key, &(start, end)) in pages.iter().zip(&spans) {
+        let part = Some(u64::from(start)..u64::from(end));
+        order.read_part(key, part, lakecache_worker::plan_order::ReadKind::Demand);
     }
     let follow = (t0.elapsed(), cpu() - cpu0);
     assert!(

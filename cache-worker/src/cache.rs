@@ -647,8 +647,8 @@ impl Cache {
         // fetched 2.4 GiB from S3 for 2 GiB read over two epochs (the
         // least that Belady's rule can do at page granularity), against
         // 1.5 GiB by sample.
-        let planned =
-            new_page.is_some_and(|kind| self.note_planned_read(uri, &meta.etag, idx, kind));
+        let planned = new_page
+            .is_some_and(|kind| self.note_planned_read(uri, &meta.etag, idx, sub.clone(), kind));
         let fetch = if planned && whole_page {
             Fetch::WholePage
         } else if planned && sequential {
@@ -842,7 +842,7 @@ impl Cache {
             .map_err(join_failed)?;
             match opened {
                 Ok(file) => {
-                    self.note_planned_read(uri, &meta.etag, idx, kind);
+                    self.note_planned_read(uri, &meta.etag, idx, sub.clone(), kind);
                     // Recorded once granted, and as far as the grant goes:
                     // a refused page is read by `Self::read` instead,
                     // which records the same read itself.

@@ -323,11 +323,12 @@ impl Lru {
         name: &str,
         tenant: Option<Arc<str>>,
         pages: &[PageKey],
+        spans: &[(u32, u32)],
         ttl: std::time::Duration,
     ) -> Result<(), PlanError> {
         let expires = std::time::Instant::now() + ttl;
         let mut inner = self.lock();
-        inner.plans.install(name, tenant, pages, expires)?;
+        inner.plans.install(name, tenant, pages, spans, expires)?;
         self.planned.store(true, Ordering::Relaxed);
         Ok(())
     }
@@ -349,9 +350,9 @@ impl Lru {
 
     /// A client read `key` (a hit or a miss): the plans move on. Returns
     /// whether some plan reads it again after this read.
-    pub fn planned_read(&self, key: &PageKey, kind: ReadKind) -> bool {
+    pub fn planned_read(&self, key: &PageKey, part: std::ops::Range<u64>, kind: ReadKind) -> bool {
         let mut inner = self.lock();
-        inner.plans.read(key, kind);
+        inner.plans.read_part(key, Some(part), kind);
         inner.plans.distance(key).is_some()
     }
 

@@ -11,6 +11,7 @@
 //! pace, so their distances compare directly.
 
 use std::collections::{BTreeMap, BinaryHeap, HashMap, HashSet, VecDeque};
+use std::ops::Range;
 use std::sync::Arc;
 use std::time::Instant;
 
@@ -18,7 +19,7 @@ use crate::pages::PageKey;
 pub use lakecache_protocol::ReadKind;
 
 /// Pages a plan may list at most, and all plans together: the index costs
-/// about 220 bytes per entry (benches/results/plan-cost.md).
+/// about 230 bytes per entry (benches/results/plan-cost.md).
 pub const MAX_PLAN_PAGES: usize = 1 << 20;
 pub const MAX_TOTAL_PAGES: usize = 4 << 20;
 /// How far ahead of the furthest read (in entries) a read still counts as
@@ -59,6 +60,9 @@ struct Plan {
     ahead: HashMap<PageKey, VecDeque<u64>>,
     /// Each page's next position, keyed by that position (unique).
     next: BTreeMap<u64, PageKey>,
+    /// Per position, the bytes of its page the plan reads there
+    /// (page-relative); empty where the plan gave none.
+    spans: Vec<(u32, u32)>,
     /// The position each page was last read at.
     read_at: HashMap<PageKey, u64>,
     len: usize,
@@ -74,15 +78,29 @@ struct Plan {
 
 impl Plan {
     /// A plan of `pages`, a page listed again right after itself kept
-    /// once (two samples in one page are one read of it).
-    fn new(pages: &[PageKey], expires: Instant, tenant: Option<Arc<str>>) -> Self {
+    /// once (two samples in one page are one read of it). `spans`, where
+    /// given, holds each entry's bytes of its page.
+    fn new(
+        pages: &[PageKey],
+        spans: &[(u32, u32)],
+        expires: Instant,
+        tenant: Option<Arc<str>>,
+    ) -> Self {
         let mut ahead: HashMap<PageKey, VecDeque<u64>> = HashMap::new();
+        let with_spans = spans.len() == pages.len();
+        let mut kept_spans: Vec<(u32, u32)> = Vec::new();
         let mut at = 0;
         for (i, key) in pages.iter().enumerate() {
             if i > 0 && pages[i - 1] == *key {
+                if let (true, Some(last)) = (with_spans, kept_spans.last_mut()) {
+                    *last = (last.0.min(spans[i].0), last.1.max(spans[i].1));
+                }
                 continue;
             }
             ahead.entry(*key).or_default().push_back(at);
+            if with_spans {
+                kept_spans.push(spans[i]);
+            }
             at += 1;
         }
         let next = ahead
@@ -94,6 +112,7 @@ impl Plan {
             reached: 0,
             ahead,
             next,
+            spans: kept_spans,
             read_at: HashMap::new(),
             len: pages.len(),
             last: None,
@@ -124,6 +143,17 @@ impl Plan {
     fn distance(&self, key: &PageKey) -> Option<u64> {
         let at = self.ahead.get(key)?.front()?;
         Some(at - self.cursor)
+    }
+
+    /// Whether this plan's next read of `key` takes in bytes of `part`
+    /// (page-relative); true where the plan gave no spans.
+    fn next_read_meets(&self, key: &PageKey, part: &Range<u64>) -> bool {
+        let Some(&at) = self.ahead.get(key).and_then(|p| p.front()) else {
+            return false;
+        };
+        self.spans
+            .get(at as usize)
+            .is_none_or(|&(start, end)| u64::from(start) < part.end && part.start < u64::from(end))
     }
 
     /// `key` was read. Its next position is what was read, if it lies
@@ -212,12 +242,14 @@ impl PlanOrder {
     }
 
     /// Installs (or renews, from its start) plan `name`, live until
-    /// `expires`.
+    /// `expires`. `spans`, if not empty, gives each entry's bytes of its
+    /// page (page-relative): reads are then told apart by them.
     pub fn install(
         &mut self,
         name: &str,
         tenant: Option<Arc<str>>,
         pages: &[PageKey],
+        spans: &[(u32, u32)],
         expires: Instant,
     ) -> Result<(), PlanError> {
         if pages.len() > MAX_PLAN_PAGES {
@@ -240,7 +272,7 @@ impl PlanOrder {
             });
         }
         self.plans
-            .insert(name.to_string(), Plan::new(pages, expires, tenant));
+            .insert(name.to_string(), Plan::new(pages, spans, expires, tenant));
         Ok(())
     }
 
@@ -311,21 +343,35 @@ impl PlanOrder {
     /// and taking that for the plan's read would leave the page unplanned
     /// (evicted first) until the plan's reader reads it.
     pub fn read(&mut self, key: &PageKey, kind: ReadKind) {
+        self.read_part(key, None, kind);
+    }
+
+    /// [`Self::read`] of the bytes `part` of the page (page-relative),
+    /// where known. Plans whose next read of the page takes in those
+    /// bytes go before the others: ranks of one job read different
+    /// samples of one page, and the nearest plan alone took a rank's read
+    /// for another rank's (at 4 MiB pages of four 1 MiB samples, two
+    /// ranks share most pages).
+    pub fn read_part(&mut self, key: &PageKey, part: Option<Range<u64>>, kind: ReadKind) {
         let window = match kind {
             ReadKind::Demand => self.window,
             ReadKind::Ahead => STRAY_GAP.min(self.window),
         };
-        let nearest = self
-            .plans
-            .values()
-            .filter(|p| p.last != Some(*key))
-            .filter_map(|p| p.distance(key))
-            .min();
-        let Some(nearest) = nearest else {
+        let nearest_of = |plans: &HashMap<String, Plan>, meets: bool| {
+            plans
+                .values()
+                .filter(|p| p.last != Some(*key))
+                .filter(|p| !meets || part.as_ref().is_some_and(|r| p.next_read_meets(key, r)))
+                .filter_map(|p| p.distance(key))
+                .min()
+        };
+        let meets = part.is_some() && nearest_of(&self.plans, true).is_some();
+        let Some(nearest) = nearest_of(&self.plans, meets) else {
             return;
         };
         for plan in self.plans.values_mut() {
-            if plan.distance(key) == Some(nearest) {
+            let its = !meets || part.as_ref().is_some_and(|r| plan.next_read_meets(key, r));
+            if its && plan.distance(key) == Some(nearest) {
                 plan.read(key, window);
             }
         }

@@ -109,8 +109,9 @@ impl Cache {
         }
         // A plan ranks the pages of the tenant that published it.
         let tenant = crate::tenant::current();
+        let spans: Vec<(u32, u32)> = reads.iter().map(PlannedRead::span).collect();
         self.lru
-            .install_plan(name, tenant.clone(), &pages, ttl)
+            .install_plan(name, tenant.clone(), &pages, &spans, ttl)
             .map_err(|e| CacheError::Invalid(format!("{e}; nothing was installed")))?;
         report.pages = pages.len();
         self.plan_fetches.install(
@@ -147,19 +148,21 @@ impl Cache {
             .await
     }
 
-    /// A client read `page`: the plans it was next for move on (nothing
-    /// to do, and no hashing, while no plan is installed). Returns whether
-    /// some plan reads the page again: then a miss fetches it whole.
+    /// A client read `part` (page-relative) of page `idx`: the plans it
+    /// was next for move on (nothing to do, and no hashing, while no plan
+    /// is installed). Returns whether some plan reads the page again: then
+    /// a miss fetches it whole.
     pub(crate) fn note_planned_read(
         &self,
         uri: &ObjectUri,
         etag: &str,
         idx: u64,
+        part: std::ops::Range<u64>,
         kind: ReadKind,
     ) -> bool {
         self.lru.has_plans()
             && self
                 .lru
-                .planned_read(&PageKey::new(&uri.to_string(), etag, idx), kind)
+                .planned_read(&PageKey::new(&uri.to_string(), etag, idx), part, kind)
     }
 }

@@ -28,7 +28,7 @@ fn evicted(lru: &Lru) -> Vec<u8> {
 /// it hit, and the page evicted.
 fn read(lru: &Lru, page: u8) -> (bool, Option<u8>) {
     let hit = lru.contains(&key(page));
-    lru.planned_read(&key(page), Demand);
+    lru.planned_read(&key(page), 0..PAGE, Demand);
     if !hit {
         lru.insert(key(page), PAGE);
     }
@@ -87,7 +87,7 @@ proptest! {
         seq.dedup();
         let lru = cache(capacity as u64);
         let pages: Vec<PageKey> = seq.iter().map(|p| key(*p)).collect();
-        lru.install_plan("job/0", None, &pages, Duration::from_secs(600)).unwrap();
+        lru.install_plan("job/0", None, &pages, &[], Duration::from_secs(600)).unwrap();
         let got: Vec<_> = seq.iter().map(|p| read(&lru, *p)).collect();
         prop_assert_eq!(got, belady(&seq, capacity));
     }
@@ -106,7 +106,7 @@ fn a_scan_of_twice_the_cache_hits_half_with_a_plan_and_nothing_without() {
         }
         if planned {
             let pages: Vec<PageKey> = epoch2.iter().map(|p| key(*p)).collect();
-            lru.install_plan("job/0", None, &pages, Duration::from_secs(600))
+            lru.install_plan("job/0", None, &pages, &[], Duration::from_secs(600))
                 .unwrap();
         }
         epoch2.iter().filter(|p| read(&lru, **p).0).count()
@@ -122,7 +122,7 @@ fn prefetch_reaches_only_as_far_as_what_it_would_evict() {
     // Watermarks of 1.0: no room once 3 pages are held.
     let lru = cache(3);
     let far = Duration::from_secs(600);
-    lru.install_plan("job/0", None, &[1, 2, 3, 4, 5].map(key), far)
+    lru.install_plan("job/0", None, &[1, 2, 3, 4, 5].map(key), &[], far)
         .unwrap();
     lru.insert(key(1), PAGE);
     assert_eq!(lru.prefetch_horizon(None), None, "room");
@@ -151,14 +151,14 @@ fn pages_no_plan_reads_again_go_first_and_pinned_pages_never() {
     lru.insert(key(1), PAGE);
     lru.insert(key(2), PAGE);
     let far = Duration::from_secs(600);
-    lru.install_plan("job/0", None, &[key(1), key(2), key(9)], far)
+    lru.install_plan("job/0", None, &[key(1), key(2), key(9)], &[], far)
         .unwrap();
     lru.insert(key(3), PAGE);
     let victims = evicted(&lru);
     assert_eq!(victims, vec![3], "the only page no plan reads again");
     // Now every page is planned; the pinned one is read again last, but
     // the furthest page that may go is 4.
-    lru.install_plan("job/0", None, &[key(1), key(2), key(4), key(9)], far)
+    lru.install_plan("job/0", None, &[key(1), key(2), key(4), key(9)], &[], far)
         .unwrap();
     lru.insert(key(4), PAGE);
     let victims = evicted(&lru);
@@ -173,11 +173,47 @@ fn the_furthest_planned_page_goes_when_all_are_planned() {
         lru.insert(key(p), PAGE);
     }
     let plan = [key(4), key(2), key(1), key(4), key(3)];
-    lru.install_plan("job/0", None, &plan, Duration::from_secs(600))
+    lru.install_plan("job/0", None, &plan, &[], Duration::from_secs(600))
         .unwrap();
     let (hit, victim) = read(&lru, 4);
     assert!(!hit);
     assert_eq!(victim, Some(3), "3 is read again last");
+}
+
+#[test]
+fn a_read_of_one_sample_moves_the_rank_that_reads_that_sample() {
+    let mut order = PlanOrder::default();
+    let far = Instant::now() + Duration::from_secs(600);
+    // Page 9 holds two samples: rank 0 reads its first half at position
+    // 2, rank 1 its second half first.
+    let (first, second) = ((0, 5), (5, 10));
+    order
+        .install(
+            "job/0",
+            None,
+            &[key(1), key(3), key(9)],
+            &[(0, 10), (0, 10), first],
+            far,
+        )
+        .unwrap();
+    order
+        .install("job/1", None, &[key(9), key(4)], &[second, (0, 10)], far)
+        .unwrap();
+    // Rank 1's next read of 9 is nearer, but this read is of rank 0's
+    // sample: rank 0 moves on, rank 1 still reads 9 next.
+    order.read_part(&key(9), Some(0..5), Demand);
+    assert_eq!(
+        order.distance(&key(9)),
+        Some(0),
+        "rank 1 still reads 9 first"
+    );
+    assert_eq!(order.cursor("job/1"), Some(0));
+    assert_eq!(order.cursor("job/0"), Some(3), "rank 0 read position 2");
+    // Bytes no plan reads next there: the nearest plan takes the read,
+    // as a read without its bytes does.
+    order.read_part(&key(9), Some(0..1), Demand);
+    assert_eq!(order.cursor("job/1"), Some(1));
+    assert_eq!(order.distance(&key(9)), None, "no plan reads 9 again");
 }
 
 #[test]
@@ -186,10 +222,10 @@ fn two_ranks_plans_rank_a_page_by_its_nearest_use() {
     let far = Instant::now() + Duration::from_secs(600);
     // Rank 0 reads 1 soon and 2 late; rank 1 reads 2 first.
     order
-        .install("job/0", None, &[key(1), key(5), key(6), key(2)], far)
+        .install("job/0", None, &[key(1), key(5), key(6), key(2)], &[], far)
         .unwrap();
     order
-        .install("job/1", None, &[key(2), key(7), key(1)], far)
+        .install("job/1", None, &[key(2), key(7), key(1)], &[], far)
         .unwrap();
     assert_eq!(order.distance(&key(2)), Some(0));
     assert_eq!(order.distance(&key(1)), Some(0));
@@ -218,7 +254,7 @@ fn a_plan_not_renewed_expires_and_recency_resumes() {
     let lru = cache(2);
     lru.insert(key(1), PAGE);
     lru.insert(key(2), PAGE);
-    lru.install_plan("job/0", None, &[key(1)], Duration::from_millis(1))
+    lru.install_plan("job/0", None, &[key(1)], &[], Duration::from_millis(1))
         .unwrap();
     assert_eq!(lru.expire_plans(Instant::now() + Duration::from_secs(1)), 1);
     let (_, victim) = read(&lru, 3);
@@ -230,7 +266,7 @@ fn a_read_far_ahead_of_the_cursor_is_not_the_plans_reader() {
     let mut order = PlanOrder::new(2);
     let far = Instant::now() + Duration::from_secs(600);
     let plan: Vec<PageKey> = (0..10).map(key).collect();
-    order.install("job/0", None, &plan, far).unwrap();
+    order.install("job/0", None, &plan, &[], far).unwrap();
     order.read(&key(8), Demand);
     assert_eq!(order.distance(&key(0)), Some(0), "another job read 8");
     order.read(&key(1), Demand);
@@ -250,7 +286,7 @@ fn a_stray_read_far_ahead_does_not_move_where_the_reader_is() {
     let mut order = PlanOrder::default();
     let far = Instant::now() + Duration::from_secs(600);
     let plan: Vec<PageKey> = (0..=200).map(key).collect();
-    order.install("job/0", None, &plan, far).unwrap();
+    order.install("job/0", None, &plan, &[], far).unwrap();
     for p in 0..10 {
         order.read(&key(p), Demand);
     }
@@ -291,7 +327,7 @@ fn a_read_ahead_far_past_the_reader_leaves_the_page_planned() {
     let plan: Vec<PageKey> = (0..=200).chain(0..=200).map(key).collect();
     let started = || {
         let mut order = PlanOrder::default();
-        order.install("job/0", None, &plan, far).unwrap();
+        order.install("job/0", None, &plan, &[], far).unwrap();
         for p in 0..10 {
             order.read(&key(p), Demand);
         }
@@ -326,7 +362,7 @@ fn reads_out_of_order_each_take_their_own_position() {
     let far = Instant::now() + Duration::from_secs(600);
     // Two loader workers: one reads 2 before the other reads 1.
     let plan = [key(1), key(2), key(3), key(1), key(4)];
-    order.install("job/0", None, &plan, far).unwrap();
+    order.install("job/0", None, &plan, &[], far).unwrap();
     order.read(&key(2), Demand);
     assert_eq!(order.distance(&key(1)), Some(0), "1 is still to be read");
     assert_eq!(order.distance(&key(3)), Some(2));
@@ -348,7 +384,7 @@ fn a_page_read_again_at_once_is_not_its_next_planned_read() {
     let mut order = PlanOrder::default();
     let far = Instant::now() + Duration::from_secs(600);
     let plan: Vec<PageKey> = [1, 2, 3, 4, 5, 6, 7, 8, 1].map(key).to_vec();
-    order.install("job/0", None, &plan, far).unwrap();
+    order.install("job/0", None, &plan, &[], far).unwrap();
     order.read(&key(1), Demand);
     order.read(&key(2), Demand);
     // A second sample of page 1 (listed once), read after 2 by another
@@ -368,7 +404,7 @@ fn a_page_read_in_pieces_moves_the_plan_once() {
     let far = Instant::now() + Duration::from_secs(600);
     // Two samples in page 1, then 2, then 1 again.
     let plan = [key(1), key(1), key(2), key(1), key(3)];
-    order.install("job/0", None, &plan, far).unwrap();
+    order.install("job/0", None, &plan, &[], far).unwrap();
     for _ in 0..4 {
         order.read(&key(1), Demand);
     }
@@ -390,7 +426,7 @@ fn plans_are_bounded() {
     let far = Instant::now() + Duration::from_secs(600);
     let long = vec![key(1); MAX_PLAN_PAGES + 1];
     assert_eq!(
-        order.install("job/0", None, &long, far),
+        order.install("job/0", None, &long, &[], far),
         Err(PlanError::TooLong {
             pages: MAX_PLAN_PAGES + 1,
             limit: MAX_PLAN_PAGES
@@ -399,13 +435,15 @@ fn plans_are_bounded() {
     let full = vec![key(1); MAX_PLAN_PAGES];
     for rank in 0..4 {
         order
-            .install(&format!("job/{rank}"), None, &full, far)
+            .install(&format!("job/{rank}"), None, &full, &[], far)
             .unwrap();
     }
-    let err = order.install("job/4", None, &[key(2)], far).unwrap_err();
+    let err = order
+        .install("job/4", None, &[key(2)], &[], far)
+        .unwrap_err();
     assert!(err.to_string().contains("at most"), "{err}");
     // Renewing a plan replaces it, within the bound.
-    order.install("job/3", None, &full, far).unwrap();
+    order.install("job/3", None, &full, &[], far).unwrap();
 }
 
 /// Installs `tenant`'s plan of pages `pages`, as the HTTP route names it.
@@ -415,6 +453,7 @@ fn plan_of(lru: &Lru, tenant: &Arc<str>, pages: &[u8]) {
         &format!("{tenant}:job/0"),
         Some(tenant.clone()),
         &pages,
+        &[],
         Duration::from_secs(600),
     )
     .unwrap();
@@ -475,7 +514,7 @@ fn upcoming_lists_the_unread_entries_from_the_first_one_to_the_lead() {
     let far = Instant::now() + Duration::from_secs(600);
     // Page 2 is read at positions 1 and 5.
     let plan = [key(1), key(2), key(3), key(4), key(5), key(2), key(6)];
-    order.install("job/0", None, &plan, far).unwrap();
+    order.install("job/0", None, &plan, &[], far).unwrap();
     assert_eq!(
         order.upcoming("job/0", 3, 10),
         vec![(0, key(1)), (1, key(2)), (2, key(3))]
