@@ -365,8 +365,10 @@ impl PlanOrder {
                 .filter_map(|p| p.distance(key))
                 .min()
         };
-        let meets = part.is_some() && nearest_of(&self.plans, true).is_some();
-        let Some(nearest) = nearest_of(&self.plans, meets) else {
+        // One pass over the plans when the bytes tell them apart.
+        let matched = part.as_ref().and_then(|_| nearest_of(&self.plans, true));
+        let meets = matched.is_some();
+        let Some(nearest) = matched.or_else(|| nearest_of(&self.plans, false)) else {
             return;
         };
         for plan in self.plans.values_mut() {
