@@ -602,6 +602,14 @@ impl Fs {
         self.inodes.add_lookup(ino);
     }
 
+    /// [`Self::getattr`] where it needs no call: the attributes are
+    /// fresh. `None` sends the caller the long way.
+    pub fn getattr_now(&self, ino: u64) -> Option<Inode> {
+        self.refresh_staged_size(ino);
+        let node = self.node(ino).ok()?;
+        (node.meta.user.is_some() && node.is_fresh(self.config.attr_ttl)).then_some(node)
+    }
+
     pub async fn getattr(&self, ino: u64) -> Result<Inode, FsError> {
         self.refresh_staged_size(ino);
         let node = self.node(ino)?;

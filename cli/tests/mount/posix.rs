@@ -393,7 +393,7 @@ fn s3_requests(port: u16, op: &str) -> u64 {
 fn io_size_hint_is_large_while_writing_and_small_for_reads() {
     use std::os::unix::fs::MetadataExt;
     const WRITING: u64 = 1 << 20;
-    const READING: u64 = 128 << 10;
+    const READING: u64 = 4 << 10;
     let mut env = Env::start(1);
     env.put("stored.bin", Bytes::from(vec![7u8; 300_000]));
     mount_for_posix(&mut env);
