@@ -611,7 +611,16 @@ impl Fs {
     }
 
     pub async fn getattr(&self, ino: u64) -> Result<Inode, FsError> {
-        self.refresh_staged_size(ino);
+        match self.getattr_now(ino) {
+            Some(node) => Ok(node),
+            None => self.getattr_asking(ino).await,
+        }
+    }
+
+    /// [`Self::getattr`] once [`Self::getattr_now`] had no answer: asks
+    /// the store (or, for a directory, its user metadata) unless another
+    /// call made them fresh meanwhile.
+    pub async fn getattr_asking(&self, ino: u64) -> Result<Inode, FsError> {
         let node = self.node(ino)?;
         if node.meta.user.is_none() && node.kind == Kind::Dir {
             let meta = self
@@ -627,6 +636,7 @@ impl Fs {
                 })
                 .ok_or(FsError::NotFound);
         }
+        // Another getattr may have filled them in since.
         if node.is_fresh(self.config.attr_ttl) && node.meta.user.is_some() {
             return Ok(node);
         }

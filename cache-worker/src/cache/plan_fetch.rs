@@ -87,12 +87,12 @@ impl PlannedRead {
         }
     }
 
-    /// This read and `next` (of the same page, at the same position).
     /// The bytes of its page read there, page-relative.
     pub(crate) fn span(&self) -> (u32, u32) {
         (self.start, self.end)
     }
 
+    /// This read and `next` (of the same page, at the same position).
     pub(crate) fn joined(self, next: Self) -> Self {
         Self {
             start: self.start.min(next.start),
