@@ -41,6 +41,7 @@ import summary  # noqa: E402
 from cgroup import AnonPeak, BenchError, Cgroup, ReadCounter  # noqa: E402
 from lake import DAEMONS_MEMORY, Lake  # noqa: E402
 from local_tier import install_s3fs  # noqa: E402
+from page_reporting import PageReporting  # noqa: E402
 from run import (  # noqa: E402
     BUCKET,
     drop_caches,
@@ -313,6 +314,20 @@ def main() -> None:
         f"({PROCESS_MEMORY / GIB:.2f} GiB per DLIO process)",
     )
     ap.add_argument(
+        "--free-page-reporting",
+        choices=["keep", "off"],
+        default="keep",
+        help="off: turn the VM's free page reporting off for the run and restore it after "
+        "(where a balloon hands free memory back to the host, the first warm epoch after "
+        "a cold one through FUSE pays to fault it back in; bare metal has none)",
+    )
+    ap.add_argument(
+        "--endpoint-memory",
+        default=None,
+        help="cap the S3 endpoint's memory, page cache included (e.g. 1GiB); by default "
+        "it is uncapped and the bucket's files it reads stay in this machine's page cache",
+    )
+    ap.add_argument(
         "--mount-arg",
         action="append",
         default=[],
@@ -480,10 +495,21 @@ class Bench:
         # The mount's memory budget and the worker, beside their page cache.
         self.daemons_cg = Cgroup.create("lakecache-dlio-daemons", DAEMONS_MEMORY)
         self.process_memory = PROCESS_MEMORY
-        lake = Lake(a, a.work, self.daemons_cg)
+        self.endpoint_cg = (
+            Cgroup.create("lakecache-dlio-endpoint", parse_size(a.endpoint_memory))
+            if a.endpoint_memory
+            else None
+        )
+        lake = Lake(a, a.work, self.daemons_cg, self.endpoint_cg)
         rows: list[dict] = []
         self.failures: list[str] = []
+        reporting = PageReporting()
+        off = a.free_page_reporting == "off"
+        a.page_reporting_note = reporting.describe(off)
+        reported_before = reporting.reported_kib()
         try:
+            if off:
+                reporting.turn_off()
             for w in self.workloads:
                 rows += self.workload(lake, w)
                 # Kept, so a later failure loses no measurement.
@@ -491,9 +517,18 @@ class Bench:
             if not a.smoke and not a.no_checkpoints:
                 self.ckpt_rows = self.checkpoints(lake)
         finally:
+            reporting.restore()
             lake.close()
             self.reader_cg.remove()
             self.daemons_cg.remove()
+            if self.endpoint_cg:
+                self.endpoint_cg.remove()
+        reported_after = reporting.reported_kib()
+        if reported_before is not None and reported_after is not None:
+            a.page_reporting_note += (
+                f"; {(reported_after - reported_before) / 1024:.0f} MiB handed to the host "
+                "during the run"
+            )
         self.report(rows)
         print(f"the bench ran {(time.monotonic() - started) / 60:.1f} min", flush=True)
         if self.failures:

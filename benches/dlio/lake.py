@@ -32,6 +32,8 @@ class Lake:
     a: argparse.Namespace
     work: Path
     daemons_cg: Cgroup
+    # The S3 endpoint's own cgroup, when its page cache is capped.
+    endpoint_cg: Cgroup | None = None
     procs: list[subprocess.Popen] = field(default_factory=list)
     proxy: subprocess.Popen | None = None
     rtt_ms: int = 0
@@ -39,7 +41,11 @@ class Lake:
     def __post_init__(self) -> None:
         self.env = s3_env()
         self.s3, self.s3_port = start_s3_server(
-            self.a.bin, self.work / "s3", self.log("s3-server"), self.env
+            self.a.bin,
+            self.work / "s3",
+            self.log("s3-server"),
+            self.env,
+            self.endpoint_cg.prefix() if self.endpoint_cg else None,
         )
         self.url = f"http://127.0.0.1:{self.s3_port}"
         self.mnt = self.work / "mnt"

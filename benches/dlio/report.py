@@ -185,6 +185,13 @@ def write(
         "mount, or s3fs) per GiB the readers read; the S3 endpoint and the delay proxy "
         "stand for the data lake and are left out.",
         f"- s3fs: {s3fs or 'not run'}, with its local cache (`use_cache`).",
+        f"- {getattr(a, 'page_reporting_note', 'free page reporting: not recorded')}.",
+        "- the S3 endpoint: "
+        + (
+            f"in a memory cgroup of {a.endpoint_memory} (its page cache included)."
+            if getattr(a, "endpoint_memory", None)
+            else "no memory limit (the bucket's files it reads stay in the page cache)."
+        ),
         "",
     ]
     for name, (compute, factor, batch, dlio_batch) in scale.items():

@@ -81,13 +81,21 @@ def s3_env() -> dict[str, str]:
     }
 
 
-def start_s3_server(binary: str, root: Path, stderr, env: dict[str, str] | None = None):
+def start_s3_server(
+    binary: str,
+    root: Path,
+    stderr,
+    env: dict[str, str] | None = None,
+    prefix: list[str] | None = None,
+):
     """`lakecache s3-server` over `root` with the bench bucket, on a port
-    from the OS; returns the process and its port once it answers."""
+    from the OS; returns the process and its port once it answers.
+    `prefix` wraps the command (a cgroup's, for one)."""
     port = free_port()
     proc = subprocess.Popen(
-        [binary, "s3-server", "--root", str(root), "--listen", f"127.0.0.1:{port}",
-         "--access-key", ACCESS, "--secret-key", SECRET, "--bucket", BUCKET],
+        (prefix or [])
+        + [binary, "s3-server", "--root", str(root), "--listen", f"127.0.0.1:{port}",
+           "--access-key", ACCESS, "--secret-key", SECRET, "--bucket", BUCKET],
         env=env, stdout=subprocess.DEVNULL, stderr=stderr,
     )
     wait_port(port)

@@ -10,6 +10,7 @@ from pathlib import Path
 READERS = {
     "plans": "workers, plans",
     "mounts": "mounts, plans",
+    "mounts-random": "mounts, plans, random advice",
     "lru": "workers, LRU",
     "nocache": "no cache (S3)",
 }

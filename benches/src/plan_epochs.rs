@@ -103,11 +103,11 @@ struct Args {
     #[arg(long)]
     publish_once: bool,
     /// Readers to run (a subset is for trying changes; the table of
-    /// record has all four)
+    /// record has them all)
     #[arg(
         long,
         value_enum,
-        default_value = "local,no-cache,lru,plans,mounts",
+        default_value = "local,no-cache,lru,plans,mounts,mounts-random",
         value_delimiter = ','
     )]
     modes: Vec<Mode>,
@@ -136,6 +136,9 @@ enum Mode {
     Lru,
     Plans,
     Mounts,
+    /// Mounts whose loaders advise POSIX_FADV_RANDOM on each open, as the
+    /// README tells loaders reading samples out of large files to do.
+    MountsRandom,
 }
 
 impl Mode {
@@ -146,6 +149,7 @@ impl Mode {
             Mode::Lru => "workers, LRU",
             Mode::Plans => "workers, plans",
             Mode::Mounts => "mounts, plans",
+            Mode::MountsRandom => "mounts, plans, random advice",
         }
     }
     fn key(self) -> &'static str {
@@ -155,7 +159,13 @@ impl Mode {
             Mode::Lru => "lru",
             Mode::Plans => "plans",
             Mode::Mounts => "mounts",
+            Mode::MountsRandom => "mounts-random",
         }
+    }
+
+    /// Whether ranks read through `lakecache mount`s.
+    fn mounted(self) -> bool {
+        matches!(self, Mode::Mounts | Mode::MountsRandom)
     }
 }
 
@@ -436,7 +446,7 @@ impl Bench {
                 let direct = Arc::new(Source::Direct(store, self.etags.clone()));
                 sources = vec![direct; ranks];
             }
-            Mode::Lru | Mode::Plans | Mode::Mounts => {
+            Mode::Lru | Mode::Plans | Mode::Mounts | Mode::MountsRandom => {
                 // The cache holds half the data set, split among the workers.
                 let capacity = self.samples * self.layout.sample / 2 / ranks as u64;
                 for w in 0..ranks {
@@ -446,7 +456,7 @@ impl Bench {
                     if let Some(mib) = self.args.plan_prefetch_mib {
                         options.cache.plan_prefetch.budget_bytes = mib * MIB;
                     }
-                    if mode == Mode::Mounts {
+                    if mode.mounted() {
                         // Rank w's node: its mount reads this worker's
                         // pages from its page files, the others' over HTTP.
                         options.local_socket = Some(local_socket(&dir, w));
@@ -477,7 +487,7 @@ impl Bench {
             }
         }
         let mut mounts = Vec::new();
-        if mode == Mode::Mounts {
+        if mode.mounted() {
             let registry = format!(
                 "static:{}",
                 workers
@@ -490,7 +500,8 @@ impl Bench {
             for rank in 0..ranks {
                 let (mount, view) = self.mount(&dir, rank, &registry)?;
                 mounts.push(mount);
-                sources.push(Arc::new(Source::Mount(view, self.args.fadvise_random)));
+                let random = mode == Mode::MountsRandom || self.args.fadvise_random;
+                sources.push(Arc::new(Source::Mount(view, random)));
             }
         }
         let traffic = || -> (u64, u64) {
@@ -530,7 +541,7 @@ impl Bench {
             let mut tasks = Vec::new();
             for (rank, source) in sources.iter().enumerate() {
                 let mine = of_rank(&this_epoch, rank);
-                if matches!(mode, Mode::Plans | Mode::Mounts)
+                if (mode == Mode::Plans || mode.mounted())
                     && (epoch == 0 || !self.args.publish_once)
                 {
                     // The sampler's next epoch is known too (its seed is
@@ -568,7 +579,7 @@ impl Bench {
                 per_rank.push(t.await??);
             }
             epochs.push(per_rank);
-            if mode == Mode::Mounts {
+            if mode.mounted() {
                 let (hit, miss) = traffic();
                 let (hit, miss) = (hit - before.0, miss - before.1);
                 if hit + miss == 0 {
@@ -602,7 +613,7 @@ impl Bench {
             bytes: 2 * self.samples * self.layout.sample,
             publish_s,
             s3_bytes,
-            worker_hit_ratio: (mode == Mode::Mounts).then_some(worker_hit_ratio),
+            worker_hit_ratio: mode.mounted().then_some(worker_hit_ratio),
         })
     }
 
@@ -851,7 +862,7 @@ async fn main() -> Result<()> {
                             let n: u32 = at.iter().map(|x| x.samples).sum();
                             let wait = at.iter().map(|x| x.wait.as_secs_f64()).fold(0.0, f64::max);
                             // A mount's reads carry no per-read hit.
-                            let hit = (mode != Mode::Mounts).then(|| hits as f64 / n.max(1) as f64);
+                            let hit = (!mode.mounted()).then(|| hits as f64 / n.max(1) as f64);
                             json!([hit, wait * 1000.0])
                         })
                         .collect();
@@ -948,11 +959,15 @@ fn render(rows: &[serde_json::Value], args: &Args, bounds: (f64, f64)) -> String
         args.page_kib,
         bounds.1
     ));
-    if rows.iter().any(|r| r["mode"] == Mode::Mounts.key()) {
+    let mounted = |m: Mode| rows.iter().any(|r| r["mode"] == m.key());
+    if mounted(Mode::Mounts) || mounted(Mode::MountsRandom) {
         out.push_str("\n`mounts, plans`: each rank reads through its own `lakecache mount` (kernel FUSE); its hit ratio is counted at the workers, as the share of the bytes the mounts asked for that were cached when asked, and its CPU includes the mount processes.\n");
+        if mounted(Mode::MountsRandom) {
+            out.push_str("`random advice`: the same, with each open advised POSIX_FADV_RANDOM, as the README tells loaders that read samples out of large files to do: the kernel then asks the mount for each sample and no more (without it, a sample read at offset 0 is taken for a stream and the next sample is read too).\n");
+        }
         if args.fadvise_random {
             out.push_str(
-                "Mount readers advised POSIX_FADV_RANDOM on each open (`--fadvise-random`).\n",
+                "Every mount reader advised POSIX_FADV_RANDOM on each open (`--fadvise-random`).\n",
             );
         }
     }
