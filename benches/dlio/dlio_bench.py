@@ -41,6 +41,7 @@ import summary  # noqa: E402
 from cgroup import AnonPeak, BenchError, Cgroup, ReadCounter  # noqa: E402
 from lake import DAEMONS_MEMORY, Lake  # noqa: E402
 from local_tier import install_s3fs  # noqa: E402
+from page_reporting import SAVED as SAVED_REPORTING  # noqa: E402
 from page_reporting import PageReporting  # noqa: E402
 from run import (  # noqa: E402
     BUCKET,
@@ -487,6 +488,14 @@ class Bench:
     def run(self) -> None:
         a = self.a
         started = time.monotonic()
+        # First, before anything a killed run left behind can fail this one.
+        reporting = PageReporting(saved_file=SAVED_REPORTING)
+        left = reporting.recover()
+        if left is not None:
+            print(
+                f"free page reporting: put back to order {left}, which a killed run left off",
+                flush=True,
+            )
         for stale in (a.work / "mnt",):
             if mounted(stale):
                 subprocess.run(["umount", "-l", str(stale)], check=False)
@@ -503,7 +512,6 @@ class Bench:
         lake = Lake(a, a.work, self.daemons_cg, self.endpoint_cg)
         rows: list[dict] = []
         self.failures: list[str] = []
-        reporting = PageReporting()
         off = a.free_page_reporting == "off"
         a.page_reporting_note = reporting.describe(off)
         reported_before = reporting.reported_kib()

@@ -17,16 +17,33 @@ PARAMS = Path("/sys/module/page_reporting/parameters")
 # Above the buddy allocator's largest order (10 on x86-64): no free block
 # qualifies, so nothing is reported.
 OFF_ORDER = "11"
+# The setting to put back while a run has it off: outside any --work, so
+# a run with another --work finds what a killed one left.
+SAVED = Path("/var/tmp/lakecache-dlio-page-reporting-order")
 
 
 class PageReporting:
     """Turns reporting off and back to what it was; a machine without
-    it (no `page_reporting` module parameters) has nothing to turn off."""
+    it (no `page_reporting` module parameters) has nothing to turn off.
+    The value to restore is also kept in `saved_file` until restored, so
+    a bench killed with reporting off (kill -9 skips `finally`) has it
+    put back by the next run (`recover`)."""
 
-    def __init__(self, params: Path = PARAMS) -> None:
+    def __init__(self, params: Path = PARAMS, saved_file: Path | None = None) -> None:
         self.order_file = params / "page_reporting_order"
         self.reported_file = params / "reported_kib"
+        self.saved_file = saved_file
         self.saved: str | None = None
+
+    def recover(self) -> str | None:
+        """Puts back a setting a killed run left off; returns it."""
+        if self.saved_file is None or not self.saved_file.exists():
+            return None
+        value = self.saved_file.read_text().strip()
+        if self.present() and value:
+            self.order_file.write_text(value)
+        self.saved_file.unlink()
+        return value or None
 
     def present(self) -> bool:
         return self.order_file.exists()
@@ -36,6 +53,8 @@ class PageReporting:
             return
         try:
             self.saved = self.order_file.read_text().strip()
+            if self.saved_file is not None:
+                self.saved_file.write_text(self.saved)
             self.order_file.write_text(OFF_ORDER)
         except OSError as e:
             raise BenchError(
@@ -53,6 +72,8 @@ class PageReporting:
         if self.saved is not None:
             self.order_file.write_text(self.saved)
             self.saved = None
+        if self.saved_file is not None:
+            self.saved_file.unlink(missing_ok=True)
 
     def reported_kib(self) -> int | None:
         """Memory handed back to the host so far, where the kernel says."""

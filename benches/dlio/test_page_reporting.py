@@ -15,6 +15,7 @@ from page_reporting import OFF_ORDER, PageReporting  # noqa: E402
 
 
 def params(tmp_path: Path, order: str = "9") -> Path:
+    tmp_path.mkdir(exist_ok=True)
     (tmp_path / "page_reporting_order").write_text(f"{order}\n")
     (tmp_path / "reported_kib").write_text("1234\n")
     return tmp_path
@@ -53,3 +54,19 @@ def test_a_value_the_kernel_does_not_keep_is_an_error_and_restores(tmp_path: Pat
         with pytest.raises(BenchError, match="did not take"):
             pr.turn_off()
     assert order.read_text() == "9"
+
+
+def test_a_run_killed_with_reporting_off_is_put_back_by_the_next(tmp_path: Path) -> None:
+    p = params(tmp_path / "params")
+    saved = tmp_path / "work" / "page_reporting_order.saved"
+    saved.parent.mkdir()
+    killed = PageReporting(p, saved)
+    killed.turn_off()
+    # No restore(): the process died with reporting off.
+    assert (p / "page_reporting_order").read_text() == OFF_ORDER
+    assert saved.read_text() == "9"
+    next_run = PageReporting(p, saved)
+    assert next_run.recover() == "9"
+    assert (p / "page_reporting_order").read_text() == "9"
+    assert not saved.exists()
+    assert next_run.recover() is None
