@@ -34,12 +34,10 @@ sys.path.insert(0, str(HERE.parent / "fio"))
 import provenance  # noqa: E402
 from cgroup import BenchError, Cgroup  # noqa: E402
 from lake import DAEMONS_MEMORY, Lake  # noqa: E402
+from page_reporting import PageReporting  # noqa: E402
 from run import drop_caches  # noqa: E402
 
 MIB = 1 << 20
-# Free guest memory handed back to the host so far (virtio-balloon free
-# page reporting), where the kernel exposes it.
-REPORTED = Path("/sys/module/page_reporting/parameters/reported_kib")
 CHUNK = 4 * MIB
 # Local disk's passes 1 and 2 right after a cold pass through the mount
 # (the mount stopped in between): whether a slow first warm pass is the
@@ -95,7 +93,10 @@ def measured_pass(cg: Cgroup, root: Path, want: int) -> tuple[float, float, int]
 
 
 def reported_mib() -> float | None:
-    return int(REPORTED.read_text()) / 1024 if REPORTED.exists() else None
+    """Free guest memory handed back to the host so far (virtio-balloon
+    free page reporting), where the kernel says."""
+    kib = PageReporting().reported_kib()
+    return None if kib is None else kib / 1024
 
 
 def touch_memory(gib: int) -> None:
@@ -155,7 +156,7 @@ def machine_facts() -> list[str]:
     )
     return [
         f"virtio balloon device bound: {'yes' if bound else 'no'};"
-        f" free page reporting counter: {'yes' if REPORTED.exists() else 'no'}",
+        f" free page reporting counter: {'no' if reported_mib() is None else 'yes'}",
         f"DAMON: {kdamonds} kdamonds configured by sysfs, "
         f"{running.stdout.strip() or '0'} kdamond threads running; scheme actions:"
         f" {', '.join(actions) or 'none'}",

@@ -58,7 +58,7 @@ def main() -> None:
     ap.add_argument("--last-epoch", type=int, default=8)
     ap.add_argument("bench_args", nargs=argparse.REMAINDER)
     a = ap.parse_args()
-    bench = [a for a in a.bench_args if a != "--"]
+    bench = [arg for arg in a.bench_args if arg != "--"]
     perf = subprocess.Popen(
         ["perf", "record", "-q", "-a", "-g", "-k", "CLOCK_REALTIME", "-F", "499"]
         + ["-o", str(a.perf_data)]
