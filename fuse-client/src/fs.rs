@@ -1256,8 +1256,10 @@ impl Fs {
             _ => Ok(()),
         };
         if let Some(Handle::Write { ino, .. }) = self.take_handle(fh) {
-            self.forget_staged(ino);
+            // Free the inode before waking the opens that wait on this
+            // release: woken first, they would see the writer and refuse.
             self.writer_released(ino, fh);
+            self.forget_staged(ino);
         }
         result
     }

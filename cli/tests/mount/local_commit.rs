@@ -4,7 +4,8 @@
 //! through its local socket. The bytes arrive whole in S3; `stat` shows
 //! the size while the file is written; a file changed after an fsync is
 //! committed again; a file patched at its start after the worker took it
-//! is committed whole; a stopped local worker does not hold the commit up.
+//! is committed whole; a stopped local worker does not hold the commit up;
+//! a file opens for reading the moment it is closed.
 
 use super::*;
 
@@ -251,6 +252,40 @@ fn a_killed_local_worker_does_not_lose_a_staged_commit() {
         env.s3_get(&key).as_deref() == Some(&data[..]),
         "S3 holds other bytes\n{}",
         env.worker_logs()
+    );
+}
+
+/// `cp` then `cat`: each file written into a staged file is read back
+/// the moment it is closed. The kernel sends the release after close
+/// returns, so the open races it; it must wait for it, never answer
+/// EBUSY (the CI run of 8cfafcc saw one).
+#[test]
+fn a_staged_file_opens_for_reading_the_moment_it_is_closed() {
+    let mut env = Env::start(1);
+    let port = mount_beside_worker_0(&mut env);
+    let dir = env.mountpoint().join("copied");
+    fs::create_dir_all(&dir).unwrap();
+    let files = 24;
+    for i in 0..files {
+        let path = dir.join(format!("part-{i}.bin"));
+        let data = pattern((1 << 20) + i * 37, 80 + i as u64);
+        let mut f = File::create(&path).unwrap();
+        f.write_all(&data).unwrap();
+        drop(f);
+        let back = fs::read(&path).unwrap_or_else(|e| {
+            panic!(
+                "reading {} right after its close: {e}\n{}",
+                path.display(),
+                env.log()
+            )
+        });
+        assert!(back == data, "{} reads back other bytes", path.display());
+    }
+    assert_eq!(
+        metric(port, "lakecache_fuse_local_commits_total"),
+        files as f64,
+        "not every file went through a staged file, so this test shows less\n{}",
+        env.log()
     );
 }
 
