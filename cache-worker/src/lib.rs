@@ -6,6 +6,7 @@ pub mod cache;
 mod cache_dir;
 #[doc(hidden)]
 pub mod crashsim;
+mod crc_combine;
 pub mod fence;
 mod flight;
 mod fresh;

@@ -268,7 +268,7 @@ pub struct CheckedFile {
 /// (no pass over the bytes).
 pub fn combine_crcs(blocks: impl IntoIterator<Item = (u32, u64)>) -> u32 {
     blocks.into_iter().fold(0, |acc, (crc, len)| {
-        crc32c::crc32c_combine(acc, crc, len as usize)
+        crate::crc_combine::combine(acc, crc, len)
     })
 }
 

@@ -4,11 +4,16 @@
 //!
 //! The worker sees no writes, only the file's length, so a page taken
 //! early may be written again before the seal (a writer that seeks back
-//! to patch a header). Each early page's CRC32C is kept, and at the seal
-//! every early page is read again and compared: a file that changed
+//! to patch a header). Each early page's CRC32C is kept, and after the
+//! seal every early page is read again and compared: a file that changed
 //! after it was taken fails the commit ([`CacheError::FollowedFileChanged`]),
 //! and the mount commits it whole.
+//!
+//! Reads run ahead of the pages being staged (a few in flight), and the
+//! check of the early pages runs beside the taking of the tail: a commit
+//! at close waits for the device, not for copies done one after another.
 
+use std::collections::VecDeque;
 use std::os::unix::fs::FileExt;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
@@ -17,6 +22,7 @@ use std::time::Duration;
 use bytes::Bytes;
 use lakecache_protocol::buffer_pool;
 use tokio::sync::watch;
+use tokio::task::JoinHandle;
 
 use super::local_commit::{Body, Seal};
 use crate::cache::CacheError;
@@ -25,16 +31,33 @@ use crate::cache::CacheError;
 const FIRST_LOOK: Duration = Duration::from_millis(5);
 const LAST_LOOK: Duration = Duration::from_millis(200);
 
+/// Pages read ahead of the one being handed on.
+const READS_AHEAD: usize = 3;
+
+type Check = JoinHandle<Result<(), CacheError>>;
+
+/// A page asked for: still being read (with its CRC when taken early),
+/// or read.
+enum Ahead {
+    Reading(JoinHandle<Result<(Bytes, Option<u32>), CacheError>>),
+    Read(Bytes),
+}
+
 struct Following {
     file: Arc<std::fs::File>,
     page: u64,
     limit: u64,
     taken: Arc<AtomicU64>,
     sealed: watch::Receiver<Seal>,
-    /// Bytes taken so far.
-    at: u64,
+    /// Bytes asked for so far (read or being read).
+    asked: u64,
+    /// Reads in flight or done, oldest first, not handed on yet.
+    reads: VecDeque<Ahead>,
     /// CRC32C of each whole page taken before the seal, in order.
     early: Vec<u32>,
+    /// The check of the early pages, started once the seal came and the
+    /// early reads were done.
+    check: Option<Check>,
     look: Duration,
 }
 
@@ -52,35 +75,48 @@ pub(super) fn followed_body(
         limit,
         taken,
         sealed,
-        at: 0,
+        asked: 0,
+        reads: VecDeque::new(),
         early: Vec::new(),
+        check: None,
         look: FIRST_LOOK,
     };
     Box::pin(futures::stream::try_unfold(state, |mut f| async move {
         loop {
             let seal = *f.sealed.borrow();
             match seal {
-                Seal::At(size) if f.at >= size => {
-                    if f.at > size {
+                Seal::At(size) => {
+                    if f.asked > size {
                         return Err(CacheError::Invalid(format!(
                             "the followed file was sealed at {size} bytes after {} were taken",
-                            f.at
+                            f.asked
                         )));
                     }
-                    f.check_early().await?;
+                    if f.check.is_none() {
+                        f.start_check().await?;
+                    }
+                    while f.asked < size && f.reads.len() < READS_AHEAD {
+                        let n = f.page.min(size - f.asked);
+                        f.ask(n, false)?;
+                    }
+                    if let Some(piece) = f.next_read().await? {
+                        return Ok(Some((piece, f)));
+                    }
+                    if let Some(check) = f.check.take() {
+                        check.await.map_err(crate::cache::join_failed)??;
+                    }
                     return Ok(None);
-                }
-                Seal::At(size) => {
-                    let n = f.page.min(size - f.at);
-                    let piece = f.take(n, false).await?;
-                    return Ok(Some((piece, f)));
                 }
                 Seal::Open => {
                     let len = f.file.metadata().map_or(0, |m| m.len());
-                    if len >= f.at + f.page {
+                    while len >= f.asked + f.page && f.reads.len() < READS_AHEAD {
+                        f.ask(f.page, true)?;
+                    }
+                    if !f.reads.is_empty() {
                         f.look = FIRST_LOOK;
-                        let piece = f.take(f.page, true).await?;
-                        return Ok(Some((piece, f)));
+                        if let Some(piece) = f.next_read().await? {
+                            return Ok(Some((piece, f)));
+                        }
                     }
                     tokio::select! {
                         changed = f.sealed.changed() => if changed.is_err() {
@@ -97,57 +133,79 @@ pub(super) fn followed_body(
 }
 
 impl Following {
-    /// The next `n` bytes of the file, remembered for the check at the
-    /// seal when taken `early`.
-    async fn take(&mut self, n: u64, early: bool) -> Result<Bytes, CacheError> {
-        if self.at + n > self.limit {
+    /// Starts reading the next `n` bytes of the file, whose CRC is kept
+    /// for the check after the seal when taken `early`.
+    fn ask(&mut self, n: u64, early: bool) -> Result<(), CacheError> {
+        if self.asked + n > self.limit {
             return Err(CacheError::BodyTooLarge(self.limit));
         }
-        let (file, at) = (self.file.clone(), self.at);
-        let piece = tokio::task::spawn_blocking(move || {
-            buffer_pool::read_at(&file, at, n as usize).map(|b| {
-                let crc = early.then(|| crc32c::crc32c(&b));
-                (b, crc)
-            })
-        })
-        .await
-        .map_err(crate::cache::join_failed)?
-        .map_err(|e| {
-            CacheError::Invalid(format!(
-                "reading the followed file at {at}: {e} (truncated while written?)"
-            ))
-        })?;
-        let (piece, crc) = piece;
-        self.early.extend(crc);
-        self.at += n;
-        self.taken.fetch_add(n, Ordering::Relaxed);
-        Ok(piece)
+        let (file, at) = (self.file.clone(), self.asked);
+        self.reads
+            .push_back(Ahead::Reading(tokio::task::spawn_blocking(move || {
+                let piece = buffer_pool::read_at(&file, at, n as usize).map_err(|e| {
+                    CacheError::Invalid(format!(
+                        "reading the followed file at {at}: {e} (truncated while written?)"
+                    ))
+                })?;
+                let crc = early.then(|| crc32c::crc32c(&piece));
+                Ok((piece, crc))
+            })));
+        self.asked += n;
+        Ok(())
     }
 
-    /// Every page taken before the seal still holds what was taken.
-    async fn check_early(&mut self) -> Result<(), CacheError> {
+    /// The oldest read's bytes, counted as taken; `None` when none is
+    /// in flight.
+    async fn next_read(&mut self) -> Result<Option<Bytes>, CacheError> {
+        let piece = match self.reads.pop_front() {
+            None => return Ok(None),
+            Some(Ahead::Read(piece)) => piece,
+            Some(Ahead::Reading(read)) => {
+                let (piece, crc) = read.await.map_err(crate::cache::join_failed)??;
+                self.early.extend(crc);
+                piece
+            }
+        };
+        self.taken.fetch_add(piece.len() as u64, Ordering::Relaxed);
+        Ok(Some(piece))
+    }
+
+    /// Once sealed: waits for the early reads still in flight (their
+    /// CRCs complete the list), then checks in the background that every
+    /// early page still holds what was taken.
+    async fn start_check(&mut self) -> Result<(), CacheError> {
+        for ahead in self.reads.iter_mut() {
+            if let Ahead::Reading(read) = ahead {
+                let (piece, crc) = read.await.map_err(crate::cache::join_failed)??;
+                self.early.extend(crc);
+                *ahead = Ahead::Read(piece);
+            }
+        }
         let (file, page, early) = (
             self.file.clone(),
             self.page,
             std::mem::take(&mut self.early),
         );
-        tokio::task::spawn_blocking(move || -> Result<(), CacheError> {
-            let mut buf = vec![0u8; page as usize];
-            for (index, want) in early.into_iter().enumerate() {
-                let at = index as u64 * page;
-                file.read_exact_at(&mut buf, at).map_err(|e| {
-                    CacheError::Invalid(format!("checking the followed file at {at}: {e}"))
-                })?;
-                if crc32c::crc32c(&buf) != want {
-                    return Err(CacheError::FollowedFileChanged(format!(
-                        "the followed file changed at bytes {at}..{} after they were taken; nothing was recorded",
-                        at + page
-                    )));
-                }
-            }
-            Ok(())
-        })
-        .await
-        .map_err(crate::cache::join_failed)?
+        self.check = Some(tokio::task::spawn_blocking(move || {
+            check_early(&file, page, early)
+        }));
+        Ok(())
     }
+}
+
+/// Every page taken before the seal still holds what was taken.
+fn check_early(file: &std::fs::File, page: u64, early: Vec<u32>) -> Result<(), CacheError> {
+    let mut buf = vec![0u8; page as usize];
+    for (index, want) in early.into_iter().enumerate() {
+        let at = index as u64 * page;
+        file.read_exact_at(&mut buf, at)
+            .map_err(|e| CacheError::Invalid(format!("checking the followed file at {at}: {e}")))?;
+        if crc32c::crc32c(&buf) != want {
+            return Err(CacheError::FollowedFileChanged(format!(
+                "the followed file changed at bytes {at}..{} after they were taken; nothing was recorded",
+                at + page
+            )));
+        }
+    }
+    Ok(())
 }

@@ -452,7 +452,7 @@ impl Taken {
         for page in &self.pages {
             match parts.last_mut() {
                 Some((crc, len)) if *len < part_size => {
-                    *crc = crc32c::crc32c_combine(*crc, page.crc(), page.len as usize);
+                    *crc = crate::crc_combine::combine(*crc, page.crc(), page.len);
                     *len += page.len;
                 }
                 _ => parts.push((page.crc(), page.len)),
