@@ -108,7 +108,11 @@ MEGATRON = Workload(
     MEGATRON_SCALED,
 )
 CHECKPOINT_MEMORY = 4 * GIB
-CHECKPOINT_TARGETS = ("local", "mount-back", "mount-through")
+CHECKPOINT_TARGETS = ("local", "local-fsync", "mount-back", "mount-through")
+# `local-fsync`: local disk with each checkpoint file fsynced before it is
+# closed (DLIO's save patched by durable_local/sitecustomize.py): what
+# durability costs on this disk, as write-back's close waits for it.
+DURABLE_LOCAL = Path(__file__).resolve().parent / "durable_local"
 # What one checkpoint run writes (4 checkpoints of the scaled model, about
 # 2.3 GiB), with room: it is held on local disk, or in the bucket, the
 # worker's cache and its write-back staging at once, and removed after.
@@ -834,7 +838,7 @@ class Bench:
             for target in targets:
                 ckpt = a.work / "ckpt-local"
                 shutil.rmtree(ckpt, ignore_errors=True)
-                if target != "local":
+                if target.startswith("mount-"):
                     lake.start_lakecache(tier=False, write_mode=target.split("-")[1])
                     ckpt = lake.mnt / "ckpt" / f"{target}-{rnd}"
                 ckpt.mkdir(parents=True, exist_ok=True)
@@ -873,6 +877,10 @@ class Bench:
         """One DLIO checkpoint run; its checkpoints are removed after it
         (through the mount for a mount target), so rounds do not fill the
         disk. Returns the bytes it wrote."""
+        env = None
+        if target == "local-fsync":
+            path = os.environ.get("PYTHONPATH")
+            env = {"PYTHONPATH": f"{DURABLE_LOCAL}:{path}" if path else str(DURABLE_LOCAL)}
         try:
             dlio(
                 self.a,
@@ -887,7 +895,14 @@ class Bench:
                     "++workload.workflow.checkpoint=True",
                     f"++workload.checkpoint.checkpoint_folder={ckpt}",
                 ],
+                env=env,
             )
+            if target == "local-fsync" and "checkpoints are fsynced" not in (
+                out / "run.log"
+            ).read_text(errors="replace"):
+                raise BenchError(
+                    f"local-fsync: DLIO's checkpoint save was not patched; see {out / 'run.log'}"
+                )
             return sum(f.stat().st_size for f in ckpt.rglob("*") if f.is_file())
         finally:
             shutil.rmtree(ckpt, ignore_errors=True)

@@ -206,6 +206,23 @@ def test_a_failed_checkpoint_run_is_listed_and_the_rest_reported() -> None:
     assert "- failed: local round 1" in only_failed, only_failed
 
 
+def test_checkpoints_are_also_compared_with_local_disk_that_syncs() -> None:
+    import report
+
+    rows = [
+        {"target": "mount-back", "round": 0, "ckpt_s": [1.5], "bytes": 1 << 20},
+        {"target": "local-fsync", "round": 0, "ckpt_s": [1.2], "bytes": 1 << 20},
+        {"target": "local", "round": 0, "ckpt_s": [1.0], "bytes": 1 << 20},
+    ]
+    lines = report.checkpoint_lines(rows)
+    table = [line for line in lines if line.startswith("| ")]
+    assert table[1:] == [
+        "| local | 1.00 s (1.00-1.00) | 1.00x | 0.83x |",
+        "| local-fsync | 1.20 s (1.20-1.20) | 1.20x | 1.00x |",
+        "| mount-back | 1.50 s (1.50-1.50) | 1.50x | 1.25x |",
+    ], "\n".join(lines)
+
+
 def test_rounds_give_medians_and_differences_to_local_disk_in_the_same_round() -> None:
     import report
 
