@@ -14,7 +14,17 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from cgroup import BenchError, Cgroup
-from run import ACCESS, BUCKET, SECRET, free_port, mounted, s3_env, start_s3_server, wait_port
+from run import (
+    ACCESS,
+    BUCKET,
+    SECRET,
+    die_with_parent,
+    free_port,
+    mounted,
+    s3_env,
+    start_s3_server,
+    wait_port,
+)
 
 GIB = 1 << 30
 # The mount's memory budget in the bench (`--memory-limit`), and what the
@@ -77,6 +87,7 @@ class Lake:
                 ],
                 stdout=subprocess.DEVNULL,
                 stderr=self.log("proxy"),
+                preexec_fn=die_with_parent,
             )
             wait_port(port)
             self.url = f"http://127.0.0.1:{port}"
@@ -87,6 +98,7 @@ class Lake:
             env=self.env,
             stdout=subprocess.DEVNULL,
             stderr=self.log(role),
+            preexec_fn=die_with_parent,
         )
         self.procs.append(p)
         return p

@@ -9,6 +9,7 @@ Usage (as root, release binary built):
 from __future__ import annotations
 
 import argparse
+import ctypes
 import itertools
 import json
 import os
@@ -81,6 +82,15 @@ def s3_env() -> dict[str, str]:
     }
 
 
+def die_with_parent() -> None:
+    """`preexec_fn` for the benches' daemons: the child gets SIGTERM when
+    the bench dies, killed with -9 included (no `finally` runs then), so
+    no endpoint, worker, mount or proxy outlives it holding its ports,
+    mount point and files for the next run to trip over."""
+    pr_set_pdeathsig = 1
+    ctypes.CDLL(None, use_errno=True).prctl(pr_set_pdeathsig, signal.SIGTERM)
+
+
 def start_s3_server(
     binary: str,
     root: Path,
@@ -96,7 +106,7 @@ def start_s3_server(
         (prefix or [])
         + [binary, "s3-server", "--root", str(root), "--listen", f"127.0.0.1:{port}",
            "--access-key", ACCESS, "--secret-key", SECRET, "--bucket", BUCKET],
-        env=env, stdout=subprocess.DEVNULL, stderr=stderr,
+        env=env, stdout=subprocess.DEVNULL, stderr=stderr, preexec_fn=die_with_parent,
     )
     wait_port(port)
     return proc, port
@@ -134,6 +144,7 @@ class Cluster:
              "--cache-dir", str(cache), "--cache-size", "12GiB", "--s3-endpoint",
              f"http://127.0.0.1:{self.s3_port}", "--s3-path-style"],
             env=self.env, stdout=subprocess.DEVNULL, stderr=self.log("worker"),
+            preexec_fn=die_with_parent,
         )
         wait_port(self.worker_port)
         # As `lakecache up` wires them: the mount reaches its co-located
@@ -145,6 +156,7 @@ class Cluster:
         self.mount = subprocess.Popen(
             [self.bin, "mount", f"s3://{BUCKET}", str(self.mnt), "--no-s3-fallback", *flags],
             env=self.env, stdout=subprocess.DEVNULL, stderr=self.log("mount"),
+            preexec_fn=die_with_parent,
         )
         deadline = time.time() + 30
         while not mounted(self.mnt):
@@ -170,6 +182,7 @@ class Cluster:
                  "--cache-size", "12GiB", "--s3-endpoint", f"http://127.0.0.1:{self.s3_port}",
                  "--s3-path-style", *worker_flags],
                 env=self.env, stdout=subprocess.DEVNULL, stderr=self.log(f"worker-{i}"),
+                preexec_fn=die_with_parent,
             ))
             wait_port(port)
         self.worker = self.ring[0]
