@@ -112,11 +112,9 @@ pub(super) fn followed_body(
                     while len >= f.asked + f.page && f.reads.len() < READS_AHEAD {
                         f.ask(f.page, true)?;
                     }
-                    if !f.reads.is_empty() {
+                    if let Some(piece) = f.next_read().await? {
                         f.look = FIRST_LOOK;
-                        if let Some(piece) = f.next_read().await? {
-                            return Ok(Some((piece, f)));
-                        }
+                        return Ok(Some((piece, f)));
                     }
                     tokio::select! {
                         changed = f.sealed.changed() => if changed.is_err() {
