@@ -31,6 +31,28 @@ const RECENT_READS: usize = 5;
 /// How far the furthest read may run ahead of the recent ones before it
 /// is taken for a stray read, not the reader's position.
 const STRAY_GAP: u64 = 64;
+/// Positions a plan remembers having taken, to tell a later piece of one
+/// of those reads from a new read: more than its loader workers have
+/// reads in flight.
+const TAKEN_MEMORY: usize = 32;
+
+/// How a plan sees a read of some bytes of a page.
+#[derive(Clone, Copy, PartialEq, Eq, PartialOrd, Ord)]
+enum Claim {
+    /// It reads the page again, but not these bytes next.
+    Other,
+    /// Its next read of the page takes in these bytes.
+    Meets,
+    /// One of its coming reads of the page takes in where these bytes
+    /// start: a sample inside an entry of several, or one the plan
+    /// reads well after where its reader is.
+    Within,
+    /// These bytes are a later piece of a read it took moments ago.
+    Continues,
+    /// One of its coming reads, near where its reader is, starts where
+    /// these bytes start.
+    Starts,
+}
 
 #[derive(Debug, thiserror::Error, PartialEq, Eq)]
 pub enum PlanError {
@@ -71,6 +93,9 @@ struct Plan {
     last: Option<PageKey>,
     /// The positions of the last [`RECENT_READS`] reads, oldest first.
     recent: VecDeque<u64>,
+    /// The bytes of the last [`TAKEN_MEMORY`] reads taken (each grown by
+    /// its later pieces), oldest first.
+    taken: VecDeque<(PageKey, Range<u64>)>,
     expires: Instant,
     /// The tenant that published it: it ranks that tenant's pages only.
     tenant: Option<Arc<str>>,
@@ -117,6 +142,7 @@ impl Plan {
             len: pages.len(),
             last: None,
             recent: VecDeque::with_capacity(RECENT_READS),
+            taken: VecDeque::with_capacity(TAKEN_MEMORY),
             expires,
             tenant,
         }
@@ -145,15 +171,80 @@ impl Plan {
         Some(at - self.cursor)
     }
 
-    /// Whether this plan's next read of `key` takes in bytes of `part`
-    /// (page-relative); true where the plan gave no spans.
-    fn next_read_meets(&self, key: &PageKey, part: &Range<u64>) -> bool {
-        let Some(&at) = self.ahead.get(key).and_then(|p| p.front()) else {
-            return false;
-        };
+    fn span_meets(&self, at: u64, part: &Range<u64>) -> bool {
         self.spans
             .get(at as usize)
             .is_none_or(|&(start, end)| u64::from(start) < part.end && part.start < u64::from(end))
+    }
+
+    /// How this plan sees a read of `key`'s bytes `part` (page-relative,
+    /// where known), and the position that read takes: `None` if the
+    /// plan neither reads the page again nor took a read it continues.
+    /// Without bytes or spans, a read of the page this plan read last is
+    /// not this plan's (a later piece of that read, or another plan's
+    /// read of the page).
+    fn claim(&self, key: &PageKey, part: Option<&Range<u64>>, window: u64) -> Option<(Claim, u64)> {
+        let next = self.ahead.get(key).and_then(|p| p.front()).copied();
+        let Some(part) = part.filter(|_| !self.spans.is_empty()) else {
+            if self.last == Some(*key) {
+                return None;
+            }
+            return next.map(|at| (Claim::Meets, at));
+        };
+        // A mount reads a sample in pieces: a later piece of a read taken
+        // moments ago is no other plan's read of those bytes (another
+        // rank's read of the same sample in the next epoch).
+        if self
+            .taken
+            .iter()
+            .any(|(k, r)| k == key && r.contains(&part.start))
+        {
+            return Some((Claim::Continues, 0));
+        }
+        // Loader workers read several samples of one page at once, in any
+        // order: a read takes the first coming position whose bytes take
+        // in where it starts.
+        let end = self.reached.saturating_add(window);
+        let within = self.ahead.get(key).and_then(|positions| {
+            positions
+                .iter()
+                .take_while(|at| **at < end)
+                .copied()
+                .find_map(|at| {
+                    let &(start, end) = self.spans.get(at as usize)?;
+                    (u64::from(start)..u64::from(end))
+                        .contains(&part.start)
+                        .then_some((at, u64::from(start) == part.start))
+                })
+        });
+        if let Some((at, starts)) = within {
+            let near = at <= self.reader_at().saturating_add(STRAY_GAP);
+            let claim = if starts && near {
+                Claim::Starts
+            } else {
+                Claim::Within
+            };
+            return Some((claim, at));
+        }
+        next.map(|at| {
+            if self.span_meets(at, part) {
+                (Claim::Meets, at)
+            } else {
+                (Claim::Other, at)
+            }
+        })
+    }
+
+    /// A later piece `part` of a read of `key` this plan took.
+    fn continue_read(&mut self, key: &PageKey, part: &Range<u64>) {
+        if let Some((_, r)) = self
+            .taken
+            .iter_mut()
+            .rev()
+            .find(|(k, r)| k == key && r.contains(&part.start))
+        {
+            r.end = r.end.max(part.end);
+        }
     }
 
     /// `key` was read. Its next position is what was read, if it lies
@@ -162,20 +253,39 @@ impl Plan {
     /// nothing; so does a read of a page read moments ago at an earlier
     /// position, while the reader is not yet halfway to the next one (a
     /// second piece of one read, or a second sample in one page).
-    fn read(&mut self, key: &PageKey, window: u64) {
-        if self.last == Some(*key) {
+    /// The read at position `at` of `key` happened; `part`, its bytes.
+    /// A read that starts a coming sample of the page (`exact`) is that
+    /// read, whatever came before it.
+    fn read(
+        &mut self,
+        key: &PageKey,
+        at: u64,
+        part: Option<&Range<u64>>,
+        window: u64,
+        exact: bool,
+    ) {
+        if self.last == Some(*key) && !exact {
             return;
         }
-        let Some(&at) = self.ahead.get(key).and_then(|p| p.front()) else {
-            return;
-        };
         if at >= self.reached.saturating_add(window) {
             return;
         }
-        if let Some(&before) = self.read_at.get(key) {
-            if self.reached < before + (at - before) / 2 {
+        if let (Some(&before), false) = (self.read_at.get(key), exact) {
+            if self.reached < before + at.saturating_sub(before) / 2 {
                 return;
             }
+        }
+        if let Some(part) = part {
+            if self.taken.len() == TAKEN_MEMORY {
+                self.taken.pop_front();
+            }
+            // The entry's bytes: its later pieces, and the other samples
+            // of an entry of several, are no new reads.
+            let span = match self.spans.get(at as usize) {
+                Some(&(s, e)) if exact => u64::from(s).min(part.start)..u64::from(e).max(part.end),
+                _ => part.clone(),
+            };
+            self.taken.push_back((*key, span));
         }
         self.last = Some(*key);
         self.read_at.insert(*key, at);
@@ -184,7 +294,7 @@ impl Plan {
             self.recent.pop_front();
         }
         self.recent.push_back(at);
-        self.advance(key);
+        self.take(key, at);
         // Positions left this far behind the reader were skipped.
         let behind = self.reached.saturating_sub(window);
         while let Some((&pos, &page)) = self.next.first_key_value() {
@@ -197,6 +307,19 @@ impl Plan {
             .next
             .first_key_value()
             .map_or(self.reached, |(pos, _)| *pos);
+    }
+
+    /// Drops position `at` of `page`: its next, or a later one read
+    /// before it.
+    fn take(&mut self, page: &PageKey, at: u64) {
+        let Some(positions) = self.ahead.get_mut(page) else {
+            return;
+        };
+        if positions.front() == Some(&at) {
+            self.advance(page);
+        } else if let Some(i) = positions.iter().position(|p| *p == at) {
+            positions.remove(i);
+        }
     }
 
     /// Drops `page`'s next position.
@@ -347,34 +470,59 @@ impl PlanOrder {
     }
 
     /// [`Self::read`] of the bytes `part` of the page (page-relative),
-    /// where known. Plans whose next read of the page takes in those
-    /// bytes go before the others: ranks of one job read different
-    /// samples of one page, and the nearest plan alone took a rank's read
-    /// for another rank's (at 4 MiB pages of four 1 MiB samples, two
-    /// ranks share most pages).
+    /// where known. The bytes tell the plans apart: ranks of one job read
+    /// different samples of one page (at 4 MiB pages of four 1 MiB
+    /// samples, two ranks share most pages), and one rank's sample is
+    /// often another's in the next epoch. The read goes to the nearest of
+    /// the plans whose next read of the page starts where it starts;
+    /// failing that, it is nothing if it is a later piece of a read some
+    /// plan took; failing that, it goes to the nearest plan whose next
+    /// read takes in its bytes, then to the nearest that reads the page.
+    /// Taking a piece of rank 0's read for rank 1's read of that sample
+    /// in the next epoch left rank 0's position unread, so its distances
+    /// grew by up to 190 entries and the next epoch's first pages went
+    /// before the other rank's later ones (plan-epochs, 2 ranks).
     pub fn read_part(&mut self, key: &PageKey, part: Option<Range<u64>>, kind: ReadKind) {
         let window = match kind {
             ReadKind::Demand => self.window,
             ReadKind::Ahead => STRAY_GAP.min(self.window),
         };
-        let nearest_of = |plans: &HashMap<String, Plan>, meets: bool| {
-            plans
-                .values()
-                .filter(|p| p.last != Some(*key))
-                .filter(|p| !meets || part.as_ref().is_some_and(|r| p.next_read_meets(key, r)))
-                .filter_map(|p| p.distance(key))
-                .min()
-        };
-        // One pass over the plans when the bytes tell them apart.
-        let matched = part.as_ref().and_then(|_| nearest_of(&self.plans, true));
-        let meets = matched.is_some();
-        let Some(nearest) = matched.or_else(|| nearest_of(&self.plans, false)) else {
+        let claims: Vec<Option<(Claim, u64)>> = self
+            .plans
+            .values()
+            .map(|p| p.claim(key, part.as_ref(), window))
+            .collect();
+        let Some(best) = claims.iter().flatten().map(|(c, _)| *c).max() else {
             return;
         };
-        for plan in self.plans.values_mut() {
-            let its = !meets || part.as_ref().is_some_and(|r| plan.next_read_meets(key, r));
-            if its && plan.distance(key) == Some(nearest) {
-                plan.read(key, window);
+        if best == Claim::Continues {
+            if let Some(part) = &part {
+                for (plan, claim) in self.plans.values_mut().zip(&claims) {
+                    if matches!(claim, Some((Claim::Continues, _))) {
+                        plan.continue_read(key, part);
+                    }
+                }
+            }
+            return;
+        }
+        let distance = |plan: &Plan, at: u64| at.saturating_sub(plan.cursor);
+        let Some(nearest) = self
+            .plans
+            .values()
+            .zip(&claims)
+            .filter_map(|(plan, claim)| match claim {
+                Some((c, at)) if *c == best => Some(distance(plan, *at)),
+                _ => None,
+            })
+            .min()
+        else {
+            return;
+        };
+        for (plan, claim) in self.plans.values_mut().zip(claims) {
+            if let Some((c, at)) = claim {
+                if c == best && distance(plan, at) == nearest {
+                    plan.read(key, at, part.as_ref(), window, c >= Claim::Within);
+                }
             }
         }
     }

@@ -209,11 +209,103 @@ fn a_read_of_one_sample_moves_the_rank_that_reads_that_sample() {
     );
     assert_eq!(order.cursor("job/1"), Some(0));
     assert_eq!(order.cursor("job/0"), Some(3), "rank 0 read position 2");
+    // A piece of the read rank 0 just took is no new read.
+    order.read_part(&key(9), Some(2..5), Demand);
+    assert_eq!(order.cursor("job/1"), Some(0));
     // Bytes no plan reads next there: the nearest plan takes the read,
     // as a read without its bytes does.
-    order.read_part(&key(9), Some(0..1), Demand);
+    order.read_part(&key(9), Some(10..11), Demand);
     assert_eq!(order.cursor("job/1"), Some(1));
     assert_eq!(order.distance(&key(9)), None, "no plan reads 9 again");
+}
+
+#[test]
+fn a_later_piece_of_one_ranks_read_is_not_another_ranks_read_of_that_sample() {
+    let mut order = PlanOrder::default();
+    let far = Instant::now() + Duration::from_secs(600);
+    // Rank 0 reads sample 0..5 of page 9 now; rank 1 reads the same
+    // sample in the next epoch, after 1 and 2.
+    let sample = (0, 5);
+    order
+        .install(
+            "job/0",
+            None,
+            &[key(9), key(3), key(4)],
+            &[sample, (0, 10), (0, 10)],
+            far,
+        )
+        .unwrap();
+    order
+        .install(
+            "job/1",
+            None,
+            &[key(1), key(2), key(9)],
+            &[(0, 10), (0, 10), sample],
+            far,
+        )
+        .unwrap();
+    order.read_part(&key(9), Some(0..2), Demand);
+    // Another loader worker's read comes between the pieces.
+    order.read_part(&key(3), Some(0..10), Demand);
+    order.read_part(&key(9), Some(2..5), Demand);
+    assert_eq!(order.cursor("job/0"), Some(2));
+    assert_eq!(order.cursor("job/1"), Some(0), "rank 1 read nothing");
+    assert_eq!(
+        order.distance(&key(9)),
+        Some(2),
+        "rank 1 still reads 9 at 2"
+    );
+    // Rank 1's own read of the sample, after its first two.
+    order.read_part(&key(1), Some(0..10), Demand);
+    order.read_part(&key(2), Some(0..10), Demand);
+    order.read_part(&key(9), Some(0..5), Demand);
+    assert_eq!(order.distance(&key(9)), None);
+    assert_eq!(order.cursor("job/1"), Some(3));
+}
+
+#[test]
+fn samples_of_one_page_read_out_of_order_each_take_their_own_position() {
+    let mut order = PlanOrder::default();
+    let far = Instant::now() + Duration::from_secs(600);
+    let plan = [key(9), key(3), key(9), key(4)];
+    let spans = [(5, 10), (0, 10), (0, 5), (0, 10)];
+    order.install("job/0", None, &plan, &spans, far).unwrap();
+    // Two loader workers: the later sample's read comes first, and the
+    // earlier one's is no piece of it.
+    order.read_part(&key(9), Some(0..5), Demand);
+    order.read_part(&key(3), Some(0..10), Demand);
+    order.read_part(&key(9), Some(5..10), Demand);
+    assert_eq!(order.distance(&key(9)), None, "both reads of 9 taken");
+    order.read_part(&key(4), Some(0..10), Demand);
+    assert_eq!(order.cursor("job/0"), Some(4), "nothing left behind");
+}
+
+#[test]
+fn samples_of_one_entry_of_several_move_only_its_plan() {
+    let mut order = PlanOrder::default();
+    let far = Instant::now() + Duration::from_secs(600);
+    // Rank 0 reads both samples of page 9 in a row (one entry); rank 1
+    // reads its second sample 80 entries on.
+    order
+        .install(
+            "job/0",
+            None,
+            &[key(9), key(9), key(3)],
+            &[(0, 5), (5, 10), (0, 10)],
+            far,
+        )
+        .unwrap();
+    let mut later: Vec<PageKey> = (100..180).map(key).collect();
+    later.push(key(9));
+    let mut spans = vec![(0, 10); 80];
+    spans.push((5, 10));
+    order.install("job/1", None, &later, &spans, far).unwrap();
+    // Rank 0's loader workers read the second sample first.
+    order.read_part(&key(9), Some(5..10), Demand);
+    order.read_part(&key(9), Some(0..5), Demand);
+    assert_eq!(order.cursor("job/0"), Some(1), "rank 0 read its entry");
+    assert_eq!(order.cursor("job/1"), Some(0), "rank 1 read nothing");
+    assert_eq!(order.distance(&key(9)), Some(80), "rank 1 still reads 9");
 }
 
 #[test]
