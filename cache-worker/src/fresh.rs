@@ -29,41 +29,64 @@ struct Kept {
     start: u64,
     bytes: Bytes,
     kept_at: Instant,
-    /// Bytes of the page served from here so far.
+    /// Bytes of this part served so far.
     served: u64,
     _held: Reservation,
 }
 
 #[derive(Default)]
 struct Inner {
-    pages: HashMap<PageKey, Kept>,
-    /// Insertion order; may name pages already gone.
-    order: VecDeque<PageKey>,
+    /// Each page's parts, none overlapping another.
+    pages: HashMap<PageKey, Vec<Kept>>,
+    /// Parts by page and start, in the order kept; may name parts gone.
+    order: VecDeque<(PageKey, u64)>,
     bytes: u64,
 }
 
 impl Kept {
     fn covers(&self, range: &Range<u64>) -> bool {
-        range.start < range.end
-            && self.start <= range.start
-            && range.end <= self.start + self.bytes.len() as u64
+        range.start < range.end && self.start <= range.start && range.end <= self.end()
+    }
+
+    fn end(&self) -> u64 {
+        self.start + self.bytes.len() as u64
     }
 }
 
 impl Inner {
-    /// Lets go of pages kept longer than [`MAX_AGE`] (oldest first).
+    /// Lets go of parts kept longer than [`MAX_AGE`] (oldest first).
     fn expire(&mut self, now: Instant) {
-        while let Some(oldest) = self.order.front().copied() {
-            match self.pages.get(&oldest) {
-                Some(kept) if now.duration_since(kept.kept_at) < MAX_AGE => break,
-                Some(_) => {
-                    if let Some(gone) = self.pages.remove(&oldest) {
-                        self.bytes -= gone.bytes.len() as u64;
-                    }
-                }
-                None => {}
+        while let Some(&(key, start)) = self.order.front() {
+            let age = self
+                .part(&key, start)
+                .map(|k| now.duration_since(k.kept_at));
+            if age.is_some_and(|age| age < MAX_AGE) {
+                break;
             }
+            self.remove_part(&key, start);
             self.order.pop_front();
+        }
+    }
+
+    fn part(&self, key: &PageKey, start: u64) -> Option<&Kept> {
+        self.pages.get(key)?.iter().find(|k| k.start == start)
+    }
+
+    fn remove_part(&mut self, key: &PageKey, start: u64) {
+        let Some(parts) = self.pages.get_mut(key) else {
+            return;
+        };
+        if let Some(i) = parts.iter().position(|k| k.start == start) {
+            self.bytes -= parts.swap_remove(i).bytes.len() as u64;
+        }
+        if parts.is_empty() {
+            self.pages.remove(key);
+        }
+    }
+
+    fn remove_page(&mut self, key: &PageKey) {
+        if let Some(parts) = self.pages.remove(key) {
+            self.bytes -= parts.iter().map(|k| k.bytes.len() as u64).sum::<u64>();
         }
     }
 }
@@ -90,8 +113,10 @@ impl FreshPages {
         self.keep_part(key, 0, bytes, budget);
     }
 
-    /// Keeps `bytes`, the page's bytes from `start` on, in place of what
-    /// was kept of it, if the budget has room for them now.
+    /// Keeps `bytes`, the page's bytes from `start` on, in place of any
+    /// part kept of it that they overlap, if the budget has room for them
+    /// now. Other parts of the page stay: a plan stages each sample it
+    /// reads soon, and two ranks read different samples of one page.
     pub(crate) fn keep_part(&self, key: PageKey, start: u64, bytes: Bytes, budget: &MemoryBudget) {
         let len = bytes.len() as u64;
         if len == 0 || len > self.capacity {
@@ -102,13 +127,21 @@ impl FreshPages {
         };
         let mut inner = self.lock();
         inner.expire(Instant::now());
+        let overlapping: Vec<u64> = inner.pages.get(&key).map_or(Vec::new(), |parts| {
+            parts
+                .iter()
+                .filter(|k| k.start < start + len && start < k.end())
+                .map(|k| k.start)
+                .collect()
+        });
+        for old in overlapping {
+            inner.remove_part(&key, old);
+        }
         while inner.bytes + len > self.capacity {
-            let Some(oldest) = inner.order.pop_front() else {
+            let Some((oldest, at)) = inner.order.pop_front() else {
                 break;
             };
-            if let Some(gone) = inner.pages.remove(&oldest) {
-                inner.bytes -= gone.bytes.len() as u64;
-            }
+            inner.remove_part(&oldest, at);
         }
         let kept = Kept {
             start,
@@ -117,54 +150,58 @@ impl FreshPages {
             served: 0,
             _held: held,
         };
-        if let Some(old) = inner.pages.insert(key, kept) {
-            inner.bytes -= old.bytes.len() as u64;
-        }
+        inner.pages.entry(key).or_default().push(kept);
         inner.bytes += len;
-        inner.order.push_back(key);
-        // `order` may hold stale keys; keep it from growing without bound.
-        if inner.order.len() > 4 * inner.pages.len() + 64 {
+        inner.order.push_back((key, start));
+        // `order` may name parts gone; keep it from growing without bound.
+        let parts: usize = inner.pages.values().map(Vec::len).sum();
+        if inner.order.len() > 4 * parts + 64 {
             let Inner { pages, order, .. } = &mut *inner;
-            order.retain(|k| pages.contains_key(k));
+            order.retain(|(k, at)| {
+                pages
+                    .get(k)
+                    .is_some_and(|p| p.iter().any(|x| x.start == *at))
+            });
         }
     }
 
-    /// `range` (page-relative) of a kept page, where what is kept of it
-    /// holds the range; the page leaves once all of that was served.
+    /// `range` (page-relative) of a kept page, where a part kept of it
+    /// holds the range; a part leaves once all of it was served.
     pub(crate) fn serve(&self, key: &PageKey, range: &Range<u64>) -> Option<Bytes> {
         let mut inner = self.lock();
         inner.expire(Instant::now());
-        let kept = inner.pages.get_mut(key)?;
-        let len = kept.bytes.len() as u64;
-        if !kept.covers(range) {
-            return None;
-        }
+        let kept = inner
+            .pages
+            .get_mut(key)?
+            .iter_mut()
+            .find(|k| k.covers(range))?;
         let at = (range.start - kept.start) as usize..(range.end - kept.start) as usize;
         let out = kept.bytes.slice(at);
         kept.served += range.end - range.start;
-        if kept.served >= len {
-            inner.pages.remove(key);
-            inner.bytes -= len;
+        if kept.served >= kept.bytes.len() as u64 {
+            let start = kept.start;
+            inner.remove_part(key, start);
         }
         Some(out)
     }
 
     /// Whether some of `key` is held (a page just fetched, or a part of
     /// one staged, not yet read whole).
+    #[cfg(test)]
     pub(crate) fn holds(&self, key: &PageKey) -> bool {
         self.lock().pages.contains_key(key)
     }
 
-    /// Whether what is held of `key` holds `range` (page-relative).
+    /// Whether a part held of `key` holds `range` (page-relative).
     pub(crate) fn covers(&self, key: &PageKey, range: &Range<u64>) -> bool {
-        self.lock().pages.get(key).is_some_and(|k| k.covers(range))
+        self.lock()
+            .pages
+            .get(key)
+            .is_some_and(|parts| parts.iter().any(|k| k.covers(range)))
     }
 
     pub(crate) fn forget(&self, key: &PageKey) {
-        let mut inner = self.lock();
-        if let Some(gone) = inner.pages.remove(key) {
-            inner.bytes -= gone.bytes.len() as u64;
-        }
+        self.lock().remove_page(key);
     }
 
     #[cfg(test)]
@@ -307,6 +344,49 @@ mod tests {
         // Gone once every byte of the part went out.
         assert!(fresh.serve(&key(1), &(MIB..2 * MIB)).is_some());
         assert!(!fresh.holds(&key(1)));
+        assert_eq!(fresh.bytes(), 0);
+    }
+
+    #[test]
+    fn parts_of_one_page_are_kept_apart_and_an_overlapping_one_replaces() {
+        const MIB: u64 = 1 << 20;
+        let budget = MemoryBudget::new(1 << 30);
+        let fresh = FreshPages::new(8 * MIB);
+        let part = |b: u8| Bytes::from(vec![b; MIB as usize]);
+        // Two samples of one page, staged for two readers.
+        fresh.keep_part(key(1), 0, part(1), &budget);
+        fresh.keep_part(key(1), 2 * MIB, part(2), &budget);
+        assert_eq!(fresh.bytes(), 2 * MIB);
+        assert!(fresh.covers(&key(1), &(0..MIB)));
+        assert!(fresh.covers(&key(1), &(2 * MIB..3 * MIB)));
+        assert!(!fresh.covers(&key(1), &(MIB..2 * MIB)));
+        assert!(
+            !fresh.covers(&key(1), &(0..3 * MIB)),
+            "no read spans two parts"
+        );
+        assert_eq!(
+            fresh.serve(&key(1), &(2 * MIB..2 * MIB + 4)).unwrap()[..],
+            [2; 4]
+        );
+        // A part overlapping one kept takes its place.
+        fresh.keep_part(key(1), MIB / 2, part(3), &budget);
+        assert_eq!(fresh.bytes(), 2 * MIB);
+        assert!(!fresh.covers(&key(1), &(0..1)));
+        assert_eq!(fresh.serve(&key(1), &(MIB..MIB + 2)).unwrap()[..], [3; 2]);
+        // Each leaves once read whole; the page with its last.
+        assert!(fresh.serve(&key(1), &(2 * MIB..3 * MIB)).is_some());
+        assert!(fresh.holds(&key(1)));
+        assert!(fresh.serve(&key(1), &(MIB / 2..MIB / 2 + MIB)).is_some());
+        assert!(!fresh.holds(&key(1)));
+        assert_eq!(fresh.bytes(), 0);
+        // The byte bound lets the oldest part go first.
+        for n in 0..9 {
+            fresh.keep_part(key(2), n * MIB, part(n as u8), &budget);
+        }
+        assert_eq!(fresh.bytes(), 8 * MIB);
+        assert!(!fresh.covers(&key(2), &(0..1)));
+        assert!(fresh.covers(&key(2), &(8 * MIB..9 * MIB)));
+        fresh.forget(&key(2));
         assert_eq!(fresh.bytes(), 0);
     }
 
