@@ -40,6 +40,8 @@ struct Inner {
     pages: HashMap<PageKey, Vec<Kept>>,
     /// Parts by page and start, in the order kept; may name parts gone.
     order: VecDeque<(PageKey, u64)>,
+    /// Parts held, over all pages.
+    parts: usize,
     bytes: u64,
 }
 
@@ -78,6 +80,7 @@ impl Inner {
         };
         if let Some(i) = parts.iter().position(|k| k.start == start) {
             self.bytes -= parts.swap_remove(i).bytes.len() as u64;
+            self.parts -= 1;
         }
         if parts.is_empty() {
             self.pages.remove(key);
@@ -87,6 +90,7 @@ impl Inner {
     fn remove_page(&mut self, key: &PageKey) {
         if let Some(parts) = self.pages.remove(key) {
             self.bytes -= parts.iter().map(|k| k.bytes.len() as u64).sum::<u64>();
+            self.parts -= parts.len();
         }
     }
 }
@@ -152,10 +156,10 @@ impl FreshPages {
         };
         inner.pages.entry(key).or_default().push(kept);
         inner.bytes += len;
+        inner.parts += 1;
         inner.order.push_back((key, start));
         // `order` may name parts gone; keep it from growing without bound.
-        let parts: usize = inner.pages.values().map(Vec::len).sum();
-        if inner.order.len() > 4 * parts + 64 {
+        if inner.order.len() > 4 * inner.parts + 64 {
             let Inner { pages, order, .. } = &mut *inner;
             order.retain(|(k, at)| {
                 pages

@@ -247,15 +247,14 @@ impl Plan {
         }
     }
 
-    /// `key` was read. Its next position is what was read, if it lies
-    /// within `window` of where the reader is. A read further ahead is not
-    /// this plan's reader (another job reading the same data) and changes
-    /// nothing; so does a read of a page read moments ago at an earlier
-    /// position, while the reader is not yet halfway to the next one (a
-    /// second piece of one read, or a second sample in one page).
-    /// The read at position `at` of `key` happened; `part`, its bytes.
-    /// A read that starts a coming sample of the page (`exact`) is that
-    /// read, whatever came before it.
+    /// The read of `key` at position `at` happened (`part`: its bytes),
+    /// if `at` lies within `window` of where the reader is. A read further
+    /// ahead is not this plan's reader (another job reading the same data)
+    /// and changes nothing. Unless the read was matched to `at` by its
+    /// bytes (`exact`), so does a read of the page read last, or of a page
+    /// read moments ago at an earlier position while the reader is not
+    /// yet halfway to the next one (a second piece of one read, or a
+    /// second sample in one page).
     fn read(
         &mut self,
         key: &PageKey,
@@ -474,10 +473,11 @@ impl PlanOrder {
     /// different samples of one page (at 4 MiB pages of four 1 MiB
     /// samples, two ranks share most pages), and one rank's sample is
     /// often another's in the next epoch. The read goes to the nearest of
-    /// the plans whose next read of the page starts where it starts;
-    /// failing that, it is nothing if it is a later piece of a read some
-    /// plan took; failing that, it goes to the nearest plan whose next
-    /// read takes in its bytes, then to the nearest that reads the page.
+    /// the plans with the best [`Claim`] on it: a coming read near the
+    /// reader that starts where it starts; failing that, it is nothing if
+    /// it is a later piece of a read some plan took; failing that, a
+    /// coming read that takes in where it starts, then a next read that
+    /// takes in its bytes, then any plan that reads the page.
     /// Taking a piece of rank 0's read for rank 1's read of that sample
     /// in the next epoch left rank 0's position unread, so its distances
     /// grew by up to 190 entries and the next epoch's first pages went

@@ -513,18 +513,18 @@ impl Cache {
                 continue;
             };
             let part = read.part(len);
+            let sub = part.clone().unwrap_or(0..len);
             if progress.staged.contains(&(key, pos))
                 || progress.in_flight.contains_key(&key)
                 || !match &part {
                     None => self.lru.holds_whole(&key),
                     Some(sub) => self.lru.holds_blocks(&key, blocks_of(sub)),
                 }
-                || self.fresh.covers(&key, part.as_ref().unwrap_or(&(0..len)))
+                || self.fresh.covers(&key, &sub)
                 || self.writing.holds(&key)
             {
                 continue;
             }
-            let sub = part.unwrap_or(0..len);
             let id = PageId::new(&uri.to_string(), &meta.etag, idx, ps, meta.size);
             progress.staged.insert((key, pos));
             let this = self.clone();
