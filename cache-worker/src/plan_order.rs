@@ -24,13 +24,17 @@ pub const MAX_PLAN_PAGES: usize = 1 << 20;
 pub const MAX_TOTAL_PAGES: usize = 4 << 20;
 /// How far ahead of the furthest read (in entries) a read still counts as
 /// a plan's own reader's, and how far behind it an entry not read yet is
-/// still waited for.
+/// still waited for at most.
 pub const DEFAULT_WINDOW: u64 = 4096;
 /// Reads a plan remembers to tell where its reader is.
 const RECENT_READS: usize = 5;
 /// How far the furthest read may run ahead of the recent ones before it
 /// is taken for a stray read, not the reader's position.
 const STRAY_GAP: u64 = 64;
+/// A plan's out-of-order spread shrinks by this share of itself per read
+/// without a read as late: slowly, as its loader workers' lateness comes
+/// back with every batch.
+const SPREAD_DECAY: u64 = 256;
 /// Positions a plan remembers having taken, to tell a later piece of one
 /// of those reads from a new read: more than its loader workers have
 /// reads in flight.
@@ -93,6 +97,10 @@ struct Plan {
     last: Option<PageKey>,
     /// The positions of the last [`RECENT_READS`] reads, oldest first.
     recent: VecDeque<u64>,
+    /// How far behind where the reader was its reads have arrived lately
+    /// (loader workers read out of order), decaying: see
+    /// [`Plan::skip_gap`].
+    spread: u64,
     /// The bytes of the last [`TAKEN_MEMORY`] reads taken (each grown by
     /// its later pieces), oldest first.
     taken: VecDeque<(PageKey, Range<u64>)>,
@@ -142,6 +150,7 @@ impl Plan {
             len: pages.len(),
             last: None,
             recent: VecDeque::with_capacity(RECENT_READS),
+            spread: 0,
             taken: VecDeque::with_capacity(TAKEN_MEMORY),
             expires,
             tenant,
@@ -164,6 +173,23 @@ impl Plan {
             }
             _ => self.reached,
         }
+    }
+
+    /// How far behind its reader a position not read yet is still
+    /// waited for: twice the reads' recent spread, and [`STRAY_GAP`]
+    /// more, `window` at most. Past that the position was skipped (its
+    /// read went to another plan, or never came). Waiting on it for the
+    /// whole window held the cursor, where distances count from, that
+    /// far back: in plan-epochs at 2 ranks one plan's cursor sat 120-150
+    /// positions behind its reader at the end of epoch 1, every distance
+    /// of that plan was too long by as much, and the next epoch's first
+    /// pages of that rank were evicted for the other rank's later ones
+    /// (1-3 misses in epoch 2's first step, and 70-200 ms of waiting).
+    fn skip_gap(&self, window: u64) -> u64 {
+        self.spread
+            .saturating_mul(2)
+            .saturating_add(STRAY_GAP)
+            .min(window)
     }
 
     fn distance(&self, key: &PageKey) -> Option<u64> {
@@ -288,14 +314,18 @@ impl Plan {
         }
         self.last = Some(*key);
         self.read_at.insert(*key, at);
+        let late = self.reader_at().saturating_sub(at + 1);
+        self.spread = late.max(self.spread - self.spread / SPREAD_DECAY);
         self.reached = self.reached.max(at + 1);
         if self.recent.len() == RECENT_READS {
             self.recent.pop_front();
         }
         self.recent.push_back(at);
         self.take(key, at);
-        // Positions left this far behind the reader were skipped.
-        let behind = self.reached.saturating_sub(window);
+        // Positions left this far behind the reader were skipped. Counted
+        // from where the reader is, not from the furthest read, which may
+        // be a stray read far ahead.
+        let behind = self.reader_at().saturating_sub(self.skip_gap(window));
         while let Some((&pos, &page)) = self.next.first_key_value() {
             if pos >= behind {
                 break;

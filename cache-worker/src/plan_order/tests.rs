@@ -628,3 +628,61 @@ fn upcoming_lists_the_unread_entries_from_the_first_one_to_the_lead() {
     assert_eq!(order.upcoming("job/0", 3, 1), vec![(3, key(4))]);
     assert!(order.upcoming("job/1", 3, 10).is_empty());
 }
+
+/// Page `i` of a plan longer than [`key`] can name.
+fn wide_key(i: u16) -> PageKey {
+    let mut bytes = [0xaa; 32];
+    bytes[..2].copy_from_slice(&i.to_le_bytes());
+    PageKey(bytes)
+}
+
+#[test]
+fn a_position_never_read_stops_holding_the_cursor_once_the_reader_is_past_it() {
+    let mut order = PlanOrder::default();
+    let far = Instant::now() + Duration::from_secs(600);
+    let plan: Vec<PageKey> = (0..400).map(wide_key).collect();
+    order.install("job/0", None, &plan, &[], far).unwrap();
+    // Position 10's read never comes (another plan took it, say).
+    for i in (0..=200).filter(|i| *i != 10) {
+        order.read(&wide_key(i), Demand);
+    }
+    assert_eq!(
+        order.distance(&wide_key(10)),
+        None,
+        "skipped: far behind a reader that reads in order"
+    );
+    assert_eq!(
+        order.distance(&wide_key(300)),
+        Some(99),
+        "distances count from the reader, not from position 10"
+    );
+}
+
+#[test]
+fn a_late_read_within_the_readers_spread_is_still_waited_for() {
+    let mut order = PlanOrder::default();
+    let far = Instant::now() + Duration::from_secs(600);
+    let plan: Vec<PageKey> = (0..400).map(wide_key).collect();
+    order.install("job/0", None, &plan, &[], far).unwrap();
+    // Two loader workers 40 positions apart: reads arrive up to 39 late.
+    for i in 0..40 {
+        order.read(&wide_key(i + 40), Demand);
+        order.read(&wide_key(i), Demand);
+    }
+    // Position 100 has not come 80 reads later (more than STRAY_GAP)...
+    for i in (80..=180).filter(|i| *i != 100) {
+        order.read(&wide_key(i), Demand);
+    }
+    assert_eq!(
+        order.distance(&wide_key(100)),
+        Some(0),
+        "within twice the spread: still this reader's next read"
+    );
+    // ...and is given up once the reader is well past what its spread
+    // explains.
+    for i in 181..=330 {
+        order.read(&wide_key(i), Demand);
+    }
+    assert_eq!(order.distance(&wide_key(100)), None);
+    assert_eq!(order.distance(&wide_key(350)), Some(19));
+}
