@@ -54,9 +54,9 @@ const PACE_WINDOW: Duration = Duration::from_millis(250);
 /// read of one took 0.8 ms alone and 3 ms four at a time on this
 /// project's test VM, most of a cached sample's latency.
 const STAGE_LEAD: Duration = Duration::from_millis(300);
-/// Pages staged for a reader whose pace is not known yet (the start of
-/// an epoch: its first batches).
-const START_STAGE_PAGES: u64 = 16;
+/// Positions staged for a reader whose pace is not known yet (the start
+/// of an epoch: its first batches).
+const START_STAGE_POSITIONS: u64 = 16;
 /// Memory for staged pages at most: on top of the read-ahead's room in
 /// [`crate::fresh::FreshPages`].
 const STAGE_ROOM: u64 = 64 << 20;
@@ -199,6 +199,29 @@ impl PlanFetch {
         }
     }
 
+    /// How many positions from `from` on (`most` at most, and at least
+    /// one) the plan reads within `bytes`, counting what it reads at
+    /// each. Staging room is counted so, not in pages: a plan that reads
+    /// 1 MiB samples of 4 MiB pages stages four times as many positions
+    /// in the same memory. In plan-epochs at 2 ranks, the first 40 ms of
+    /// epoch 2 (four loader workers filling their first batches at once)
+    /// were then served all from memory, where a count of pages left
+    /// 7-14 MiB of 24-31 MiB to be read from disk.
+    fn positions_within(&self, from: u64, most: u64, bytes: u64, page_size: u64) -> u64 {
+        let end = from.saturating_add(most).min(self.reads.len() as u64);
+        let mut total = 0u64;
+        let mut positions = 0;
+        for pos in from..end {
+            let (start, stop) = self.reads[pos as usize].span();
+            total += u64::from(stop.saturating_sub(start)).min(page_size);
+            if total > bytes && positions > 0 {
+                break;
+            }
+            positions += 1;
+        }
+        positions.max(1)
+    }
+
     fn progress(&self) -> std::sync::MutexGuard<'_, Progress> {
         self.progress.lock().unwrap_or_else(|p| p.into_inner())
     }
@@ -316,13 +339,13 @@ impl Pace {
         }
     }
 
-    /// Pages to stage in memory ahead of the reader, `most` at most.
-    fn stage_pages(&self, most: u64) -> u64 {
-        let pages = match self.pages_per_s {
-            None => START_STAGE_PAGES,
+    /// Positions to stage in memory ahead of the reader at its pace
+    /// (before the room they need is counted).
+    fn stage_positions(&self) -> u64 {
+        match self.pages_per_s {
+            None => START_STAGE_POSITIONS,
             Some(rate) => ((rate * STAGE_LEAD.as_secs_f64()).ceil() as u64).max(2),
-        };
-        pages.min(most)
+        }
     }
 }
 
@@ -366,14 +389,17 @@ pub(crate) async fn prefetcher(cache: Weak<Cache>) {
             }
             pace.observe(cursor, now);
             let share = budget / per_job.get(job_of(name)).copied().unwrap_or(1).max(1);
-            // Half the staging room, shared by the plans: staged pages
+            // Half the staging room, shared by the plans: staged parts
             // are not pushed out by the next ones before they are read.
-            let stage_most = (stage_room(this.config.page_size, this.config.memory_limit)
+            let stage_bytes = stage_room(this.config.page_size, this.config.memory_limit)
                 / 2
-                / this.config.page_size.max(1)
-                / plans.len() as u64)
-                .max(1);
-            let stage = pace.stage_pages(stage_most);
+                / plans.len() as u64;
+            let stage = plan.positions_within(
+                cursor,
+                pace.stage_positions(),
+                stage_bytes,
+                this.config.page_size,
+            );
             this.prefetch_ahead(plan, cursor, pace.lead_pages(config.lead), stage, share);
             this.stage_ahead(name, plan, stage);
         }
