@@ -613,26 +613,66 @@ impl PageStore {
         if let Some(parent) = path.parent() {
             mkdir_private(parent)?;
         }
-        let file = fs::OpenOptions::new()
-            .read(true)
-            .write(true)
-            .create(true)
-            .truncate(false)
-            .open(&path)?;
-        let mut raw = vec![0u8; HEADER_LEN as usize];
-        let mut header = match file.read_exact_at(&mut raw, 0) {
-            Ok(()) => Header::decode(&raw, id).unwrap_or_else(|_| Header::empty(*id)),
-            Err(e) if e.kind() == io::ErrorKind::UnexpectedEof => Header::empty(*id),
-            Err(e) => return Err(e),
+        let (file, direct) = self.open_for_fill(&path)?;
+        let mut header = if direct {
+            let mut raw = lakecache_protocol::buffer_pool::take(HEADER_LEN as usize);
+            match read_aligned(&file, &mut raw, HEADER_LEN as usize, 0) {
+                Ok(()) => Header::decode(&raw, id).unwrap_or_else(|_| Header::empty(*id)),
+                // A new (empty) file.
+                Err(PageReadError::Corrupt(_)) => Header::empty(*id),
+                Err(PageReadError::Io(e)) => return Err(e),
+                Err(e) => return Err(io::Error::other(e.to_string())),
+            }
+        } else {
+            let mut raw = vec![0u8; HEADER_LEN as usize];
+            match file.read_exact_at(&mut raw, 0) {
+                Ok(()) => Header::decode(&raw, id).unwrap_or_else(|_| Header::empty(*id)),
+                Err(e) if e.kind() == io::ErrorKind::UnexpectedEof => Header::empty(*id),
+                Err(e) => return Err(e),
+            }
         };
         // Data before header: a crash in between leaves blocks unmarked.
-        file.write_all_at(data, HEADER_LEN + start)?;
+        if direct {
+            lakecache_protocol::direct_io::write_direct(&file, data, HEADER_LEN + start)?;
+            // The page's last block went out padded with zeros.
+            if end == id.len
+                && !(HEADER_LEN + end).is_multiple_of(lakecache_protocol::direct_io::DIRECT_ALIGN)
+            {
+                file.set_len(HEADER_LEN + end)?;
+            }
+        } else {
+            file.write_all_at(data, HEADER_LEN + start)?;
+        }
         for (i, crc) in block_crcs(data).into_iter().enumerate() {
             header.crcs[first + i] = crc;
             header.valid[first + i] = true;
         }
-        file.write_all_at(&header.encode(), 0)?;
+        let encoded = header.encode();
+        if direct {
+            lakecache_protocol::direct_io::write_direct(&file, &encoded, 0)?;
+        } else {
+            file.write_all_at(&encoded, 0)?;
+        }
         Ok(then(FilledBlocks::of(&header.valid)))
+    }
+
+    /// A page file opened (created if absent) for a partial fill, with
+    /// `O_DIRECT` where allowed (`true`), as whole pages are written: a
+    /// fill through the page cache cost a copy into it, the kernel's
+    /// writeback later, and a flush whenever a direct read of the file
+    /// came first (a plan's reads fill every sample's blocks so).
+    fn open_for_fill(&self, path: &Path) -> io::Result<(fs::File, bool)> {
+        let mut options = fs::OpenOptions::new();
+        options.read(true).write(true).create(true).truncate(false);
+        if self.direct.load(Ordering::Relaxed) {
+            use std::os::unix::fs::OpenOptionsExt;
+            match options.clone().custom_flags(libc::O_DIRECT).open(path) {
+                Ok(file) => return Ok((file, true)),
+                Err(e) if e.raw_os_error() == Some(libc::EINVAL) => {}
+                Err(e) => return Err(e),
+            }
+        }
+        Ok((options.open(path)?, false))
     }
 
     /// Reads `range` (page-relative) of the page `id`, checking the header
@@ -915,6 +955,10 @@ mod tests {
         let filled = store.fill(&key, &id, 3, &data[3 * b..]).unwrap();
         assert!(filled.whole(&id));
         assert_eq!(filled.bytes(&id), id.len);
+        // A direct fill writes the short block padded; the file ends
+        // where the page does.
+        let file_len = fs::metadata(store.path(&key)).unwrap().len();
+        assert_eq!(file_len, HEADER_LEN + id.len);
         let all = store.read(&key, &id, 0..data.len() as u64).unwrap();
         assert_eq!(&all[..], &data[..]);
     }
