@@ -636,12 +636,18 @@ fn wide_key(i: u16) -> PageKey {
     PageKey(bytes)
 }
 
-#[test]
-fn a_position_never_read_stops_holding_the_cursor_once_the_reader_is_past_it() {
+/// A plan "job/0" of `len` pages, each read once.
+fn plan_of_wide_keys(len: u16) -> PlanOrder {
     let mut order = PlanOrder::default();
     let far = Instant::now() + Duration::from_secs(600);
-    let plan: Vec<PageKey> = (0..400).map(wide_key).collect();
+    let plan: Vec<PageKey> = (0..len).map(wide_key).collect();
     order.install("job/0", None, &plan, &[], far).unwrap();
+    order
+}
+
+#[test]
+fn a_position_never_read_stops_holding_the_cursor_once_the_reader_is_past_it() {
+    let mut order = plan_of_wide_keys(400);
     // Position 10's read never comes (another plan took it, say).
     for i in (0..=200).filter(|i| *i != 10) {
         order.read(&wide_key(i), Demand);
@@ -660,10 +666,7 @@ fn a_position_never_read_stops_holding_the_cursor_once_the_reader_is_past_it() {
 
 #[test]
 fn a_late_read_within_the_readers_spread_is_still_waited_for() {
-    let mut order = PlanOrder::default();
-    let far = Instant::now() + Duration::from_secs(600);
-    let plan: Vec<PageKey> = (0..400).map(wide_key).collect();
-    order.install("job/0", None, &plan, &[], far).unwrap();
+    let mut order = plan_of_wide_keys(400);
     // Two loader workers 40 positions apart: reads arrive up to 39 late.
     for i in 0..40 {
         order.read(&wide_key(i + 40), Demand);
