@@ -205,8 +205,8 @@ impl PlanFetch {
     /// 1 MiB samples of 4 MiB pages stages four times as many positions
     /// in the same memory. In plan-epochs at 2 ranks, the first 40 ms of
     /// epoch 2 (four loader workers filling their first batches at once)
-    /// were then served all from memory, where a count of pages left
-    /// 7-14 MiB of 24-31 MiB to be read from disk.
+    /// then read 0-3 MiB from disk of the 7-50 MiB served (9 runs), where
+    /// a count of pages left 6-15 MiB of 24-31 MiB to it (2 runs).
     fn positions_within(&self, from: u64, most: u64, bytes: u64, page_size: u64) -> u64 {
         let end = from.saturating_add(most).min(self.reads.len() as u64);
         let mut total = 0u64;
