@@ -664,15 +664,7 @@ impl PageStore {
     fn open_for_fill(&self, path: &Path) -> io::Result<(fs::File, bool)> {
         let mut options = fs::OpenOptions::new();
         options.read(true).write(true).create(true).truncate(false);
-        if self.direct.load(Ordering::Relaxed) {
-            use std::os::unix::fs::OpenOptionsExt;
-            match options.clone().custom_flags(libc::O_DIRECT).open(path) {
-                Ok(file) => return Ok((file, true)),
-                Err(e) if e.raw_os_error() == Some(libc::EINVAL) => {}
-                Err(e) => return Err(e),
-            }
-        }
-        Ok((options.open(path)?, false))
+        self.open_page_file(path, &options)
     }
 
     /// Reads `range` (page-relative) of the page `id`, checking the header
@@ -756,22 +748,30 @@ impl PageStore {
     /// pages are written around the page cache, so a read through it
     /// would only add a copy and a cached page nobody reads again.
     fn open_for_read(&self, path: &Path) -> io::Result<fs::File> {
+        let mut options = fs::OpenOptions::new();
+        options.read(true);
+        self.open_page_file(path, &options).map(|(file, _)| file)
+    }
+
+    /// Opens `path` with `options`, and `O_DIRECT` (`true`) until the
+    /// filesystem refuses it: every later open then goes through the page
+    /// cache, not through a failed open first.
+    fn open_page_file(
+        &self,
+        path: &Path,
+        options: &fs::OpenOptions,
+    ) -> io::Result<(fs::File, bool)> {
         if self.direct.load(Ordering::Relaxed) {
             use std::os::unix::fs::OpenOptionsExt;
-            match fs::OpenOptions::new()
-                .read(true)
-                .custom_flags(libc::O_DIRECT)
-                .open(path)
-            {
-                // Refused here: every later open goes through the page
-                // cache, not through a failed open first.
+            match options.clone().custom_flags(libc::O_DIRECT).open(path) {
+                Ok(file) => return Ok((file, true)),
                 Err(e) if e.raw_os_error() == Some(libc::EINVAL) => {
                     self.direct.store(false, Ordering::Relaxed);
                 }
-                other => return other,
+                Err(e) => return Err(e),
             }
         }
-        fs::File::open(path)
+        Ok((options.open(path)?, false))
     }
 
     pub fn remove(&self, key: &PageKey) {

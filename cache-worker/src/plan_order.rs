@@ -165,7 +165,12 @@ impl Plan {
     /// on left every page between unfetched (plan-epochs, mounts, 1 MiB
     /// pages: prefetch ran about 600 positions ahead of the reader).
     fn reader_at(&self) -> u64 {
-        let mut recent: Vec<u64> = self.recent.iter().copied().collect();
+        // On the stack: this runs twice on every planned read.
+        let mut held = [0u64; RECENT_READS];
+        for (slot, at) in held.iter_mut().zip(&self.recent) {
+            *slot = *at;
+        }
+        let recent = &mut held[..self.recent.len()];
         recent.sort_unstable();
         match recent.get(recent.len().saturating_sub(1) / 2) {
             Some(&median) if self.reached - (median + 1) > STRAY_GAP => {

@@ -207,13 +207,13 @@ impl PlanFetch {
     /// epoch 2 (four loader workers filling their first batches at once)
     /// then read 0-3 MiB from disk of the 7-50 MiB served (9 runs), where
     /// a count of pages left 6-15 MiB of 24-31 MiB to it (2 runs).
-    fn positions_within(&self, from: u64, most: u64, bytes: u64, page_size: u64) -> u64 {
+    fn positions_within(&self, from: u64, most: u64, bytes: u64) -> u64 {
         let end = from.saturating_add(most).min(self.reads.len() as u64);
         let mut total = 0u64;
         let mut positions = 0;
         for pos in from..end {
             let (start, stop) = self.reads[pos as usize].span();
-            total += u64::from(stop.saturating_sub(start)).min(page_size);
+            total += u64::from(stop.saturating_sub(start));
             if total > bytes && positions > 0 {
                 break;
             }
@@ -394,12 +394,7 @@ pub(crate) async fn prefetcher(cache: Weak<Cache>) {
             let stage_bytes = stage_room(this.config.page_size, this.config.memory_limit)
                 / 2
                 / plans.len() as u64;
-            let stage = plan.positions_within(
-                cursor,
-                pace.stage_positions(),
-                stage_bytes,
-                this.config.page_size,
-            );
+            let stage = plan.positions_within(cursor, pace.stage_positions(), stage_bytes);
             this.prefetch_ahead(plan, cursor, pace.lead_pages(config.lead), stage, share);
             this.stage_ahead(name, plan, stage);
         }
