@@ -172,7 +172,8 @@ impl Cluster {
             "--lease-ttl".into(),
             format!("{TTL_SECS}s"),
         ];
-        self.spawn_worker(id, port.unwrap_or(0), &extra)
+        // A restart passes the port back: see `unused_port`.
+        self.spawn_worker(id, port.unwrap_or_else(common::unused_port), &extra)
     }
 
     /// Flags that make a worker production-like: keys, TLS, peer CA.

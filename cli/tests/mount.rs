@@ -102,7 +102,9 @@ impl Env {
             }
         } else {
             for i in 0..workers {
-                let (port, child) = env.start_worker(i, 0, worker_flags);
+                // Tests restart workers on their port: see `unused_port`.
+                let port = common::unused_port();
+                let child = env.spawn_worker(i, port, worker_flags);
                 env.workers.push((port, child));
             }
         }

@@ -59,6 +59,18 @@ pub fn default_options(cache_dir: PathBuf) -> WorkerOptions {
     }
 }
 
+#[path = "../../../testing/ports.rs"]
+mod ports;
+
+/// `options` listening on a port a restart can bind again (see
+/// `ports::unused_port`) where they name port 0.
+fn restartable(mut options: WorkerOptions) -> WorkerOptions {
+    if options.listen.port() == 0 {
+        options.listen.set_port(ports::unused_port());
+    }
+    options
+}
+
 impl Harness {
     pub async fn start() -> Self {
         Self::with(|_| {}).await
@@ -89,7 +101,8 @@ impl Harness {
         let metrics = Arc::new(Metrics::new().unwrap());
         let direct =
             lakecache_worker::s3_store(&s3_config, Arc::new(Metrics::new().unwrap())).await;
-        let worker = Self::spawn_worker(&options, &s3_config, metrics.clone()).await;
+        let worker =
+            Self::spawn_worker(&restartable(options.clone()), &s3_config, metrics.clone()).await;
         let client =
             WorkerClient::new(&worker.addr().to_string(), Duration::from_secs(60)).unwrap();
         Self {
@@ -156,7 +169,7 @@ impl Harness {
         dir: &std::path::Path,
         listen: Option<&str>,
     ) -> lakecache_worker::RunningWorker {
-        let mut options = self.options.clone();
+        let mut options = restartable(self.options.clone());
         options.cache_dir = dir.to_path_buf();
         if let Some(addr) = listen {
             options.listen = addr.parse().unwrap();

@@ -2,8 +2,9 @@
 //!
 //! Every child a test starts writes stdout and stderr to its own log file,
 //! which is printed when the test fails ([`Proc`]'s drop during a panic).
-//! Children bind port 0 themselves and the test reads the port they got
-//! from their log, so no port is guessed. Deadlines go through [`scaled`]:
+//! Children report the port they bound in their log, and the test reads
+//! it there. Servers a test restarts on their old address get a port
+//! from [`unused_port`] (outside the kernel's ephemeral range). Deadlines go through [`scaled`]:
 //! `LAKECACHE_TEST_TIME_SCALE` (a positive number, default 1) multiplies
 //! every one of them on a slow or loaded machine.
 #![allow(dead_code)] // each test binary uses a different subset
@@ -13,6 +14,10 @@ use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::{Duration, Instant};
+
+#[path = "../../../testing/ports.rs"]
+mod ports;
+pub use ports::unused_port;
 
 pub const BIN: &str = env!("CARGO_BIN_EXE_lakecache");
 
@@ -226,17 +231,6 @@ pub fn port_in(line: &str) -> Option<u16> {
     found
 }
 
-/// A port nothing listens on right now. Only for a child that cannot
-/// report its own (workers whose static ring must name every address
-/// before any starts): another process may take it before the child
-/// binds, and the child then exits with its log printed.
-pub fn unused_port() -> u16 {
-    std::net::TcpListener::bind("127.0.0.1:0")
-        .and_then(|l| l.local_addr())
-        .map(|a| a.port())
-        .expect("binding a loopback port")
-}
-
 /// How long a command a test runs to completion may take (scaled) before
 /// it is killed and the test fails with its output. Generous: it exists so
 /// that a command which wrongly keeps running (a refused worker or mount
@@ -358,8 +352,8 @@ pub fn start_s3_with(
     start_s3_on(root, access, secret, bucket, extra, 0)
 }
 
-/// [`start_s3_with`] on a given port (0: the OS picks; a restart passes
-/// the port the first start reported).
+/// [`start_s3_with`] on a given port (0: one from [`unused_port`]; a
+/// restart passes the port the first start reported).
 pub fn start_s3_on(
     root: &Path,
     access: &str,
@@ -368,6 +362,8 @@ pub fn start_s3_on(
     extra: &[&str],
     port: u16,
 ) -> (Proc, u16) {
+    // A restart may need this port again: see `unused_port`.
+    let port = if port == 0 { unused_port() } else { port };
     let mut proc = Proc::spawn(
         "s3-server",
         Command::new(BIN)
@@ -463,6 +459,23 @@ mod tests {
             Some(39721)
         );
         assert_eq!(port_in("no address here"), None);
+    }
+
+    #[test]
+    fn drawn_ports_lie_outside_the_ephemeral_range_and_never_repeat() {
+        let (lo, hi) = ports::ephemeral_range();
+        assert!(lo <= hi, "{lo}-{hi}");
+        let drawn: Vec<u16> = (0..50).map(|_| unused_port()).collect();
+        for &p in &drawn {
+            assert!(!(lo..=hi).contains(&p), "{p} is in {lo}-{hi}");
+            assert!(p >= 10_000, "{p}");
+        }
+        let distinct: std::collections::BTreeSet<_> = drawn.iter().collect();
+        assert_eq!(
+            distinct.len(),
+            drawn.len(),
+            "a port handed out twice: {drawn:?}"
+        );
     }
 
     #[test]
