@@ -160,9 +160,13 @@ impl Cache {
         part: std::ops::Range<u64>,
         kind: ReadKind,
     ) -> bool {
-        self.lru.has_plans()
-            && self
-                .lru
-                .planned_read(&PageKey::new(&uri.to_string(), etag, idx), part, kind)
+        if !self.lru.has_plans() {
+            return false;
+        }
+        if kind == ReadKind::Demand {
+            self.plan_fetches.demand_read();
+        }
+        self.lru
+            .planned_read(&PageKey::new(&uri.to_string(), etag, idx), part, kind)
     }
 }

@@ -44,6 +44,19 @@ impl Default for PlanPrefetchConfig {
 const TICK: Duration = Duration::from_millis(20);
 /// Pages one plan has in flight at most.
 const IN_FLIGHT_PER_PLAN: usize = 16;
+/// An epoch's start is a burst: the job renews its plans and every loader
+/// reads its first batches at once, out of the lead the last epoch left.
+/// For [`RENEWAL_BURST`] after a renewal, while clients are reading (a
+/// read began within [`DEMAND_RECENT`]) and the lead is healthy
+/// (nothing is missing within this share of it), nothing more is fetched:
+/// fetches needed a second from now would slow the reads waited on now.
+/// A lead with a gap nearer than that is filled as usual, and so is every
+/// lead once the burst is over.
+const DEMAND_FIRST_SHARE: u32 = 4;
+/// See [`DEMAND_FIRST_SHARE`].
+const RENEWAL_BURST: Duration = Duration::from_millis(500);
+/// How recent a client's read must be for the worker to count as serving.
+const DEMAND_RECENT: Duration = Duration::from_millis(10);
 /// Pages fetched ahead of a reader whose pace is not known yet.
 const START_LEAD_PAGES: u64 = 8;
 /// A pace is measured over at least this long.
@@ -261,6 +274,41 @@ impl PlanFetch {
 pub(crate) struct PlanFetches {
     plans: Mutex<HashMap<String, Arc<PlanFetch>>>,
     installs: std::sync::atomic::AtomicU64,
+    demand: DemandClock,
+}
+
+/// When a client last began a read here (noted while plans are
+/// installed).
+struct DemandClock {
+    base: Instant,
+    /// Microseconds after `base`; 0: never.
+    last_us: std::sync::atomic::AtomicU64,
+}
+
+impl Default for DemandClock {
+    fn default() -> Self {
+        Self {
+            base: Instant::now(),
+            last_us: Default::default(),
+        }
+    }
+}
+
+impl DemandClock {
+    fn mark(&self, now: Instant) {
+        let us = now.duration_since(self.base).as_micros() as u64;
+        self.last_us
+            .store(us.max(1), std::sync::atomic::Ordering::Relaxed);
+    }
+
+    fn recent(&self, now: Instant) -> bool {
+        let last = self.last_us.load(std::sync::atomic::Ordering::Relaxed);
+        last != 0
+            && now
+                .duration_since(self.base)
+                .saturating_sub(Duration::from_micros(last))
+                < DEMAND_RECENT
+    }
 }
 
 impl PlanFetches {
@@ -277,6 +325,11 @@ impl PlanFetches {
             plan.carry_ahead(&old.progress());
         }
         plans.insert(name.to_string(), Arc::new(plan));
+    }
+
+    /// A client's read began now (noted while plans are installed).
+    pub(crate) fn demand_read(&self) {
+        self.demand.mark(Instant::now());
     }
 
     fn snapshot(&self) -> Vec<(String, Arc<PlanFetch>)> {
@@ -303,6 +356,8 @@ fn job_of(name: &str) -> &str {
 /// A plan's reader pace, from where its cursor was when.
 struct Pace {
     generation: u64,
+    /// When the plan was installed or last renewed.
+    renewed: Instant,
     mark: (u64, Instant),
     pages_per_s: Option<f64>,
 }
@@ -311,6 +366,7 @@ impl Pace {
     fn new(generation: u64, cursor: u64, now: Instant) -> Self {
         Self {
             generation,
+            renewed: now,
             mark: (cursor, now),
             pages_per_s: None,
         }
@@ -337,6 +393,14 @@ impl Pace {
             None => START_LEAD_PAGES,
             Some(rate) => ((rate * lead.as_secs_f64()).ceil() as u64).max(2),
         }
+    }
+
+    /// While the worker is `serving` planned reads just after a renewal:
+    /// how near the reader a missing page must be to be fetched now
+    /// ([`DEMAND_FIRST_SHARE`] of the lead). None: fetch as usual.
+    fn burst_defer(&self, lead: Duration, serving: bool, now: Instant) -> Option<u64> {
+        (serving && self.pages_per_s.is_some() && now.duration_since(self.renewed) < RENEWAL_BURST)
+            .then(|| self.lead_pages(lead / DEMAND_FIRST_SHARE))
     }
 
     /// Positions to stage in memory ahead of the reader at its pace
@@ -371,6 +435,7 @@ pub(crate) async fn prefetcher(cache: Weak<Cache>) {
         }
         let budget = config.budget_bytes.min(this.config.capacity / 4);
         let now = Instant::now();
+        let serving = this.plan_fetches.demand.recent(now);
         for (name, plan) in &plans {
             let Some(cursor) = this.lru.plan_cursor(name) else {
                 // Expired (or replaced by a plan with no pages here).
@@ -395,22 +460,26 @@ pub(crate) async fn prefetcher(cache: Weak<Cache>) {
                 / 2
                 / plans.len() as u64;
             let stage = plan.positions_within(cursor, pace.stage_positions(), stage_bytes);
-            this.prefetch_ahead(plan, cursor, pace.lead_pages(config.lead), stage, share);
+            let lead = pace.lead_pages(config.lead);
+            let defer = pace.burst_defer(config.lead, serving, now);
+            this.prefetch_ahead(plan, cursor, (lead, defer), stage, share);
             this.stage_ahead(name, plan, stage);
         }
     }
 }
 
 impl Cache {
-    /// Starts fetches of `plan`'s pages from `cursor` on, `lead` pages
+    /// Starts fetches of `plan`'s pages from `cursor` on, `lead.0` pages
     /// ahead at most, while the pages it fetched ahead of the reader stay
-    /// within `budget` bytes. Pages within `stage` of the reader are kept
-    /// in memory too (see [`Self::stage_ahead`]).
+    /// within `budget` bytes; none where the first missing page lies
+    /// `lead.1` pages or more ahead (see [`DEMAND_FIRST_SHARE`]). Pages
+    /// within `stage` of the reader are kept in memory too (see
+    /// [`Self::stage_ahead`]).
     fn prefetch_ahead(
         self: &Arc<Self>,
         plan: &Arc<PlanFetch>,
         cursor: u64,
-        lead: u64,
+        (lead, mut defer): (u64, Option<u64>),
         stage: u64,
         budget: u64,
     ) {
@@ -455,6 +524,14 @@ impl Cache {
                 None => page_len,
                 Some(_) => (blocks.len() as u64 * CHECK_BLOCK).min(page_len),
             };
+            // The first missing page decides (pages before it are cached
+            // or on their way).
+            if defer
+                .take()
+                .is_some_and(|near| pos >= cursor.saturating_add(near))
+            {
+                break;
+            }
             if progress.ahead_bytes + len > budget
                 || progress.fetches_in_flight() >= IN_FLIGHT_PER_PLAN
             {
@@ -737,5 +814,31 @@ mod tests {
         pace.observe(40, t0 + Duration::from_millis(1000));
         let lead = pace.lead_pages(Duration::from_secs(2));
         assert!(lead > 2 && lead < 160, "{lead}");
+    }
+
+    #[test]
+    fn while_clients_read_just_after_a_renewal_a_healthy_lead_waits() {
+        let t0 = Instant::now();
+        let mut pace = Pace::new(0, 0, t0);
+        pace.observe(40, t0 + Duration::from_millis(500));
+        let lead = Duration::from_secs(2);
+        let soon = t0 + RENEWAL_BURST / 2;
+        assert_eq!(pace.burst_defer(lead, false, soon), None);
+        assert_eq!(pace.burst_defer(lead, true, soon), Some(40));
+        // Past the renewal's burst, a reader reading all the time gets
+        // its lead filled as usual.
+        let later = t0 + RENEWAL_BURST + Duration::from_millis(1);
+        assert_eq!(pace.burst_defer(lead, true, later), None);
+        // So does a reader of unknown pace (a new job).
+        let new = Pace::new(0, 0, t0);
+        assert_eq!(new.burst_defer(lead, true, soon), None);
+
+        let clock = DemandClock::default();
+        let base = clock.base;
+        assert!(!clock.recent(base + Duration::from_millis(1)), "never read");
+        clock.mark(base + Duration::from_millis(100));
+        assert!(clock.recent(base + Duration::from_millis(100)));
+        assert!(clock.recent(base + Duration::from_millis(109)));
+        assert!(!clock.recent(base + DEMAND_RECENT + Duration::from_millis(101)));
     }
 }
