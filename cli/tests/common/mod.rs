@@ -4,9 +4,10 @@
 //! which is printed when the test fails ([`Proc`]'s drop during a panic).
 //! Children report the port they bound in their log, and the test reads
 //! it there. Servers a test restarts on their old address get a port
-//! from [`unused_port`] (outside the kernel's ephemeral range). Deadlines go through [`scaled`]:
-//! `LAKECACHE_TEST_TIME_SCALE` (a positive number, default 1) multiplies
-//! every one of them on a slow or loaded machine.
+//! from [`unused_port`] (outside the kernel's ephemeral range).
+//! Deadlines go through [`scaled`]: `LAKECACHE_TEST_TIME_SCALE` (a
+//! positive number, default 1) multiplies every one of them on a slow or
+//! loaded machine.
 #![allow(dead_code)] // each test binary uses a different subset
 
 use std::fs::{File, OpenOptions};
