@@ -11,16 +11,15 @@
 //! simulated power cut). Ports drawn here lie outside that range, so only
 //! another draw could take one, and no process hands a port out twice.
 
-use std::collections::HashSet;
+use std::collections::BTreeSet;
 use std::sync::Mutex;
 
 /// A loopback port nothing listens on, outside the ephemeral range, never
 /// handed out before by this process.
 pub fn unused_port() -> u16 {
-    static GIVEN: Mutex<Option<HashSet<u16>>> = Mutex::new(None);
+    static GIVEN: Mutex<BTreeSet<u16>> = Mutex::new(BTreeSet::new());
     let (eph_lo, eph_hi) = ephemeral_range();
     let mut given = GIVEN.lock().unwrap_or_else(|e| e.into_inner());
-    let given = given.get_or_insert_with(HashSet::new);
     let seed = std::time::SystemTime::now()
         .duration_since(std::time::UNIX_EPOCH)
         .map(|d| d.as_nanos() as u64)

@@ -395,7 +395,7 @@ impl Pace {
         }
     }
 
-    /// While the worker is `serving` planned reads just after a renewal:
+    /// While the worker is `serving` client reads just after a renewal:
     /// how near the reader a missing page must be to be fetched now
     /// ([`DEMAND_FIRST_SHARE`] of the lead). None: fetch as usual.
     fn burst_defer(&self, lead: Duration, serving: bool, now: Instant) -> Option<u64> {
@@ -462,24 +462,25 @@ pub(crate) async fn prefetcher(cache: Weak<Cache>) {
             let stage = plan.positions_within(cursor, pace.stage_positions(), stage_bytes);
             let lead = pace.lead_pages(config.lead);
             let defer = pace.burst_defer(config.lead, serving, now);
-            this.prefetch_ahead(plan, cursor, (lead, defer), stage, share);
+            this.prefetch_ahead(plan, cursor, lead, defer, stage, share);
             this.stage_ahead(name, plan, stage);
         }
     }
 }
 
 impl Cache {
-    /// Starts fetches of `plan`'s pages from `cursor` on, `lead.0` pages
+    /// Starts fetches of `plan`'s pages from `cursor` on, `lead` pages
     /// ahead at most, while the pages it fetched ahead of the reader stay
     /// within `budget` bytes; none where the first missing page lies
-    /// `lead.1` pages or more ahead (see [`DEMAND_FIRST_SHARE`]). Pages
+    /// `defer` pages or more ahead (see [`DEMAND_FIRST_SHARE`]). Pages
     /// within `stage` of the reader are kept in memory too (see
     /// [`Self::stage_ahead`]).
     fn prefetch_ahead(
         self: &Arc<Self>,
         plan: &Arc<PlanFetch>,
         cursor: u64,
-        (lead, mut defer): (u64, Option<u64>),
+        lead: u64,
+        mut defer: Option<u64>,
         stage: u64,
         budget: u64,
     ) {
