@@ -213,7 +213,13 @@ fn check_early(file: &std::fs::File, page: u64, early: Vec<u32>) -> Result<(), C
         let checks: Vec<_> = (0..threads)
             .map(|first| {
                 let (early, failed) = (&early, &failed);
-                scope.spawn(move || check_pages(file, page, early, (first, threads), failed))
+                scope.spawn(move || {
+                    let checked = check_pages(file, page, early, (first, threads), failed);
+                    if checked.is_err() {
+                        failed.store(true, Ordering::Relaxed);
+                    }
+                    checked
+                })
             })
             .collect();
         // A change found by one thread stops the others; the first
@@ -234,7 +240,7 @@ fn check_early(file: &std::fs::File, page: u64, early: Vec<u32>) -> Result<(), C
 }
 
 /// Checks early pages `first`, `first + step`, ... (`(first, step)`),
-/// until one fails here or `failed` says one failed elsewhere.
+/// until one fails or `failed` says another thread found one.
 fn check_pages(
     file: &std::fs::File,
     page: u64,
@@ -252,18 +258,13 @@ fn check_pages(
         let mut done = 0u64;
         while done < page {
             let chunk = &mut buf[..CHECK_CHUNK.min((page - done) as usize)];
-            if let Err(e) = file.read_exact_at(chunk, at + done) {
-                failed.store(true, Ordering::Relaxed);
-                return Err(CacheError::Invalid(format!(
-                    "checking the followed file at {}: {e}",
-                    at + done
-                )));
-            }
+            file.read_exact_at(chunk, at + done).map_err(|e| {
+                CacheError::Invalid(format!("checking the followed file at {}: {e}", at + done))
+            })?;
             crc = crc32c::crc32c_append(crc, chunk);
             done += chunk.len() as u64;
         }
         if crc != *want {
-            failed.store(true, Ordering::Relaxed);
             return Err(CacheError::FollowedFileChanged(format!(
                 "the followed file changed at bytes {at}..{} after they were taken; nothing was recorded",
                 at + page
