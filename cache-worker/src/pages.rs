@@ -504,6 +504,19 @@ impl PageStore {
         }
     }
 
+    /// Labels, syncs and moves a page into place, and syncs the directory
+    /// it lands in, while the rest of its body is still being taken: the
+    /// commit at the body's end then has only its last pages and the
+    /// store's root left to sync. `staged` is left as it was (its CRCs
+    /// still count; its file is gone once this succeeds). On an error
+    /// the caller discards the staged file and removes the page.
+    pub fn place_synced(&self, staged: &Staged, key: &PageKey, id: &PageId) -> io::Result<()> {
+        self.label_and_move(staged, key, id, true)?;
+        let dest = self.path(key);
+        let dir = dest.parent().unwrap_or(&self.pages);
+        crate::crashsim::sync_dir(dir, || fs::File::open(dir)?.sync_all())
+    }
+
     /// Syncs page directories (and the store's root, which may have
     /// gained them), so renames into them survive a power loss.
     pub fn sync_dirs<'a>(&self, dirs: impl IntoIterator<Item = &'a PathBuf>) -> io::Result<()> {
@@ -788,6 +801,11 @@ impl PageStore {
     }
 
     pub fn discard_staged(&self, staged: Staged) {
+        self.discard_staged_path(&staged);
+    }
+
+    /// [`Self::discard_staged`] for a page whose CRCs are still wanted.
+    pub fn discard_staged_path(&self, staged: &Staged) {
         if crate::crashsim::alive(&staged.path).is_err() {
             return;
         }

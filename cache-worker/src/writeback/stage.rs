@@ -71,13 +71,36 @@ impl From<UserMeta> for BodyMeta {
     }
 }
 
+/// A page of a body on disk: staged, to be labelled, synced and moved
+/// into place at the commit, or already `placed` there (a whole page
+/// written directly, see [`PageStore::place_synced`]), its staged file
+/// gone and only its CRCs kept.
+///
+/// [`PageStore::place_synced`]: crate::pages::PageStore::place_synced
+struct TakenPage {
+    staged: Staged,
+    index: u64,
+    placed: bool,
+}
+
+/// The object whose whole pages are placed as they are written.
+struct PlaceAs {
+    uri: String,
+    version: String,
+    page_size: u64,
+}
+
 /// What a body holds while it streams in.
 #[derive(Default)]
 struct Taken {
     io: Staging,
-    pages: Vec<Staged>,
+    pages: Vec<TakenPage>,
     /// Pages being written, oldest first (at most [`STAGING_IN_FLIGHT`]).
-    staging: VecDeque<JoinHandle<std::io::Result<Staged>>>,
+    staging: VecDeque<JoinHandle<std::io::Result<TakenPage>>>,
+    /// Pages staged so far (the next page's index).
+    staged: u64,
+    /// Set where whole pages go into place as soon as they are written.
+    place: Option<Arc<PlaceAs>>,
     reserved: u64,
     size: u64,
     whole_crc: u32,
@@ -125,10 +148,6 @@ impl Cache {
         S: Stream<Item = Result<Bytes, CacheError>> + Send + Unpin,
     {
         let wb = self.write_back_state()?.clone();
-        let mut taken = Taken {
-            io,
-            ..Taken::default()
-        };
         let (version, replica_of, unconfirmed) = match role {
             WriteRole::Primary => (
                 format!("{VERSION_PREFIX}{}", uuid::Uuid::new_v4().simple()),
@@ -140,6 +159,23 @@ impl Cache {
                 of,
                 confirm,
             } => (version, Some(of), confirm),
+        };
+        // A directly written page is on the disk once written: labelling,
+        // syncing and moving it then (not all at the body's end) takes
+        // that work off the writer's wait for the commit. Through the
+        // page cache, the sync would wait for the page's writeback and
+        // hold up the pages behind it.
+        let place = (io == Staging::Direct).then(|| {
+            Arc::new(PlaceAs {
+                uri: uri.to_string(),
+                version: version.clone(),
+                page_size: self.config.page_size,
+            })
+        });
+        let mut taken = Taken {
+            io,
+            place,
+            ..Taken::default()
         };
         let _taking = wb.taking(&uri.to_string(), &version);
         let mut copies = match replica_of {
@@ -189,10 +225,15 @@ impl Cache {
                     }
                 }
                 let pages = std::mem::take(&mut taken.pages);
-                let wb2 = wb.clone();
+                let (wb2, key, version) = (wb.clone(), uri.to_string(), version.clone());
                 let _ = tokio::task::spawn_blocking(move || {
                     for page in pages {
-                        wb2.pages.discard_staged(page);
+                        if page.placed {
+                            wb2.pages
+                                .remove(&WriteBack::page_key(&key, &version, page.index));
+                        } else {
+                            wb2.pages.discard_staged(page.staged);
+                        }
                     }
                 })
                 .await;
@@ -410,16 +451,30 @@ impl Cache {
         if taken.staging.len() >= STAGING_IN_FLIGHT {
             taken.settle_oldest().await?;
         }
-        let (wb2, io) = (wb.clone(), taken.io);
+        let (wb2, io, index) = (wb.clone(), taken.io, taken.staged);
+        taken.staged += 1;
+        let place = taken.place.clone().filter(|p| len == p.page_size);
         let writing = wb.page_writing();
         taken
             .staging
             .push_back(tokio::task::spawn_blocking(move || {
                 let _writing = writing;
-                match io {
+                let staged = match io {
                     Staging::Direct => wb2.pages.stage_for_sync(&data),
                     Staging::Buffered => wb2.pages.stage_buffered_for_sync(&data),
-                }
+                }?;
+                let placed = match place {
+                    Some(place) => {
+                        place_page(&wb2, &staged, &place, index)?;
+                        true
+                    }
+                    None => false,
+                };
+                Ok(TakenPage {
+                    staged,
+                    index,
+                    placed,
+                })
             }));
         Ok(())
     }
@@ -449,7 +504,7 @@ impl Taken {
     /// a whole number of pages.
     fn crcs_from_pages(&mut self, part_size: u64) {
         let mut parts: Vec<(u32, u64)> = Vec::new();
-        for page in &self.pages {
+        for TakenPage { staged: page, .. } in &self.pages {
             match parts.last_mut() {
                 Some((crc, len)) if *len < part_size => {
                     *crc = crate::crc_combine::combine(*crc, page.crc(), page.len);
@@ -485,17 +540,19 @@ impl Taken {
 /// flight keep its queue full.
 const COMMIT_THREADS: usize = 4;
 
-/// Labels, syncs and moves every staged page into place, a few at a
-/// time; returns the directories they landed in. On an error the pages
-/// not yet committed are discarded (the caller removes committed ones).
+/// Labels, syncs and moves every staged page not yet in place, a few
+/// at a time; returns the directories they landed in. On an error the
+/// pages not yet committed are discarded (the caller removes committed
+/// ones).
 fn commit_pages(
     wb: &WriteBack,
     record: &PendingObject,
-    pages: Vec<Staged>,
+    pages: Vec<TakenPage>,
 ) -> Result<BTreeSet<PathBuf>, CacheError> {
-    let mut lanes: Vec<Vec<(usize, Staged)>> = (0..COMMIT_THREADS).map(|_| Vec::new()).collect();
-    for (index, staged) in pages.into_iter().enumerate() {
-        lanes[index % COMMIT_THREADS].push((index, staged));
+    let mut lanes: Vec<Vec<(u64, Staged)>> = (0..COMMIT_THREADS).map(|_| Vec::new()).collect();
+    let staged = pages.into_iter().filter(|p| !p.placed);
+    for (i, page) in staged.enumerate() {
+        lanes[i % COMMIT_THREADS].push((page.index, page.staged));
     }
     let failed = std::sync::atomic::AtomicBool::new(false);
     let results: Vec<Result<BTreeSet<PathBuf>, String>> = std::thread::scope(|scope| {
@@ -512,8 +569,8 @@ fn commit_pages(
                             wb.pages.discard_staged(staged);
                             continue;
                         }
-                        let key = WriteBack::page_key(&record.uri, &record.version, index as u64);
-                        let id = WriteBack::page_id(record, index as u64);
+                        let key = WriteBack::page_key(&record.uri, &record.version, index);
+                        let id = WriteBack::page_id(record, index);
                         match wb.pages.commit_synced(staged, &key, &id) {
                             Ok(dir) => {
                                 dirs.insert(dir);
@@ -541,6 +598,21 @@ fn commit_pages(
         dirs.extend(result.map_err(CacheError::Local)?);
     }
     Ok(dirs)
+}
+
+/// Puts a whole page written directly into place (see [`TakenPage`]);
+/// on an error nothing of it is left.
+fn place_page(wb: &WriteBack, staged: &Staged, place: &PlaceAs, index: u64) -> std::io::Result<()> {
+    let key = WriteBack::page_key(&place.uri, &place.version, index);
+    // A whole page's label does not depend on the object's final size.
+    let whole = (index + 1).saturating_mul(place.page_size);
+    let id = crate::pages::PageId::new(&place.uri, &place.version, index, place.page_size, whole);
+    let placed = wb.pages.place_synced(staged, &key, &id);
+    if placed.is_err() {
+        wb.pages.discard_staged_path(staged);
+        wb.pages.remove(&key);
+    }
+    placed
 }
 
 /// Removes the first `count` committed dirty pages of an object whose

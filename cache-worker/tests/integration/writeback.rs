@@ -285,6 +285,84 @@ trailer: x-lakecache-crc32c\r\ntransfer-encoding: chunked\r\n\r\n\
     assert_eq!(files, 0, "a refused body left dirty pages");
 }
 
+/// Page files under the worker's dirty page store (one directory level).
+fn dirty_page_files(h: &Harness) -> usize {
+    let pages = h.options.cache_dir.join("writeback/pages");
+    let Ok(dirs) = std::fs::read_dir(&pages) else {
+        return 0;
+    };
+    dirs.flatten()
+        .map(|d| std::fs::read_dir(d.path()).map_or(0, |f| f.flatten().count()))
+        .sum()
+}
+
+/// Whole pages are labelled, synced and moved into place while the body
+/// still streams in (the commit at its end then has little left); the
+/// object reads back whole once acknowledged.
+#[tokio::test]
+async fn whole_pages_go_into_place_while_the_body_streams_in() {
+    let h = Harness::start().await;
+    let (mut feed, body) = futures::channel::mpsc::channel::<Bytes>(1);
+    let streaming = {
+        let client = h.client.clone();
+        tokio::spawn(async move {
+            client
+                .put_back(&uri("ckpt/placed.bin"), body, &Default::default())
+                .await
+        })
+    };
+    use futures::SinkExt;
+    let mut sent = Vec::new();
+    for i in 0..3u64 {
+        let page = data(MIB as usize, i);
+        sent.extend_from_slice(&page);
+        feed.send(Bytes::from(page))
+            .await
+            .expect("the body takes pages");
+    }
+    eventually(
+        Duration::from_secs(30),
+        "two whole pages in place before the body ends",
+        || async { dirty_page_files(&h) >= 2 },
+    )
+    .await;
+    let tail = data(300_000, 9);
+    sent.extend_from_slice(&tail);
+    feed.send(Bytes::from(tail))
+        .await
+        .expect("the body takes the tail");
+    drop(feed);
+    let stat = streaming.await.unwrap().unwrap();
+    assert_eq!(stat.size, sent.len() as u64);
+    let got = h.client.read(&uri("ckpt/placed.bin"), None).await.unwrap();
+    assert_eq!(sha(&got), sha(&sent), "the object read back differs");
+}
+
+/// A body refused at its end (its trailer's CRC32C does not match)
+/// leaves none of its pages, those already moved into place included.
+#[tokio::test]
+async fn a_refused_body_leaves_none_of_the_pages_it_placed() {
+    let h = Harness::start().await;
+    let body = data(3 * MIB as usize + 5, 3);
+    let mut request = b"PUT /v1/objects/data/refused HTTP/1.1\r\nhost: x\r\n\
+x-lakecache-write-mode: back\r\ntrailer: x-lakecache-crc32c\r\n\
+transfer-encoding: chunked\r\n\r\n"
+        .to_vec();
+    request.extend_from_slice(format!("{:x}\r\n", body.len()).as_bytes());
+    request.extend_from_slice(&body);
+    request.extend_from_slice(b"\r\n0\r\nx-lakecache-crc32c: 1234\r\n\r\n");
+    let (status, answer) = raw_request(h.addr(), &request).await;
+    assert_eq!(status, 400, "{answer}");
+    assert!(answer.contains("checksum_mismatch"), "{answer}");
+    let status = h.client.writeback_status(None).await.unwrap();
+    assert_eq!(status.pending_objects, 0);
+    assert_eq!(
+        dirty_page_files(&h),
+        0,
+        "a refused body left pages in place"
+    );
+}
+
 #[tokio::test]
 async fn full_staging_blocks_then_fails_after_the_stall_timeout_and_keeps_what_was_acknowledged() {
     let h = Harness::with(|o| {
