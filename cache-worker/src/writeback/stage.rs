@@ -26,6 +26,9 @@ const MAX_PARTS: u64 = 10_000;
 /// waits for the device, so a few in flight keep the body streaming in.
 const STAGING_IN_FLIGHT: usize = 4;
 
+/// Written pages being put into place at once, beside the writes.
+const PLACING_IN_FLIGHT: usize = 8;
+
 /// Whose write a body is.
 #[derive(Debug, Clone)]
 pub enum WriteRole {
@@ -85,6 +88,7 @@ struct TakenPage {
 
 /// The object whose whole pages are placed as they are written.
 struct PlaceAs {
+    wb: Arc<WriteBack>,
     uri: String,
     version: String,
     page_size: u64,
@@ -101,6 +105,10 @@ struct Taken {
     staged: u64,
     /// Set where whole pages go into place as soon as they are written.
     place: Option<Arc<PlaceAs>>,
+    /// Written pages being put into place, oldest first (at most
+    /// [`PLACING_IN_FLIGHT`]); apart from the writes, whose slots would
+    /// otherwise wait for each page's sync.
+    placing: VecDeque<JoinHandle<std::io::Result<TakenPage>>>,
     reserved: u64,
     size: u64,
     whole_crc: u32,
@@ -167,6 +175,7 @@ impl Cache {
         // hold up the pages behind it.
         let place = (io == Staging::Direct).then(|| {
             Arc::new(PlaceAs {
+                wb: wb.clone(),
                 uri: uri.to_string(),
                 version: version.clone(),
                 page_size: self.config.page_size,
@@ -218,8 +227,14 @@ impl Cache {
         match result {
             Ok(meta) => Ok(meta),
             Err(e) => {
-                // Pages still being written are removed with the rest.
+                // Pages still being written or placed are removed with
+                // the rest (a page whose placing failed left nothing).
                 while let Some(task) = taken.staging.pop_front() {
+                    if let Ok(Ok(page)) = task.await {
+                        taken.pages.push(page);
+                    }
+                }
+                while let Some(task) = taken.placing.pop_front() {
                     if let Ok(Ok(page)) = task.await {
                         taken.pages.push(page);
                     }
@@ -318,6 +333,10 @@ impl Cache {
         while !taken.staging.is_empty() {
             taken.settle_oldest().await?;
         }
+        while !taken.placing.is_empty() {
+            taken.settle_placing().await?;
+        }
+        taken.pages.sort_unstable_by_key(|page| page.index);
         if whole_pages_per_part {
             taken.crcs_from_pages(part_size);
         }
@@ -448,12 +467,16 @@ impl Cache {
         }
         taken.reserved += len;
         wb.note_take_progress();
+        // Pages already written go on to be placed now, not when the
+        // queue is full: a slow writer's pages are in place by its close.
+        while taken.staging.front().is_some_and(|t| t.is_finished()) {
+            taken.settle_oldest().await?;
+        }
         if taken.staging.len() >= STAGING_IN_FLIGHT {
             taken.settle_oldest().await?;
         }
         let (wb2, io, index) = (wb.clone(), taken.io, taken.staged);
         taken.staged += 1;
-        let place = taken.place.clone().filter(|p| len == p.page_size);
         let writing = wb.page_writing();
         taken
             .staging
@@ -463,17 +486,10 @@ impl Cache {
                     Staging::Direct => wb2.pages.stage_for_sync(&data),
                     Staging::Buffered => wb2.pages.stage_buffered_for_sync(&data),
                 }?;
-                let placed = match place {
-                    Some(place) => {
-                        place_page(&wb2, &staged, &place, index)?;
-                        true
-                    }
-                    None => false,
-                };
                 Ok(TakenPage {
                     staged,
                     index,
-                    placed,
+                    placed: false,
                 })
             }));
         Ok(())
@@ -486,15 +502,33 @@ impl Taken {
         let Some(task) = self.staging.pop_front() else {
             return Ok(());
         };
-        let staged = task.await.map_err(join_failed)?.map_err(|e| match e.kind() {
-            // A full disk is back-pressure the client can act on, not
-            // an internal fault.
-            std::io::ErrorKind::StorageFull => CacheError::StagingFull(format!(
-                "the cache disk is full while staging a write-back page ({e}); nothing of this write was acknowledged"
-            )),
-            _ => CacheError::Local(format!("staging a dirty page: {e}")),
-        })?;
-        self.pages.push(staged);
+        let page = task.await.map_err(join_failed)?.map_err(staging_failed)?;
+        let place = self.place.clone();
+        match place.filter(|p| page.staged.len == p.page_size) {
+            Some(place) => {
+                if self.placing.len() >= PLACING_IN_FLIGHT {
+                    self.settle_placing().await?;
+                }
+                self.placing.push_back(tokio::task::spawn_blocking(move || {
+                    place_page(&place, &page.staged, page.index)?;
+                    Ok(TakenPage {
+                        placed: true,
+                        ..page
+                    })
+                }));
+            }
+            None => self.pages.push(page),
+        }
+        Ok(())
+    }
+
+    /// Waits for the oldest page being put into place.
+    async fn settle_placing(&mut self) -> Result<(), CacheError> {
+        let Some(task) = self.placing.pop_front() else {
+            return Ok(());
+        };
+        let page = task.await.map_err(join_failed)?.map_err(staging_failed)?;
+        self.pages.push(page);
         Ok(())
     }
 }
@@ -600,9 +634,21 @@ fn commit_pages(
     Ok(dirs)
 }
 
+fn staging_failed(e: std::io::Error) -> CacheError {
+    match e.kind() {
+        // A full disk is back-pressure the client can act on, not an
+        // internal fault.
+        std::io::ErrorKind::StorageFull => CacheError::StagingFull(format!(
+            "the cache disk is full while staging a write-back page ({e}); nothing of this write was acknowledged"
+        )),
+        _ => CacheError::Local(format!("staging a dirty page: {e}")),
+    }
+}
+
 /// Puts a whole page written directly into place (see [`TakenPage`]);
 /// on an error nothing of it is left.
-fn place_page(wb: &WriteBack, staged: &Staged, place: &PlaceAs, index: u64) -> std::io::Result<()> {
+fn place_page(place: &PlaceAs, staged: &Staged, index: u64) -> std::io::Result<()> {
+    let wb = &place.wb;
     let key = WriteBack::page_key(&place.uri, &place.version, index);
     // A whole page's label does not depend on the object's final size.
     let whole = (index + 1).saturating_mul(place.page_size);
