@@ -170,9 +170,9 @@ impl Cache {
         };
         // A directly written page is on the disk once written: labelling,
         // syncing and moving it then (not all at the body's end) takes
-        // that work off the writer's wait for the commit. Through the
-        // page cache, the sync would wait for the page's writeback and
-        // hold up the pages behind it.
+        // that work off the writer's wait for the commit. A page written
+        // through the page cache (a local commit) would wait in its sync
+        // for its own writeback; those are synced together at the end.
         let place = (io == Staging::Direct).then(|| {
             Arc::new(PlaceAs {
                 wb: wb.clone(),
@@ -641,7 +641,7 @@ fn staging_failed(e: std::io::Error) -> CacheError {
         std::io::ErrorKind::StorageFull => CacheError::StagingFull(format!(
             "the cache disk is full while staging a write-back page ({e}); nothing of this write was acknowledged"
         )),
-        _ => CacheError::Local(format!("staging a dirty page: {e}")),
+        _ => CacheError::Local(format!("staging or placing a dirty page: {e}")),
     }
 }
 
