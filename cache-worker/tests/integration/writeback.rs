@@ -296,25 +296,30 @@ fn dirty_page_files(h: &Harness) -> usize {
         .sum()
 }
 
-/// Whole pages are labelled, synced and moved into place while the body
-/// still streams in (the commit at its end then has little left); the
-/// object reads back whole once acknowledged.
-#[tokio::test]
-async fn whole_pages_go_into_place_while_the_body_streams_in() {
-    let h = Harness::start().await;
-    let (mut feed, body) = futures::channel::mpsc::channel::<Bytes>(1);
-    let streaming = {
-        let client = h.client.clone();
-        tokio::spawn(async move {
-            client
-                .put_back(&uri("ckpt/placed.bin"), body, &Default::default())
-                .await
-        })
-    };
+/// A write-back body that streams while the test feeds it, and its
+/// answer once the feed is dropped.
+type Streaming = (
+    futures::channel::mpsc::Sender<Bytes>,
+    tokio::task::JoinHandle<Result<lakecache_protocol::ObjectStat, ClientError>>,
+);
+
+fn stream_back(h: &Harness, key: &str) -> Streaming {
+    let (feed, body) = futures::channel::mpsc::channel::<Bytes>(1);
+    let (client, uri) = (h.client.clone(), uri(key));
+    let streaming =
+        tokio::spawn(async move { client.put_back(&uri, body, &Default::default()).await });
+    (feed, streaming)
+}
+
+/// Feeds five whole pages (1 MiB) with a pause after each, as a
+/// checkpoint writer pauses between tensors, until two of them are in
+/// place while the body is still open; returns what was fed.
+async fn feed_until_two_placed(
+    h: &Harness,
+    feed: &mut futures::channel::mpsc::Sender<Bytes>,
+) -> Vec<u8> {
     use futures::SinkExt;
     let mut sent = Vec::new();
-    // A writer that pauses between pages, as a checkpoint writer does
-    // between tensors.
     for i in 0..5u64 {
         let page = data(MIB as usize, i);
         sent.extend_from_slice(&page);
@@ -326,9 +331,21 @@ async fn whole_pages_go_into_place_while_the_body_streams_in() {
     eventually(
         Duration::from_secs(30),
         "two whole pages in place before the body ends",
-        || async { dirty_page_files(&h) >= 2 },
+        || async { dirty_page_files(h) >= 2 },
     )
     .await;
+    sent
+}
+
+/// Whole pages are labelled, synced and moved into place while the body
+/// still streams in (the commit at its end then has little left); the
+/// object reads back whole once acknowledged.
+#[tokio::test]
+async fn whole_pages_go_into_place_while_the_body_streams_in() {
+    use futures::SinkExt;
+    let h = Harness::start().await;
+    let (mut feed, streaming) = stream_back(&h, "ckpt/placed.bin");
+    let mut sent = feed_until_two_placed(&h, &mut feed).await;
     let tail = data(300_000, 9);
     sent.extend_from_slice(&tail);
     feed.send(Bytes::from(tail))
@@ -346,28 +363,8 @@ async fn whole_pages_go_into_place_while_the_body_streams_in() {
 #[tokio::test]
 async fn a_body_cut_off_leaves_none_of_the_pages_it_placed() {
     let h = Harness::start().await;
-    let (mut feed, body) = futures::channel::mpsc::channel::<Bytes>(1);
-    let streaming = {
-        let client = h.client.clone();
-        tokio::spawn(async move {
-            client
-                .put_back(&uri("ckpt/cut.bin"), body, &Default::default())
-                .await
-        })
-    };
-    use futures::SinkExt;
-    for i in 0..5u64 {
-        feed.send(Bytes::from(data(MIB as usize, i)))
-            .await
-            .expect("the body takes pages");
-        tokio::time::sleep(Duration::from_millis(200)).await;
-    }
-    eventually(
-        Duration::from_secs(30),
-        "two whole pages in place before the body ends",
-        || async { dirty_page_files(&h) >= 2 },
-    )
-    .await;
+    let (mut feed, streaming) = stream_back(&h, "ckpt/cut.bin");
+    feed_until_two_placed(&h, &mut feed).await;
     // The client gives up: its connection closes with the body unfinished.
     streaming.abort();
     drop(feed);
