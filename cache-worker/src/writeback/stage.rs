@@ -101,8 +101,8 @@ struct Taken {
     pages: Vec<TakenPage>,
     /// Pages being written, oldest first (at most [`STAGING_IN_FLIGHT`]).
     staging: VecDeque<JoinHandle<std::io::Result<TakenPage>>>,
-    /// Pages staged so far (the next page's index).
-    staged: u64,
+    /// The next page's index in the body (pages staged so far).
+    next_index: u64,
     /// Set where whole pages go into place as soon as they are written.
     place: Option<Arc<PlaceAs>>,
     /// Written pages being put into place, oldest first (at most
@@ -475,8 +475,8 @@ impl Cache {
         if taken.staging.len() >= STAGING_IN_FLIGHT {
             taken.settle_oldest().await?;
         }
-        let (wb2, io, index) = (wb.clone(), taken.io, taken.staged);
-        taken.staged += 1;
+        let (wb2, io, index) = (wb.clone(), taken.io, taken.next_index);
+        taken.next_index += 1;
         let writing = wb.page_writing();
         taken
             .staging
@@ -503,8 +503,11 @@ impl Taken {
             return Ok(());
         };
         let page = task.await.map_err(join_failed)?.map_err(staging_failed)?;
-        let place = self.place.clone();
-        match place.filter(|p| page.staged.len == p.page_size) {
+        match self
+            .place
+            .clone()
+            .filter(|p| page.staged.len == p.page_size)
+        {
             Some(place) => {
                 if self.placing.len() >= PLACING_IN_FLIGHT {
                     self.settle_placing().await?;
