@@ -262,6 +262,7 @@ impl Cache {
             + plan_fetch::stage_room(config.page_size, config.memory_limit);
         let writeback = crate::writeback::WriteBack::open(dir, config.writeback.clone())
             .map_err(|e| CacheError::Local(e.to_string()))?;
+        writeback.keep_spares(config.page_size);
         let writeback = Some(Arc::new(writeback));
         let cache = Arc::new(Self {
             writeback,
@@ -303,6 +304,7 @@ impl Cache {
                 Arc::downgrade(&cache),
                 wb.clone(),
             ));
+            tokio::spawn(crate::writeback::spare_filler(Arc::downgrade(wb)));
         }
         cache.evict.notify_one();
         Ok(cache)

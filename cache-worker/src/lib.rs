@@ -22,6 +22,7 @@ mod placement;
 pub mod plan_order;
 pub mod policy;
 pub mod preload;
+mod spares;
 pub mod tenant;
 mod tenant_rate;
 mod write;

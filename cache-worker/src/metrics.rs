@@ -78,7 +78,7 @@ impl Metrics {
         let writeback: Arc<std::sync::OnceLock<std::sync::Weak<crate::writeback::WriteBack>>> =
             Arc::default();
         type Pick = fn(&lakecache_protocol::WriteBackStatus) -> u64;
-        let backlog: [(&'static str, &'static str, &'static str, Pick); 7] = [
+        let backlog: [(&'static str, &'static str, &'static str, Pick); 8] = [
             (
                 "lakecache_writeback_pending_objects",
                 "",
@@ -108,6 +108,12 @@ impl Metrics {
                 "By",
                 "Dirty bytes held now: pending objects and bodies being taken",
                 |s| s.staging_used_bytes,
+            ),
+            (
+                "lakecache_writeback_spare",
+                "By",
+                "Spare page files kept for write-back pages to be written over",
+                |s| s.spare_bytes,
             ),
             (
                 "lakecache_writeback_replica_objects",

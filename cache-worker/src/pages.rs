@@ -21,7 +21,7 @@ pub const CHECK_BLOCK: u64 = 256 * 1024;
 /// Version of the page file layout; bumped on any change to it.
 pub const PAGE_FORMAT: u32 = 2;
 /// Data starts here, so it stays block-aligned in the file.
-const HEADER_LEN: u64 = 4096;
+pub(crate) const HEADER_LEN: u64 = 4096;
 const MAGIC: &[u8; 8] = b"LKCPAGE\n";
 /// Fixed fields before the per-block CRCs (see `encode_header`).
 const FIXED_LEN: usize = 120;
@@ -305,6 +305,8 @@ pub struct PageStore {
     /// Whether fetched pages are staged with `O_DIRECT` (until the
     /// filesystem refuses it).
     direct: AtomicBool,
+    /// Files pages are staged over, where kept (write-back pages).
+    spares: std::sync::OnceLock<std::sync::Arc<crate::spares::Spares>>,
 }
 
 pub(crate) fn mkdir_private(path: &Path) -> io::Result<()> {
@@ -333,7 +335,13 @@ impl PageStore {
             tmp,
             fill_locks: (0..FILL_LOCKS).map(|_| Mutex::new(())).collect(),
             direct: AtomicBool::new(true),
+            spares: Default::default(),
         })
+    }
+
+    /// Stages direct pages over `spares` from now on, while any are left.
+    pub(crate) fn use_spares(&self, spares: std::sync::Arc<crate::spares::Spares>) {
+        let _ = self.spares.set(spares);
     }
 
     pub fn path(&self, key: &PageKey) -> PathBuf {
@@ -398,21 +406,32 @@ impl PageStore {
     /// header a hole (zeros, as the buffered path writes). A fetched page
     /// is read back soon at most once, and then from disk or from
     /// memory ([`crate::cache`]'s fresh pages), so a page-cache copy of it
-    /// would only cost CPU. Ok(false): the filesystem refuses direct I/O
-    /// (nothing is left behind).
+    /// would only cost CPU. Written over a spare file where one is left
+    /// (see `spares.rs`), then cut to the page's length: the header's room
+    /// then holds the spare's zeros. Ok(false): the filesystem refuses
+    /// direct I/O (nothing is left behind).
     fn stage_direct(&self, path: &Path, data: &[u8]) -> io::Result<bool> {
-        let Some(file) = lakecache_protocol::direct_io::open_direct(path, true) else {
+        // The length of the spare written over, if one was left.
+        let spare = self
+            .spares
+            .get()
+            .filter(|s| s.take_to(path))
+            .map(|s| s.file_len());
+        let Some(file) = lakecache_protocol::direct_io::open_direct(path, spare.is_none()) else {
+            let _ = fs::remove_file(path);
             return Ok(false);
         };
         let written = crate::crashsim::created(path)
             .and_then(|()| lakecache_protocol::direct_io::write_direct(&file, data, HEADER_LEN))
             .and_then(|()| {
-                // The last block went out padded with zeros.
+                // The last block went out padded with zeros; a spare may
+                // be longer than the page.
                 let len = HEADER_LEN + data.len() as u64;
-                if len.is_multiple_of(lakecache_protocol::direct_io::DIRECT_ALIGN) {
-                    Ok(())
-                } else {
-                    file.set_len(len)
+                let aligned = len.is_multiple_of(lakecache_protocol::direct_io::DIRECT_ALIGN);
+                match spare {
+                    Some(spare) if spare == len => Ok(()),
+                    None if aligned => Ok(()),
+                    _ => file.set_len(len),
                 }
             });
         match written {

@@ -11,12 +11,14 @@ mod copies;
 mod give_way;
 mod landing;
 mod replica;
+mod spare_fill;
 mod stage;
 mod upload;
 mod visible;
 
 pub(crate) use lakecache_protocol::is_cache_version;
 pub(crate) use replica::replica_watcher;
+pub(crate) use spare_fill::spare_filler;
 pub use stage::{BodyMeta, Staging, WriteRole};
 pub(crate) use upload::uploader;
 pub(crate) use visible::split_list_token;
@@ -38,6 +40,9 @@ use crate::pages::{mkdir_private, PageId, PageKey, PageStore};
 pub const VERSION_PREFIX: &str = lakecache_protocol::CACHE_VERSION_PREFIX;
 /// Uploaded versions remembered so readers holding one find the ETag.
 const MAX_ALIASES: usize = 65_536;
+/// The product default for `WriteBackConfig::spare_most`: room for a few
+/// checkpoint bursts of the size this project's benches write.
+pub const DEFAULT_SPARE_MOST: u64 = 2 << 30;
 
 #[derive(Debug, Clone)]
 pub struct WriteBackConfig {
@@ -70,6 +75,9 @@ pub struct WriteBackConfig {
     pub upload_give_way: Duration,
     /// How long bodies must have made no progress for uploads to go.
     pub upload_quiet: Duration,
+    /// Bytes of spare page files kept at most for bodies' pages to be
+    /// written over (see `spares.rs`); 0: none.
+    pub spare_most: u64,
 }
 
 impl Default for WriteBackConfig {
@@ -85,6 +93,7 @@ impl Default for WriteBackConfig {
             await_ring: false,
             upload_give_way: give_way::DEFAULT_MOST,
             upload_quiet: give_way::QUIET,
+            spare_most: DEFAULT_SPARE_MOST,
         }
     }
 }
@@ -137,6 +146,8 @@ pub struct WriteBack {
     pub(crate) config: WriteBackConfig,
     /// The identity of this directory (and its journal).
     pub(crate) id: String,
+    /// `<cache_dir>/writeback`.
+    dir: PathBuf,
     /// (uri, version) of bodies being taken: a replica asking about one
     /// must hear "pending", not "settled", before its record is written.
     in_flight: Mutex<HashSet<(String, String)>>,
@@ -165,6 +176,8 @@ pub struct WriteBack {
     last_error: Mutex<Option<String>>,
     /// When a body being taken last started, staged a page or ended.
     take_activity: give_way::TakeActivity,
+    /// Spare page files for bodies' pages, once kept (see [`Self::keep_spares`]).
+    spares: std::sync::OnceLock<Arc<crate::spares::Spares>>,
 }
 
 /// A body counted as waiting for staging room (see [`WriteBack::wait_for_room`]).
@@ -241,6 +254,7 @@ impl WriteBack {
         Ok(Self {
             config,
             id,
+            dir,
             in_flight: Mutex::default(),
             taken_over: Mutex::default(),
             silent_peers: Mutex::default(),
@@ -256,6 +270,7 @@ impl WriteBack {
             uploaded: AtomicU64::new(0),
             last_error: Mutex::new(None),
             take_activity: Default::default(),
+            spares: Default::default(),
         })
     }
 
@@ -591,6 +606,7 @@ impl WriteBack {
         let mut status = WriteBackStatus {
             staging_limit_bytes: self.config.staging_limit,
             staging_used_bytes: self.dirty_bytes(),
+            spare_bytes: self.spares.get().map_or(0, |s| s.bytes()),
             uploaded_objects: self.uploaded.load(Ordering::Relaxed),
             last_error: lock(&self.last_error).clone(),
             ..Default::default()

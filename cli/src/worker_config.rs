@@ -64,6 +64,12 @@ pub struct WorkerSettings {
     /// [default: half of --cache-size]
     #[arg(long, env = "LAKECACHE_WRITE_STAGING_LIMIT")]
     pub write_staging_limit: Option<ByteSize>,
+    /// Spare page files (zeros) kept for write-back pages to be written
+    /// over, up to the largest burst of write-back writes seen: direct
+    /// writes into new files are slower on ext4. Written only while no
+    /// write-back write is being taken; 0: none [default: 2GiB]
+    #[arg(long, env = "LAKECACHE_WRITE_SPARE")]
+    pub write_spare: Option<ByteSize>,
     /// A write-back write waiting this long for staging space fails (the
     /// client sees EIO); what was acknowledged stays staged [default: 600s]
     #[arg(long, env = "LAKECACHE_WRITE_STALL_TIMEOUT")]
@@ -362,6 +368,7 @@ impl WorkerSettings {
                 part_size,
                 memory_limit,
                 write_staging_limit,
+                write_spare,
                 write_stall_timeout,
                 replica_progress_timeout,
                 upload_give_way,
@@ -553,6 +560,11 @@ impl WorkerSettings {
                 bail!("--replica-progress-timeout must be 1s to 1h, got {:?}", t.0);
             }
         }
+        if let Some(spare) = self.write_spare {
+            if spare.0 > 1 << 40 {
+                bail!("--write-spare must be at most 1TiB, got {} bytes", spare.0);
+            }
+        }
         if let Some(t) = self.upload_give_way {
             if t.0 > std::time::Duration::from_secs(60) {
                 bail!("--upload-give-way must be 0s to 60s, got {:?}", t.0);
@@ -649,6 +661,9 @@ impl WorkerSettings {
                         lakecache_worker::writeback::WriteBackConfig::default().upload_give_way,
                         |s| s.0,
                     ),
+                    spare_most: self
+                        .write_spare
+                        .map_or(lakecache_worker::writeback::DEFAULT_SPARE_MOST, |s| s.0),
                     ..Default::default()
                 },
             },
@@ -978,5 +993,8 @@ mod tests {
         assert!(bad(&format!("{open}replica_progress_timeout = \"2h\""))
             .unwrap_err()
             .contains("--replica-progress-timeout must be 1s to 1h"));
+        assert!(bad(&format!("{open}write_spare = \"2TiB\""))
+            .unwrap_err()
+            .contains("--write-spare must be at most 1TiB"));
     }
 }

@@ -116,6 +116,10 @@ pub struct WriteBackStatus {
     /// Bytes of that held now: pending objects and bodies being taken.
     #[serde(default)]
     pub staging_used_bytes: u64,
+    /// Bytes of spare page files kept for write-back pages to be
+    /// written over (faster than new files on ext4).
+    #[serde(default)]
+    pub spare_bytes: u64,
     /// Objects uploaded since the worker started.
     pub uploaded_objects: u64,
     /// The last upload failure, while uploads keep failing.

@@ -120,6 +120,14 @@ impl WriteBack {
         }
     }
 
+    /// Whether no body has staged a page within `upload_quiet` and none
+    /// is being written.
+    pub(super) fn bodies_quiet(&self) -> bool {
+        let quiet = self.config.upload_quiet;
+        self.take_activity.since().is_none_or(|s| s >= quiet)
+            && self.take_activity.pages_writing.load(Ordering::Acquire) == 0
+    }
+
     /// Staging needs the uploads now.
     fn must_not_wait(&self) -> bool {
         self.writers_wait_for_room() || self.dirty_bytes() > self.config.staging_limit / 2

@@ -680,3 +680,79 @@ async fn uploads_give_way_while_a_body_streams_in_and_go_once_it_pauses() {
         "the wait is counted:\n{m}"
     );
 }
+
+/// Bytes of spare page files the worker reports (a missing metric fails).
+async fn spare_bytes(h: &Harness) -> f64 {
+    let metrics = h.client.metrics().await.unwrap();
+    metric_value(&metrics, "lakecache_writeback_spare")
+}
+
+/// Inode numbers of the files in `dir`, and in the directories below it.
+fn inodes_under(dir: &std::path::Path) -> std::collections::HashSet<u64> {
+    use std::os::unix::fs::MetadataExt;
+    let mut found = std::collections::HashSet::new();
+    let Ok(entries) = std::fs::read_dir(dir) else {
+        return found;
+    };
+    for entry in entries.flatten() {
+        let Ok(meta) = entry.metadata() else { continue };
+        if meta.is_dir() {
+            found.extend(inodes_under(&entry.path()));
+        } else {
+            found.insert(meta.ino());
+        }
+    }
+    found
+}
+
+/// A write-back burst leaves as many spare page files behind it as it
+/// had pages, written once the bodies are quiet; the next burst's pages
+/// are written over them (the page files are the spares' inodes), both
+/// objects read back whole, and a restart keeps the spares.
+#[tokio::test]
+async fn spare_page_files_follow_a_burst_and_the_next_is_written_over_them() {
+    let mut h = Harness::start().await;
+    let spare = (MIB + 4096) as f64;
+    assert_eq!(spare_bytes(&h).await, 0.0, "no write-back yet, no spare");
+    let first = data((4 * MIB + 100) as usize, 31);
+    put_back(&h.client, "ckpt/first.bin", &first).await;
+    eventually(
+        Duration::from_secs(30),
+        "five spares (the first burst's pages) once it is quiet",
+        || async { spare_bytes(&h).await == 5.0 * spare },
+    )
+    .await;
+    let spare_dir = h.options.cache_dir.join("writeback/spare");
+    let spares = inodes_under(&spare_dir);
+    assert_eq!(spares.len(), 5, "{spares:?}");
+
+    let second = data((3 * MIB) as usize, 32);
+    put_back(&h.client, "ckpt/second.bin", &second).await;
+    // Dirty pages, or clean ones if the upload already moved them.
+    let mut pages = inodes_under(&h.options.cache_dir.join("writeback/pages"));
+    pages.extend(inodes_under(&h.options.cache_dir.join("pages")));
+    let reused = spares.intersection(&pages).count();
+    assert_eq!(
+        reused, 3,
+        "the second body's 3 pages were not written over spares"
+    );
+    for (key, body) in [("ckpt/first.bin", &first), ("ckpt/second.bin", &second)] {
+        let got = h.client.read(&uri(key), None).await.unwrap();
+        assert_eq!(sha(&got), sha(body), "{key} reads back other bytes");
+    }
+    eventually(
+        Duration::from_secs(30),
+        "the spares refilled after the second burst",
+        || async { spare_bytes(&h).await == 5.0 * spare },
+    )
+    .await;
+    drained(&h.client, Duration::from_secs(60)).await;
+    h.restart_worker().await;
+    assert_eq!(
+        spare_bytes(&h).await,
+        5.0 * spare,
+        "spares kept over a restart"
+    );
+    let got = h.client.read(&uri("ckpt/second.bin"), None).await.unwrap();
+    assert_eq!(sha(&got), sha(&second));
+}
