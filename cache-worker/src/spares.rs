@@ -126,21 +126,17 @@ impl Spares {
         let Some(file) = direct_io::open_direct(&path, true) else {
             return Ok(false);
         };
-        let written = ZEROS.with(|zeros| {
-            let mut zeros = zeros.borrow_mut();
-            let zeros = zeros.get_or_insert_with(|| {
-                let mut buf = buffer_pool::take(ZEROS_LEN);
-                buf.extend_from_slice(&[0u8; 64 << 10].repeat(ZEROS_LEN / (64 << 10)));
-                buf
-            });
-            let mut at = 0;
-            while at < self.len {
-                let n = (self.len - at).min(ZEROS_LEN as u64) as usize;
-                direct_io::write_direct(&file, &zeros[..n], at)?;
-                at += n as u64;
-            }
-            Ok::<(), io::Error>(())
-        });
+        let mut zeros = buffer_pool::take(ZEROS_LEN);
+        for _ in 0..ZEROS_LEN / ZERO_BLOCK.len() {
+            zeros.extend_from_slice(&ZERO_BLOCK);
+        }
+        let mut written = Ok(());
+        let mut at = 0;
+        while at < self.len && written.is_ok() {
+            let n = (self.len - at).min(ZEROS_LEN as u64) as usize;
+            written = direct_io::write_direct(&file, &zeros[..n], at);
+            at += n as u64;
+        }
         // Named only once whole, so a crash leaves no short spare under
         // a spare's name (the dot-named file is removed at the next open).
         let named = written.and_then(|()| {
@@ -166,10 +162,7 @@ impl Spares {
 
 /// Zeros written at a time when filling a spare.
 const ZEROS_LEN: usize = 1 << 20;
-
-thread_local! {
-    static ZEROS: std::cell::RefCell<Option<buffer_pool::PoolBuf>> = const { std::cell::RefCell::new(None) };
-}
+static ZERO_BLOCK: [u8; 64 << 10] = [0; 64 << 10];
 
 fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
     m.lock().unwrap_or_else(|p| p.into_inner())

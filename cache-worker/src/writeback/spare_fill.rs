@@ -18,10 +18,16 @@ impl WriteBack {
     /// `spare_most` bytes); the caller runs [`spare_filler`]. A directory
     /// that cannot be used is logged and the pages go to new files.
     pub(crate) fn keep_spares(&self, page_size: u64) {
+        let dir = self.dir.join("spare");
         if self.config.spare_most == 0 {
+            // Spares an earlier run kept are disk space no one uses now.
+            if let Err(e) = std::fs::remove_dir_all(&dir) {
+                if e.kind() != std::io::ErrorKind::NotFound {
+                    tracing::warn!(dir = %dir.display(), error = %e, "removing spare page files");
+                }
+            }
             return;
         }
-        let dir = self.dir.join("spare");
         match Spares::open(&dir, page_size, self.config.spare_most) {
             Ok(spares) => {
                 let spares = Arc::new(spares);

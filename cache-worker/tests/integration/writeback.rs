@@ -755,4 +755,9 @@ async fn spare_page_files_follow_a_burst_and_the_next_is_written_over_them() {
     );
     let got = h.client.read(&uri("ckpt/second.bin"), None).await.unwrap();
     assert_eq!(sha(&got), sha(&second));
+    // Restarted with spares turned off: the ones kept are removed.
+    h.options.cache.writeback.spare_most = 0;
+    h.restart_worker().await;
+    assert_eq!(spare_bytes(&h).await, 0.0);
+    assert!(!spare_dir.exists(), "spares left on disk with spares off");
 }
