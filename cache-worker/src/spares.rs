@@ -75,9 +75,6 @@ impl Spares {
     /// page is written into a new file). Either way the page counts
     /// toward the burst's demand.
     pub fn take_to(&self, to: &Path) -> bool {
-        if self.most == 0 {
-            return false;
-        }
         self.burst.fetch_add(self.len, Ordering::Relaxed);
         self.wanted.notify_one();
         loop {
