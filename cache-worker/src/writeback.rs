@@ -10,6 +10,7 @@
 mod copies;
 mod give_way;
 mod landing;
+mod page_crcs;
 mod replica;
 mod spare_fill;
 mod stage;
@@ -17,6 +18,7 @@ mod upload;
 mod visible;
 
 pub(crate) use lakecache_protocol::is_cache_version;
+pub use page_crcs::PageCrcs;
 pub(crate) use replica::replica_watcher;
 pub(crate) use spare_fill::spare_filler;
 pub use stage::{BodyMeta, Staging, WriteRole};

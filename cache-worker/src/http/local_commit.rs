@@ -18,7 +18,7 @@ use tokio::sync::watch;
 
 use super::AppState;
 use crate::cache::CacheError;
-use crate::writeback::{BodyMeta, Staging, WriteRole};
+use crate::writeback::{BodyMeta, PageCrcs, Staging, WriteRole};
 
 /// How often a commit in progress says so.
 pub(super) const PROGRESS_EVERY: Duration = Duration::from_secs(1);
@@ -147,12 +147,14 @@ pub(super) async fn start_follow(
 ) -> Result<Started, LocalAnswer> {
     let admitted = admit(state, follow.token.as_deref(), &follow.uri, fd).map_err(|e| *e)?;
     let taken = Arc::new(AtomicU64::new(0));
+    let crcs = Arc::new(PageCrcs::default());
     let body = super::local_follow::followed_body(
         Arc::new(admitted.file),
         state.cache.config.page_size as usize,
         state.limits.max_body_bytes,
         taken.clone(),
         sealed,
+        crcs.clone(),
     );
     let patience = patience(follow.deadline_ms, follow.sent_ms);
     // Taken while the application writes, the pages go to disk with
@@ -161,6 +163,7 @@ pub(super) async fn start_follow(
     let meta = BodyMeta {
         user: follow.meta,
         late: Some(late_meta),
+        page_crcs: Some(crcs),
     };
     let task = spawn(
         state,

@@ -4,10 +4,11 @@
 //!
 //! The worker sees no writes, only the file's length, so a page taken
 //! early may be written again before the seal (a writer that seeks back
-//! to patch a header). Each early page's CRC32C is kept, and after the
-//! seal every early page is read again and compared: a file that changed
-//! after it was taken fails the commit ([`CacheError::FollowedFileChanged`]),
-//! and the mount commits it whole.
+//! to patch a header). After the seal every early page is read again and
+//! its CRC32C compared with the one the stage wrote it with
+//! ([`PageCrcs`]): a file that changed after it was taken fails the
+//! commit ([`CacheError::FollowedFileChanged`]), and the mount commits it
+//! whole.
 //!
 //! Reads run ahead of the pages being staged (a few in flight), and the
 //! check of the early pages runs beside the taking of the tail: a commit
@@ -26,6 +27,7 @@ use tokio::task::JoinHandle;
 
 use super::local_commit::{Body, Seal};
 use crate::cache::CacheError;
+use crate::writeback::PageCrcs;
 
 /// How soon a growing file is looked at again, at first and at most.
 const FIRST_LOOK: Duration = Duration::from_millis(5);
@@ -36,12 +38,8 @@ const READS_AHEAD: usize = 3;
 
 type Check = JoinHandle<Result<(), CacheError>>;
 
-/// A page asked for: still being read (with its CRC when taken early),
-/// or read.
-enum Ahead {
-    Reading(JoinHandle<Result<(Bytes, Option<u32>), CacheError>>),
-    Read(Bytes),
-}
+/// A page asked for, being read.
+type Ahead = JoinHandle<Result<Bytes, CacheError>>;
 
 struct Following {
     file: Arc<std::fs::File>,
@@ -53,10 +51,11 @@ struct Following {
     asked: u64,
     /// Reads in flight or done, oldest first, not handed on yet.
     reads: VecDeque<Ahead>,
-    /// CRC32C of each whole page taken before the seal, in order.
-    early: Vec<u32>,
-    /// The check of the early pages, started once the seal came and the
-    /// early reads were done.
+    /// Whole pages taken before the seal (the first ones).
+    early: u64,
+    /// The CRC32C each page was written with.
+    crcs: Arc<PageCrcs>,
+    /// The check of the early pages, started once the seal came.
     check: Option<Check>,
     look: Duration,
 }
@@ -68,6 +67,7 @@ pub(super) fn followed_body(
     limit: u64,
     taken: Arc<AtomicU64>,
     sealed: watch::Receiver<Seal>,
+    crcs: Arc<PageCrcs>,
 ) -> Body {
     let state = Following {
         file,
@@ -77,7 +77,8 @@ pub(super) fn followed_body(
         sealed,
         asked: 0,
         reads: VecDeque::new(),
-        early: Vec::new(),
+        early: 0,
+        crcs,
         check: None,
         look: FIRST_LOOK,
     };
@@ -93,7 +94,7 @@ pub(super) fn followed_body(
                         )));
                     }
                     if f.check.is_none() {
-                        f.start_check().await?;
+                        f.start_check();
                     }
                     while f.asked < size && f.reads.len() < READS_AHEAD {
                         let n = f.page.min(size - f.asked);
@@ -131,63 +132,44 @@ pub(super) fn followed_body(
 }
 
 impl Following {
-    /// Starts reading the next `n` bytes of the file, whose CRC is kept
-    /// for the check after the seal when taken `early`.
+    /// Starts reading the next `n` bytes of the file, a whole page to be
+    /// checked after the seal when taken `early`.
     fn ask(&mut self, n: u64, early: bool) -> Result<(), CacheError> {
         if self.asked + n > self.limit {
             return Err(CacheError::BodyTooLarge(self.limit));
         }
         let (file, at) = (self.file.clone(), self.asked);
-        self.reads
-            .push_back(Ahead::Reading(tokio::task::spawn_blocking(move || {
-                let piece = buffer_pool::read_at(&file, at, n as usize).map_err(|e| {
-                    CacheError::Invalid(format!(
-                        "reading the followed file at {at}: {e} (truncated while written?)"
-                    ))
-                })?;
-                let crc = early.then(|| crc32c::crc32c(&piece));
-                Ok((piece, crc))
-            })));
+        self.reads.push_back(tokio::task::spawn_blocking(move || {
+            buffer_pool::read_at(&file, at, n as usize).map_err(|e| {
+                CacheError::Invalid(format!(
+                    "reading the followed file at {at}: {e} (truncated while written?)"
+                ))
+            })
+        }));
         self.asked += n;
+        self.early += u64::from(early);
         Ok(())
     }
 
     /// The oldest read's bytes, counted as taken; `None` when none is
     /// in flight.
     async fn next_read(&mut self) -> Result<Option<Bytes>, CacheError> {
-        let piece = match self.reads.pop_front() {
-            None => return Ok(None),
-            Some(Ahead::Read(piece)) => piece,
-            Some(Ahead::Reading(read)) => {
-                let (piece, crc) = read.await.map_err(crate::cache::join_failed)??;
-                self.early.extend(crc);
-                piece
-            }
+        let Some(read) = self.reads.pop_front() else {
+            return Ok(None);
         };
+        let piece = read.await.map_err(crate::cache::join_failed)??;
         self.taken.fetch_add(piece.len() as u64, Ordering::Relaxed);
         Ok(Some(piece))
     }
 
-    /// Once sealed: waits for the early reads still in flight (their
-    /// CRCs complete the list), then checks in the background that every
-    /// early page still holds what was taken.
-    async fn start_check(&mut self) -> Result<(), CacheError> {
-        for ahead in self.reads.iter_mut() {
-            if let Ahead::Reading(read) = ahead {
-                let (piece, crc) = read.await.map_err(crate::cache::join_failed)??;
-                self.early.extend(crc);
-                *ahead = Ahead::Read(piece);
-            }
-        }
-        let (file, page, early) = (
-            self.file.clone(),
-            self.page,
-            std::mem::take(&mut self.early),
-        );
+    /// Once sealed: checks in the background that every early page
+    /// still holds what was written.
+    fn start_check(&mut self) {
+        let (file, page, early, crcs) =
+            (self.file.clone(), self.page, self.early, self.crcs.clone());
         self.check = Some(tokio::task::spawn_blocking(move || {
-            check_early(&file, page, early)
+            check_early(&file, page, early, &crcs)
         }));
-        Ok(())
     }
 }
 
@@ -203,18 +185,23 @@ const CHECK_THREADS: usize = 2;
 /// [`CHECK_THREADS`] threads. On this project's test VM the check of a
 /// 375 MiB file's early pages took 111 ms read one 8 MiB page at a
 /// time, as long as the tail taken beside it, and 32 ms this way.
-fn check_early(file: &std::fs::File, page: u64, early: Vec<u32>) -> Result<(), CacheError> {
-    let threads = CHECK_THREADS.min(early.len());
+fn check_early(
+    file: &std::fs::File,
+    page: u64,
+    early: u64,
+    crcs: &PageCrcs,
+) -> Result<(), CacheError> {
+    let threads = CHECK_THREADS.min(early as usize);
     let failed = AtomicBool::new(false);
     if threads <= 1 {
-        return check_pages(file, page, &early, (0, 1), &failed);
+        return check_pages(file, page, (early, crcs), (0, 1), &failed);
     }
     std::thread::scope(|scope| {
         let checks: Vec<_> = (0..threads)
             .map(|first| {
-                let (early, failed) = (&early, &failed);
+                let failed = &failed;
                 scope.spawn(move || {
-                    let checked = check_pages(file, page, early, (first, threads), failed);
+                    let checked = check_pages(file, page, (early, crcs), (first, threads), failed);
                     if checked.is_err() {
                         failed.store(true, Ordering::Relaxed);
                     }
@@ -239,21 +226,23 @@ fn check_early(file: &std::fs::File, page: u64, early: Vec<u32>) -> Result<(), C
     })
 }
 
-/// Checks early pages `first`, `first + step`, ... (`(first, step)`),
-/// until one fails or `failed` says another thread found one.
+/// Checks early pages `first`, `first + step`, ... (`(first, step)`) of
+/// the first `early`, until one fails or `failed` says another thread
+/// found one. A page's CRC is summed before its written CRC is waited
+/// for: the last pages taken may still be being written.
 fn check_pages(
     file: &std::fs::File,
     page: u64,
-    early: &[u32],
+    (early, crcs): (u64, &PageCrcs),
     (first, step): (usize, usize),
     failed: &AtomicBool,
 ) -> Result<(), CacheError> {
     let mut buf = vec![0u8; CHECK_CHUNK.min(page as usize)];
-    for (index, want) in early.iter().enumerate().skip(first).step_by(step) {
+    for index in (0..early).skip(first).step_by(step) {
         if failed.load(Ordering::Relaxed) {
             return Ok(());
         }
-        let at = index as u64 * page;
+        let at = index * page;
         let mut crc = 0u32;
         let mut done = 0u64;
         while done < page {
@@ -264,7 +253,7 @@ fn check_pages(
             crc = crc32c::crc32c_append(crc, chunk);
             done += chunk.len() as u64;
         }
-        if crc != *want {
+        if crc != crcs.wait(index)? {
             return Err(CacheError::FollowedFileChanged(format!(
                 "the followed file changed at bytes {at}..{} after they were taken; nothing was recorded",
                 at + page
@@ -278,12 +267,16 @@ fn check_pages(
 mod tests {
     use super::*;
 
-    /// A file of `pages` pages of `page` bytes, and each page's CRC32C.
-    fn pages(page: u64, pages: u64) -> (std::fs::File, Vec<u32>) {
+    /// A file of `pages` pages of `page` bytes, and each page's CRC32C
+    /// as a stage would have written it.
+    fn pages(page: u64, pages: u64) -> (std::fs::File, PageCrcs) {
         let body: Vec<u8> = (0..page * pages).map(|i| (i * 31 % 251) as u8).collect();
         let file = tempfile::tempfile().unwrap();
         file.write_all_at(&body, 0).unwrap();
-        let crcs = body.chunks(page as usize).map(crc32c::crc32c).collect();
+        let crcs = PageCrcs::default();
+        for (i, chunk) in body.chunks(page as usize).enumerate() {
+            crcs.set(i as u64, crc32c::crc32c(chunk));
+        }
         (file, crcs)
     }
 
@@ -292,14 +285,14 @@ mod tests {
         // A page that is not a whole number of check chunks.
         let page = CHECK_CHUNK as u64 + (CHECK_CHUNK as u64) / 2 + 4096;
         let (file, crcs) = pages(page, 5);
-        check_early(&file, page, crcs.clone()).expect("an unchanged file passes");
-        check_early(&file, page, crcs[..1].to_vec()).expect("one page, checked alone");
+        check_early(&file, page, 5, &crcs).expect("an unchanged file passes");
+        check_early(&file, page, 1, &crcs).expect("one page, checked alone");
         // Every page: its first byte, and one in its last (partial) chunk.
         let changes = (0..5).flat_map(|p| [(p * page, p), ((p + 1) * page - 1, p)]);
         for (at, in_page) in changes {
             let (file, crcs) = pages(page, 5);
             file.write_all_at(b"\xff", at).unwrap();
-            match check_early(&file, page, crcs) {
+            match check_early(&file, page, 5, &crcs) {
                 Err(CacheError::FollowedFileChanged(why)) => assert!(
                     why.contains(&format!("bytes {}..", in_page * page)),
                     "a change at {at} reported as {why}"
@@ -310,11 +303,29 @@ mod tests {
     }
 
     #[test]
+    fn a_page_the_stage_never_wrote_fails_the_check_once_the_stage_ends() {
+        let page = 64 << 10;
+        let (file, _) = pages(page, 3);
+        let crcs = std::sync::Arc::new(PageCrcs::default());
+        crcs.set(0, 0);
+        let ended = crcs.clone();
+        let stage = std::thread::spawn(move || {
+            std::thread::sleep(std::time::Duration::from_millis(50));
+            ended.close();
+        });
+        match check_early(&file, page, 3, &crcs) {
+            Err(CacheError::FollowedFileChanged(_) | CacheError::Invalid(_)) => {}
+            other => panic!("pages never written passed the check: {other:?}"),
+        }
+        stage.join().unwrap();
+    }
+
+    #[test]
     fn a_file_cut_short_after_the_seal_fails_the_check() {
         let page = 64 << 10;
         let (file, crcs) = pages(page, 4);
         file.set_len(3 * page - 100).unwrap();
-        match check_early(&file, page, crcs) {
+        match check_early(&file, page, 4, &crcs) {
             Err(CacheError::Invalid(why)) => {
                 assert!(why.contains("checking the followed file"), "{why}")
             }

@@ -12,6 +12,7 @@ use lakecache_protocol::{buffer_pool, ObjectUri, UserMeta};
 use tokio::task::JoinHandle;
 
 use super::copies::Copies;
+use super::page_crcs::{CloseOnDrop, PageCrcs};
 use super::{now_ms, WriteBack, VERSION_PREFIX};
 use crate::cache::{join_failed, Cache, CacheError};
 use crate::journal::{PendingObject, ReplicaOf};
@@ -66,11 +67,19 @@ pub struct BodyMeta {
     /// its metadata was final (a followed local commit): recorded
     /// instead of `user`, unless copies already took `user`.
     pub late: Option<Arc<OnceLock<UserMeta>>>,
+    /// Told each page's CRC32C as it is written (a followed body checks
+    /// the pages it took early against them), and closed when the body's
+    /// stage ends.
+    pub page_crcs: Option<Arc<PageCrcs>>,
 }
 
 impl From<UserMeta> for BodyMeta {
     fn from(user: UserMeta) -> Self {
-        Self { user, late: None }
+        Self {
+            user,
+            late: None,
+            page_crcs: None,
+        }
     }
 }
 
@@ -109,6 +118,8 @@ struct Taken {
     /// [`PLACING_IN_FLIGHT`]); apart from the writes, whose slots would
     /// otherwise wait for each page's sync.
     placing: VecDeque<JoinHandle<std::io::Result<TakenPage>>>,
+    /// Where each written page's CRC32C goes (see [`BodyMeta::page_crcs`]).
+    crcs_to: Option<Arc<PageCrcs>>,
     reserved: u64,
     size: u64,
     whole_crc: u32,
@@ -181,9 +192,11 @@ impl Cache {
                 page_size: self.config.page_size,
             })
         });
+        let _crcs_closed = meta.page_crcs.clone().map(CloseOnDrop);
         let mut taken = Taken {
             io,
             place,
+            crcs_to: meta.page_crcs.clone(),
             ..Taken::default()
         };
         let _taking = wb.taking(&uri.to_string(), &version);
@@ -476,6 +489,7 @@ impl Cache {
             taken.settle_oldest().await?;
         }
         let (wb2, io, index) = (wb.clone(), taken.io, taken.next_index);
+        let crcs_to = taken.crcs_to.clone();
         taken.next_index += 1;
         let writing = wb.page_writing();
         taken
@@ -486,6 +500,9 @@ impl Cache {
                     Staging::Direct => wb2.pages.stage_for_sync(&data),
                     Staging::Buffered => wb2.pages.stage_buffered_for_sync(&data),
                 }?;
+                if let Some(to) = crcs_to {
+                    to.set(index, staged.crc());
+                }
                 Ok(TakenPage {
                     staged,
                     index,
