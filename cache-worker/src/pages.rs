@@ -278,20 +278,25 @@ pub struct Staged {
     path: PathBuf,
     crcs: Vec<u32>,
     pub len: u64,
+    /// [`Self::crc`], combined once: a followed body's check and the
+    /// part CRCs both ask for it.
+    whole: std::sync::OnceLock<u32>,
 }
 
 impl Staged {
     /// CRC32C of the page's bytes, from its block CRCs.
     pub fn crc(&self) -> u32 {
-        let blocks = self.crcs.len() as u64;
-        combine_crcs(self.crcs.iter().enumerate().map(|(i, crc)| {
-            let len = if i as u64 + 1 == blocks {
-                self.len - CHECK_BLOCK * (blocks - 1)
-            } else {
-                CHECK_BLOCK
-            };
-            (*crc, len)
-        }))
+        *self.whole.get_or_init(|| {
+            let blocks = self.crcs.len() as u64;
+            combine_crcs(self.crcs.iter().enumerate().map(|(i, crc)| {
+                let len = if i as u64 + 1 == blocks {
+                    self.len - CHECK_BLOCK * (blocks - 1)
+                } else {
+                    CHECK_BLOCK
+                };
+                (*crc, len)
+            }))
+        })
     }
 }
 
@@ -368,6 +373,7 @@ impl PageStore {
                         path,
                         crcs: block_crcs(data),
                         len: data.len() as u64,
+                        whole: Default::default(),
                     })
                 }
                 Ok(false) => {
@@ -399,6 +405,7 @@ impl PageStore {
             path,
             crcs: block_crcs(data),
             len: data.len() as u64,
+            whole: Default::default(),
         })
     }
 
@@ -1055,6 +1062,7 @@ mod tests {
                 path: PathBuf::new(),
                 crcs: block_crcs(&data),
                 len: len as u64,
+                whole: Default::default(),
             };
             assert_eq!(staged.crc(), crc32c::crc32c(&data), "{len} bytes");
         }
