@@ -869,6 +869,33 @@ impl Cache {
         Ok(None)
     }
 
+    /// Whether every byte of `range` of version `meta` is held now (in
+    /// memory, in page files, or in a page being written), so that a read
+    /// of it waits on no fetch. Nothing is read or recorded.
+    pub(crate) fn holds_now(&self, uri: &ObjectUri, meta: &ObjectMeta, range: Range<u64>) -> bool {
+        let ps = self.config.page_size;
+        let end = range.end.min(meta.size);
+        if range.start >= end {
+            return false;
+        }
+        let uri_s = uri.to_string();
+        let mut pos = range.start;
+        while pos < end {
+            let idx = pos / ps;
+            let page_end = ((idx + 1) * ps).min(end);
+            let sub = pos - idx * ps..page_end - idx * ps;
+            let key = PageKey::new(&uri_s, &meta.etag, idx);
+            let held = self.fresh.covers(&key, &sub)
+                || self.writing.holds(&key)
+                || self.lru.holds_blocks(&key, crate::pages::blocks_of(&sub));
+            if !held {
+                return false;
+            }
+            pos = page_end;
+        }
+        true
+    }
+
     /// Reads from a page file and records the access, off the runtime.
     pub(crate) async fn read_local(
         self: &Arc<Self>,

@@ -199,10 +199,11 @@ impl KernelAdapter {
         ));
     }
 
-    /// A read the node-local tier or fetched read-ahead holds, served on
-    /// this kernel-request thread: no hop to the runtime and back (a
-    /// random reader of a whole tier copy, and a cold stream once its
-    /// read-ahead is ahead, are bound by that hop).
+    /// A read the node-local tier, fetched read-ahead or this host's
+    /// worker's cache holds, served on this kernel-request thread: no hop
+    /// to the runtime and back (a random reader of a whole tier copy, a
+    /// cold stream once its read-ahead is ahead, and a sample reader of
+    /// cached data are bound by that hop).
     fn read_ready_now(&self, ino: u64, fh: u64, offset: u64, size: u32) -> Option<bytes::Bytes> {
         let span = tracing::debug_span!("fuse", op = "read", ino);
         let _in_span = span.enter();

@@ -1134,10 +1134,12 @@ impl Fs {
         Ok((node, fh))
     }
 
-    /// A read the node-local tier or fetched read-ahead serves at once, on
-    /// the calling thread (see [`FileReader::read_tier_now`] and
-    /// [`FileReader::read_buffered_now`]); `None`: use [`Self::read`].
-    /// Never waits: a handle busy with another read is left to it.
+    /// A read the node-local tier, fetched read-ahead or a worker on this
+    /// host that has the bytes cached serves at once, on the calling
+    /// thread (see [`FileReader::read_tier_now`],
+    /// [`FileReader::read_buffered_now`] and
+    /// [`FileReader::read_cached_now`]); `None`: use [`Self::read`].
+    /// Never waits on another read: a handle busy with one is left to it.
     pub fn read_now(&self, fh: u64, offset: u64, len: u32) -> Option<Bytes> {
         match self.handle(fh).ok()? {
             Handle::Read { reader, .. } => {
@@ -1145,6 +1147,7 @@ impl Fs {
                 reader
                     .read_tier_now(offset, len.into())
                     .or_else(|| reader.read_buffered_now(offset, len.into()))
+                    .or_else(|| reader.read_cached_now(offset, len.into()))
             }
             _ => None,
         }

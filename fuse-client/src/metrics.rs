@@ -16,6 +16,7 @@ pub struct MountMetrics {
     op_errors: Counter<u64>,
     read_bytes: Counter<u64>,
     tier_hit_bytes: Counter<u64>,
+    cached_now_bytes: Counter<u64>,
     tier_socket_bytes: Counter<u64>,
     readahead_hit_bytes: Counter<u64>,
     readahead_wasted_bytes: Counter<u64>,
@@ -72,6 +73,17 @@ impl MountMetrics {
                 "By",
                 "Bytes read from the node-local tier instead of a worker",
             ),
+            cached_now_bytes: {
+                let cached_now = counter(
+                    &meter,
+                    "lakecache_fuse_worker_cached_now",
+                    "By",
+                    "Bytes of random reads a worker on this host had cached, answered on the kernel-request thread",
+                );
+                // Exported from the start: none yet reads as 0, not absent.
+                cached_now.add(0, &[]);
+                cached_now
+            },
             tier_socket_bytes: counter(
                 &meter,
                 "lakecache_fuse_tier_socket",
@@ -300,6 +312,10 @@ impl MountMetrics {
 
     pub fn read(&self, bytes: u64) {
         self.read_bytes.add(bytes, &[]);
+    }
+
+    pub fn cached_now(&self, bytes: u64) {
+        self.cached_now_bytes.add(bytes, &[]);
     }
 
     pub fn tier_hit(&self, bytes: u64) {

@@ -495,34 +495,8 @@ impl FileReader {
                 Err(e) => self.drop_damaged_tier(&e),
             }
         }
-        // A reader in random mode (no window) turns sequential only by
-        // continuing exactly where it stopped; a streaming one may skip
-        // ahead a little (the kernel's read-ahead arrives out of order).
-        let slack = if self.window == 0 {
-            0
-        } else {
-            self.window.max(REORDER_SLACK)
-        };
-        let forward = offset >= self.next_offset && offset - self.next_offset <= slack;
-        let sequential = buffered || (forward && (offset == 0 || self.next_offset > 0));
-        if !sequential {
-            let behind = offset < self.next_offset && self.next_offset - offset <= REORDER_SLACK;
-            if !behind {
-                // Random access: drop the stream and its read-ahead.
-                self.chunks.clear();
-                self.window = 0;
-                self.next_offset = end;
-                self.random_jumps += 1;
-                if self.random_jumps == RANDOM_JUMPS_BEFORE_WHOLE
-                    && self.size <= self.random_whole_max
-                {
-                    if self.tier.is_some() && self.completer.is_some() {
-                        self.ask_whole_now();
-                    } else {
-                        self.warm_workers();
-                    }
-                }
-            }
+        if !self.continues_stream(offset, buffered) {
+            self.note_jump(offset, end);
             return self.fetch(offset..end).await;
         }
         // A stream's first read fetches what it asked and nothing ahead:
@@ -541,6 +515,76 @@ impl FileReader {
                 Err(e)
             }
         }
+    }
+
+    /// Whether a read at `offset` continues this reader's stream (served
+    /// with read-ahead). A reader in random mode (no window) turns
+    /// sequential only by continuing exactly where it stopped; a streaming
+    /// one may skip ahead a little (the kernel's read-ahead arrives out of
+    /// order).
+    fn continues_stream(&self, offset: u64, buffered: bool) -> bool {
+        let slack = if self.window == 0 {
+            0
+        } else {
+            self.window.max(REORDER_SLACK)
+        };
+        let forward = offset >= self.next_offset && offset - self.next_offset <= slack;
+        buffered || (forward && (offset == 0 || self.next_offset > 0))
+    }
+
+    /// A read of `[offset, end)` that does not continue the stream: unless
+    /// it lands just behind it, the stream and its read-ahead are dropped
+    /// (random access), and a random reader's third jump has the object
+    /// fetched whole where that is allowed.
+    fn note_jump(&mut self, offset: u64, end: u64) {
+        let behind = offset < self.next_offset && self.next_offset - offset <= REORDER_SLACK;
+        if behind {
+            return;
+        }
+        self.chunks.clear();
+        self.window = 0;
+        self.next_offset = end;
+        self.random_jumps += 1;
+        if self.random_jumps == RANDOM_JUMPS_BEFORE_WHOLE && self.size <= self.random_whole_max {
+            if self.tier.is_some() && self.completer.is_some() {
+                self.ask_whole_now();
+            } else {
+                self.warm_workers();
+            }
+        }
+    }
+
+    /// Bytes `[offset, offset + len)` of a read that jumps (a sample
+    /// reader's), where the data plane has them close at hand now (a
+    /// worker on this host holding them: [`DataPlane::read_cached_now`]),
+    /// read on the calling thread. A kernel-request thread that answers
+    /// it itself saves the read two hand-offs (to the runtime, then to a
+    /// blocking thread for the socket) and two back, each a wait for a
+    /// core on a busy node. `None` for streams (read-ahead serves them),
+    /// readers with a node-local tier (its fills are asynchronous) and
+    /// bytes not held now; use [`Self::read`]. Call within the runtime's
+    /// context.
+    pub fn read_cached_now(&mut self, offset: u64, len: u64) -> Option<Bytes> {
+        let end = offset.saturating_add(len).min(self.size);
+        if offset >= end
+            || self.tier.is_some()
+            || self.continues_stream(offset, self.buffered(offset))
+        {
+            return None;
+        }
+        let bytes = {
+            let _demand = DemandRead::start();
+            self.data
+                .read_cached_now(&self.uri, offset..end, &self.etag)?
+        };
+        if bytes.len() as u64 != end - offset {
+            return None;
+        }
+        self.track_run(offset, end);
+        self.note_jump(offset, end);
+        self.served = true;
+        crate::metrics::global().cached_now(bytes.len() as u64);
+        Some(bytes)
     }
 
     /// A sequential read of `[offset, end)`: grows the window, drops the
@@ -1192,5 +1236,43 @@ mod tests {
             ranges.len(),
             "a range fetched twice: {ranges:?}"
         );
+    }
+
+    #[tokio::test]
+    async fn a_jump_into_bytes_a_local_worker_holds_is_read_on_the_calling_thread() {
+        let (rec, mut reader, body) = setup(4 * MIB);
+        let serving = |on: bool| {
+            rec.inner().set_quirks(crate::data_plane::Quirks {
+                serves_now: on,
+                ..Default::default()
+            })
+        };
+        // A plane without such a path: the read waits as usual.
+        assert!(reader.read_cached_now(MIB, 128 * KIB).is_none());
+        serving(true);
+        // A stream's first read (from 0) is left to read-ahead.
+        assert!(reader.read_cached_now(0, 128 * KIB).is_none());
+        // A sample read inside the file: served now, as asked.
+        let got = reader.read_cached_now(MIB + 5, 300 * KIB).unwrap();
+        assert_eq!(
+            &got[..],
+            &body[(MIB + 5) as usize..(MIB + 5 + 300 * KIB) as usize]
+        );
+        assert_eq!(rec.read_ranges(), vec![MIB + 5..MIB + 5 + 300 * KIB]);
+        assert!(reader.has_served());
+        // Another jump, short at the end of the file.
+        let got = reader.read_cached_now(4 * MIB - 10, 128 * KIB).unwrap();
+        assert_eq!(&got[..], &body[(4 * MIB - 10) as usize..]);
+        // A read that carries on from the last one is a stream's.
+        let (_, mut streaming, _) = setup(4 * MIB);
+        streaming.read(2 * MIB, 64 * KIB).await.unwrap();
+        assert!(streaming
+            .read_cached_now(2 * MIB + 64 * KIB, 64 * KIB)
+            .is_none());
+        // An armed read fault is for the reads that wait: none now.
+        rec.inject(DataOp::Read, 0, 1, DataFault::Fail(DataError::NotFound));
+        assert!(reader.read_cached_now(3 * MIB, 4 * KIB).is_none());
+        let e = reader.read(3 * MIB, 4 * KIB).await.unwrap_err();
+        assert!(matches!(e, FsError::NotFound), "{e:?}");
     }
 }

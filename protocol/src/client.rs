@@ -320,6 +320,34 @@ impl WorkerClient {
         self.local_outcome(uri, "read", got)
     }
 
+    /// A reader's read of `range` at `etag` through the local socket, on
+    /// the calling thread, where the worker holds every byte now (see
+    /// [`LocalChannel::read_cached`]). `None`: not served this way (no
+    /// socket, bytes the worker would fetch first, any failure); read with
+    /// [`Self::read_checked_as`], which settles every such case.
+    pub fn read_cached_local_now(
+        &self,
+        uri: &ObjectUri,
+        range: &Range<u64>,
+        etag: &str,
+    ) -> Option<Bytes> {
+        let local = self.local.as_ref()?;
+        if range.is_empty() || !local.worth_asking(self.member()) {
+            return None;
+        }
+        match local.read_cached(self.member(), uri, etag, range.clone()) {
+            Ok(bytes) if bytes.len() as u64 == range.end - range.start => Some(bytes),
+            Ok(bytes) => {
+                tracing::debug!(%uri, ?range, got = bytes.len(), "a cached-only read came back short; reading again");
+                None
+            }
+            Err(e) => {
+                tracing::trace!(%uri, ?range, error = %e, "not a cached-only read");
+                None
+            }
+        }
+    }
+
     /// Whether [`Self::commit_local`] may be worth trying (no I/O: a
     /// socket whose worker is not yet known counts).
     pub fn may_commit_locally(&self) -> bool {

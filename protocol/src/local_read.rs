@@ -49,6 +49,10 @@ pub const MAX_MESSAGE: usize = 64 * 1024;
 /// How long a socket call may take before the read goes over HTTP.
 const SOCKET_TIMEOUT: Duration = Duration::from_secs(60);
 
+/// How long a [`LocalChannel::read_cached`] call may wait on the worker:
+/// its caller holds a kernel-request thread of the mount meanwhile.
+const CACHED_TIMEOUT: Duration = Duration::from_secs(2);
+
 /// After the socket itself fails, reads go over HTTP this long before
 /// it is tried again (a restarting worker, a removed socket file).
 const BACKOFF: Duration = Duration::from_secs(5);
@@ -78,6 +82,13 @@ pub enum LocalRequest {
         /// [`crate::ReadKind`]); older mounts do not send it.
         #[serde(default, skip_serializing_if = "std::ops::Not::not")]
         read_ahead: bool,
+        /// Answer only from what the worker holds now: a range it would
+        /// have to fetch (from S3, or wait on a fetch in flight) is
+        /// answered [`LocalAnswer::Unavailable`] at once. The caller reads
+        /// on a thread it must not hold long (see
+        /// [`LocalChannel::read_cached`]). Older workers ignore it.
+        #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+        cached_only: bool,
     },
     /// Take the file whose descriptor rides on this request as the new
     /// content of a URI, written back: the co-located write path (see
@@ -553,6 +564,35 @@ impl LocalChannel {
         range: Range<u64>,
         kind: crate::ReadKind,
     ) -> Result<Bytes, LocalError> {
+        self.read_as(member, uri, etag, range, kind, false)
+    }
+
+    /// A reader's own read of `range` (see [`Self::read`]) that the worker
+    /// answers only from what it holds now (memory or page files), within
+    /// [`CACHED_TIMEOUT`]: a mount serves it on the kernel-request thread
+    /// that brought it, with no hop through its runtime and back (on a
+    /// busy node each hop is a wait for a core). Anything else, a range
+    /// the worker would fetch first included, is
+    /// [`LocalError::Unavailable`], and the caller reads as usual.
+    pub fn read_cached(
+        &self,
+        member: &str,
+        uri: &ObjectUri,
+        etag: &str,
+        range: Range<u64>,
+    ) -> Result<Bytes, LocalError> {
+        self.read_as(member, uri, etag, range, crate::ReadKind::Demand, true)
+    }
+
+    fn read_as(
+        &self,
+        member: &str,
+        uri: &ObjectUri,
+        etag: &str,
+        range: Range<u64>,
+        kind: crate::ReadKind,
+        cached_only: bool,
+    ) -> Result<Bytes, LocalError> {
         let mut failed_at = self.failed_at.lock().unwrap_or_else(|p| p.into_inner());
         if failed_at.is_some_and(|t| t.elapsed() < BACKOFF) {
             return Err(LocalError::Unavailable(
@@ -567,7 +607,7 @@ impl LocalChannel {
                     "{member} is another worker"
                 )))
             }
-            Ok(_) => self.read_pages(uri, etag, range, kind),
+            Ok(_) => self.read_pages(uri, etag, range, kind, cached_only),
             Err(e) => Err(e),
         };
         if let Err(e @ (LocalError::Io(_) | LocalError::Protocol(_))) = &got {
@@ -676,10 +716,19 @@ impl LocalChannel {
         etag: &str,
         range: Range<u64>,
         kind: crate::ReadKind,
+        cached_only: bool,
     ) -> Result<Bytes, LocalError> {
         let want = range.end.saturating_sub(range.start) as usize;
         let mut pieces: Vec<Bytes> = Vec::new();
         let mut pos = range.start;
+        // Pooled connections wait the usual time again (a call that timed
+        // out leaves its connection unpooled).
+        let pool = |c: UnixStream| {
+            if cached_only && c.set_read_timeout(Some(SOCKET_TIMEOUT)).is_err() {
+                return;
+            }
+            self.done(c);
+        };
         while pos < range.end {
             let request = LocalRequest::Page {
                 token: self.token.clone(),
@@ -689,9 +738,21 @@ impl LocalChannel {
                 len: range.end - pos,
                 inline: true,
                 read_ahead: kind == crate::ReadKind::Ahead,
+                cached_only,
             };
             let c = self.connection()?;
-            let grant = match call_on(&c, &request)? {
+            if cached_only {
+                c.set_read_timeout(Some(CACHED_TIMEOUT))?;
+            }
+            let answered = call_on(&c, &request).map_err(|e| match e {
+                // A busy worker, not a broken socket: this read goes the
+                // usual way, and the socket stays in use.
+                LocalError::Io(io) if cached_only && timed_out(&io) => LocalError::Unavailable(
+                    format!("no answer within {CACHED_TIMEOUT:?} for a cached-only read"),
+                ),
+                other => other,
+            });
+            let grant = match answered? {
                 (LocalAnswer::Inline { len }, None) => {
                     if len == 0 || len > range.end - pos || len > MAX_INLINE {
                         return Err(LocalError::Protocol(format!(
@@ -704,13 +765,13 @@ impl LocalChannel {
                     let bytes = read_inline(&c, len as usize).map_err(|e| {
                         LocalError::Unavailable(format!("inline bytes broke off: {e}"))
                     })?;
-                    self.done(c);
+                    pool(c);
                     pos += len;
                     pieces.push(bytes);
                     continue;
                 }
                 (LocalAnswer::Granted(g), Some(fd)) => {
-                    self.done(c);
+                    pool(c);
                     (g, fd)
                 }
                 (LocalAnswer::Granted(_), None) => {
@@ -719,11 +780,11 @@ impl LocalChannel {
                     ))
                 }
                 (LocalAnswer::Unavailable { reason }, None) => {
-                    self.done(c);
+                    pool(c);
                     return Err(LocalError::Unavailable(reason));
                 }
                 (LocalAnswer::Error { code, message }, None) => {
-                    self.done(c);
+                    pool(c);
                     return Err(LocalError::Refused { code, message });
                 }
                 (other, _) => return Err(LocalError::Protocol(format!("page answered {other:?}"))),
@@ -1077,11 +1138,23 @@ mod tests {
             len: 10,
             inline: true,
             read_ahead,
+            cached_only: false,
         };
         let sent = serde_json::to_string(&page(true)).unwrap();
         assert!(sent.contains("\"read_ahead\":true"), "{sent}");
         let demand = serde_json::to_string(&page(false)).unwrap();
         assert!(!demand.contains("read_ahead"), "{demand}");
+        assert!(!demand.contains("cached_only"), "{demand}");
+        let mut cached_only = page(false);
+        if let LocalRequest::Page { cached_only: c, .. } = &mut cached_only {
+            *c = true;
+        }
+        let sent = serde_json::to_string(&cached_only).unwrap();
+        assert!(sent.contains("\"cached_only\":true"), "{sent}");
+        assert_eq!(
+            serde_json::from_str::<LocalRequest>(&sent).unwrap(),
+            cached_only
+        );
         // What a mount before read-ahead marking sends.
         let older =
             r#"{"op":"page","uri":"s3://bucket/k","etag":"e","offset":0,"len":10,"inline":true}"#;

@@ -580,6 +580,36 @@ impl ClusterClient {
         Ok(out.freeze())
     }
 
+    /// A reader's read of `range` of `uri` at `etag`, served on the
+    /// calling thread by the segment's owner through its local socket,
+    /// where that owner is this host's worker and holds every byte now.
+    /// `None`: not this way (a range across segments, a pending version,
+    /// another or a suspect owner, bytes it would fetch, any failure);
+    /// read with [`Self::read_as`], which settles every such case.
+    pub fn read_cached_now(&self, uri: &ObjectUri, range: Range<u64>, etag: &str) -> Option<Bytes> {
+        if range.is_empty() || lakecache_protocol::is_cache_version(etag) {
+            return None;
+        }
+        let seg_size = self.segment_size();
+        let segment = range.start / seg_size;
+        if range.end > (segment + 1) * seg_size {
+            return None;
+        }
+        let key = uri.to_string();
+        if segment == 0 && self.taken_elsewhere.holder(&key).is_some() {
+            return None;
+        }
+        let state = self.current();
+        let owner = state.ring.owner(&key, segment)?;
+        if self.is_suspect(&owner.id) {
+            return None;
+        }
+        state
+            .clients
+            .get(&owner.id)?
+            .read_cached_local_now(uri, &range, etag)
+    }
+
     async fn read_segment(
         &self,
         uri: &ObjectUri,

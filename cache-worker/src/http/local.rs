@@ -88,6 +88,7 @@ async fn connection(mut stream: UnixStream, state: &AppState, listen: &str) -> i
                 len,
                 inline,
                 read_ahead,
+                cached_only,
             }) => {
                 let asked = Asked {
                     uri: &uri,
@@ -95,6 +96,7 @@ async fn connection(mut stream: UnixStream, state: &AppState, listen: &str) -> i
                     offset,
                     len,
                     inline,
+                    cached_only,
                     kind: if read_ahead {
                         ReadKind::Ahead
                     } else {
@@ -277,6 +279,8 @@ struct Asked<'a> {
     len: u64,
     /// The caller takes inline bytes.
     inline: bool,
+    /// Only bytes held now (see `LocalRequest::Page`).
+    cached_only: bool,
     kind: ReadKind,
 }
 
@@ -286,6 +290,8 @@ enum Found {
     /// `len` bytes from the request's offset, as HTTP would send them.
     Stream(Pieces, u64),
     Elsewhere,
+    /// A cached-only request for bytes the cache would fetch first.
+    NotHeld,
 }
 
 fn refusal(code: ErrorCode, message: String) -> LocalAnswer {
@@ -348,6 +354,9 @@ async fn page(state: &AppState, token: Option<&str>, asked: Asked<'_>) -> (Local
         // One read of the whole range, as one HTTP request would be: the
         // worker's read-ahead follows a reader by where its reads start.
         let end = end.min(offset.saturating_add(MAX_INLINE));
+        if asked.cached_only && !cache.holds_now(&uri, &meta, offset..end) {
+            return Ok(Found::NotHeld);
+        }
         let (pieces, _) = cache.read(&uri, &meta, offset..end, asked.kind).await?;
         Ok(Found::Stream(Box::pin(pieces), end - offset))
     })
@@ -373,6 +382,7 @@ async fn page(state: &AppState, token: Option<&str>, asked: Asked<'_>) -> (Local
             }),
         ),
         Ok(Found::Elsewhere) => unavailable("not served from page files"),
+        Ok(Found::NotHeld) => unavailable("not all of the range is cached now"),
         Err(CacheError::Store(lakecache_store::StoreError::PreconditionFailed)) => {
             unavailable("the object changed")
         }

@@ -202,6 +202,54 @@ async fn a_caller_that_takes_no_inline_bytes_is_sent_to_http_for_a_cold_page() {
     }
 }
 
+/// A mount's read on its kernel-request thread: answered only from what
+/// the worker holds, declined at once (and without a fetch) otherwise.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_cached_only_read_is_declined_without_a_fetch_until_every_byte_is_held() {
+    use lakecache_protocol::local_read::LocalError;
+    let h = with_socket(|_| {}).await;
+    let body = data((2 * MIB + 4_321) as usize, 74);
+    let etag = h.put_direct("local/cached-only.bin", &body).await;
+    let u = uri("local/cached-only.bin");
+    let channel = LocalChannel::new(&socket_of(&h), None);
+    let member = h.addr().to_string();
+    // Across pages 1 and 2 (of 1 MiB).
+    let range = MIB + 100..2 * MIB + 200;
+    let ask =
+        || tokio::task::block_in_place(|| channel.read_cached(&member, &u, &etag, range.clone()));
+    let declined = ask();
+    assert!(
+        matches!(declined, Err(LocalError::Unavailable(_))),
+        "{declined:?}"
+    );
+    assert_eq!(h.gets(), 0, "declining fetched nothing");
+    assert!(channel.worth_asking(&member), "a decline is not a failure");
+    // The last page held (read over HTTP), page 1 not: still declined.
+    h.client
+        .read(&u, Some(2 * MIB..body.len() as u64))
+        .await
+        .unwrap();
+    assert_eq!(h.gets(), 1);
+    let declined = ask();
+    assert!(
+        matches!(declined, Err(LocalError::Unavailable(_))),
+        "{declined:?}"
+    );
+    assert_eq!(h.gets(), 1, "declining fetched nothing");
+    // Both held: the bytes, from memory or the page files.
+    h.client.read(&u, Some(MIB..2 * MIB)).await.unwrap();
+    let got = ask().unwrap();
+    assert_eq!(&got[..], &body[range.start as usize..range.end as usize]);
+    assert_eq!(h.gets(), 2, "served without a fetch");
+    // Once on disk too.
+    h.settled_page_files().await;
+    assert_eq!(
+        &ask().unwrap()[..],
+        &body[range.start as usize..range.end as usize]
+    );
+    assert_eq!(h.gets(), 2);
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn a_damaged_page_file_or_another_version_falls_back_to_http() {
     let h = with_socket(|_| {}).await;

@@ -123,3 +123,69 @@ fn a_worker_killed_and_restarted_under_a_socket_reading_mount_loses_no_read() {
         },
     );
 }
+
+#[test]
+fn sample_reads_of_what_the_worker_holds_are_answered_on_the_kernel_request_thread() {
+    use std::os::unix::fs::FileExt;
+    let mut env = Env::start(1);
+    let data = pattern(8 << 20, 93);
+    env.put("socket/samples.bin", Bytes::from(data.clone()));
+    let socket = env.dir.path().join("cache-0").join("local.sock");
+    env.mount_with(&[
+        std::ffi::OsStr::new("--local-worker-socket"),
+        socket.as_os_str(),
+        std::ffi::OsStr::new("--metrics-listen"),
+        std::ffi::OsStr::new("127.0.0.1:0"),
+    ]);
+    let mount_port = env
+        .mount
+        .as_mut()
+        .expect("mounted")
+        .wait_for_port("mount metrics at http://", Duration::from_secs(30));
+    let cached_now = || {
+        let scrape = reqwest_like_get(mount_port, "/metrics");
+        common::metric(&scrape, "lakecache_fuse_worker_cached_now_bytes_total", &[])
+            .unwrap_or_else(|e| panic!("mount: {e}"))
+    };
+    let path = env.mountpoint().join("socket/samples.bin");
+    // Samples of 1 MiB in shuffled order, as a loader reads them (random
+    // advice: the kernel reads exactly what is asked).
+    let order = [5u64, 2, 7, 0, 3, 6, 1, 4];
+    let read_samples = || {
+        let file = std::fs::File::open(&path).unwrap();
+        // SAFETY: advice on a descriptor we hold open.
+        let rc = unsafe {
+            libc::posix_fadvise(
+                std::os::fd::AsRawFd::as_raw_fd(&file),
+                0,
+                0,
+                libc::POSIX_FADV_DONTNEED,
+            ) | libc::posix_fadvise(
+                std::os::fd::AsRawFd::as_raw_fd(&file),
+                0,
+                0,
+                libc::POSIX_FADV_RANDOM,
+            )
+        };
+        assert_eq!(rc, 0);
+        for &i in &order {
+            let mut buf = vec![0u8; 1 << 20];
+            file.read_exact_at(&mut buf, i << 20).unwrap();
+            let at = (i << 20) as usize;
+            assert!(buf == data[at..at + (1 << 20)], "sample {i}\n{}", env.log());
+        }
+    };
+    // Cold: the worker fetches them, and the reads wait on the runtime.
+    read_samples();
+    assert_eq!(cached_now(), 0.0, "nothing was held before the first reads");
+    // Held by the worker now: the same reads again, through a kernel with
+    // nothing of the file cached.
+    let before = cached_now();
+    read_samples();
+    let gained = cached_now() - before;
+    assert!(
+        gained >= (8 << 20) as f64,
+        "only {gained} bytes answered on the request thread\n{}",
+        env.log()
+    );
+}

@@ -126,6 +126,10 @@ impl DataPlane for ClusterClient {
         Ok(ClusterClient::read_as(self, uri, range, Some(etag), kind).await?)
     }
 
+    fn read_cached_now(&self, uri: &ObjectUri, range: Range<u64>, etag: &str) -> Option<Bytes> {
+        ClusterClient::read_cached_now(self, uri, range, etag)
+    }
+
     async fn read_version(
         &self,
         uri: &ObjectUri,

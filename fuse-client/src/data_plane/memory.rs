@@ -22,6 +22,10 @@ pub struct Quirks {
     pub list_page_limit: Option<u32>,
     /// Every call waits this long first (a distant or overloaded store).
     pub latency: Option<Duration>,
+    /// Reads are also answered on the caller's thread
+    /// ([`DataPlane::read_cached_now`]), as a worker on the same host
+    /// answers for what it holds (never while `latency` is set).
+    pub serves_now: bool,
 }
 
 #[derive(Debug, Clone)]
@@ -205,6 +209,16 @@ impl DataPlane for MemoryDataPlane {
             });
         }
         Ok(o.data.slice(range.start as usize..range.end as usize))
+    }
+
+    fn read_cached_now(&self, uri: &ObjectUri, range: Range<u64>, etag: &str) -> Option<Bytes> {
+        let quirks = self.quirks();
+        if !quirks.serves_now || quirks.latency.is_some() || range.is_empty() {
+            return None;
+        }
+        let o = self.lookup(uri).ok()?;
+        (o.etag == etag && range.end <= o.data.len() as u64)
+            .then(|| o.data.slice(range.start as usize..range.end as usize))
     }
 
     async fn list(
@@ -397,6 +411,7 @@ mod tests {
             list_without_etags: true,
             list_page_limit: Some(1),
             latency: None,
+            serves_now: false,
         });
         m.insert("bkt", "a", Bytes::from_static(b"1"));
         m.insert("bkt", "c", Bytes::from_static(b"2"));

@@ -137,6 +137,16 @@ pub trait DataPlane: Send + Sync + 'static {
         self.read(uri, range, etag).await
     }
 
+    /// Exactly `range` of version `etag`, read on the calling thread where
+    /// the plane holds those bytes close at hand now (a worker on this
+    /// host that has them cached), without waiting on a fetch: the mount
+    /// answers such a read on its kernel-request thread. `None`: read
+    /// with [`Self::read`] (planes without such a path always answer so).
+    fn read_cached_now(&self, uri: &ObjectUri, range: Range<u64>, etag: &str) -> Option<Bytes> {
+        let _ = (uri, range, etag);
+        None
+    }
+
     /// Exactly `range` of S3 version `version_id`, which must carry
     /// `etag`: an object version that is no longer the current one.
     async fn read_version(
