@@ -151,7 +151,7 @@ fn sample_reads_of_what_the_worker_holds_are_answered_on_the_kernel_request_thre
     // Samples of 1 MiB in shuffled order, as a loader reads them (random
     // advice: the kernel reads exactly what is asked).
     let order = [5u64, 2, 7, 0, 3, 6, 1, 4];
-    let read_samples = || {
+    let read_samples = |env: &Env| {
         let file = std::fs::File::open(&path).unwrap();
         // SAFETY: advice on a descriptor we hold open.
         let rc = unsafe {
@@ -176,16 +176,22 @@ fn sample_reads_of_what_the_worker_holds_are_answered_on_the_kernel_request_thre
         }
     };
     // Cold: the worker fetches them, and the reads wait on the runtime.
-    read_samples();
+    read_samples(&env);
     assert_eq!(cached_now(), 0.0, "nothing was held before the first reads");
     // Held by the worker now: the same reads again, through a kernel with
     // nothing of the file cached.
     let before = cached_now();
-    read_samples();
+    read_samples(&env);
     let gained = cached_now() - before;
     assert!(
         gained >= (8 << 20) as f64,
         "only {gained} bytes answered on the request thread\n{}",
         env.log()
     );
+    // kill -9 of the worker: the mount's pooled connections to it are
+    // dead. The reads go the usual way meanwhile, and stay right.
+    let port = env.workers[0].0;
+    env.workers[0].1.kill9();
+    env.workers[0].1 = env.spawn_worker(0, port, &[]);
+    read_samples(&env);
 }
