@@ -40,6 +40,46 @@ pub struct KernelAdapter {
     fs: Arc<Fs>,
     runtime: tokio::runtime::Handle,
     passthrough: Arc<Passthrough>,
+    worker_waits: Arc<WaitSlots>,
+}
+
+/// How many kernel-request threads may wait on this host's worker at
+/// once (see [`Fs::read_now`]): all but one, so that a slow worker never
+/// holds every thread and other requests (other files, `getattr`) are
+/// still taken.
+struct WaitSlots {
+    taken: std::sync::atomic::AtomicUsize,
+    max: usize,
+}
+
+impl WaitSlots {
+    fn new(threads: usize) -> Self {
+        Self {
+            taken: std::sync::atomic::AtomicUsize::new(0),
+            max: threads.saturating_sub(1),
+        }
+    }
+
+    /// A slot while the guard lives; `None` when all are taken.
+    fn try_take(self: &Arc<Self>) -> Option<WaitSlot> {
+        use std::sync::atomic::Ordering;
+        self.taken
+            .fetch_update(Ordering::AcqRel, Ordering::Acquire, |n| {
+                (n < self.max).then_some(n + 1)
+            })
+            .ok()
+            .map(|_| WaitSlot(self.clone()))
+    }
+}
+
+struct WaitSlot(Arc<WaitSlots>);
+
+impl Drop for WaitSlot {
+    fn drop(&mut self) {
+        self.0
+            .taken
+            .fetch_sub(1, std::sync::atomic::Ordering::AcqRel);
+    }
 }
 
 fn errno(e: &FsError) -> Errno {
@@ -64,7 +104,8 @@ fn log_refusal(op: &'static str, e: &FsError) {
 }
 
 impl KernelAdapter {
-    pub fn new(fs: Arc<Fs>, runtime: tokio::runtime::Handle) -> Self {
+    /// `threads`: the kernel-request threads serving it.
+    pub fn new(fs: Arc<Fs>, runtime: tokio::runtime::Handle, threads: usize) -> Self {
         runtime.spawn(Fs::housekeeping(Arc::downgrade(&fs)));
         runtime.spawn(store_metadata_changes(Arc::downgrade(&fs)));
         // Passthrough hands the kernel the local tier's whole objects,
@@ -74,6 +115,7 @@ impl KernelAdapter {
             fs,
             runtime,
             passthrough,
+            worker_waits: Arc::new(WaitSlots::new(threads)),
         }
     }
 
@@ -209,7 +251,9 @@ impl KernelAdapter {
         let _in_span = span.enter();
         let _in_runtime = self.runtime.enter();
         let started = std::time::Instant::now();
-        let bytes = self.fs.read_now(fh, offset, size)?;
+        let may_wait = self.worker_waits.try_take();
+        let bytes = self.fs.read_now(fh, offset, size, may_wait.is_some())?;
+        drop(may_wait);
         let metrics = crate::metrics::global();
         metrics.op("read", started.elapsed(), None);
         metrics.read(bytes.len() as u64);
@@ -1002,5 +1046,22 @@ fn empty_reply(reply: ReplyEmpty, r: Result<(), FsError>) {
     match r {
         Ok(()) => reply.ok(),
         Err(e) => reply.error(errno(&e)),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn one_kernel_request_thread_is_always_left_free_of_worker_waits() {
+        let slots = Arc::new(WaitSlots::new(4));
+        let taken: Vec<_> = (0..3).map(|_| slots.try_take().unwrap()).collect();
+        assert!(slots.try_take().is_none(), "a fourth thread would wait too");
+        drop(taken);
+        let again = slots.try_take();
+        assert!(again.is_some(), "slots come back when the waits end");
+        // One thread: it never waits on the worker.
+        assert!(Arc::new(WaitSlots::new(1)).try_take().is_none());
     }
 }

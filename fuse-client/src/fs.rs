@@ -1140,14 +1140,20 @@ impl Fs {
     /// [`FileReader::read_buffered_now`] and
     /// [`FileReader::read_cached_now`]); `None`: use [`Self::read`].
     /// Never waits on another read: a handle busy with one is left to it.
-    pub fn read_now(&self, fh: u64, offset: u64, len: u32) -> Option<Bytes> {
+    /// `may_ask_worker`: the worker may be asked (the calling thread may
+    /// wait on it).
+    pub fn read_now(&self, fh: u64, offset: u64, len: u32, may_ask_worker: bool) -> Option<Bytes> {
         match self.handle(fh).ok()? {
             Handle::Read { reader, .. } => {
                 let mut reader = reader.try_lock().ok()?;
                 reader
                     .read_tier_now(offset, len.into())
                     .or_else(|| reader.read_buffered_now(offset, len.into()))
-                    .or_else(|| reader.read_cached_now(offset, len.into()))
+                    .or_else(|| {
+                        may_ask_worker
+                            .then(|| reader.read_cached_now(offset, len.into()))
+                            .flatten()
+                    })
             }
             _ => None,
         }

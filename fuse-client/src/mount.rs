@@ -341,7 +341,7 @@ pub fn mount(
         let _in_runtime = runtime.enter();
         crate::tier_clients::serve(fs.clone())
     };
-    let adapter = KernelAdapter::new(fs, runtime);
+    let adapter = KernelAdapter::new(fs, runtime, options.threads.max(1));
     let mut session = Session::new(adapter, &path, &config).map_err(|e| MountError::Mount {
         path: path.clone(),
         source: e,

@@ -52,6 +52,7 @@ const SOCKET_TIMEOUT: Duration = Duration::from_secs(60);
 /// How long a [`LocalChannel::read_cached`] call may wait on the worker:
 /// its caller holds a kernel-request thread of the mount meanwhile.
 const CACHED_TIMEOUT: Duration = Duration::from_secs(2);
+const CACHED_TIMED_OUT: &str = "no answer to a cached-only read within";
 
 /// After the socket itself fails, reads go over HTTP this long before
 /// it is tried again (a restarting worker, a removed socket file).
@@ -459,6 +460,10 @@ pub struct LocalChannel {
     idle: Mutex<Vec<UnixStream>>,
     listen: Mutex<Option<SocketAddr>>,
     failed_at: Mutex<Option<Instant>>,
+    /// When a cached-only read last went unanswered in time: cached-only
+    /// reads are declined without asking for [`BACKOFF`] after it, so a
+    /// busy worker does not hold its callers' threads each time.
+    cached_timed_out_at: Mutex<Option<Instant>>,
 }
 
 impl std::fmt::Debug for LocalChannel {
@@ -477,6 +482,7 @@ impl LocalChannel {
             idle: Mutex::new(Vec::new()),
             listen: Mutex::new(None),
             failed_at: Mutex::new(None),
+            cached_timed_out_at: Mutex::new(None),
         }
     }
 
@@ -581,7 +587,24 @@ impl LocalChannel {
         etag: &str,
         range: Range<u64>,
     ) -> Result<Bytes, LocalError> {
-        self.read_as(member, uri, etag, range, crate::ReadKind::Demand, true)
+        let quiet = self
+            .cached_timed_out_at
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .is_some_and(|t| t.elapsed() < BACKOFF);
+        if quiet {
+            return Err(LocalError::Unavailable(
+                "a cached-only read timed out recently".into(),
+            ));
+        }
+        let got = self.read_as(member, uri, etag, range, crate::ReadKind::Demand, true);
+        if matches!(&got, Err(LocalError::Unavailable(why)) if why.starts_with(CACHED_TIMED_OUT)) {
+            *self
+                .cached_timed_out_at
+                .lock()
+                .unwrap_or_else(|p| p.into_inner()) = Some(Instant::now());
+        }
+        got
     }
 
     fn read_as(
@@ -747,9 +770,9 @@ impl LocalChannel {
             let answered = call_on(&c, &request).map_err(|e| match e {
                 // A busy worker, not a broken socket: this read goes the
                 // usual way, and the socket stays in use.
-                LocalError::Io(io) if cached_only && timed_out(&io) => LocalError::Unavailable(
-                    format!("no answer within {CACHED_TIMEOUT:?} for a cached-only read"),
-                ),
+                LocalError::Io(io) if cached_only && timed_out(&io) => {
+                    LocalError::Unavailable(format!("{CACHED_TIMED_OUT} {CACHED_TIMEOUT:?}"))
+                }
                 other => other,
             });
             let grant = match answered? {
@@ -1126,6 +1149,67 @@ mod tests {
             .read("127.0.0.1:7000", &uri, "e", 0..100, crate::ReadKind::Demand)
             .unwrap();
         assert_eq!(&got[..], &[5u8; 100][..]);
+    }
+
+    #[test]
+    fn a_cached_only_read_a_worker_leaves_unanswered_is_declined_then_not_asked_for_a_while() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("busy.sock");
+        let listener = std::os::unix::net::UnixListener::bind(&path).unwrap();
+        let pages_asked = std::sync::Arc::new(std::sync::atomic::AtomicUsize::new(0));
+        let asked = pages_asked.clone();
+        // A worker that answers `hello` and then never a page request.
+        std::thread::spawn(move || {
+            for conn in listener.incoming() {
+                let Ok(conn) = conn else { return };
+                let asked = asked.clone();
+                std::thread::spawn(move || {
+                    while let Ok((body, _)) = recv_message(conn.as_raw_fd()) {
+                        match serde_json::from_slice(&body).unwrap() {
+                            LocalRequest::Hello => {
+                                let hello = LocalAnswer::Hello {
+                                    listen: "127.0.0.1:7000".into(),
+                                    protocol: LOCAL_PROTOCOL,
+                                };
+                                let reply = serde_json::to_vec(&hello).unwrap();
+                                send_message(conn.as_raw_fd(), &reply, None).unwrap();
+                            }
+                            LocalRequest::Page { cached_only, .. } => {
+                                assert!(cached_only);
+                                asked.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
+                            }
+                            other => panic!("unexpected {other:?}"),
+                        }
+                    }
+                });
+            }
+        });
+        let channel = LocalChannel::new(&path, None);
+        let uri: ObjectUri = "s3://bucket/k".parse().unwrap();
+        let started = Instant::now();
+        let e = channel
+            .read_cached("127.0.0.1:7000", &uri, "e", 0..100)
+            .unwrap_err();
+        assert!(
+            matches!(&e, LocalError::Unavailable(why) if why.starts_with(CACHED_TIMED_OUT)),
+            "{e:?}"
+        );
+        assert!(started.elapsed() >= CACHED_TIMEOUT);
+        assert!(started.elapsed() < SOCKET_TIMEOUT);
+        assert_eq!(pages_asked.load(std::sync::atomic::Ordering::SeqCst), 1);
+        // The socket itself is fine: no back-off for ordinary reads...
+        assert!(channel.worth_asking("127.0.0.1:7000"));
+        // ...but cached-only reads are declined without asking for a while.
+        let started = Instant::now();
+        let e = channel
+            .read_cached("127.0.0.1:7000", &uri, "e", 0..100)
+            .unwrap_err();
+        assert!(
+            matches!(&e, LocalError::Unavailable(why) if why.contains("recently")),
+            "{e:?}"
+        );
+        assert!(started.elapsed() < Duration::from_millis(500));
+        assert_eq!(pages_asked.load(std::sync::atomic::Ordering::SeqCst), 1);
     }
 
     #[test]
