@@ -47,38 +47,18 @@ pub struct KernelAdapter {
 /// once (see [`Fs::read_now`]): all but one, so that a slow worker never
 /// holds every thread and other requests (other files, `getattr`) are
 /// still taken.
-struct WaitSlots {
-    taken: std::sync::atomic::AtomicUsize,
-    max: usize,
-}
+struct WaitSlots(Arc<tokio::sync::Semaphore>);
 
 impl WaitSlots {
     fn new(threads: usize) -> Self {
-        Self {
-            taken: std::sync::atomic::AtomicUsize::new(0),
-            max: threads.saturating_sub(1),
-        }
+        Self(Arc::new(tokio::sync::Semaphore::new(
+            threads.saturating_sub(1),
+        )))
     }
 
-    /// A slot while the guard lives; `None` when all are taken.
-    fn try_take(self: &Arc<Self>) -> Option<WaitSlot> {
-        use std::sync::atomic::Ordering;
-        self.taken
-            .fetch_update(Ordering::AcqRel, Ordering::Acquire, |n| {
-                (n < self.max).then_some(n + 1)
-            })
-            .ok()
-            .map(|_| WaitSlot(self.clone()))
-    }
-}
-
-struct WaitSlot(Arc<WaitSlots>);
-
-impl Drop for WaitSlot {
-    fn drop(&mut self) {
-        self.0
-            .taken
-            .fetch_sub(1, std::sync::atomic::Ordering::AcqRel);
+    /// A slot while the permit lives; `None` when all are taken.
+    fn try_take(&self) -> Option<tokio::sync::OwnedSemaphorePermit> {
+        self.0.clone().try_acquire_owned().ok()
     }
 }
 

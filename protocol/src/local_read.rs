@@ -597,14 +597,7 @@ impl LocalChannel {
                 "a cached-only read timed out recently".into(),
             ));
         }
-        let got = self.read_as(member, uri, etag, range, crate::ReadKind::Demand, true);
-        if matches!(&got, Err(LocalError::Unavailable(why)) if why.starts_with(CACHED_TIMED_OUT)) {
-            *self
-                .cached_timed_out_at
-                .lock()
-                .unwrap_or_else(|p| p.into_inner()) = Some(Instant::now());
-        }
-        got
+        self.read_as(member, uri, etag, range, crate::ReadKind::Demand, true)
     }
 
     fn read_as(
@@ -771,6 +764,10 @@ impl LocalChannel {
                 // A busy worker, not a broken socket: this read goes the
                 // usual way, and the socket stays in use.
                 LocalError::Io(io) if cached_only && timed_out(&io) => {
+                    *self
+                        .cached_timed_out_at
+                        .lock()
+                        .unwrap_or_else(|p| p.into_inner()) = Some(Instant::now());
                     LocalError::Unavailable(format!("{CACHED_TIMED_OUT} {CACHED_TIMEOUT:?}"))
                 }
                 other => other,

@@ -587,7 +587,11 @@ impl ClusterClient {
     /// another or a suspect owner, bytes it would fetch, any failure);
     /// read with [`Self::read_as`], which settles every such case.
     pub fn read_cached_now(&self, uri: &ObjectUri, range: Range<u64>, etag: &str) -> Option<Bytes> {
-        if range.is_empty() || lakecache_protocol::is_cache_version(etag) {
+        // Mounts without a worker's socket (most) pay nothing for it.
+        if self.options.local_socket.is_none()
+            || range.is_empty()
+            || lakecache_protocol::is_cache_version(etag)
+        {
             return None;
         }
         let seg_size = self.segment_size();
