@@ -9,11 +9,15 @@
 //!
 //! How many are kept follows the demand: the most bytes of pages staged
 //! in one burst (between two quiet spells of the bodies being taken),
-//! capped by `WriteBackConfig::spare_most`. A worker that never takes a
-//! write-back body writes no spare. Spares are refilled only while no
-//! body is being taken ([`crate::writeback`]'s filler), and one left by
-//! a crash is as good as any other: the page written over it is synced
-//! before it counts, like a new file.
+//! capped by `WriteBackConfig::spare_most`. A mount on this host that
+//! writes back through the worker says so when it starts
+//! ([`Spares::prepare`]), and the whole cap is kept from then on, so
+//! the first burst after a new worker starts finds its spares too;
+//! otherwise a worker that never takes a write-back body writes no
+//! spare. Spares are written only while no body is being taken
+//! ([`crate::writeback`]'s filler), and one left by a crash is as good
+//! as any other: the page written over it is synced before it counts,
+//! like a new file.
 
 use std::fs;
 use std::io;
@@ -93,6 +97,14 @@ impl Spares {
     pub fn burst_ended(&self) {
         let burst = self.burst.swap(0, Ordering::Relaxed);
         self.peak.fetch_max(burst, Ordering::Relaxed);
+    }
+
+    /// A writer of bursts announced itself: keep the whole cap from now
+    /// on. Returns the cap in bytes.
+    pub fn prepare(&self) -> u64 {
+        self.peak.fetch_max(self.most, Ordering::Relaxed);
+        self.wanted.notify_one();
+        self.most
     }
 
     /// How many more spares the demand seen asks for.
@@ -203,5 +215,26 @@ mod tests {
         let other = Spares::open(dir.path(), 2 * page, 1 << 30).unwrap();
         assert_eq!(other.count(), 0);
         assert_eq!(fs::read_dir(dir.path()).unwrap().count(), 0);
+    }
+
+    #[test]
+    fn a_prepared_worker_keeps_the_whole_cap_before_any_burst() {
+        let dir = tempfile::tempdir().unwrap();
+        let page = 64 << 10;
+        let len = HEADER_LEN + page;
+        // A cap that is not a whole number of spares.
+        let spares = Spares::open(dir.path(), page, 3 * len + len / 2).unwrap();
+        assert_eq!(spares.missing(), 0);
+        assert_eq!(spares.prepare(), 3 * len + len / 2);
+        assert_eq!(spares.missing(), 3, "the whole cap, with no page asked for");
+        while spares.missing() > 0 {
+            assert!(spares.fill_one().unwrap());
+        }
+        assert_eq!(spares.bytes(), 3 * len);
+        // A smaller burst afterwards does not lower the goal.
+        let to = dir.path().join("page");
+        assert!(spares.take_to(&to));
+        spares.burst_ended();
+        assert_eq!(spares.missing(), 1);
     }
 }

@@ -65,9 +65,11 @@ pub struct WorkerSettings {
     #[arg(long, env = "LAKECACHE_WRITE_STAGING_LIMIT")]
     pub write_staging_limit: Option<ByteSize>,
     /// Spare page files (zeros) kept for write-back pages to be written
-    /// over, up to the largest burst of write-back writes seen: direct
-    /// writes into new files are slower on ext4. Written only while no
-    /// write-back write is being taken; 0: none [default: 2GiB]
+    /// over, up to the largest burst of write-back writes seen, or all of
+    /// it once a write-back mount on this host has said so: direct writes
+    /// into new files are slower on ext4. Written only while no
+    /// write-back write is being taken; 0: none [default: 2GiB, at most
+    /// an eighth of --cache-size]
     #[arg(long, env = "LAKECACHE_WRITE_SPARE")]
     pub write_spare: Option<ByteSize>,
     /// A write-back write waiting this long for staging space fails (the
@@ -663,7 +665,7 @@ impl WorkerSettings {
                     ),
                     spare_most: self
                         .write_spare
-                        .map_or(lakecache_worker::writeback::DEFAULT_SPARE_MOST, |s| s.0),
+                        .map_or(default_write_spare(capacity), |s| s.0),
                     ..Default::default()
                 },
             },
@@ -775,13 +777,20 @@ impl WorkerSettings {
     }
 }
 
-/// A quarter of physical memory, between 256 MiB and 8 GiB.
 /// The default page and read-ahead: 16 MiB ahead of a sequential reader.
 const DEFAULT_PAGE_SIZE: u64 = 8 << 20;
 const DEFAULT_READAHEAD_PAGES: u32 = 2;
 
+/// A quarter of physical memory, between 256 MiB and 8 GiB.
 fn default_memory_limit() -> u64 {
     (lakecache_protocol::memory::physical_memory() / 4).clamp(256 << 20, 8 << 30)
+}
+
+/// Spare page files take disk beside the cache: 2 GiB, but no more than
+/// an eighth of a small cache (`lakecache up --cache-size 2GiB` spends
+/// 256 MiB on them, not as much again as its cache).
+fn default_write_spare(cache_size: u64) -> u64 {
+    lakecache_worker::writeback::DEFAULT_SPARE_MOST.min(cache_size / 8)
 }
 
 #[cfg(test)]
@@ -831,12 +840,28 @@ mod tests {
             no_auth: Some(true),
             ..Default::default()
         };
-        let (opts, s3) = flags.over(file).resolve().unwrap();
+        let (opts, s3) = flags.clone().over(file).resolve().unwrap();
         assert_eq!(opts.listen.port(), 8000);
         assert_eq!(opts.cache.capacity, 1 << 30);
         assert_eq!(opts.cache.page_size, 8 << 20);
         assert!(opts.cache.metadata_ttl.is_zero());
         assert_eq!(s3.max_attempts, 5);
+        assert_eq!(
+            opts.cache.writeback.spare_most,
+            128 << 20,
+            "spares of a 1 GiB cache: an eighth of it"
+        );
+        let big: WorkerSettings = toml::from_str("cache_size = \"100GiB\"\n").unwrap();
+        let (opts, _) = flags.clone().over(big).resolve().unwrap();
+        assert_eq!(opts.cache.writeback.spare_most, 2 << 30);
+        let set: WorkerSettings =
+            toml::from_str("cache_size = \"1GiB\"\nwrite_spare = \"512MiB\"\n").unwrap();
+        let (opts, _) = flags.over(set).resolve().unwrap();
+        assert_eq!(
+            opts.cache.writeback.spare_most,
+            512 << 20,
+            "set, not capped"
+        );
     }
 
     #[test]

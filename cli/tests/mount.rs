@@ -45,6 +45,9 @@ struct Env {
     dir: tempfile::TempDir,
 }
 
+/// `--write-spare` of the tests' workers unless a test sets its own.
+const TEST_WRITE_SPARE: &str = "64MiB";
+
 impl Env {
     fn start(workers: usize) -> Env {
         Self::start_with(workers, &[])
@@ -141,6 +144,14 @@ impl Env {
                 &[][..]
             } else {
                 &["--cache-size", "4GiB"][..]
+            })
+            // A write-back mount beside a worker has it write this much
+            // in spare page files; the default 2 GiB per test is disk
+            // time taken from the tests running beside it.
+            .args(if worker_flags.contains(&"--write-spare") {
+                &[][..]
+            } else {
+                &["--write-spare", TEST_WRITE_SPARE][..]
             })
             .args(["--s3-path-style", "--s3-endpoint"])
             .arg(format!("http://127.0.0.1:{}", self.s3_port))

@@ -135,6 +135,11 @@ impl FsConfig {
         self.tier_whole_prefixes.iter().any(|p| key.starts_with(p))
     }
 
+    /// Whether any object of this mount is written back.
+    pub fn writes_back_any(&self) -> bool {
+        self.write_mode == WriteMode::Back || !self.write_back_prefixes.is_empty()
+    }
+
     /// The write mode of the object `key`.
     pub fn write_mode_for(&self, key: &str) -> WriteMode {
         if self.write_back_prefixes.iter().any(|p| key.starts_with(p)) {

@@ -202,6 +202,11 @@ impl Fs {
         self.tier_plans.as_ref()
     }
 
+    /// The cluster (or what stands for it) this mount reads and writes.
+    pub fn data_plane(&self) -> &Arc<dyn DataPlane> {
+        &self.data
+    }
+
     /// Pushes whole-fetched objects into the kernel's page cache, once
     /// the mount connects it to the kernel.
     pub fn kernel_cache(&self) -> &Arc<crate::kernel_cache::KernelCache> {

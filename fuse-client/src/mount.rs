@@ -335,6 +335,12 @@ pub fn mount(
             })?),
             None => None,
         };
+    if !options.read_only && fs_config.writes_back_any() {
+        // The local worker writes its spare page files before the first
+        // checkpoint burst, not after it.
+        let data = fs.data_plane().clone();
+        runtime.spawn(async move { data.prepare_write_back().await });
+    }
     let kernel_cache = fs.kernel_cache().clone();
     // Other readers on the node share the tier through the mount.
     let tier_clients = {

@@ -102,6 +102,13 @@ pub enum LocalRequest {
     Follow(FollowRequest),
     /// The followed file is complete: commit its first `size` bytes.
     Seal(SealRequest),
+    /// A mount on this host writes back through this worker: prepare for
+    /// its bursts now, before the first one comes (see
+    /// [`LocalChannel::prepare_write_back`]).
+    PrepareWriteBack {
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        token: Option<String>,
+    },
 }
 
 /// A followed commit: `uri`'s new content is the passed file, whose
@@ -186,6 +193,11 @@ pub enum LocalAnswer {
     },
     /// A commit is durable as the write-back path acknowledges it.
     Committed(crate::ObjectStat),
+    /// [`LocalRequest::PrepareWriteBack`] taken: the worker keeps up to
+    /// `spare_bytes` of spare page files for write-back pages (0: none).
+    Prepared {
+        spare_bytes: u64,
+    },
     /// Not served here; read over HTTP.
     Unavailable {
         reason: String,
@@ -687,6 +699,23 @@ impl LocalChannel {
         Ok(Following { c, progress })
     }
 
+    /// Tells the worker that a mount on this host writes back through
+    /// it, so it prepares for the first burst (spare page files written
+    /// while nothing is being written back) instead of learning from it.
+    /// Returns the bytes of spares the worker keeps at most.
+    pub fn prepare_write_back(&self) -> Result<u64, LocalError> {
+        let request = LocalRequest::PrepareWriteBack {
+            token: self.token.clone(),
+        };
+        match self.call(&request)? {
+            (LocalAnswer::Prepared { spare_bytes }, _) => Ok(spare_bytes),
+            (LocalAnswer::Error { code, message }, _) => Err(LocalError::Refused { code, message }),
+            (other, _) => Err(LocalError::Protocol(format!(
+                "prepare_write_back answered {other:?}"
+            ))),
+        }
+    }
+
     /// A connection of its own for a commit, under the caller's deadline
     /// from the first byte (a stopped worker accepts, then says nothing);
     /// it is given up, not reused, if the worker falls silent.
@@ -963,6 +992,13 @@ mod tests {
                             send_message(conn.as_raw_fd(), &progress.unwrap(), None).unwrap();
                             answer(n, u64::MAX, size)
                         }
+                        LocalRequest::PrepareWriteBack { .. } => (
+                            LocalAnswer::Prepared {
+                                spare_bytes: 3 << 30,
+                            },
+                            Vec::new(),
+                            false,
+                        ),
                         // A follow is answered once its seal comes.
                         LocalRequest::Follow(_) => continue,
                         LocalRequest::Seal(SealRequest { size, .. }) => {
@@ -993,6 +1029,23 @@ mod tests {
             meta: Default::default(),
             held_by: None,
         }
+    }
+
+    #[test]
+    fn a_write_back_mount_is_announced_and_the_workers_cap_comes_back() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = fake_worker(dir.path(), |_, _, _| unreachable!("no page is asked for"));
+        let channel = LocalChannel::new(&path, Some("t".into()));
+        assert_eq!(channel.prepare_write_back().unwrap(), 3 << 30);
+        // The request on the wire: its op, and the token when there is one.
+        let wire = serde_json::to_value(LocalRequest::PrepareWriteBack {
+            token: Some("t".into()),
+        })
+        .unwrap();
+        assert_eq!(
+            wire,
+            serde_json::json!({"op": "prepare_write_back", "token": "t"})
+        );
     }
 
     #[test]

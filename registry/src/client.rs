@@ -114,6 +114,8 @@ pub struct ClusterClient {
     taken_elsewhere: crate::taken_elsewhere::TakenElsewhere,
     s3: Option<Arc<dyn ObjectStore>>,
     follower: Mutex<Option<tokio::task::JoinHandle<()>>>,
+    /// The socket of the worker on this host, when there is one.
+    local: Option<Arc<LocalChannel>>,
 }
 
 impl Drop for ClusterClient {
@@ -183,6 +185,7 @@ impl ClusterClient {
             taken_elsewhere: Default::default(),
             s3,
             follower: Mutex::new(None),
+            local: local.clone(),
         });
         let weak = Arc::downgrade(&client);
         let task = tokio::spawn(async move {
@@ -197,6 +200,27 @@ impl ClusterClient {
         });
         *client.follower.lock().unwrap_or_else(|p| p.into_inner()) = Some(task);
         client
+    }
+
+    /// Tells the worker on this host (its local socket) that this client
+    /// writes back through it, so it prepares for the first burst; see
+    /// [`LocalChannel::prepare_write_back`]. Without a socket, or with a
+    /// worker that does not take the request, nothing changes: the
+    /// worker learns from the bursts themselves.
+    pub async fn prepare_write_back(&self) {
+        let Some(local) = self.local.clone() else {
+            return;
+        };
+        match tokio::task::spawn_blocking(move || local.prepare_write_back()).await {
+            Ok(Ok(spare_bytes)) => tracing::info!(
+                spare_bytes,
+                "the worker on this host prepares for write-back bursts"
+            ),
+            Ok(Err(e)) => {
+                tracing::debug!(error = %e, "the worker on this host was not told of write-back")
+            }
+            Err(e) => tracing::debug!(error = %e, "telling the local worker of write-back failed"),
+        }
     }
 
     pub(crate) fn describe_membership(&self) -> String {

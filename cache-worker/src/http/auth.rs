@@ -157,6 +157,18 @@ impl Access<'_> {
         self.object(uri, "write", Claims::may_write)
     }
 
+    /// Any write at all: a token with no write scope may not have the
+    /// worker prepare for write-back bursts (disk it spends up front).
+    pub fn may_write_somewhere(&self) -> Result<(), Refusal> {
+        match &self.claims {
+            Some(c) if c.write.is_empty() => Err(refused(format!(
+                "tenant {} may not write anything",
+                c.tenant
+            ))),
+            _ => Ok(()),
+        }
+    }
+
     /// The allow-list first, then the token's scope.
     fn object(
         &self,

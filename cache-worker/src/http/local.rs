@@ -116,6 +116,10 @@ async fn connection(mut stream: UnixStream, state: &AppState, listen: &str) -> i
                 follow_answer(&mut stream, state, follow, fd).await?,
                 SentWith::Nothing,
             ),
+            Ok(LocalRequest::PrepareWriteBack { token }) => (
+                prepare_write_back(state, token.as_deref()),
+                SentWith::Nothing,
+            ),
             Ok(LocalRequest::Seal(_)) => (
                 refusal(
                     ErrorCode::BadRequest,
@@ -390,5 +394,20 @@ async fn page(state: &AppState, token: Option<&str>, asked: Asked<'_>) -> (Local
             refusal(super::response::cache_error_code(&e), e.to_string()),
             SentWith::Nothing,
         ),
+    }
+}
+
+/// A write-back mount on this host announced itself: spares are written
+/// for its first burst (see [`crate::spares`]).
+fn prepare_write_back(state: &AppState, token: Option<&str>) -> LocalAnswer {
+    let access = match state.access.authenticate_token(token) {
+        Ok(a) => a,
+        Err(r) => return refusal(r.code, r.message),
+    };
+    if let Err(r) = access.may_write_somewhere() {
+        return refusal(r.code, r.message);
+    }
+    LocalAnswer::Prepared {
+        spare_bytes: state.cache.prepare_write_back(),
     }
 }

@@ -1,6 +1,7 @@
-//! Keeps the spare page files the bodies' bursts ask for (see
-//! `spares.rs`), written only while no body is being taken: a spare
-//! written during a checkpoint would take the disk from it.
+//! Keeps the spare page files the bodies' bursts ask for, or a
+//! write-back mount on this host announced (see `spares.rs`), written
+//! only while no body is being taken: a spare written during a
+//! checkpoint would take the disk from it.
 
 use std::sync::{Arc, Weak};
 use std::time::Duration;
@@ -40,6 +41,16 @@ impl WriteBack {
                 "spare page files unavailable; write-back pages go to new files"
             ),
         }
+    }
+}
+
+impl crate::cache::Cache {
+    /// A mount on this host writes back through this worker: its spares
+    /// are written now, up to `spare_most`, rather than after its first
+    /// burst. Returns the bytes of spares kept at most (0: none).
+    pub fn prepare_write_back(&self) -> u64 {
+        let spares = self.writeback.as_ref().and_then(|wb| wb.spares.get());
+        spares.map_or(0, |s| s.prepare())
     }
 }
 

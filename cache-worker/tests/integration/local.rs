@@ -579,3 +579,58 @@ async fn a_followed_file_is_taken_as_it_grows_and_checked_at_the_seal() {
         ErrorCode::NotFound,
     );
 }
+
+/// A mount on this host that writes back says so on the socket when it
+/// starts: the worker writes its spare page files, up to the configured
+/// cap, before any write-back comes, so the first burst is written over
+/// them too. A token that may not write gets nothing written.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_write_back_mount_announced_on_the_socket_gets_its_spares_before_any_burst() {
+    let key = SigningKey::generate("k1");
+    let spare = MIB + 4096;
+    // Three and a half spares: the cap is kept in whole spares.
+    let cap = 3 * spare + spare / 2;
+    let h = with_socket(|o| {
+        o.access = tokens_of(&key);
+        o.cache.writeback.spare_most = cap;
+    })
+    .await;
+    let spare_bytes = || async {
+        let metrics = h.client.metrics().await.unwrap();
+        metric_value(&metrics, "lakecache_writeback_spare")
+    };
+    let prepare = |token: Option<String>| {
+        let channel = LocalChannel::new(&socket_of(&h), token);
+        tokio::task::spawn_blocking(move || channel.prepare_write_back())
+    };
+    let read_only = token(&key, "team-a", "s3://data/team-a/", false);
+    for (token, want) in [
+        (None, ErrorCode::Unauthenticated),
+        (Some(read_only), ErrorCode::OutOfScope),
+    ] {
+        match prepare(token).await.unwrap() {
+            Err(lakecache_protocol::local_read::LocalError::Refused { code, .. }) => {
+                assert_eq!(code, want)
+            }
+            other => panic!("expected a {want:?} refusal, got {other:?}"),
+        }
+    }
+    // Given time to act on a refusal, the worker must have written nothing.
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    assert_eq!(
+        spare_bytes().await,
+        0.0,
+        "spares written for a refused request"
+    );
+
+    let writer = token(&key, "team-a", "s3://data/team-a/", true);
+    assert_eq!(prepare(Some(writer)).await.unwrap().unwrap(), cap);
+    eventually(
+        Duration::from_secs(30),
+        "three spares written with no write-back taken",
+        || async { spare_bytes().await == (3 * spare) as f64 },
+    )
+    .await;
+    let spare_dir = h.options.cache_dir.join("writeback/spare");
+    assert_eq!(std::fs::read_dir(&spare_dir).unwrap().count(), 3);
+}

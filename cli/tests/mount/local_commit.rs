@@ -5,7 +5,8 @@
 //! the size while the file is written; a file changed after an fsync is
 //! committed again; a file patched at its start after the worker took it
 //! is committed whole; a stopped local worker does not hold the commit up;
-//! a file opens for reading the moment it is closed.
+//! a file opens for reading the moment it is closed; the worker writes
+//! its spare page files as soon as the mount says it writes back.
 
 use super::*;
 
@@ -55,6 +56,25 @@ fn key_owned_by(env: &Env, prefix: &str, index: usize) -> String {
 fn a_write_back_beside_its_worker_is_committed_from_a_staged_file() {
     let mut env = Env::start(1);
     let port = mount_beside_worker_0(&mut env);
+    // The mount told its worker it writes back: the worker's spare page
+    // files (up to --write-spare, in whole pages) are written before
+    // anything is, for the first burst to be written over.
+    let worker_port = env.workers[0].0;
+    let spare = || {
+        let text = reqwest_like_get(worker_port, "/metrics");
+        common::metric(&text, "lakecache_writeback_spare_bytes", &[])
+            .unwrap_or_else(|e| panic!("worker: {e}"))
+    };
+    common::wait_until(
+        "the worker's spares, before any write",
+        Duration::from_secs(60),
+        Duration::from_millis(50),
+        || (48 << 20) as f64 <= spare(),
+    );
+    assert!(
+        spare() <= (64 << 20) as f64,
+        "more spares than --write-spare"
+    );
     let path = env.mountpoint().join("staged/model.bin");
     fs::create_dir_all(path.parent().unwrap()).unwrap();
     let first = pattern((24 << 20) + 4321, 61);

@@ -289,6 +289,10 @@ impl DataPlane for ClusterClient {
         Ok(stat)
     }
 
+    async fn prepare_write_back(&self) {
+        ClusterClient::prepare_write_back(self).await;
+    }
+
     fn commits_locally(&self, uri: &ObjectUri) -> bool {
         self.writer_for(uri).is_ok_and(|w| w.may_commit_locally())
     }

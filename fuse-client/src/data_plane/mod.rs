@@ -216,6 +216,11 @@ pub trait DataPlane: Send + Sync + 'static {
         avoid: &[String],
     ) -> Result<ObjectStat, DataError>;
 
+    /// This mount writes back: the worker on this host, if any, is told
+    /// so it prepares for the first burst (spare page files) before it
+    /// comes. Best effort; nothing depends on it.
+    async fn prepare_write_back(&self) {}
+
     /// Whether a write of `uri` may be committed from a local file by a
     /// worker on this host ([`Self::commit_local`]); known without I/O.
     fn commits_locally(&self, uri: &ObjectUri) -> bool {
