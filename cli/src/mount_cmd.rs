@@ -320,9 +320,7 @@ impl MountCmd {
         }
         let cluster = self.cluster.connect().await?;
         check_bucket(&cluster, &bucket, &prefix).await?;
-        if config.write_mode == lakecache_protocol::WriteMode::Back
-            || !config.write_back_prefixes.is_empty()
-        {
+        if config.writes_back_any() {
             tokio::spawn(warn_of_workers_without_ring(cluster.clone()));
         }
         let data: Arc<dyn lakecache_fuse::DataPlane> = match &self.snapshot {
