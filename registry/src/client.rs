@@ -185,7 +185,7 @@ impl ClusterClient {
             taken_elsewhere: Default::default(),
             s3,
             follower: Mutex::new(None),
-            local: local.clone(),
+            local,
         });
         let weak = Arc::downgrade(&client);
         let task = tokio::spawn(async move {
@@ -193,7 +193,7 @@ impl ClusterClient {
                 let Some(this) = weak.upgrade() else { return };
                 let view = rx.borrow_and_update().clone();
                 let previous = this.current();
-                let next = build_state(&view, &this.options, Some(&previous), &local);
+                let next = build_state(&view, &this.options, Some(&previous), &this.local);
                 tracing::info!(members = next.ring.members().len(), "ring rebuilt");
                 *this.state.write().unwrap_or_else(|p| p.into_inner()) = Arc::new(next);
             }
