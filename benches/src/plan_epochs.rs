@@ -20,7 +20,8 @@
 //!
 //! `mounts` reads the same way through real `lakecache mount`s (kernel
 //! FUSE), one per rank, each at its own mount point, with plans published
-//! to the workers as above; rank r's mount reads worker r's pages through
+//! to the workers as above and to each rank's mount, which holds the
+//! plan's next samples in memory; rank r's mount reads worker r's pages through
 //! its local socket (the same node) and the other workers' over HTTP. The mount does not pass on a worker's
 //! hit/miss per read, so its epoch hit ratio is counted at the workers:
 //! the share of the bytes the mounts asked for that were cached when
@@ -42,6 +43,7 @@ use bytes::Bytes;
 use clap::Parser;
 use common::MIB;
 use http_body_util::BodyExt;
+use lakecache_protocol::tier_socket::TierChannel;
 use lakecache_protocol::{ObjectUri, WorkerClient, CACHE_HEADER};
 use lakecache_registry::{ClusterClient, ClusterOptions, RingOptions, StaticMembership};
 use lakecache_worker::store::ObjectStore;
@@ -560,6 +562,25 @@ impl Bench {
                         })
                         .collect();
                     let t = Instant::now();
+                    if mode.mounted() {
+                        // The rank's mount too, as the Python client does
+                        // through the node's socket: it holds the plan's
+                        // next samples in memory ahead of the reads.
+                        let (socket_dir, entries) =
+                            (client_socket_dir(&dir, rank), entries.clone());
+                        let published = tokio::task::spawn_blocking(move || {
+                            TierChannel::connect(&socket_dir)?
+                                .publish_plan("bench/0", 600, &entries)
+                        })
+                        .await?;
+                        // A mount told to hold none (`--plan-memory 0`)
+                        // refuses it, as it would refuse a Python client.
+                        if let Err(e) = published {
+                            if epoch == 0 && rank == 0 && run == 0 {
+                                eprintln!("the mount took no plan: {e}");
+                            }
+                        }
+                    }
                     clusters[rank]
                         .publish_plan(&format!("bench/{rank}"), &entries, 600)
                         .await
@@ -637,6 +658,8 @@ impl Bench {
             .args(["--registry", registry, "--segment-size", "16MiB"])
             .arg("--local-worker-socket")
             .arg(local_socket(dir, rank))
+            .arg("--client-socket-dir")
+            .arg(client_socket_dir(dir, rank))
             .args(["--no-s3-fallback", "--read-only"])
             .args(&self.args.mount_arg)
             .stdin(std::process::Stdio::null())
@@ -714,6 +737,11 @@ fn run_seed(run: usize, epoch: u64) -> u64 {
 }
 
 /// Worker `w`'s socket for mounts on its host.
+/// Where rank `rank`'s mount takes plans (its node's client socket).
+fn client_socket_dir(dir: &std::path::Path, rank: usize) -> PathBuf {
+    dir.join(format!("clients-{rank}"))
+}
+
 fn local_socket(dir: &std::path::Path, w: usize) -> PathBuf {
     dir.join(format!("cache-{w}")).join("local.sock")
 }
@@ -961,7 +989,7 @@ fn render(rows: &[serde_json::Value], args: &Args, bounds: (f64, f64)) -> String
     ));
     let mounted = |m: Mode| rows.iter().any(|r| r["mode"] == m.key());
     if mounted(Mode::Mounts) || mounted(Mode::MountsRandom) {
-        out.push_str("\n`mounts, plans`: each rank reads through its own `lakecache mount` (kernel FUSE); its hit ratio is counted at the workers, as the share of the bytes the mounts asked for that were cached when asked, and its CPU includes the mount processes.\n");
+        out.push_str("\n`mounts, plans`: each rank reads through its own `lakecache mount` (kernel FUSE); its hit ratio is counted at the workers, as the share of the bytes the mounts asked for that were cached when asked, and its CPU includes the mount processes. Each rank's plan also goes to its mount (through the node's client socket, as the Python client sends it), which holds the plan's next samples in memory (`--plan-memory`, 32 MiB here); the workers count those fetches too, when the mount makes them, so a sample a mount fetched before a worker had it counts as a miss even if its reader found it in the mount's memory.\n");
         if mounted(Mode::MountsRandom) {
             out.push_str("`random advice`: the same, with each open advised POSIX_FADV_RANDOM, as the README tells loaders that read samples out of large files to do: the kernel then asks the mount for each sample and no more (without it, a sample read at offset 0 is taken for a stream and the next sample is read too).\n");
         }

@@ -114,6 +114,20 @@ pub struct FuseArgs {
         default_value = "512MiB"
     )]
     pub local_cache_plan_prefetch: ByteSize,
+    /// For a mount without --local-cache: bytes of a published plan's
+    /// next samples held in this mount's memory ahead of its reader
+    /// (about 2 s at the reader's pace, within this, all plans together,
+    /// and at most a quarter of --memory-limit), so a loader's reads, an
+    /// epoch's first batches above all, are answered from memory. An
+    /// epoch's start asks for num_workers x batch size x prefetch_factor
+    /// samples at once; 0 turns it off
+    #[arg(long, env = "LAKECACHE_PLAN_MEMORY", default_value = "32MiB")]
+    pub plan_memory: ByteSize,
+    /// Directory for the socket other processes on this node (the Python
+    /// client) publish plans and read through, for a mount without
+    /// --local-cache (with one, the socket is in that directory)
+    #[arg(long, env = "LAKECACHE_CLIENT_SOCKET_DIR")]
+    pub client_socket_dir: Option<PathBuf>,
     /// A reader that jumps around an object of at most this size (3
     /// random reads in one open) gets the whole object fetched in the
     /// background: into the node-local tier when there is one (clamped to
@@ -223,6 +237,12 @@ impl FuseArgs {
                 .push(format!("{}{dir}", config.prefix));
         }
         config.tier_plan_prefetch = self.local_cache_plan_prefetch.0;
+        config.plan_memory = self.plan_memory.0.min(config.memory_limit / 4);
+        if let Some(dir) = &self.client_socket_dir {
+            std::fs::create_dir_all(dir)
+                .with_context(|| format!("creating --client-socket-dir {}", dir.display()))?;
+            config.client_socket_dir = Some(dir.clone());
+        }
         for p in &self.local_cache_whole {
             let dir = mount_dir("--local-cache-whole", p, "shards/")?;
             config
@@ -342,9 +362,10 @@ impl MountCmd {
             }
         };
         let mut fs = Fs::new(data, config);
-        if let Some(tier) = self.fuse.local_tier(None)? {
-            fs = fs.with_local_tier(tier);
-        }
+        fs = match self.fuse.local_tier(None)? {
+            Some(tier) => fs.with_local_tier(tier),
+            None => fs.with_client_plans(),
+        };
         let mut options = self.fuse.mount_options(&self.mountpoint);
         options.read_only |= self.snapshot.is_some();
         serve(Arc::new(fs), &options, self.fuse.metrics_listen).await

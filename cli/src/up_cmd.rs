@@ -337,9 +337,10 @@ impl UpCmd {
         } else {
             self.fuse.local_tier(Some(&default_tier))?
         };
-        if let Some(tier) = &tier {
-            fs = fs.with_local_tier(tier.clone());
-        }
+        fs = match &tier {
+            Some(tier) => fs.with_local_tier(tier.clone()),
+            None => fs.with_client_plans(),
+        };
         let routes = crate::mount_cmd::start_local_tier(&fs);
         let fs = Arc::new(fs);
         let mounted = lakecache_fuse::mount(

@@ -51,6 +51,13 @@ pub struct FsConfig {
     /// Bytes a published plan's next objects are fetched ahead into the
     /// node-local tier (all plans together); 0: off.
     pub tier_plan_prefetch: u64,
+    /// Bytes of planned ranges (a plan's next samples) held in memory
+    /// ahead of the reader, all plans together; 0: none.
+    pub plan_memory: u64,
+    /// Where the socket for other processes on the node (plans, reads)
+    /// is made when the mount has no node-local tier; with a tier it is
+    /// in the tier's directory.
+    pub client_socket_dir: Option<std::path::PathBuf>,
     /// A random reader (3 jumps in one open) of an object at most this
     /// large gets it fetched whole into the node-local tier; 0: never.
     pub random_whole_max: u64,
@@ -119,6 +126,8 @@ impl FsConfig {
             write_back_prefixes: Vec::new(),
             tier_whole_prefixes: Vec::new(),
             tier_plan_prefetch: crate::tier_plans::DEFAULT_TIER_PLAN_PREFETCH,
+            plan_memory: crate::plan_ranges::DEFAULT_PLAN_MEMORY,
+            client_socket_dir: None,
             random_whole_max: 2 << 30,
             push_page_cache: true,
             dir_prefetch_window: 64 << 20,

@@ -174,6 +174,30 @@ impl Fs {
         }
     }
 
+    /// Planned ranges held in memory, where `--plan-memory` allows.
+    fn plan_ranges(&self) -> Option<Arc<crate::plan_ranges::PlanRanges>> {
+        (self.config.plan_memory > 0).then(|| {
+            crate::plan_ranges::PlanRanges::new(
+                self.data.clone(),
+                self.memory.clone(),
+                self.config.plan_memory,
+            )
+        })
+    }
+
+    /// Takes plans through a socket in `config.client_socket_dir` though
+    /// it has no node-local tier: their next ranges are held in memory.
+    pub fn with_client_plans(mut self) -> Self {
+        if self.tier.is_none() && self.config.client_socket_dir.is_some() {
+            if let Some(ranges) = self.plan_ranges() {
+                let plans =
+                    crate::tier_plans::TierPlans::new(self.data.clone(), None, 0, Some(ranges));
+                self.tier_plans = Some(plans);
+            }
+        }
+        self
+    }
+
     /// Serves reads from (and fills) a node-local tier.
     pub fn with_local_tier(mut self, tier: Arc<crate::local_tier::LocalTier>) -> Self {
         self.prefetch.set_tier(tier.clone());
@@ -181,13 +205,16 @@ impl Fs {
             crate::complete::Completer::new(self.data.clone(), tier.clone(), self.memory.clone())
                 .with_kernel_cache(self.kernel_cache.clone()),
         ));
+        // With a tier, plans fetch whole objects into it (not ranges too:
+        // the same bytes would be fetched twice).
+        self.tier_plans = None;
         if self.config.tier_plan_prefetch > 0 {
             if let Some(completer) = &self.completer {
                 let plans = crate::tier_plans::TierPlans::new(
                     self.data.clone(),
-                    tier.clone(),
-                    completer.clone(),
+                    Some((tier.clone(), completer.clone())),
                     self.config.tier_plan_prefetch,
+                    None,
                 );
                 plans.attach();
                 self.tier_plans = Some(plans);
@@ -1151,6 +1178,9 @@ impl Fs {
         match self.handle(fh).ok()? {
             Handle::Read { reader, .. } => {
                 let mut reader = reader.try_lock().ok()?;
+                if let Some(bytes) = self.planned_bytes(&reader, offset, len.into()) {
+                    return Some(bytes);
+                }
                 reader
                     .read_tier_now(offset, len.into())
                     .or_else(|| reader.read_buffered_now(offset, len.into()))
@@ -1164,10 +1194,23 @@ impl Fs {
         }
     }
 
+    /// The bytes a plan had fetched into memory for this read, if any.
+    fn planned_bytes(&self, reader: &FileReader, offset: u64, len: u64) -> Option<Bytes> {
+        let ranges = self.tier_plans.as_ref()?.ranges()?;
+        if ranges.held_bytes() == 0 || offset >= reader.size() {
+            return None;
+        }
+        let len = len.min(reader.size() - offset);
+        ranges.take(&reader.uri().to_string(), reader.etag(), offset, len)
+    }
+
     pub async fn read(&self, fh: u64, offset: u64, len: u32) -> Result<Bytes, FsError> {
         match self.handle(fh)? {
             Handle::Read { reader, ino } => {
                 let mut reader = reader.lock().await;
+                if let Some(bytes) = self.planned_bytes(&reader, offset, len.into()) {
+                    return Ok(bytes);
+                }
                 match reader.read(offset, len as u64).await {
                     // The version this handle was opened with (a listing's
                     // ETag) was replaced before any byte of it was served:

@@ -18,6 +18,7 @@ pub mod memory;
 pub mod metrics;
 pub mod mount;
 mod passthrough;
+pub mod plan_ranges;
 pub mod posix;
 pub mod read;
 pub mod resend;

@@ -21,6 +21,7 @@ pub struct MountMetrics {
     readahead_hit_bytes: Counter<u64>,
     readahead_wasted_bytes: Counter<u64>,
     dir_prefetch_files: Counter<u64>,
+    plan_ranges: Counter<u64>,
     worker_whole_fetches: Counter<u64>,
     upload_bytes: Counter<u64>,
     upload_seconds: Histogram<f64>,
@@ -108,6 +109,19 @@ impl MountMetrics {
                 "",
                 "Files fetched ahead of a reader opening a directory in order, by outcome (used: opened; wasted: dropped unopened)",
             ),
+            plan_ranges: {
+                let ranges = counter(
+                    &meter,
+                    "lakecache_fuse_plan_ranges",
+                    "",
+                    "Planned sample ranges held in memory ahead of a reader, by outcome (fetched: asked of the workers; ready: in memory; served: a read answered from memory; dropped: let go unread, or a read came while it was fetched)",
+                );
+                // Exported from the start: none yet reads as 0, not absent.
+                for outcome in ["fetched", "ready", "served", "dropped"] {
+                    ranges.add(0, &[KeyValue::new("outcome", outcome)]);
+                }
+                ranges
+            },
             worker_whole_fetches: counter(
                 &meter,
                 "lakecache_fuse_worker_whole_fetches",
@@ -338,6 +352,11 @@ impl MountMetrics {
 
     pub fn dir_prefetch(&self, outcome: &'static str) {
         self.dir_prefetch_files
+            .add(1, &[KeyValue::new("outcome", outcome)]);
+    }
+
+    pub fn plan_range(&self, outcome: &'static str) {
+        self.plan_ranges
             .add(1, &[KeyValue::new("outcome", outcome)]);
     }
 

@@ -57,11 +57,15 @@ impl TierClients {
     }
 }
 
-/// Serves the tier socket of `fs`'s node-local tier on the current
-/// runtime; `None` without a tier, or (with a warning) when the socket
-/// cannot be made.
+/// Serves the tier socket of `fs`'s node-local tier (or, without one, in
+/// `FsConfig::client_socket_dir`) on the current runtime; `None` with
+/// neither, or (with a warning) when the socket cannot be made.
 pub fn serve(fs: Arc<Fs>) -> Option<TierClients> {
-    let path = fs.local_tier()?.dir().join(TIER_SOCKET_NAME);
+    let dir = match fs.local_tier() {
+        Some(tier) => tier.dir().to_path_buf(),
+        None => fs.config().client_socket_dir.clone()?,
+    };
+    let path = dir.join(TIER_SOCKET_NAME);
     if path.as_os_str().len() > 107 {
         tracing::warn!(path = %path.display(), "the tier socket's path is too long for a Unix socket; other readers on this node cannot share the local tier");
         return None;
@@ -195,7 +199,9 @@ fn plan(
     order: Vec<(u32, u64, u64)>,
 ) -> TierAnswer {
     let Some(plans) = fs.tier_plans() else {
-        return unavailable("this mount does not prefetch by plan (--local-cache-plan-prefetch 0)");
+        return unavailable(
+            "this mount does not prefetch by plan (--local-cache-plan-prefetch 0 with a tier, --plan-memory 0 without)",
+        );
     };
     if let Err(why) = lakecache_protocol::validate_plan_name(name) {
         return error(TierErrorKind::BadRequest, why);

@@ -1,7 +1,9 @@
 //! Plans on the node-local tier (issue #35): a loader that published its
 //! rank's read order for the epoch (through the tier socket) gets the
 //! next planned objects fetched whole into this node's tier ahead of its
-//! reads, as the workers do into their caches. The lead is kept in time:
+//! reads, as the workers do into their caches. A mount without a tier
+//! holds the next planned ranges (samples) in memory instead
+//! ([`PlanRanges`]). The lead is kept in time:
 //! the reader's pace through the plan (bytes of planned entries passed
 //! per second) times [`LEAD`], within the byte budget
 //! (`--local-cache-plan-prefetch`, split among the plans held).
@@ -24,6 +26,7 @@ use tokio::sync::{Notify, Semaphore};
 use crate::complete::Completer;
 use crate::data_plane::DataPlane;
 use crate::local_tier::LocalTier;
+use crate::plan_ranges::PlanRanges;
 
 /// Default bytes fetched ahead, all plans together.
 pub const DEFAULT_TIER_PLAN_PREFETCH: u64 = 512 << 20;
@@ -88,6 +91,8 @@ struct Plan {
     renewed: Instant,
     /// Objects already asked for in this plan.
     requested: HashSet<u32>,
+    /// Positions whose range was asked for into memory (see `plan_ranges`).
+    ranged: HashSet<usize>,
     pace: Pace,
 }
 
@@ -147,6 +152,23 @@ impl Plan {
         by_pace.max(start).min(budget)
     }
 
+    /// Entries within `lead` bytes of the reader whose ranges were not
+    /// asked for yet: (object, start, end, position).
+    fn ranges_wanted(&self, lead: u64) -> Vec<(u32, u64, u64, usize)> {
+        let mut out = Vec::new();
+        let base = self.before[self.reached];
+        for p in self.reached..self.order.len() {
+            if self.before[p] - base >= lead {
+                break;
+            }
+            if !self.ranged.contains(&p) && !self.taken[p] {
+                let (object, start, end) = self.order[p];
+                out.push((object, start, end, p));
+            }
+        }
+        out
+    }
+
     /// Objects within `lead` bytes of the reader not asked for yet.
     fn wanted(&mut self, lead: u64) -> Vec<ObjectUri> {
         let mut out = Vec::new();
@@ -166,8 +188,10 @@ impl Plan {
 
 pub struct TierPlans {
     data: Arc<dyn DataPlane>,
-    tier: Arc<LocalTier>,
-    completer: Arc<Completer>,
+    /// Whole objects go here; a mount without a tier holds ranges only.
+    tier: Option<(Arc<LocalTier>, Arc<Completer>)>,
+    /// Planned ranges in the mount's memory, ahead of the reader.
+    ranges: Option<Arc<PlanRanges>>,
     budget: u64,
     plans: Mutex<HashMap<String, Plan>>,
     /// Plans held, for a check without the lock (every open asks).
@@ -178,19 +202,23 @@ pub struct TierPlans {
 }
 
 impl TierPlans {
-    /// `budget`: bytes fetched ahead, all plans together (clamped to a
-    /// quarter of the tier, so prefetch never evicts what it fetched).
+    /// `budget`: bytes fetched ahead into the tier, all plans together
+    /// (clamped to a quarter of the tier, so prefetch never evicts what
+    /// it fetched); `ranges`: where planned ranges are held in memory.
     pub fn new(
         data: Arc<dyn DataPlane>,
-        tier: Arc<LocalTier>,
-        completer: Arc<Completer>,
+        tier: Option<(Arc<LocalTier>, Arc<Completer>)>,
         budget: u64,
+        ranges: Option<Arc<PlanRanges>>,
     ) -> Arc<Self> {
-        let budget = budget.min(tier.capacity() / 4);
+        let budget = match &tier {
+            Some((tier, _)) => budget.min(tier.capacity() / 4),
+            None => 0,
+        };
         Arc::new(Self {
             data,
             tier,
-            completer,
+            ranges,
             budget,
             plans: Mutex::default(),
             held_count: AtomicUsize::new(0),
@@ -282,6 +310,7 @@ impl TierPlans {
             expires: now + Duration::from_secs(ttl_s),
             renewed: now,
             requested: HashSet::new(),
+            ranged: HashSet::new(),
             pace: Pace {
                 at: now,
                 bytes: 0,
@@ -326,8 +355,15 @@ impl TierPlans {
 
     /// Evicting by these plans from now on.
     pub fn attach(self: &Arc<Self>) {
-        let plans: Arc<dyn crate::local_tier::NextUse> = self.clone();
-        self.tier.evict_by(Arc::downgrade(&plans));
+        if let Some((tier, _)) = &self.tier {
+            let plans: Arc<dyn crate::local_tier::NextUse> = self.clone();
+            tier.evict_by(Arc::downgrade(&plans));
+        }
+    }
+
+    /// The planned ranges held in memory, if this mount holds any.
+    pub fn ranges(&self) -> Option<&Arc<PlanRanges>> {
+        self.ranges.as_ref()
     }
 
     /// Whether any plan is held (no lock): opens skip the note otherwise.
@@ -342,9 +378,20 @@ impl TierPlans {
     /// Fetches ahead of every plan's reader until the task is dropped.
     pub async fn run(self: Arc<Self>) {
         loop {
+            let fetch_ended = async {
+                match &self.ranges {
+                    Some(ranges) => ranges.fetch_ended.notified().await,
+                    None => std::future::pending().await,
+                }
+            };
             tokio::select! {
                 () = tokio::time::sleep(TICK) => {}
                 () = self.wake.notified() => {}
+                () = fetch_ended => {}
+            }
+            if let Some(ranges) = &self.ranges {
+                ranges.expire();
+                self.fetch_ranges(ranges);
             }
             for uri in self.wanted_now() {
                 let Ok(permit) = self.lookups.clone().acquire_owned().await else {
@@ -359,11 +406,34 @@ impl TierPlans {
         }
     }
 
+    /// Asks for each plan's next ranges within its share of the store, at
+    /// the reader's pace; a range the store has no room for yet is asked
+    /// for again on a later tick.
+    fn fetch_ranges(&self, ranges: &Arc<PlanRanges>) {
+        let now = Instant::now();
+        let mut plans = self.lock();
+        let share = ranges.most() / plans.len().max(1) as u64;
+        for plan in plans.values_mut() {
+            let lead = plan.lead(u64::MAX, now).min(share);
+            for (object, start, end, position) in plan.ranges_wanted(lead) {
+                // Larger entries stream with read-ahead instead.
+                let suited = end - start <= crate::plan_ranges::MAX_RANGE;
+                if suited && !ranges.fetch(&plan.objects[object as usize], start, end) {
+                    break;
+                }
+                plan.ranged.insert(position);
+            }
+        }
+    }
+
     fn wanted_now(&self) -> Vec<ObjectUri> {
         let now = Instant::now();
         let mut plans = self.lock();
         plans.retain(|_, p| p.expires > now);
         self.held_count.store(plans.len(), Ordering::Relaxed);
+        if self.tier.is_none() {
+            return Vec::new();
+        }
         let share = self.budget / plans.len().max(1) as u64;
         let mut out = Vec::new();
         for plan in plans.values_mut() {
@@ -382,7 +452,10 @@ impl TierPlans {
                 return;
             }
         };
-        let (tier, key, etag) = (self.tier.clone(), uri.to_string(), stat.etag.clone());
+        let Some((tier, completer)) = self.tier.clone() else {
+            return;
+        };
+        let (key, etag) = (uri.to_string(), stat.etag.clone());
         let made =
             tokio::task::spawn_blocking(move || tier.get_or_create(&key, &etag, stat.size)).await;
         let object = match made {
@@ -401,7 +474,7 @@ impl TierPlans {
             .fetch_add(1, Ordering::Relaxed);
         // Wanted now: fetched at once, not after the readers pause.
         object.want_now();
-        self.completer.want_whole(object, uri, stat.etag);
+        completer.want_whole(object, uri, stat.etag);
     }
 }
 

@@ -237,3 +237,94 @@ async fn a_published_plan_has_the_tier_fetch_the_next_objects_before_they_are_re
     }
     assert_eq!(plans.held(), 1);
 }
+
+/// A mount with no node-local tier takes plans through a socket in
+/// `client_socket_dir` and holds each plan's next samples in memory,
+/// within `plan_memory`: a loader's reads (open, read, release, as a map
+/// style data set does per sample) are answered from there, and every
+/// sample is fetched from the workers once.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn without_a_tier_a_plans_next_samples_are_held_in_memory_and_fetched_once() {
+    const SAMPLE: u64 = MIB as u64;
+    let plane = Arc::new(FaultyDataPlane::new(MemoryDataPlane::new()));
+    let shard = body(4 * MIB);
+    for s in 0..4 {
+        plane
+            .inner()
+            .insert("data", &format!("train/s{s}.bin"), shard.clone());
+    }
+    let dir = tempfile::tempdir().unwrap();
+    let mut config = FsConfig::new("data", "train/");
+    config.client_socket_dir = Some(dir.path().to_path_buf());
+    config.plan_memory = 3 * SAMPLE;
+    let fs = Arc::new(Fs::new(plane.clone(), config).with_client_plans());
+    assert!(fs.local_tier().is_none());
+    let _serving = tier_clients::serve(fs.clone()).expect("a socket without a tier");
+    let plans = fs.tier_plans().expect("plans without a tier").clone();
+    let runner = tokio::spawn(plans.clone().run());
+    let ranges = plans.ranges().expect("ranges in memory").clone();
+
+    // Shuffled 1 MiB samples out of four 4 MiB shards: (shard, sample).
+    let order = [
+        (2u64, 1u64),
+        (0, 3),
+        (1, 0),
+        (3, 2),
+        (2, 0),
+        (0, 0),
+        (1, 3),
+        (3, 1),
+    ];
+    let uri = |s: u64| format!("s3://data/train/s{s}.bin");
+    let entries: Vec<(lakecache_protocol::ObjectUri, std::ops::Range<u64>)> = order
+        .iter()
+        .map(|&(s, k)| (uri(s).parse().unwrap(), k * SAMPLE..(k + 1) * SAMPLE))
+        .collect();
+    let socket_dir = dir.path().to_path_buf();
+    let taken = tokio::task::spawn_blocking(move || {
+        TierChannel::connect(&socket_dir)
+            .unwrap()
+            .publish_plan("job/0", 60, &entries)
+    })
+    .await
+    .unwrap()
+    .unwrap();
+    assert_eq!(taken, order.len());
+
+    for (i, &(s, k)) in order.iter().enumerate() {
+        let deadline = Instant::now() + Duration::from_secs(20);
+        while !ranges.is_ready(&uri(s), k * SAMPLE) {
+            assert!(Instant::now() < deadline, "sample {i} was never held");
+            tokio::time::sleep(Duration::from_millis(5)).await;
+        }
+        // Never more than the bound ahead of the reader.
+        assert!(ranges.held_bytes() <= 3 * SAMPLE);
+        let served = || {
+            ranges
+                .stats
+                .served
+                .load(std::sync::atomic::Ordering::Relaxed)
+        };
+        let served_before = served();
+        let node = fs.lookup(1, &format!("s{s}.bin")).await.unwrap();
+        let (fh, _) = fs.open(node.ino, libc::O_RDONLY, 0).await.unwrap();
+        let got = fs.read(fh, k * SAMPLE, SAMPLE as u32).await.unwrap();
+        fs.release(fh).await.unwrap();
+        assert!(
+            got[..] == shard[(k * SAMPLE) as usize..((k + 1) * SAMPLE) as usize],
+            "sample {i} differs"
+        );
+        assert_eq!(
+            served(),
+            served_before + 1,
+            "sample {i} was read from the workers, not from memory"
+        );
+    }
+    // Each sample was fetched once: by the plan, none by a read.
+    let mut fetched = plane.read_ranges();
+    fetched.sort_by_key(|r| r.start);
+    assert_eq!(fetched.len(), order.len(), "fetched {fetched:?}");
+    assert!(fetched.iter().all(|r| r.end - r.start == SAMPLE));
+    assert_eq!(ranges.held_bytes(), 0);
+    runner.abort();
+}

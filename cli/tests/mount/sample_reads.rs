@@ -3,6 +3,8 @@
 
 use std::os::fd::AsRawFd;
 
+use lakecache_protocol::tier_socket::TierChannel;
+
 use super::local_tier::{worker_metric, worker_metric_baseline};
 use super::*;
 
@@ -115,5 +117,84 @@ fn samples_read_with_random_advice_reach_the_mount_as_asked() {
         sent == asked,
         "the workers sent {sent} bytes for {asked} asked\n{}",
         env.log()
+    );
+}
+
+/// A loader that publishes its plan to a mount without a node-local tier
+/// (through `--client-socket-dir`, as the Python client does) finds its
+/// next samples in the mount's memory: the reads come from the kernel as
+/// before, and the mount answers them without asking a worker, each
+/// sample fetched from the workers once.
+#[test]
+fn a_plan_sent_to_a_mount_without_a_tier_has_its_samples_read_from_memory() {
+    let mut env = Env::start(1);
+    let shard = pattern(16 << 20, 37);
+    env.put("shards/planned.bin", Bytes::from(shard.clone()));
+    let sockets = env.dir.path().join("clients");
+    let port = super::dir_prefetch::mount_with_metrics(
+        &mut env,
+        // Over HTTP, so the worker's byte count is exactly what it sent.
+        &[
+            "--client-socket-dir",
+            sockets.to_str().unwrap(),
+            "--no-local-reads",
+        ],
+    );
+    let metric = |outcome: &str| {
+        super::tier_completion::mount_metric(
+            port,
+            "lakecache_fuse_plan_ranges_total",
+            &[("outcome", outcome)],
+        )
+    };
+    let offsets = [9u64, 2, 14, 5, 11, 0, 7, 12];
+    let uri = ObjectUri::new(BUCKET, "shards/planned.bin").unwrap();
+    let entries: Vec<(ObjectUri, std::ops::Range<u64>)> = offsets
+        .iter()
+        .map(|&at| (uri.clone(), (at << 20)..((at + 1) << 20)))
+        .collect();
+    let worker_port = env.workers[0].0;
+    let served_by_worker = "lakecache_served_bytes_total";
+    let worker_before = worker_metric_baseline(worker_port, served_by_worker, "");
+    let channel = TierChannel::connect(&sockets).unwrap_or_else(|e| panic!("{e}\n{}", env.log()));
+    assert_eq!(
+        channel.publish_plan("job/0", 60, &entries).unwrap(),
+        offsets.len()
+    );
+    let file = env.mountpoint().join("shards/planned.bin");
+    for (i, &at) in offsets.iter().enumerate() {
+        // The plan's first samples are fetched before any read; later
+        // ones as the reader's opens move it on. Each read here waits
+        // until no fetch is in flight, so its sample is in memory.
+        common::wait_until(
+            "the next planned sample in memory",
+            Duration::from_secs(30),
+            Duration::from_millis(5),
+            || {
+                let fetched = metric("fetched");
+                fetched >= (i + 1) as f64 && metric("ready") >= fetched
+            },
+        );
+        let f = File::open(&file).unwrap();
+        // SAFETY: advice on a descriptor held open.
+        let rc = unsafe { libc::posix_fadvise(f.as_raw_fd(), 0, 0, libc::POSIX_FADV_RANDOM) };
+        assert_eq!(rc, 0, "posix_fadvise");
+        let mut buf = vec![0u8; 1 << 20];
+        f.read_exact_at(&mut buf, at << 20).unwrap();
+        let want = &shard[(at << 20) as usize..((at + 1) << 20) as usize];
+        assert!(buf == want, "sample at {at} MiB");
+    }
+    let (served, dropped) = (metric("served"), metric("dropped"));
+    assert!(
+        served == 8.0 && dropped == 0.0,
+        "{served} of 8 samples came from memory ({dropped} dropped)\n{}",
+        env.log()
+    );
+    // Each sample was fetched from the worker once, by the plan.
+    let sent = worker_metric(worker_port, served_by_worker, "") - worker_before;
+    let asked = (offsets.len() as u64 * (1 << 20)) as f64;
+    assert!(
+        sent == asked,
+        "the worker sent {sent} bytes for {asked} of samples"
     );
 }

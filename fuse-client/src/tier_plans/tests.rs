@@ -17,7 +17,7 @@ fn plans_on(dir: &std::path::Path, budget: u64, capacity: u64) -> Arc<TierPlans>
         tier.clone(),
         crate::memory::MemoryBudget::new(256 * MIB),
     ));
-    TierPlans::new(data, tier, completer, budget)
+    TierPlans::new(data, Some((tier, completer)), budget, None)
 }
 
 fn uri(i: usize) -> String {
@@ -155,7 +155,7 @@ fn the_tier_evicts_unplanned_objects_first_then_the_furthest_planned_one() {
     let dir = tempfile::tempdir().unwrap();
     let p = plans_on(dir.path(), 1 << 30, 30 * MIB);
     p.attach();
-    let tier = p.tier.clone();
+    let tier = p.tier.clone().expect("a tier").0;
     let add = |name: &str| drop(tier.get_or_create(name, "e", 10 * MIB).unwrap());
     let held = |name: &str| tier.contains(name, "e");
     // Read next: 3, then 1, then 0, then 2; "u" is in no plan.
@@ -196,7 +196,7 @@ proptest::proptest! {
         let dir = tempfile::tempdir().unwrap();
         let p = plans_on(dir.path(), 1 << 30, k as u64 * MIB);
         p.attach();
-        let tier = p.tier.clone();
+        let tier = p.tier.clone().expect("a tier").0;
         let objects = (0..7).map(uri).collect();
         let order = seq.iter().map(|&o| (o, 0, MIB)).collect();
         p.install("job/0", 60, objects, order, |_| true).unwrap();
