@@ -226,9 +226,10 @@ impl PlanRanges {
         let end = offset.saturating_add(len);
         let mut slots = self.lock();
         let of_object = slots.get(uri)?;
-        // Ranges of one object never overlap (one per start, and a plan's
-        // entries are refused if they overlap): the one starting at or
-        // before the read, and any starting inside it, in order.
+        // One range per start; two plans may name overlapping ones. The
+        // read looks at the last one starting at or before it and any
+        // starting inside it, in order (a range that starts before that
+        // one and runs past it is left alone, to be read or expire).
         let first = of_object.range(..=offset).next_back().map(|(s, _)| *s);
         let overlapping: Vec<u64> = first
             .into_iter()

@@ -24,6 +24,20 @@ fn read_ahead_kib(path: &Path) -> u32 {
         .unwrap()
 }
 
+/// Reads the 1 MiB sample at `at` MiB of `file` as a loader that follows
+/// the README does (a fresh open advised POSIX_FADV_RANDOM), and checks
+/// it against `shard`.
+fn read_advised_sample(file: &Path, shard: &[u8], at: u64) {
+    let f = File::open(file).unwrap();
+    // SAFETY: advice on a descriptor held open.
+    let rc = unsafe { libc::posix_fadvise(f.as_raw_fd(), 0, 0, libc::POSIX_FADV_RANDOM) };
+    assert_eq!(rc, 0, "posix_fadvise");
+    let mut buf = vec![0u8; 1 << 20];
+    f.read_exact_at(&mut buf, at << 20).unwrap();
+    let want = &shard[(at << 20) as usize..((at + 1) << 20) as usize];
+    assert!(buf == want, "sample at {at} MiB");
+}
+
 #[test]
 fn one_mib_samples_read_at_random_offsets_cost_the_workers_their_own_bytes() {
     let mut env = Env::start(1);
@@ -93,14 +107,7 @@ fn samples_read_with_random_advice_reach_the_mount_as_asked() {
     // The shard's first sample, one far off, then its second.
     let offsets = [0u64, 7, 1, 12, 4];
     for &at in &offsets {
-        let f = File::open(&file).unwrap();
-        // SAFETY: advice on a descriptor held open.
-        let rc = unsafe { libc::posix_fadvise(f.as_raw_fd(), 0, 0, libc::POSIX_FADV_RANDOM) };
-        assert_eq!(rc, 0, "posix_fadvise");
-        let mut buf = vec![0u8; 1 << 20];
-        f.read_exact_at(&mut buf, at << 20).unwrap();
-        let want = &shard[(at << 20) as usize..((at + 1) << 20) as usize];
-        assert!(buf == want, "sample at {at} MiB");
+        read_advised_sample(&file, &shard, at);
     }
     let read = super::tier_completion::mount_metric(port, metric, &[]) - before;
     let asked = (offsets.len() as f64) * (1u64 << 20) as f64;
@@ -175,14 +182,7 @@ fn a_plan_sent_to_a_mount_without_a_tier_has_its_samples_read_from_memory() {
                 fetched >= (i + 1) as f64 && metric("ready") >= fetched
             },
         );
-        let f = File::open(&file).unwrap();
-        // SAFETY: advice on a descriptor held open.
-        let rc = unsafe { libc::posix_fadvise(f.as_raw_fd(), 0, 0, libc::POSIX_FADV_RANDOM) };
-        assert_eq!(rc, 0, "posix_fadvise");
-        let mut buf = vec![0u8; 1 << 20];
-        f.read_exact_at(&mut buf, at << 20).unwrap();
-        let want = &shard[(at << 20) as usize..((at + 1) << 20) as usize];
-        assert!(buf == want, "sample at {at} MiB");
+        read_advised_sample(&file, &shard, at);
     }
     let (served, dropped) = (metric("served"), metric("dropped"));
     assert!(
