@@ -77,7 +77,14 @@ pub fn serve(fs: Arc<Fs>) -> Option<TierClients> {
             return None;
         }
     };
-    tracing::info!(path = %path.display(), "tier socket: other readers on this node share the local tier");
+    match fs.local_tier() {
+        Some(_) => {
+            tracing::info!(path = %path.display(), "tier socket: other readers on this node share the local tier")
+        }
+        None => {
+            tracing::info!(path = %path.display(), plan_memory = fs.config().plan_memory, "client socket: other processes on this node send plans here, and the mount holds their next samples in memory")
+        }
+    }
     let plans = fs.tier_plans().map(|p| tokio::spawn(p.clone().run()));
     let task = tokio::spawn(accept(listener, fs));
     Some(TierClients { task, plans, path })
