@@ -173,9 +173,7 @@ impl PlanRanges {
                 }
                 None => {
                     tracing::debug!(%uri, start, end, "planned range not prefetched");
-                    this.remove(&mut slots, &key, start);
-                    this.stats.dropped.fetch_add(1, Ordering::Relaxed);
-                    crate::metrics::global().plan_range("dropped");
+                    this.drop_unread(&mut slots, &key, start);
                 }
             }
         });
@@ -200,6 +198,13 @@ impl PlanRanges {
         }
         versions.insert(key, (stat.etag.clone(), Instant::now()));
         Some(stat.etag)
+    }
+
+    /// Lets go of a range nobody will read from here, and counts it.
+    fn drop_unread(&self, slots: &mut HashMap<String, BTreeMap<u64, Slot>>, key: &str, start: u64) {
+        self.remove(slots, key, start);
+        self.stats.dropped.fetch_add(1, Ordering::Relaxed);
+        crate::metrics::global().plan_range("dropped");
     }
 
     fn remove(&self, slots: &mut HashMap<String, BTreeMap<u64, Slot>>, key: &str, start: u64) {
@@ -230,25 +235,21 @@ impl PlanRanges {
         // read looks at the last one starting at or before it and any
         // starting inside it, in order (a range that starts before that
         // one and runs past it is left alone, to be read or expire).
-        let first = of_object.range(..=offset).next_back().map(|(s, _)| *s);
-        let overlapping: Vec<u64> = first
+        let overlapping: Vec<(u64, u64)> = of_object
+            .range(..=offset)
+            .next_back()
             .into_iter()
-            .chain(
-                of_object
-                    .range(offset.saturating_add(1)..end)
-                    .map(|(s, _)| *s),
-            )
-            .filter(|s| of_object[s].end > offset)
+            .chain(of_object.range(offset.saturating_add(1)..end))
+            .map(|(start, slot)| (*start, slot.end))
+            .filter(|&(_, slot_end)| slot_end > offset)
             .collect();
         if overlapping.is_empty() {
             return None;
         }
         let pieces = Self::covering(of_object, &overlapping, etag, offset..end);
         let Some(pieces) = pieces else {
-            for start in overlapping {
-                self.remove(&mut slots, uri, start);
-                self.stats.dropped.fetch_add(1, Ordering::Relaxed);
-                crate::metrics::global().plan_range("dropped");
+            for (start, _) in overlapping {
+                self.drop_unread(&mut slots, uri, start);
             }
             return None;
         };
@@ -262,8 +263,8 @@ impl PlanRanges {
                 joined.freeze()
             }
         };
-        for start in overlapping {
-            if of_object_end(&slots, uri, start).is_some_and(|e| e <= end) {
+        for (start, slot_end) in overlapping {
+            if slot_end <= end {
                 self.remove(&mut slots, uri, start);
             }
         }
@@ -273,23 +274,22 @@ impl PlanRanges {
         Some(out)
     }
 
-    /// The pieces of `want` that the held ranges starting at `starts`
+    /// The pieces of `want` that the held ranges `ranges` (start, end)
     /// hold at version `etag`, when they cover all of it without a gap.
     fn covering(
         of_object: &BTreeMap<u64, Slot>,
-        starts: &[u64],
+        ranges: &[(u64, u64)],
         etag: &str,
         want: std::ops::Range<u64>,
     ) -> Option<Vec<Bytes>> {
         let mut at = want.start;
-        let mut pieces = Vec::with_capacity(starts.len());
-        for start in starts {
-            let slot = &of_object[start];
-            let (held_etag, bytes) = slot.held.as_ref()?;
+        let mut pieces = Vec::with_capacity(ranges.len());
+        for (start, slot_end) in ranges {
+            let (held_etag, bytes) = of_object[start].held.as_ref()?;
             if held_etag != etag || *start > at {
                 return None;
             }
-            let upto = slot.end.min(want.end);
+            let upto = (*slot_end).min(want.end);
             pieces.push(bytes.slice((at - start) as usize..(upto - start) as usize));
             at = upto;
         }
@@ -308,20 +308,9 @@ impl PlanRanges {
             })
             .collect();
         for (key, start) in old {
-            self.remove(&mut slots, &key, start);
-            self.stats.dropped.fetch_add(1, Ordering::Relaxed);
-            crate::metrics::global().plan_range("dropped");
+            self.drop_unread(&mut slots, &key, start);
         }
     }
-}
-
-/// The end of `uri`'s range from `start`, if it is held.
-fn of_object_end(
-    slots: &HashMap<String, BTreeMap<u64, Slot>>,
-    uri: &str,
-    start: u64,
-) -> Option<u64> {
-    slots.get(uri)?.get(&start).map(|s| s.end)
 }
 
 #[cfg(test)]
